@@ -1,0 +1,248 @@
+"""Multi-head causal self-attention, with the heads as a batch dimension.
+
+Notation used in every shape comment of this file:
+    B = batch, T = query positions, S = key positions (T, or more when a KV cache holds the past),
+    C = model width (d_model), H = heads, d = C // H = head width.
+
+`MultiHeadSelfAttention` keeps two paths that compute the same numbers:
+  * explicit: scores = q @ k^T / sqrt(d), mask, softmax, dropout, weights @ v  (you can see it all)
+  * fused:    torch.nn.functional.scaled_dot_product_attention                  (fast kernels)
+`PerHeadSelfAttention` is the textbook "one module per head, then concatenate" form; it exists so
+tests can prove that treating heads as a batch dimension changes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from glassgpt.errors import ConfigError, InputError
+
+ATTENTION_IMPLS = ("fused", "explicit")
+
+
+def check_heads_divide_width(d_model: int, n_heads: int) -> int:
+    """Return the head width d = d_model // n_heads, or raise if the heads do not split C evenly."""
+    if d_model <= 0 or n_heads <= 0:
+        raise ConfigError(f"d_model and n_heads must be positive, got d_model={d_model}, "
+                          f"n_heads={n_heads}")
+    if d_model % n_heads != 0:
+        raise ConfigError(f"d_model={d_model} is not divisible by n_heads={n_heads}: each head "
+                          f"needs an equal slice of the width")
+    return d_model // n_heads
+
+
+class KVCache(nn.Module):
+    """Preallocated keys and values of the positions decoded so far.
+
+    The buffers are allocated once at their largest size; `update` writes the new positions in place
+    and returns views of everything up to the newest one, so decoding allocates nothing per step.
+    """
+
+    def __init__(self, batch_size: int, n_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        super().__init__()
+        shape = (batch_size, n_heads, max_len, head_dim)
+        # Not persistent: a cache is scratch space, never part of a checkpoint.
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def update(self, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v (B, H, T, d) at start_pos.. and return all keys and values (B, H, S, d)."""
+        end = start_pos + k.shape[2]
+        if end > self.max_len:
+            raise InputError(f"KV cache holds {self.max_len} positions, asked to write up to {end}")
+        self.k[:, :, start_pos:end] = k
+        self.v[:, :, start_pos:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+def build_attention_mask(q_len: int, k_len: int, causal: bool, pad_mask: Tensor | None,
+                         device: torch.device) -> Tensor | None:
+    """Boolean mask (B or 1, 1, T, S), True where a query may attend to a key; None if all may.
+
+    Queries are the last `q_len` of `k_len` positions (a KV cache holds the earlier ones), so with
+    `causal` query i sits at absolute position k_len - q_len + i and sees keys up to there.
+    `pad_mask` is (B, S) with True on padding keys, the `key_padding_mask` convention.
+    """
+    mask = None
+    if causal and q_len > 1:
+        offset = k_len - q_len
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=offset)
+        mask = mask.view(1, 1, q_len, k_len)
+    if pad_mask is not None:
+        if pad_mask.shape[-1] != k_len:
+            raise InputError(f"pad_mask covers {pad_mask.shape[-1]} positions, keys are {k_len}")
+        keep = ~pad_mask.bool().view(pad_mask.shape[0], 1, 1, k_len)  # (B, 1, 1, S)
+        mask = keep if mask is None else mask & keep
+    return mask
+
+
+def _open_empty_rows(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Let fully masked query rows attend everywhere, and return which rows those were.
+
+    A softmax over nothing but -inf is NaN (forward and backward). Such a row (a padding query that
+    sees only padding) has no meaningful output, so it attends to everything and is zeroed after.
+    """
+    empty_rows = ~mask.any(dim=-1, keepdim=True)  # (B, 1, T, 1)
+    return mask | empty_rows, empty_rows
+
+
+def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                       dropout: nn.Module) -> tuple[Tensor, Tensor]:
+    """softmax(q k^T / sqrt(d)) v, written out. Returns (output (B,H,T,d), weights (B,H,T,S)).
+
+    The weights returned are the ones multiplied into v, so after dropout when it is active.
+    """
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, T, S)
+    empty_rows = None
+    if mask is not None:
+        mask, empty_rows = _open_empty_rows(mask)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    if empty_rows is not None:
+        weights = weights.masked_fill(empty_rows, 0.0)
+    weights = dropout(weights)
+    return weights @ v, weights  # (B, H, T, d), (B, H, T, S)
+
+
+def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
+                    dropout_p: float) -> Tensor:
+    """The same computation through PyTorch's fused kernel. Returns (B, H, T, d)."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal)
+    mask, empty_rows = _open_empty_rows(mask)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    return y.masked_fill(empty_rows, 0.0)
+
+
+class MultiHeadSelfAttention(nn.Module):
+    """Multi-head self-attention: one `qkv` projection, heads as a batch dimension, one `proj`.
+
+    `qkv` is Linear(C, 3C) producing Q, K, V in that order along the last axis, and `proj` is
+    W_O; both copy 1:1 into `nn.MultiheadAttention` (`in_proj_*`, `out_proj`).
+    `impl="fused"` uses scaled_dot_product_attention; the explicit path runs instead whenever
+    attention weights are asked for (`return_attn=True`) or with `impl="explicit"`.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, causal: bool = True, dropout: float = 0.0,
+                 bias: bool = True, impl: str = "fused"):
+        super().__init__()
+        self.head_dim = check_heads_divide_width(d_model, n_heads)
+        if impl not in ATTENTION_IMPLS:
+            raise ConfigError(f"unknown attention impl {impl!r}; choose one of {ATTENTION_IMPLS}")
+        if not 0.0 <= dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {dropout}")
+        self.d_model, self.n_heads, self.causal, self.impl = d_model, n_heads, causal, impl
+        self.dropout_p = dropout
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.proj = nn.Linear(d_model, d_model, bias=bias)
+        self.attn_dropout = nn.Dropout(dropout)  # on the attention weights
+        self.resid_dropout = nn.Dropout(dropout)  # on the output, before it joins the residual
+        self.kv_cache: KVCache | None = None
+
+    def split_heads(self, x: Tensor) -> Tensor:
+        """(B, T, C) -> (B, H, T, d): each head becomes a batch entry of its own."""
+        B, T, _ = x.shape
+        return x.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: Tensor, pad_mask: Tensor | None = None, return_attn: bool = False,
+                start_pos: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """x (B, T, C) -> y (B, T, C), plus weights (B, H, T, S) when `return_attn`.
+
+        `start_pos` (with a KV cache set up) means x holds positions start_pos.. of a sequence
+        whose earlier keys and values are already cached.
+        """
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
+        q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)  # 3 x (B, H, T, d)
+        if start_pos is not None:
+            if self.kv_cache is None:
+                raise InputError("start_pos given but no KV cache is set up on this module")
+            k, v = self.kv_cache.update(start_pos, k, v)  # 2 x (B, H, S, d)
+        S = k.shape[2]
+
+        if return_attn or self.impl == "explicit":
+            mask = build_attention_mask(T, S, self.causal, pad_mask, x.device)
+            y, weights = explicit_attention(q, k, v, mask, self.attn_dropout)
+        else:
+            weights = None
+            dropout_p = self.dropout_p if self.training else 0.0  # never drop at eval time
+            # With no padding and T == S, is_causal=True lets SDPA pick its flash kernel.
+            plain_causal = self.causal and pad_mask is None and T == S
+            mask = None if plain_causal else build_attention_mask(T, S, self.causal, pad_mask,
+                                                                  x.device)
+            y = fused_attention(q, k, v, mask, plain_causal and T > 1, dropout_p)
+
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, H, T, d) -> (B, T, C)
+        y = self.resid_dropout(self.proj(y))
+        return (y, weights) if return_attn else y
+
+
+class AttentionHead(nn.Module):
+    """One head on its own: its own Q, K, V projections to width d. Reference only."""
+
+    def __init__(self, d_model: int, head_dim: int, bias: bool = True):
+        super().__init__()
+        self.query = nn.Linear(d_model, head_dim, bias=bias)
+        self.key = nn.Linear(d_model, head_dim, bias=bias)
+        self.value = nn.Linear(d_model, head_dim, bias=bias)
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        """x (B, T, C) -> (output (B, T, d), weights (B, T, T))."""
+        q, k, v = self.query(x), self.key(x), self.value(x)  # 3 x (B, T, d)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, T, T)
+        if mask is not None:
+            mask, empty_rows = _open_empty_rows(mask)
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
+        if mask is not None:
+            weights = weights.masked_fill(empty_rows, 0.0)
+        return weights @ v, weights
+
+
+class PerHeadSelfAttention(nn.Module):
+    """The "ModuleList of heads, then concatenate" form of multi-head attention (no dropout).
+
+    Slow and plain on purpose: it is the reference that `MultiHeadSelfAttention` is checked against.
+    Build it from a `MultiHeadSelfAttention` with `from_parallel` to share the same weights.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, causal: bool = True, bias: bool = True):
+        super().__init__()
+        head_dim = check_heads_divide_width(d_model, n_heads)
+        self.causal = causal
+        self.heads = nn.ModuleList(AttentionHead(d_model, head_dim, bias) for _ in range(n_heads))
+        self.proj = nn.Linear(d_model, d_model, bias=bias)
+
+    @classmethod
+    def from_parallel(cls, attn: MultiHeadSelfAttention) -> PerHeadSelfAttention:
+        """A per-head module holding exactly the weights of `attn`, sliced head by head."""
+        bias = attn.qkv.bias is not None
+        ref = cls(attn.d_model, attn.n_heads, attn.causal, bias).to(attn.qkv.weight)
+        C, d = attn.d_model, attn.head_dim
+        with torch.no_grad():
+            for h, head in enumerate(ref.heads):
+                rows = slice(h * d, (h + 1) * d)
+                for i, linear in enumerate((head.query, head.key, head.value)):
+                    linear.weight.copy_(attn.qkv.weight[i * C:(i + 1) * C][rows])
+                    if bias:
+                        linear.bias.copy_(attn.qkv.bias[i * C:(i + 1) * C][rows])
+            ref.proj.load_state_dict(attn.proj.state_dict())
+        return ref
+
+    def forward(self, x: Tensor, pad_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """x (B, T, C) -> (y (B, T, C), weights (B, H, T, T))."""
+        T = x.shape[1]
+        mask = build_attention_mask(T, T, self.causal, pad_mask, x.device)
+        mask = None if mask is None else mask[:, 0]  # (B or 1, T, T): one head at a time
+        outputs, weights = zip(*(head(x, mask) for head in self.heads), strict=True)
+        y = torch.cat(outputs, dim=-1)  # H x (B, T, d) -> (B, T, C)
+        return self.proj(y), torch.stack(weights, dim=1)  # (B, T, C), (B, H, T, T)

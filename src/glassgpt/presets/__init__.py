@@ -1,0 +1,1 @@
+"""Shipped presets: one TOML file each, with [model] and [train] tables."""
