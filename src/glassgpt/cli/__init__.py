@@ -16,7 +16,7 @@ from glassgpt import __version__
 from glassgpt.errors import GlassGPTError
 
 # Modules under glassgpt.cli that each add a group of subcommands.
-COMMAND_MODULES: list[str] = []
+COMMAND_MODULES: list[str] = ["runs", "demos", "benchmark", "convert"]
 
 
 class CommandLineError(GlassGPTError):

@@ -1,0 +1,5 @@
+"""Placeholder: the owner of this command group replaces it."""
+
+
+def register(subparsers) -> None:
+    pass

@@ -1,0 +1,38 @@
+"""Fixtures shared by every test module. Tests are offline, seeded and fast."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import matplotlib
+import pytest
+import torch
+
+matplotlib.use("Agg")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_SHAKESPEARE = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything() -> None:
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def shakespeare_path() -> Path:
+    """The Tiny Shakespeare copy for tests: $GLASSGPT_TINYSHAKESPEARE or ../shared/data."""
+    path = Path(os.environ.get("GLASSGPT_TINYSHAKESPEARE", SHARED_SHAKESPEARE))
+    if not path.is_file():
+        pytest.fail(f"Tiny Shakespeare not found at {path}; set GLASSGPT_TINYSHAKESPEARE")
+    return path
+
+
+@pytest.fixture()
+def small_text(tmp_path: Path) -> Path:
+    """A short UTF-8 text file (a few KB) that a test may train a tiny model on."""
+    lines = [f"To be or not to be, line {i}: that is the question.\n" for i in range(200)]
+    path = tmp_path / "small.txt"
+    path.write_text("".join(lines), encoding="utf-8")
+    return path
