@@ -1,5 +1,108 @@
-"""Placeholder: the owner of this command group replaces it."""
+"""`glassgpt convert`: Hugging Face GPT-2 weights into a run directory, and back out.
+
+    glassgpt convert --from-hf NAME_OR_DIR --out RUN_DIR   # hub name (e.g. gpt2) or local dir
+    glassgpt convert RUN_DIR --to-hf OUT_DIR               # a save_pretrained directory
+
+Needs the optional extra `hf` (transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from glassgpt import interop
+from glassgpt.checkpoint import load_model, save_model
+from glassgpt.cli import CommandLineError
+from glassgpt.errors import CheckpointError
+from glassgpt.tokenizers import END_OF_TEXT, BPETokenizer, Tokenizer, load_tokenizer
 
 
-def register(subparsers) -> None:
-    pass
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "convert", help="import or export Hugging Face GPT-2 weights",
+        description="Import a Hugging Face GPT-2 (hub name or save_pretrained directory) into a "
+                    "run directory, or export a run to a save_pretrained directory. Needs "
+                    f"{interop.INSTALL_HINT}.")
+    parser.add_argument("run_dir", nargs="?", metavar="RUN_DIR",
+                        help="run directory to export (with --to-hf)")
+    parser.add_argument("--from-hf", metavar="NAME_OR_DIR",
+                        help="hub model name (e.g. gpt2) or a save_pretrained directory")
+    parser.add_argument("--out", metavar="RUN_DIR", help="new run directory for --from-hf")
+    parser.add_argument("--to-hf", metavar="OUT_DIR", help="new save_pretrained directory")
+    parser.add_argument("--tokenizer", metavar="FILE",
+                        help="tokenizer file for --from-hf when the model comes without one "
+                             "(a tokenizer.json or a glassgpt tokenizer)")
+    parser.add_argument("--dropout", type=float, default=None,
+                        help="dropout of the imported model (default: the model's own)")
+    parser.set_defaults(handler=run_convert)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    _hide_hf_progress_bars()
+    importing = args.from_hf is not None or args.out is not None
+    exporting = args.run_dir is not None or args.to_hf is not None
+    if importing == exporting:
+        raise CommandLineError("convert: give either --from-hf NAME_OR_DIR --out RUN_DIR, or "
+                               "RUN_DIR --to-hf OUT_DIR")
+    if importing:
+        if args.from_hf is None or args.out is None:
+            raise CommandLineError("convert: --from-hf and --out go together")
+        return import_from_hf(args.from_hf, Path(args.out), args.tokenizer, args.dropout)
+    if args.run_dir is None or args.to_hf is None:
+        raise CommandLineError("convert: RUN_DIR and --to-hf go together")
+    if args.tokenizer is not None or args.dropout is not None:
+        raise CommandLineError("convert: --tokenizer and --dropout apply to --from-hf only")
+    return export_to_hf(Path(args.run_dir), Path(args.to_hf))
+
+
+def _hide_hf_progress_bars() -> None:
+    """transformers draws bars for copies that take milliseconds; one summary line is enough."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return  # interop raises the install hint when it needs transformers
+    hf_logging.disable_progress_bar()
+
+
+def import_from_hf(source: str, out: Path, tokenizer_file: str | None,
+                   dropout: float | None) -> int:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out} already exists and is not empty; choose a new run "
+                              f"directory so no run is overwritten")
+    # Runs train in float32 whatever precision the weights were published in.
+    model = interop.from_hf(source, dropout=dropout).float()
+    tokenizer = _source_tokenizer(source, tokenizer_file)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise CheckpointError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the "
+                              f"model's vocab_size={model.config.vocab_size}")
+    save_model(out, model, tokenizer, extra={"converted_from": source})
+    c = model.config
+    print(f"wrote {out}: {c.n_layer} layers, {c.n_head} heads, width {c.n_embd}, context "
+          f"{c.block_size}, vocabulary {c.vocab_size} ({tokenizer.kind} tokenizer of "
+          f"{tokenizer.vocab_size} tokens)")
+    return 0
+
+
+def _source_tokenizer(source: str, tokenizer_file: str | None) -> Tokenizer:
+    if tokenizer_file is not None:
+        return load_tokenizer(tokenizer_file)
+    hf_tokenizer = interop.load_hf_tokenizer(source)
+    if hf_tokenizer is None:
+        raise CheckpointError(f"{source} has no tokenizer (tokenizer.json, or vocab.json and "
+                              f"merges.txt); pass one with --tokenizer FILE")
+    return BPETokenizer(hf_tokenizer)
+
+
+def export_to_hf(run_dir: Path, out: Path) -> int:
+    model, tokenizer = load_model(run_dir)
+    if isinstance(tokenizer, BPETokenizer):
+        interop.save_hf(model, out, tokenizer=tokenizer.tokenizer, eos_token=END_OF_TEXT)
+        print(f"wrote {out}: model and tokenizer (load with "
+              f"transformers.AutoModelForCausalLM / AutoTokenizer.from_pretrained)")
+    else:
+        interop.save_hf(model, out)
+        print(f"wrote {out}: model only; its {tokenizer.kind} tokenizer has no Hugging Face "
+              f"equivalent, encode text with `glassgpt.tokenizers.load_tokenizer("
+              f"'{run_dir / 'tokenizer.json'}')`")
+    return 0

@@ -1,5 +1,158 @@
-"""Placeholder: the owner of this command group replaces it."""
+"""`glassgpt demo NAME` (the experiments) and `glassgpt attention RUN_DIR` (attention maps).
+
+The experiments live in `glassgpt.experiments` and return numbers; this module only parses flags,
+renders the tables with rich and writes `--json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table as RichTable
+
+from glassgpt.atomic import write_text_atomic
+from glassgpt.experiments import EXPERIMENTS, ExperimentResult, Table, run_experiment
+
+SHAPES_FLAGS = {"batch_size": "--batch-size", "seq_len": "--seq-len", "d_model": "--d-model",
+                "n_heads": "--n-heads"}
 
 
-def register(subparsers) -> None:
-    pass
+def register(subparsers: argparse._SubParsersAction) -> None:
+    add_demo_command(subparsers)
+    add_attention_command(subparsers)
+
+
+def add_demo_command(subparsers: argparse._SubParsersAction) -> None:
+    listing = "; ".join(f"{name}: {what}" for name, what in EXPERIMENTS.items())
+    demo = subparsers.add_parser(
+        "demo", help="run one of the 'seeing inside' experiments (or all)",
+        description=f"Run an experiment, print its table, save its pictures. {listing}.")
+    demo.add_argument("name", choices=[*EXPERIMENTS, "all"], metavar="NAME",
+                      help=f"one of {', '.join(EXPERIMENTS)}, or all")
+    demo.add_argument("--out", type=Path, default=Path("demo_out"),
+                      help="folder for the pictures (default: demo_out)")
+    demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    demo.add_argument("--quick", action="store_true",
+                      help="the reduced size the tests use (seconds instead of a minute)")
+    demo.add_argument("--json", type=Path, metavar="FILE", help="also write the numbers as JSON")
+    shapes = demo.add_argument_group("shapes only")
+    shapes.add_argument("--batch-size", type=int, help="B (default 2)")
+    shapes.add_argument("--seq-len", type=int, help="T (default 5)")
+    shapes.add_argument("--d-model", type=int, help="C (default 16)")
+    shapes.add_argument("--n-heads", type=int, help="H (default 4)")
+    demo.set_defaults(handler=run_demo)
+
+
+def add_attention_command(subparsers: argparse._SubParsersAction) -> None:
+    attention = subparsers.add_parser(
+        "attention", help="draw the attention maps of a trained run for a prompt",
+        description="Draw every layer's and head's attention weights for a prompt as a grid "
+                    "(queries down, keys across, token labels on the axes).")
+    attention.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a trained run")
+    attention.add_argument("--prompt", required=True, help="the text to look at")
+    attention.add_argument("--layer", type=int, help="draw only this layer (0-based)")
+    attention.add_argument("--head", type=int, help="draw only this head (0-based)")
+    attention.add_argument("--out", type=Path, required=True, metavar="FILE.png",
+                           help="where to write the picture")
+    attention.set_defaults(handler=run_attention)
+
+
+# --- demo ----------------------------------------------------------------------------------
+
+def shapes_options(args: argparse.Namespace) -> dict[str, int]:
+    """The --batch-size/--seq-len/--d-model/--n-heads values given, which only `shapes` takes."""
+    from glassgpt.cli import CommandLineError
+
+    given = {key: getattr(args, key) for key in SHAPES_FLAGS if getattr(args, key) is not None}
+    if given and args.name != "shapes":
+        flags = ", ".join(SHAPES_FLAGS[key] for key in given)
+        raise CommandLineError(f"{flags} only apply to `glassgpt demo shapes`")
+    return given
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    options = shapes_options(args)
+    names = list(EXPERIMENTS) if args.name == "all" else [args.name]
+    console = Console()
+    results = {}
+    for name in names:
+        started = time.perf_counter()
+        with console.status(f"running {name} ..."):
+            result = run_experiment(name, args.out, seed=args.seed, quick=args.quick, **options)
+        results[name] = result
+        print_result(console, result, time.perf_counter() - started)
+    if args.json is not None:
+        write_json(args.json, results, args.seed, args.quick)
+        console.print(f"numbers written to {args.json}")
+    failed = [name for name, result in results.items() if not result.all_checks_hold]
+    if failed:
+        console.print(f"[red]expected outcome not shown by: {', '.join(failed)}[/red]")
+        return 1
+    return 0
+
+
+def print_result(console: Console, result: ExperimentResult, seconds: float) -> None:
+    console.rule(f"[bold]{result.name}[/bold]: {result.summary}")
+    for table in result.tables:
+        console.print(rich_table(table))
+    for check in result.checks:
+        mark = "[green]✓[/green]" if check.holds else "[red]✗[/red]"
+        console.print(f"{mark} {check.claim}")
+    for picture in result.pictures:
+        console.print(f"picture: {picture}")
+    console.print(f"[dim]{result.name} took {seconds:.1f} s[/dim]\n")
+
+
+def rich_table(table: Table) -> RichTable:
+    out = RichTable(title=table.title, title_justify="left")
+    for column in table.columns:
+        out.add_column(column, overflow="fold")
+    for row in table.rows:
+        out.add_row(*(format_value(value, table.formats.get(column))
+                      for column, value in zip(table.columns, row, strict=True)))
+    return out
+
+
+def format_value(value: Any, spec: str | None = None) -> str:
+    """A table cell as text: the column's format if it has one, else a default per type."""
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if spec is not None:
+        return format(value, spec)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if value == 0.0:
+            return "0"
+        return f"{value:.1e}" if abs(value) < 1e-3 or abs(value) >= 1e6 else f"{value:.3f}"
+    return str(value)
+
+
+def write_json(path: Path, results: dict[str, ExperimentResult], seed: int, quick: bool) -> None:
+    payload = {"seed": seed, "quick": quick,
+               "experiments": {name: result.to_dict() for name, result in results.items()}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(payload, indent=2) + "\n")
+
+
+# --- attention -----------------------------------------------------------------------------
+
+def run_attention(args: argparse.Namespace) -> int:
+    from glassgpt.checkpoint import load_model
+    from glassgpt.experiments.attention_maps import draw_attention_grid, prompt_attention
+
+    model, tokenizer = load_model(args.run_dir)
+    weights, labels = prompt_attention(model, tokenizer, args.prompt)  # (L, H, T, T)
+    title = f"{args.run_dir.name}: attention for {args.prompt!r}"
+    path = draw_attention_grid(weights, labels, args.out, layer=args.layer, head=args.head,
+                               title=title if len(title) <= 80 else title[:79] + "…")
+    L, H, T = weights.shape[:3]
+    print(f"attention maps of {L} layers x {H} heads over {T} tokens written to {path}")
+    return 0

@@ -1,5 +1,428 @@
-"""Placeholder: the owner of this command group replaces it."""
+"""`glassgpt prepare | train | sample | eval`: train on a text and sample from the run.
+
+Every model and training setting gets a typed `--kebab-case` flag generated from the fields of
+`GPTConfig` and `TrainConfig`, so the command line can never fall behind the dataclasses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from glassgpt import checkpoint as ckpt
+from glassgpt import distributed as ddp
+from glassgpt.config import GPTConfig, preset_names
+from glassgpt.data import (
+    META_FILE,
+    PreparedData,
+    cache_dir,
+    prepare,
+    sequential_batches,
+    sha256_of,
+    tinyshakespeare_path,
+)
+from glassgpt.errors import CheckpointError, ConfigError, DataError
+from glassgpt.model import GPT
+from glassgpt.tokenizers import TOKENIZER_KINDS, Tokenizer
+from glassgpt.train import (
+    RichReporter,
+    TrainConfig,
+    Trainer,
+    TrainResult,
+    build_model,
+    resolve_configs,
+    resolve_device,
+)
+
+FLAG_TYPES = {"int": int, "float": float, "str": str}
+DATA_DECIDES = ("vocab_size",)  # set by the tokenizer of the data, never by a flag
+RUN_FILES = (ckpt.CONFIG_FILE, ckpt.MODEL_FILE, ckpt.TOKENIZER_FILE, ckpt.STATE_JSON_FILE,
+             ckpt.STATE_TENSORS_FILE, ckpt.METRICS_FILE, ckpt.PLOT_FILE)
+INTERRUPTED_EXIT_CODE = 130
+DEFAULT_PROMPT = "\n"
 
 
-def register(subparsers) -> None:
-    pass
+def register(subparsers: argparse._SubParsersAction) -> None:
+    _register_prepare(subparsers)
+    _register_train(subparsers)
+    _register_sample(subparsers)
+    _register_eval(subparsers)
+
+
+# --- prepare -------------------------------------------------------------------------------
+
+def _register_prepare(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("prepare", help="tokenize a text into a data directory",
+                              description="Tokenize a UTF-8 text (default: Tiny Shakespeare) "
+                              "into train/val token ids, a tokenizer and metadata.")
+    p.add_argument("--text", type=Path, help="UTF-8 text file (default: Tiny Shakespeare)")
+    p.add_argument("--tokenizer", choices=TOKENIZER_KINDS, default="char")
+    p.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size")
+    p.add_argument("--tokenizer-file", type=Path,
+                   help="reuse this tokenizer JSON (e.g. a run's, to fine-tune it)")
+    p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--out", type=Path, required=True, help="data directory to write")
+    p.set_defaults(handler=run_prepare)
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    meta = prepare(args.out, args.text, args.tokenizer, args.vocab_size, args.val_fraction,
+                   args.tokenizer_file)
+    print(f"prepared {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens "
+          f"({meta['tokenizer']} tokenizer, vocab {meta['vocab_size']}) in {args.out}")
+    return 0
+
+
+# --- train ---------------------------------------------------------------------------------
+
+def _register_train(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("train", help="train a GPT on a prepared data directory",
+                              description="Train a GPT. Settings come from the preset, then "
+                              "--config FILE.toml, then flags. Without --data it trains on "
+                              "Tiny Shakespeare with a preset that fits the device.")
+    p.add_argument("--data", type=Path, help="prepared data directory (default: Tiny "
+                   "Shakespeare, prepared into the cache)")
+    p.add_argument("--out", type=Path, help="run directory (default: a new runs/<time>)")
+    p.add_argument("--preset", choices=preset_names(),
+                   help="model + recipe (default: cpu-small on a CPU, shakespeare-char on CUDA)")
+    p.add_argument("--config", type=Path, help="TOML file with [model] and [train] tables")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out up to --max-iters iterations in total")
+    p.add_argument("--force", action="store_true", help="overwrite an existing run in --out")
+    p.add_argument("--init-from", type=Path,
+                   help="start from the weights of this run directory (fine-tuning)")
+    _add_dataclass_flags(p.add_argument_group("model settings"), GPTConfig, "model",
+                         skip=DATA_DECIDES)
+    _add_dataclass_flags(p.add_argument_group("training settings"), TrainConfig, "train")
+    p.set_defaults(handler=run_train)
+
+
+def _add_dataclass_flags(group: argparse._ArgumentGroup, cls: type, prefix: str,
+                         skip: tuple[str, ...] = ()) -> None:
+    """A `--field-name` flag per dataclass field, typed from its annotation; unset is None."""
+    defaults = cls() if cls is TrainConfig else None
+    for field in dataclasses.fields(cls):
+        if field.name in skip:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        default = f" (default {getattr(defaults, field.name)})" if defaults else ""
+        if field.type == "bool":
+            group.add_argument(flag, dest=f"{prefix}_{field.name}",
+                               action=argparse.BooleanOptionalAction, default=None,
+                               help=f"{field.name}{default}")
+        else:
+            group.add_argument(flag, dest=f"{prefix}_{field.name}",
+                               type=FLAG_TYPES[field.type], default=None,
+                               metavar=field.type.upper(), help=f"{field.name}{default}")
+
+
+def _flags(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
+    """The settings given on the command line, e.g. {'max_iters': 100}."""
+    start = prefix + "_"
+    return {key.removeprefix(start): value for key, value in vars(args).items()
+            if key.startswith(start) and value is not None}
+
+
+def run_train(args: argparse.Namespace) -> int:
+    model_flags, train_flags = _flags(args, "model"), _flags(args, "train")
+    if args.resume:
+        return _resume(args, model_flags, train_flags)
+    if args.out is None and ddp.launched_by_torchrun():
+        raise ConfigError("under torchrun, name the run directory with --out")
+    run_dir = args.out or _fresh_run_dir()
+    _claim_run_dir(run_dir, args.force)
+    preset = args.preset or _preset_for_device(train_flags.get("device", "auto"))
+    model_settings, cfg = resolve_configs(preset, args.config, model_flags, train_flags)
+    GPTConfig.from_dict({**model_settings, "vocab_size": 1})  # bad sizes fail before any work
+    device = resolve_device(cfg.device)
+    with ddp.distributed(device.type) as context:
+        data = PreparedData(_data_dir(args.data, context))
+        model = _initial_model(args.init_from, model_settings, model_flags, data, cfg.seed)
+        trainer = Trainer(model, cfg, data, run_dir, RichReporter(), context)
+        if context.is_main:
+            _say(f"training preset {preset} ({_describe(model)}) on {device}, "
+                 f"data {data.dir}, run directory {run_dir}")
+        return _finish(trainer.run(), run_dir, context)
+
+
+def _resume(args: argparse.Namespace, model_flags: dict[str, Any],
+            train_flags: dict[str, Any]) -> int:
+    if args.out is None:
+        raise ConfigError("--resume needs --out RUN_DIR, the run to continue")
+    config = ckpt.read_run_config(args.out)
+    if not ckpt.has_train_state(args.out):
+        ckpt.load_train_state(args.out)  # raises the error that explains what to do
+    changed = {k: v for k, v in model_flags.items() if config["model"].get(k) != v}
+    if changed:
+        raise ConfigError(f"cannot change model settings {sorted(changed)} of a run when "
+                          f"resuming; start a new run with --init-from {args.out}")
+    cfg = TrainConfig.from_dict({**(config["train"] or {}), **train_flags})
+    data_dir = args.data or config.get("data_dir")
+    if data_dir is None:
+        raise ConfigError(f"{args.out} records no data directory; pass --data")
+    device = resolve_device(cfg.device)
+    with ddp.distributed(device.type) as context:
+        data = PreparedData(data_dir)
+        model = GPT(GPTConfig.from_dict(config["model"]))
+        _check_same_tokenizer(data.tokenizer, ckpt.read_tokenizer(Path(args.out)), args.out)
+        trainer = Trainer(model, cfg, data, args.out, RichReporter(), context)
+        trainer.resume()
+        if trainer.state.iteration >= cfg.max_iters:
+            _say(f"{args.out} has already trained {trainer.state.iteration} iterations; "
+                 f"raise --max-iters to train further")
+            return 0
+        if context.is_main:
+            _say(f"resuming {args.out} at iteration {trainer.state.iteration} of "
+                 f"{cfg.max_iters}")
+        return _finish(trainer.run(), args.out, context)
+
+
+def _finish(result: TrainResult, run_dir: Path, context: ddp.DistContext) -> int:
+    if not context.is_main:
+        return INTERRUPTED_EXIT_CODE if result.interrupted else 0
+    if result.interrupted:
+        _say(f"interrupted at iteration {result.iteration}; checkpoint saved in {run_dir}; "
+             f"continue with: glassgpt train --resume --out {run_dir}")
+        return INTERRUPTED_EXIT_CODE
+    print(f"trained {result.iteration} iterations in {result.seconds:.1f} s: train loss "
+          f"{result.train_loss:.4f}, val loss {result.val_loss:.4f}; run saved in {run_dir}")
+    return 0
+
+
+def _fresh_run_dir() -> Path:
+    run_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    while run_dir.exists():
+        run_dir = run_dir.with_name(run_dir.name + "-1")
+    _say(f"no --out given; this run goes to {run_dir}")
+    return run_dir
+
+
+def _claim_run_dir(run_dir: Path, force: bool) -> None:
+    """Refuse to overwrite a run, unless --force: then remove its files (only those)."""
+    existing = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if not existing:
+        return
+    if not force:
+        raise CheckpointError(f"{run_dir} already holds a run; continue it with --resume or "
+                              f"overwrite it with --force")
+    if ddp.rank_from_env() == 0:  # under torchrun, one rank deletes
+        for name in existing:
+            (run_dir / name).unlink(missing_ok=True)
+
+
+def _preset_for_device(device: str) -> str:
+    on_gpu = resolve_device(device).type == "cuda"
+    return "shakespeare-char" if on_gpu else "cpu-small"
+
+
+def _data_dir(data: Path | None, context: ddp.DistContext) -> Path:
+    """--data, or Tiny Shakespeare prepared once (character level) into the cache."""
+    if data is not None:
+        return data
+    default = cache_dir() / "data" / "tinyshakespeare-char"
+    if context.is_main and not _is_prepared_from(default, tinyshakespeare_path()):
+        _say(f"preparing Tiny Shakespeare (character level) into {default}")
+        prepare(default)
+    ddp.barrier(context)
+    return default
+
+
+def _is_prepared_from(data_dir: Path, text_path: Path) -> bool:
+    meta_path = data_dir / META_FILE
+    if not meta_path.is_file():
+        return False
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except ValueError:
+        return False
+    return meta.get("sha256") == sha256_of(text_path)
+
+
+def _initial_model(init_from: Path | None, model_settings: dict[str, Any],
+                   model_flags: dict[str, Any], data: PreparedData, seed: int) -> GPT:
+    if init_from is None:
+        return build_model(model_settings, data.vocab_size, seed)
+    model, tokenizer = ckpt.load_model(init_from)
+    _check_same_tokenizer(data.tokenizer, tokenizer, init_from)
+    changed = {k for k, v in model_flags.items() if k != "dropout"
+               and getattr(model.config, k) != v}
+    if changed:
+        raise ConfigError(f"--init-from {init_from}: its model settings are fixed; only "
+                          f"--dropout may change (got {sorted(changed)})")
+    if "dropout" in model_flags:
+        config = dataclasses.replace(model.config, dropout=model_flags["dropout"])
+        fresh = GPT(config)
+        fresh.load_state_dict(model.state_dict())
+        model = fresh
+    return model.train()
+
+
+def _check_same_tokenizer(data_tokenizer: Tokenizer, run_tokenizer: Tokenizer,
+                          run_dir: Path) -> None:
+    if data_tokenizer.to_json() != run_tokenizer.to_json():
+        raise DataError(f"the data's tokenizer differs from the one of {run_dir}; prepare the "
+                        f"text with --tokenizer-file {Path(run_dir) / ckpt.TOKENIZER_FILE}")
+
+
+def _describe(model: GPT) -> str:
+    c = model.config
+    params = sum(p.numel() for p in model.parameters())
+    return f"{params / 1e6:.2f}M parameters, {c.n_layer} layers, {c.n_head} heads, " \
+           f"width {c.n_embd}, context {c.block_size}"
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --- sample --------------------------------------------------------------------------------
+
+def _register_sample(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("sample", help="generate text from a trained run",
+                              description="Continue a prompt with the model of RUN_DIR.")
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue (default: a "
+                   "newline)")
+    p.add_argument("--max-new-tokens", type=int, default=500)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=200)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--stop", help="end a sample where this text appears (not printed)")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--stream", action="store_true", help="print tokens as they are sampled")
+    p.add_argument("--device", default="auto")
+    p.set_defaults(handler=run_sample)
+
+
+def run_sample(args: argparse.Namespace) -> int:
+    if args.num_samples <= 0:
+        raise ConfigError(f"--num-samples must be positive, got {args.num_samples}")
+    device = resolve_device(args.device)
+    model, tokenizer = ckpt.load_model(args.run_dir, device)
+    prompt_ids = tokenizer.encode(args.prompt or DEFAULT_PROMPT)
+    if not prompt_ids:
+        raise ConfigError("the prompt encodes to no tokens; give a non-empty --prompt")
+    block_size = model.config.block_size
+    if len(prompt_ids) > block_size:
+        _say(f"note: the prompt has {len(prompt_ids)} tokens, more than the context of "
+             f"{block_size}; the model sees its last {block_size}")
+    prompt = torch.tensor([prompt_ids[-block_size:]], device=device)  # (1, T)
+    for i in range(args.num_samples):
+        if i:
+            print("\n" + "-" * 40)
+        print(args.prompt, end="", flush=True)
+        pieces = _sample_text(model, tokenizer, prompt, args, seed=args.seed + i)
+        if args.stream:
+            for piece in pieces:
+                print(piece, end="", flush=True)
+        else:
+            print("".join(pieces), end="")
+        print(flush=True)
+    return 0
+
+
+def _sample_text(model: GPT, tokenizer: Tokenizer, prompt: torch.Tensor,
+                 args: argparse.Namespace, seed: int) -> Iterator[str]:
+    """New text piece by piece, ending before the stop text when it appears."""
+    tokens = model.generate_stream(prompt, args.max_new_tokens, temperature=args.temperature,
+                                   top_k=args.top_k, top_p=args.top_p, seed=seed)
+    pieces = _decode_incrementally(tokenizer, tokens)
+    return _until_stop(pieces, args.stop) if args.stop else pieces
+
+
+def _decode_incrementally(tokenizer: Tokenizer, tokens: Iterator[torch.Tensor]) -> Iterator[str]:
+    """Decode a growing id list, yielding only new text; an unfinished UTF-8 sequence (byte-level
+    BPE can split a character over tokens) waits for the token that completes it."""
+    ids: list[int] = []
+    emitted = 0
+    for token in tokens:  # (1, 1)
+        ids.append(int(token))
+        text = tokenizer.decode(ids)
+        if text.endswith("\ufffd"):
+            continue
+        yield text[emitted:]
+        emitted = len(text)
+
+
+def _until_stop(pieces: Iterator[str], stop: str) -> Iterator[str]:
+    """Pass text through until `stop` appears; hold back a tail that may be its beginning."""
+    pending = ""
+    for piece in pieces:
+        pending += piece
+        cut = pending.find(stop)
+        if cut >= 0:
+            yield pending[:cut]
+            return  # closing the token generator ends decoding
+        hold = _longest_prefix_suffix(pending, stop)
+        yield pending[:len(pending) - hold]
+        pending = pending[len(pending) - hold:]
+    yield pending
+
+
+def _longest_prefix_suffix(text: str, stop: str) -> int:
+    """Length of the longest end of `text` that is a start of `stop` (and not all of it)."""
+    for size in range(min(len(text), len(stop) - 1), 0, -1):
+        if stop.startswith(text[-size:]):
+            return size
+    return 0
+
+
+# --- eval ----------------------------------------------------------------------------------
+
+def _register_eval(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("eval", help="loss and perplexity of a trained run",
+                              description="Loss and perplexity of RUN_DIR's model on "
+                              "non-overlapping windows of a split of its data.")
+    p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    p.add_argument("--split", choices=("train", "val"), default="val")
+    p.add_argument("--data", type=Path, help="data directory (default: the run's)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-batches", type=int, default=200, help="upper bound on the work")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=run_eval)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    if args.batch_size <= 0 or args.max_batches <= 0:
+        raise ConfigError(f"--batch-size and --max-batches must be positive, got "
+                          f"{args.batch_size} and {args.max_batches}")
+    device = resolve_device(args.device)
+    model, tokenizer = ckpt.load_model(args.run_dir, device)
+    data_dir = args.data or ckpt.read_run_config(args.run_dir).get("data_dir")
+    if data_dir is None:
+        raise ConfigError(f"{args.run_dir} records no data directory; pass --data")
+    data = PreparedData(data_dir)
+    _check_same_tokenizer(data.tokenizer, tokenizer, args.run_dir)
+    data.check_block_size(model.config.block_size)
+    loss, tokens = _mean_loss(model, data, args, device)
+    result = {"split": args.split, "loss": loss, "perplexity": math.exp(loss),
+              "tokens": tokens, "run_dir": str(args.run_dir)}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{args.split} loss {loss:.4f}, perplexity {math.exp(loss):.2f} "
+              f"({tokens:,} tokens)")
+    return 0
+
+
+@torch.no_grad()
+def _mean_loss(model: GPT, data: PreparedData, args: argparse.Namespace,
+               device: torch.device) -> tuple[float, int]:
+    total, tokens = 0.0, 0
+    for x, y in sequential_batches(data.splits[args.split], model.config.block_size,
+                                   args.batch_size, args.max_batches, device):
+        _, loss = model(x, y)
+        total += loss.item() * y.numel()
+        tokens += y.numel()
+    return total / tokens, tokens

@@ -1,0 +1,397 @@
+"""Speed, measured: the machine's limits, glassgpt against them, and Hugging Face GPT-2 beside it.
+
+Library only: every function returns numbers (dataclasses); `glassgpt.cli.benchmark` prints them.
+
+Method. Contenders of one comparison run in interleaved rounds (A B C, B C A, C A B, ...) so that
+noise from other processes hits each of them alike; warm-up calls come first and are not timed;
+every figure is the median of its rounds. Nothing here is a constant figure: the limits that
+utilisation is measured against are measured in the same run.
+
+  * Training is compute-bound: its limit is the fp32 matmul peak. MFU = achieved model FLOP/s /
+    measured peak, with 6N + 12*L*H*Q*T FLOPs per token (N = parameters that take part in matmuls,
+    L layers, H heads of width Q, context T): forward + backward of every weight (2N + 4N) plus
+    the attention scores and their weighted sum.
+  * Decoding one token at batch 1 is memory-bound: every weight is read once per token. Its limit
+    is read bandwidth / weight bytes per token.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from glassgpt.config import GPTConfig, load_preset
+from glassgpt.errors import ConfigError
+from glassgpt.model import GPT, count_parameters
+from glassgpt.train import TrainConfig, make_optimizer, train_step
+
+TRAIN_PRESETS = ("cpu-small", "shakespeare-char")
+DECODE_PRESETS = ("shakespeare-char", "gpt2")
+PROMPT_LEN = 16
+NEW_TOKENS = 128
+MAX_TRAIN_BATCH = 12  # caps a preset's batch so one step stays around a second on a laptop CPU
+
+GLASSGPT, GLASSGPT_COMPILED, HF = "glassgpt", "glassgpt+compile", "hf"
+
+
+# --- timing ---------------------------------------------------------------------------------
+
+def interleaved_medians(contenders: dict[str, Callable[[], Any]], rounds: int,
+                        warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each contender, timed in interleaved, rotating rounds."""
+    if rounds <= 0:
+        raise ConfigError(f"rounds must be positive, got {rounds}")
+    names = list(contenders)
+    for _ in range(warmup):
+        for name in names:
+            contenders[name]()
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            start = time.perf_counter()
+            contenders[name]()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) for name, times in seconds.items()}
+
+
+# --- the machine's limits -------------------------------------------------------------------
+
+@dataclass
+class MachineLimits:
+    matmul_flops: float  # FLOP/s of a large fp32 matmul
+    read_bandwidth: float  # bytes/s read from main memory
+
+
+def measure_limits(rounds: int = 7, matmul_size: int = 2048,
+                   buffer_bytes: int = 256 * 2**20) -> MachineLimits:
+    """The fp32 matmul peak and the memory read bandwidth, measured side by side.
+
+    The bandwidth probe sums a buffer several times larger than any CPU cache, so every byte
+    comes from memory, and a sum does almost no arithmetic per byte.
+    """
+    a, b = torch.randn(matmul_size, matmul_size), torch.randn(matmul_size, matmul_size)
+    buffer = torch.ones(buffer_bytes // 4)
+    median = interleaved_medians({"matmul": lambda: a @ b, "read": buffer.sum}, rounds)
+    return MachineLimits(matmul_flops=2 * matmul_size**3 / median["matmul"],
+                         read_bandwidth=buffer.numel() * 4 / median["read"])
+
+
+# --- model arithmetic -----------------------------------------------------------------------
+
+def matmul_parameters(model: GPT) -> int:
+    """Parameters that take part in a matmul: all but the position table (a lookup only)."""
+    return count_parameters(model) - model.pos_emb.weight.numel()
+
+
+def train_flops_per_token(config: GPTConfig, n_params: int, seq_len: int) -> float:
+    """6N + 12*L*H*Q*T: weights forward and backward, plus attention over T positions."""
+    return 6 * n_params + 12 * config.n_layer * config.n_head * config.head_dim * seq_len
+
+
+def decode_bytes_per_token(model: GPT) -> int:
+    """Bytes of weights one decoding step reads: all of them, but one row of each lookup table.
+
+    The LM head reads the whole token table even when it is tied to the embedding.
+    """
+    lookups = {id(model.pos_emb.weight)}
+    if model.lm_head.weight is not model.tok_emb.weight:
+        lookups.add(id(model.tok_emb.weight))
+    total = 0
+    for param in model.parameters():  # a tied weight appears once
+        elements = param.shape[-1] if id(param) in lookups else param.numel()
+        total += elements * param.element_size()
+    return total
+
+
+# --- contenders -----------------------------------------------------------------------------
+
+class HFLanguageModel(nn.Module):
+    """Hugging Face GPT-2 behind glassgpt's `model(x, y) -> (logits, loss)`, same loss code."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf = hf_model
+
+    def forward(self, idx: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        logits = self.hf(input_ids=idx).logits  # (B, T, V)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+
+def hf_twin(model: GPT) -> nn.Module:
+    """A `transformers` GPT2LMHeadModel with exactly `model`'s shape and weights."""
+    from glassgpt.interop import to_hf  # transformers is an optional extra: import late
+
+    hf_model = to_hf(model)
+    hf_model.generation_config.pad_token_id = 0  # silences a warning; batch 1 never pads
+    return hf_model
+
+
+def bench_model(preset: str, **overrides: Any) -> GPT:
+    """A randomly initialised GPT of `preset`'s shape (seeded, so every run builds the same)."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig.from_preset(preset, **overrides))
+
+
+# --- training -------------------------------------------------------------------------------
+
+@dataclass
+class TrainResult:
+    preset: str
+    contender: str
+    batch_size: int
+    seq_len: int
+    step_seconds: float
+    tokens_per_s: float
+    flops_per_token: float
+    mfu: float  # achieved FLOP/s / measured matmul peak
+
+
+def bench_train_config(preset: str, batch_size: int | None) -> TrainConfig:
+    """The preset's recipe with one micro-batch per step and a batch a CPU steps through fast."""
+    recipe = load_preset(preset).get("train", {})
+    batch = batch_size or min(recipe.get("batch_size", MAX_TRAIN_BATCH), MAX_TRAIN_BATCH)
+    settings = {k: v for k, v in recipe.items() if k in {"lr", "beta2", "weight_decay",
+                                                          "grad_clip"}}
+    return TrainConfig(batch_size=batch, grad_accum=1, **settings)
+
+
+def _stepper(model: nn.Module, train_cfg: TrainConfig, batch: tuple[Tensor, Tensor]
+             ) -> Callable[[], Tensor]:
+    """One optimizer step of the trainer's own `train_step` on a fixed batch."""
+    optimizer = make_optimizer(model, train_cfg)
+    model.train()
+    return lambda: train_step(model, optimizer, lambda: batch, train_cfg)
+
+
+def bench_training(preset: str, limits: MachineLimits, against_hf: bool = False,
+                   compiled: bool = True, rounds: int = 5,
+                   batch_size: int | None = None, **overrides: Any) -> list[TrainResult]:
+    """Training tokens/s and MFU of each contender on the same random batch."""
+    model = bench_model(preset, **overrides)
+    config, train_cfg = model.config, bench_train_config(preset, batch_size)
+    B, T = train_cfg.batch_size, config.block_size
+    data = torch.randint(0, config.vocab_size, (B, T + 1))
+    batch = (data[:, :-1], data[:, 1:])  # (B, T) inputs and next-token targets
+    # Each contender trains its own copy from the same initial weights.
+    contenders = {GLASSGPT: _stepper(copy.deepcopy(model), train_cfg, batch)}
+    if compiled:
+        contenders[GLASSGPT_COMPILED] = _stepper(torch.compile(copy.deepcopy(model)), train_cfg,
+                                                 batch)
+    if against_hf:
+        contenders[HF] = _stepper(HFLanguageModel(hf_twin(model).train()), train_cfg, batch)
+    seconds = interleaved_medians(contenders, rounds, warmup=2)
+    flops = train_flops_per_token(config, matmul_parameters(model), T)
+    results = []
+    for name, step in seconds.items():
+        tokens_per_s = B * T / step
+        results.append(TrainResult(preset, name, B, T, step, tokens_per_s, flops,
+                                   tokens_per_s * flops / limits.matmul_flops))
+    return results
+
+
+def compiled_matches_eager(model: GPT, batch: tuple[Tensor, Tensor], steps: int,
+                           train_cfg: TrainConfig) -> tuple[list[float], list[float]]:
+    """Losses of `steps` optimizer steps, eager and compiled, from the same initial weights."""
+    losses = []
+    for wrap in (lambda m: m, torch.compile):
+        step = _stepper(wrap(copy.deepcopy(model)), train_cfg, batch)
+        losses.append([float(step()) for _ in range(steps)])
+    return losses[0], losses[1]
+
+
+# --- decoding -------------------------------------------------------------------------------
+
+@dataclass
+class DecodeResult:
+    preset: str
+    contender: str
+    cache: bool
+    dtype: str
+    seconds: float  # prefill + every new token
+    tokens_per_s: float
+    bytes_per_token: int
+    bandwidth_fraction: float  # tokens/s / (read bandwidth / bytes per token)
+
+
+@dataclass
+class PrecisionCost:
+    """What bf16 weights cost in accuracy, on the fp32 model's own greedy continuation."""
+
+    preset: str
+    top1_agreement: float  # positions where both pick the same next token
+    mean_kl: float  # mean KL(fp32 || bf16) of the next-token distributions, in nats
+    max_logit_error: float
+
+
+def _glassgpt_decoder(model: GPT, prompt: Tensor, new_tokens: int, cache: bool
+                      ) -> Callable[[], Tensor]:
+    return lambda: model.generate(prompt, new_tokens, temperature=0.0, use_cache=cache)
+
+
+def _hf_decoder(hf_model: nn.Module, prompt: Tensor, new_tokens: int, cache: bool
+                ) -> Callable[[], Tensor]:
+    def run() -> Tensor:
+        with torch.no_grad():
+            return hf_model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                     do_sample=False, use_cache=cache)
+    return run
+
+
+def check_decode_length(config: GPTConfig, prompt_len: int, new_tokens: int) -> None:
+    if prompt_len + new_tokens > config.block_size:
+        raise ConfigError(f"a {prompt_len}-token prompt plus {new_tokens} new tokens does not fit "
+                          f"block_size={config.block_size}; ask for fewer new tokens")
+
+
+def bench_decoding(preset: str, limits: MachineLimits, against_hf: bool = False,
+                   bf16: bool = True, uncached: bool = True, rounds: int = 3,
+                   prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS,
+                   **overrides: Any) -> list[DecodeResult]:
+    """Greedy decoding tokens/s of each contender at batch 1, with and without a KV cache."""
+    model = bench_model(preset, dropout=0.0, **overrides).eval()
+    check_decode_length(model.config, prompt_len, new_tokens)
+    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len))
+    contenders: dict[tuple[str, bool, torch.dtype], Callable[[], Tensor]] = {
+        (GLASSGPT, True, torch.float32): _glassgpt_decoder(model, prompt, new_tokens, True)}
+    if bf16:
+        half = copy.deepcopy(model).to(torch.bfloat16)
+        contenders[GLASSGPT, True, torch.bfloat16] = _glassgpt_decoder(half, prompt, new_tokens,
+                                                                        True)
+    if uncached:
+        contenders[GLASSGPT, False, torch.float32] = _glassgpt_decoder(model, prompt,
+                                                                         new_tokens, False)
+    if against_hf:
+        hf_model = hf_twin(model)
+        for cache in (True, False) if uncached else (True,):
+            contenders[HF, cache, torch.float32] = _hf_decoder(hf_model, prompt, new_tokens,
+                                                                cache)
+    timed = {key: fn for key, fn in contenders.items()}
+    seconds = interleaved_medians(timed, rounds)  # type: ignore[arg-type]
+    results = []
+    for (name, cache, dtype), elapsed in seconds.items():
+        weight_bytes = decode_bytes_per_token(model) * dtype.itemsize // 4
+        tokens_per_s = new_tokens / elapsed
+        results.append(DecodeResult(preset, name, cache, str(dtype).removeprefix("torch."),
+                                    elapsed, tokens_per_s, weight_bytes,
+                                    tokens_per_s * weight_bytes / limits.read_bandwidth))
+    return results
+
+
+@torch.no_grad()
+def bf16_cost(preset: str, prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS,
+              **overrides: Any) -> PrecisionCost:
+    """Teacher-force the fp32 greedy continuation through fp32 and bf16 copies and compare."""
+    model = bench_model(preset, dropout=0.0, **overrides).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len))
+    tokens = model.generate(prompt, new_tokens, temperature=0.0)[:, :-1]  # (1, T)
+    reference = model(tokens)[0].float()  # (1, T, V)
+    approx = copy.deepcopy(model).to(torch.bfloat16)(tokens)[0].float()
+    kl = F.kl_div(approx.log_softmax(-1), reference.log_softmax(-1), log_target=True,
+                  reduction="none").sum(-1)  # (1, T)
+    agree = (reference.argmax(-1) == approx.argmax(-1)).float().mean()
+    return PrecisionCost(preset, float(agree), float(kl.mean()),
+                         float((reference - approx).abs().max()))
+
+
+# --- the whole report -----------------------------------------------------------------------
+
+@dataclass
+class Speedup:
+    """glassgpt's best tokens/s over a reference contender's, for one preset and workload."""
+
+    workload: str  # "train" or "decode"
+    preset: str
+    contender: str
+    reference: str
+    ratio: float
+
+
+def speedups(report: BenchReport) -> list[Speedup]:
+    """Each glassgpt fp32 contender against HF, and cached against uncached decoding."""
+    out = []
+    for preset in sorted({r.preset for r in report.train}):
+        rows = {r.contender: r for r in report.train if r.preset == preset}
+        out += [Speedup("train", preset, name, HF, row.tokens_per_s / rows[HF].tokens_per_s)
+                for name, row in rows.items() if name != HF and HF in rows]
+    for preset in sorted({r.preset for r in report.decode}):
+        rows = {(r.contender, r.cache): r for r in report.decode
+                if r.preset == preset and r.dtype == "float32"}
+        ours = rows.get((GLASSGPT, True))
+        for key, label in (((HF, True), "hf"), ((GLASSGPT, False), "glassgpt no-cache"),
+                           ((HF, False), "hf no-cache")):
+            if ours is not None and key in rows:
+                out.append(Speedup("decode", preset, GLASSGPT, label,
+                                   ours.tokens_per_s / rows[key].tokens_per_s))
+    return out
+
+
+def machine_info() -> dict[str, Any]:
+    info = {"cpu": _cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform()}
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+@dataclass
+class BenchReport:
+    machine: dict[str, Any]
+    limits: MachineLimits
+    train: list[TrainResult] = field(default_factory=list)
+    decode: list[DecodeResult] = field(default_factory=list)
+    precision: list[PrecisionCost] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["speedups"] = [dataclasses.asdict(s) for s in speedups(self)]
+        return data
+
+
+def run_benchmarks(workload: str, train_presets: list[str], decode_presets: list[str],
+                   against_hf: bool = False, rounds: int | None = None,
+                   new_tokens: int = NEW_TOKENS, compiled: bool = True,
+                   progress: Callable[[str], None] = lambda _: None) -> BenchReport:
+    """Everything `glassgpt bench` measures; `workload` is train, generate or all."""
+    if workload not in ("train", "generate", "all"):
+        raise ConfigError(f"unknown workload {workload!r}; choose train, generate or all")
+    progress("measuring the machine's matmul peak and read bandwidth")
+    report = BenchReport(machine_info(), measure_limits())
+    if workload in ("train", "all"):
+        for preset in train_presets:
+            progress(f"training {preset}")
+            report.train += bench_training(preset, report.limits, against_hf, compiled,
+                                           rounds=rounds or 5)
+    if workload in ("generate", "all"):
+        for preset in decode_presets:
+            progress(f"decoding {preset}")
+            report.decode += bench_decoding(preset, report.limits, against_hf,
+                                            rounds=rounds or 3, new_tokens=new_tokens)
+            report.precision.append(bf16_cost(preset, new_tokens=new_tokens))
+    return report

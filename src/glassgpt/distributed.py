@@ -1,0 +1,118 @@
+"""Data-parallel plumbing: one process per device, launched by torchrun; one process by default.
+
+torchrun sets RANK, LOCAL_RANK and WORLD_SIZE. Every rank holds a full model replica and reads its
+own batches; DDP averages the gradients during backward. Rank 0 alone writes files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1 or dist.is_initialized()
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def rank_from_env() -> int:
+    """This process's rank, readable before the process group exists (0 without torchrun)."""
+    return int(os.environ.get("RANK", 0))
+
+
+def init_distributed(device_type: str) -> DistContext:
+    """Join the process group torchrun set up (gloo on CPU, NCCL on CUDA); single otherwise."""
+    if not launched_by_torchrun():
+        return DistContext()
+    context = DistContext(rank=int(os.environ["RANK"]),
+                          local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+                          world_size=int(os.environ["WORLD_SIZE"]))
+    if not dist.is_initialized():
+        if device_type == "cuda":
+            torch.cuda.set_device(context.local_rank)
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    return context
+
+
+def shutdown(context: DistContext) -> None:
+    if context.enabled and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap_model(model: nn.Module, context: DistContext, device: torch.device) -> nn.Module:
+    """DDP around `model` when several ranks train; the model itself otherwise."""
+    if not context.enabled:
+        return model
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def sync_gradients(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+    """Skip DDP's gradient all-reduce on the micro-steps before the last of an accumulation."""
+    if sync or not isinstance(model, DistributedDataParallel):
+        return contextlib.nullcontext()
+    return model.no_sync()
+
+
+def mean_over_ranks(value: Tensor, context: DistContext) -> Tensor:
+    """The average of a tensor across ranks (the value itself with one process)."""
+    if not context.enabled:
+        return value
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value / context.world_size
+
+
+def max_over_ranks(value: Tensor, context: DistContext) -> Tensor:
+    """The largest value across ranks, e.g. of a flag that must stop every rank together."""
+    if not context.enabled:
+        return value
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value
+
+
+def gather_objects(obj: Any, context: DistContext) -> list[Any]:
+    """Every rank's `obj`, in rank order (a one-item list with one process)."""
+    if not context.enabled:
+        return [obj]
+    gathered: list[Any] = [None] * context.world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def barrier(context: DistContext) -> None:
+    if context.enabled:
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def distributed(device_type: str) -> Iterator[DistContext]:
+    """`init_distributed` ... `shutdown`, as a with-block."""
+    context = init_distributed(device_type)
+    try:
+        yield context
+    finally:
+        shutdown(context)

@@ -1,0 +1,213 @@
+"""Why multi-head: one attention layer must copy the tokens 1, 2 and 4 positions back at once.
+
+A one-layer, attention-only model (token + learned position embeddings, one causal multi-head
+attention with a residual, one linear output per target) is trained with 1, 2, 3 and 6 heads at a
+fixed width, so every variant has the same number of parameters. One head mixes everything it reads
+into a single weighted average, so it can follow one offset well and the others only partly; with a
+head per offset each can put all its weight on its own offset. Notation: B = batch, T = positions,
+C = width, H = heads, K = targets (offsets), V = vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from glassgpt.attention import MultiHeadSelfAttention
+from glassgpt.experiments.figures import new_figure, save_figure
+from glassgpt.experiments.results import Check, ExperimentResult, Table
+from glassgpt.experiments.tasks import (
+    accuracy_per_target,
+    copy_back_batch,
+    single_thread,
+    train_copier,
+)
+from glassgpt.model import count_parameters
+
+OFFSETS = (1, 2, 4)
+CHANCE = 0.1  # vocabulary of 10
+
+
+@dataclass(frozen=True)
+class MultiheadSettings:
+    vocab_size: int = 10
+    seq_len: int = 12
+    d_model: int = 24
+    head_counts: tuple[int, ...] = (1, 2, 3, 6)
+    n_seeds: int = 3
+    steps: int = 1000
+    batch_size: int = 64
+    lr: float = 1e-2
+    eval_sequences: int = 1000
+
+
+QUICK = MultiheadSettings(head_counts=(1, 3, 6), n_seeds=2, steps=400)
+
+
+class AttentionOnlyCopier(nn.Module):
+    """Embeddings, one causal multi-head attention with a residual, one output layer per target."""
+
+    def __init__(self, vocab_size: int, seq_len: int, d_model: int, n_heads: int,
+                 n_targets: int):
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab_size, d_model)
+        self.pos_emb = nn.Embedding(seq_len, d_model)
+        self.attn = MultiHeadSelfAttention(d_model, n_heads, causal=True)
+        self.heads = nn.ModuleList(nn.Linear(d_model, vocab_size) for _ in range(n_targets))
+
+    def embed(self, idx: Tensor) -> Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.tok_emb(idx) + self.pos_emb(positions)  # (B, T, C)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """idx (B, T) -> logits (B, T, K, V)."""
+        x = self.embed(idx)
+        x = x + self.attn(x)
+        return torch.stack([head(x) for head in self.heads], dim=2)
+
+    @torch.no_grad()
+    def attention_weights(self, idx: Tensor) -> Tensor:
+        """The attention weights (B, H, T, T) for idx (B, T)."""
+        _, weights = self.attn(self.embed(idx), return_attn=True)
+        return weights
+
+
+def train_one(n_heads: int, seed: int, s: MultiheadSettings) -> AttentionOnlyCopier:
+    """A model with `n_heads` heads, initialised and fed data from `seed`, trained."""
+    torch.manual_seed(seed)
+    model = AttentionOnlyCopier(s.vocab_size, s.seq_len, s.d_model, n_heads, len(OFFSETS))
+    data = torch.Generator().manual_seed(seed + 10_000)
+    train_copier(model, OFFSETS, s.vocab_size, s.seq_len, s.steps, s.batch_size, s.lr, data)
+    return model
+
+
+def held_out_batch(s: MultiheadSettings) -> tuple[Tensor, Tensor]:
+    """The same evaluation sequences for every model, independent of the training seed."""
+    return copy_back_batch(s.eval_sequences, s.seq_len, s.vocab_size, OFFSETS,
+                           torch.Generator().manual_seed(123_456))
+
+
+def weight_per_offset(weights: Tensor, max_offset: int) -> Tensor:
+    """Mean attention weight each head puts on the key `o` positions back, o = 0..max_offset.
+
+    weights (B, H, T, T) -> (H, max_offset + 1). Only queries with t >= o count for offset o.
+    """
+    per_offset = [weights.diagonal(offset=-o, dim1=-2, dim2=-1).mean(dim=(0, 2))
+                  for o in range(max_offset + 1)]
+    return torch.stack(per_offset, dim=1)
+
+
+def run(out_dir: Path, seed: int = 0, quick: bool = False) -> ExperimentResult:
+    s = QUICK if quick else MultiheadSettings()
+    seeds = [seed + i for i in range(s.n_seeds)]
+    idx, targets = held_out_batch(s)
+    accuracy: dict[int, list[list[float]]] = {}  # heads -> one [acc per target] per seed
+    params: dict[int, int] = {}
+    maps: dict[int, Tensor] = {}
+    for n_heads in s.head_counts:
+        accuracy[n_heads] = []
+        for model_seed in seeds:
+            with single_thread():
+                model = train_one(n_heads, model_seed, s)
+            with torch.no_grad():
+                accuracy[n_heads].append(accuracy_per_target(model(idx), targets))
+            if model_seed == seeds[0]:
+                maps[n_heads] = model.attention_weights(idx[:200])  # (B, H, T, T)
+        params[n_heads] = count_parameters(model)
+
+    specialisation = {h: weight_per_offset(m, max(OFFSETS)) for h, m in maps.items()}
+    pictures = [draw_head_maps(maps, out_dir / "multihead_heads.png")]
+    result = ExperimentResult(
+        name="multihead",
+        summary=(f"one attention layer, width {s.d_model}, copies the tokens {OFFSETS} back; "
+                 f"{s.steps} Adam steps, seeds {seeds}"),
+        tables=[accuracy_table(accuracy, params, s), specialisation_table(specialisation)],
+        pictures=pictures,
+        numbers={"offsets": list(OFFSETS), "seeds": seeds, "chance": CHANCE,
+                 "accuracy": {str(h): a for h, a in accuracy.items()},
+                 "worst_target": {str(h): [min(a) for a in runs] for h, runs in accuracy.items()},
+                 "parameters": {str(h): p for h, p in params.items()},
+                 "dominant_offset": {str(h): dominant_offsets(w)
+                                     for h, w in specialisation.items()}},
+    )
+    result.checks = expected_outcomes(accuracy, params, specialisation)
+    return result
+
+
+def dominant_offsets(offset_weights: Tensor) -> list[int]:
+    """For each head, the offset (0 = the token itself) it attends to most. (H, O) -> H ints."""
+    return offset_weights.argmax(dim=1).tolist()
+
+
+def accuracy_table(accuracy: dict[int, list[list[float]]], params: dict[int, int],
+                   s: MultiheadSettings) -> Table:
+    columns = ["heads", "head width", "parameters"]
+    columns += [f"acc t-{o}" for o in OFFSETS] + ["worst target"]
+    table = Table(f"accuracy per target (mean of {s.n_seeds} seeds; chance = {CHANCE:.0%})",
+                  columns, formats={c: ".1%" for c in columns[3:]})
+    for n_heads, runs in accuracy.items():
+        mean_per_target = torch.tensor(runs).mean(dim=0).tolist()
+        mean_worst = sum(min(a) for a in runs) / len(runs)
+        table.add_row(n_heads, s.d_model // n_heads, params[n_heads], *mean_per_target,
+                      mean_worst)
+    return table
+
+
+def specialisation_table(specialisation: dict[int, Tensor]) -> Table:
+    table = Table("where each head looks (first seed): mean attention weight per offset",
+                  ["heads", "head"] + [f"w t-{o}" for o in range(max(OFFSETS) + 1)]
+                  + ["looks at"], formats={f"w t-{o}": ".2f" for o in range(max(OFFSETS) + 1)})
+    for n_heads, offset_weights in specialisation.items():
+        looks_at = dominant_offsets(offset_weights)
+        for head, row in enumerate(offset_weights.tolist()):
+            table.add_row(n_heads, head, *row, f"t-{looks_at[head]}")
+    return table
+
+
+def expected_outcomes(accuracy: dict[int, list[list[float]]], params: dict[int, int],
+                      specialisation: dict[int, Tensor]) -> list[Check]:
+    checks = [Check("every head count has the same number of parameters",
+                    len(set(params.values())) == 1)]
+    if 1 in accuracy:
+        worst = max(min(a) for a in accuracy[1])
+        checks.append(Check(f"1 head leaves some target near chance (worst < 50%; got "
+                            f"{worst:.0%})", worst < 0.5))
+    for n_heads in (3, 6):
+        if n_heads in accuracy:
+            worst = min(min(a) for a in accuracy[n_heads])
+            checks.append(Check(f"{n_heads} heads solve all three targets (all > 90%; worst "
+                                f"{worst:.0%})", worst > 0.9))
+    if 3 in specialisation:
+        looks_at = sorted(dominant_offsets(specialisation[3]))
+        checks.append(Check(f"the 3 heads specialise on offsets {list(OFFSETS)} (got "
+                            f"{looks_at})", looks_at == list(OFFSETS)))
+    return checks
+
+
+def draw_head_maps(maps: dict[int, Tensor], path: Path) -> Path:
+    """One row per head count, one panel per head: the attention map averaged over sequences."""
+    head_counts = [h for h in maps if h > 1] or list(maps)
+    n_cols = max(head_counts)
+    fig = new_figure(1.6 * n_cols + 0.6, 1.7 * len(head_counts) + 0.4)
+    axes = fig.subplots(len(head_counts), n_cols, squeeze=False)
+    for row, n_heads in enumerate(head_counts):
+        mean_map = maps[n_heads].mean(dim=0)  # (H, T, T)
+        for col in range(n_cols):
+            ax = axes[row][col]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if col >= n_heads:
+                ax.axis("off")
+                continue
+            image = ax.imshow(mean_map[col].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
+            ax.set_title(f"{n_heads} heads: head {col}", fontsize=8)
+            if col == 0:
+                ax.set_ylabel("query t", fontsize=8)
+            ax.set_xlabel("key", fontsize=8)
+    fig.colorbar(image, ax=axes, shrink=0.6, label="weight")
+    fig.suptitle("each head's attention (mean over sequences): diagonals = fixed offsets",
+                 fontsize=9)
+    return save_figure(fig, path)

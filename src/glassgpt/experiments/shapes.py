@@ -1,0 +1,106 @@
+"""Walk one forward pass of multi-head attention by hand, recording every step's shape.
+
+The walk uses the weights of a real `MultiHeadSelfAttention` and ends by checking that its output
+and weights equal what the module itself returns, so the walk is the module, not a story about it.
+Notation: B = batch, T = positions, C = width, H = heads, d = C / H.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from glassgpt.attention import MultiHeadSelfAttention, check_heads_divide_width
+from glassgpt.errors import ConfigError
+from glassgpt.experiments.figures import new_figure, save_figure
+from glassgpt.experiments.results import Check, ExperimentResult, Table
+
+EXACT = 1e-6  # float32 walk vs module: the same operations in the same order
+
+
+def walk_attention(attn: MultiHeadSelfAttention, x: Tensor) -> tuple[list[tuple], Tensor, Tensor]:
+    """Recompute attn(x) step by step. Returns ([(step, code, tensor, note)], y, weights)."""
+    B, T, C = x.shape
+    H, d = attn.n_heads, attn.head_dim
+    steps = [("input", "x", x, "B sequences of T positions, C features each")]
+
+    def record(step: str, code: str, tensor: Tensor, note: str) -> Tensor:
+        steps.append((step, code, tensor, note))
+        return tensor
+
+    qkv = record("project to Q, K, V", "qkv(x)", attn.qkv(x), "one Linear(C, 3C) for all three")
+    q, k, v = qkv.split(C, dim=2)
+    record("split Q | K | V", "qkv.split(C, dim=2)", q, "three (B, T, C) tensors, in that order")
+    record("heads as a dimension", "q.view(B, T, H, d)", q.view(B, T, H, d),
+           "each head's d features are a contiguous slice")
+    q, k, v = (t.view(B, T, H, d).transpose(1, 2) for t in (q, k, v))
+    record("heads become batch", ".transpose(1, 2)", q, "(B, H, T, d): heads run in parallel")
+    scores = record("scores", "q @ k.transpose(-2, -1) / sqrt(d)",
+                    q @ k.transpose(-2, -1) / math.sqrt(d), "query t against every key s")
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    record("causal mask", "ones(T, T).tril()", mask, "broadcast over B and H")
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = record("softmax over keys", "softmax(scores, dim=-1)", scores.softmax(dim=-1),
+                     "each row sums to 1; future keys get 0")
+    y = record("mix values", "weights @ v", weights @ v, "per head: weighted mean of values")
+    y = record("heads back to positions", ".transpose(1, 2)", y.transpose(1, 2),
+               "(B, T, H, d); not contiguous any more")
+    y = record("merge heads", ".contiguous().view(B, T, C)", y.contiguous().view(B, T, C),
+               "concatenate the H head outputs")
+    y = record("output projection", "proj(y)", attn.proj(y), "W_O mixes the heads")
+    return steps, y, weights
+
+
+def run(out_dir: Path, seed: int = 0, quick: bool = False, batch_size: int = 2,
+        seq_len: int = 5, d_model: int = 16, n_heads: int = 4) -> ExperimentResult:
+    del quick  # already tiny
+    if batch_size <= 0 or seq_len <= 0:
+        raise ConfigError(f"batch size and sequence length must be positive, got "
+                          f"B={batch_size}, T={seq_len}")
+    check_heads_divide_width(d_model, n_heads)
+    torch.manual_seed(seed)
+    attn = MultiHeadSelfAttention(d_model, n_heads, causal=True).eval()
+    x = torch.randn(batch_size, seq_len, d_model)
+    with torch.no_grad():
+        steps, y_walk, w_walk = walk_attention(attn, x)
+        y_explicit, w_module = attn(x, return_attn=True)
+        y_fused = attn(x)
+
+    table = Table(f"one forward pass, B={batch_size}, T={seq_len}, C={d_model}, H={n_heads}, "
+                  f"d={d_model // n_heads}", ["step", "code", "shape", "note"])
+    for step, code, tensor, note in steps:
+        table.add_row(step, code, str(tuple(tensor.shape)), note)
+    diffs = {"output vs module (explicit path)": (y_walk - y_explicit).abs().max().item(),
+             "weights vs module": (w_walk - w_module).abs().max().item(),
+             "output vs module (fused path)": (y_walk - y_fused).abs().max().item()}
+    check_table = Table("the walk against the module", ["compared", "max |difference|"])
+    for compared, diff in diffs.items():
+        check_table.add_row(compared, diff)
+    picture = draw_head_weights(w_walk[0], out_dir / "shapes_weights.png")
+    return ExperimentResult(
+        name="shapes", summary="every step of multi-head attention with its tensor shape",
+        tables=[table, check_table], pictures=[picture],
+        numbers={"shapes": {step: list(t.shape) for step, _, t, _ in steps}, "max_diff": diffs},
+        checks=[Check(f"the walk equals the module (max difference <= {EXACT:g})",
+                      max(diffs.values()) <= EXACT)])
+
+
+def draw_head_weights(weights: Tensor, path: Path) -> Path:
+    """The (H, T, T) causal weights of the first sequence, one panel per head."""
+    H, T, _ = weights.shape
+    fig = new_figure(1.7 * H + 0.8, 2.1)
+    axes = fig.subplots(1, H, squeeze=False)[0]
+    for h, ax in enumerate(axes):
+        image = ax.imshow(weights[h].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
+        ax.set_title(f"head {h}", fontsize=8)
+        ax.set_xticks(range(T))
+        ax.set_yticks(range(T))
+        ax.tick_params(labelsize=6)
+        ax.set_xlabel("key s", fontsize=7)
+    axes[0].set_ylabel("query t", fontsize=7)
+    fig.colorbar(image, ax=list(axes), shrink=0.8)
+    fig.suptitle("weights (B, H, T, T) of sequence 0: lower triangular (causal)", fontsize=9)
+    return save_figure(fig, path)

@@ -1,0 +1,521 @@
+"""The trainer, as a library: nanoGPT's recipe without its globals.
+
+AdamW with weight decay on matrices only, linear warmup then cosine decay to `min_lr`, gradient
+accumulation, clipping, autocast (bf16/fp16) where the device has it, optional `torch.compile`,
+DDP under torchrun, periodic evaluation, and checkpoints that resume on exactly the same numbers.
+
+`make_optimizer` and `train_step` are the pieces a benchmark needs; `Trainer` runs a whole job
+into a run directory (see glassgpt.checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import math
+import signal
+import threading
+import time
+import tomllib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from glassgpt import checkpoint as ckpt
+from glassgpt import distributed as ddp
+from glassgpt.atomic import write_bytes_atomic, write_text_atomic
+from glassgpt.config import GPTConfig, load_preset
+from glassgpt.data import BatchSampler, PreparedData
+from glassgpt.errors import ConfigError, GlassGPTError
+from glassgpt.model import GPT
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+EVAL_SEED_OFFSET = 1_000_003  # eval batches come from their own stream, apart from training's
+
+
+class NonFiniteLossError(GlassGPTError):
+    """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+@dataclass
+class TrainConfig:
+    """Every training setting. Defaults follow nanoGPT; presets' [train] tables override them."""
+
+    max_iters: int = 5000  # optimizer steps in total (a resumed run continues up to this)
+    batch_size: int = 12  # sequences per micro-batch (per rank)
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 6e-4  # peak learning rate
+    min_lr: float = 6e-5  # floor of the cosine decay
+    warmup_iters: int = 100
+    lr_decay_iters: int = 0  # end of the cosine decay; 0 means max_iters
+    decay_lr: bool = True  # False keeps lr constant
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # max gradient norm; 0 disables clipping
+    eval_interval: int = 250  # evaluate and checkpoint every this many steps
+    eval_iters: int = 20  # batches per split in an evaluation
+    log_interval: int = 10  # steps between progress updates and metrics lines
+    device: str = "auto"  # auto, cpu, cuda, cuda:1, mps
+    dtype: str = "auto"  # autocast dtype: auto (bf16/fp16 on CUDA, float32 elsewhere) or a name
+    compile: bool = False  # torch.compile the model
+    seed: int = 1337
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), f.type)
+            if f.type == "float":
+                setattr(self, f.name, float(getattr(self, f.name)))
+        for name in ("max_iters", "batch_size", "grad_accum", "eval_interval", "eval_iters",
+                     "log_interval"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip", "min_lr"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ConfigError(f"lr must be positive, got {self.lr}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {DTYPES}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown training settings {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+
+def _check_type(name: str, value: Any, type_name: str) -> None:
+    expected = {"int": int, "float": (int, float), "bool": bool, "str": str}[type_name]
+    if not isinstance(value, expected) or (type_name != "bool" and isinstance(value, bool)):
+        raise ConfigError(f"{name} must be {type_name}, got {value!r}")
+
+
+def read_config_file(path: str | Path) -> dict[str, dict[str, Any]]:
+    """A TOML file with optional [model] and [train] tables (the presets' layout)."""
+    path = Path(path)
+    try:
+        tables = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path} is not valid TOML: {error}") from None
+    unknown = sorted(set(tables) - {"model", "train"})
+    if unknown:
+        raise ConfigError(f"{path}: unknown tables {unknown}; use [model] and [train]")
+    return tables
+
+
+def resolve_configs(preset: str, config_file: str | Path | None, model_flags: dict[str, Any],
+                    train_flags: dict[str, Any]) -> tuple[dict[str, Any], TrainConfig]:
+    """Settings in order of precedence: flags > --config file > preset > defaults."""
+    tables = load_preset(preset)
+    from_file = read_config_file(config_file) if config_file else {}
+    model = {**tables.get("model", {}), **from_file.get("model", {}), **model_flags}
+    train = {**tables.get("train", {}), **from_file.get("train", {}), **train_flags}
+    return model, TrainConfig.from_dict(train)
+
+
+# --- device and precision ------------------------------------------------------------------
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", local_rank)
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device cuda was asked for, but CUDA is not available here")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    return device
+
+
+def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for `dtype` on `device`; None means plain float32."""
+    if dtype == "auto":
+        if device.type != "cuda":
+            return None  # autocast on a CPU is rarely faster; keep full precision there
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if dtype == "float16" and device.type != "cuda":
+        raise ConfigError(f"dtype float16 needs CUDA (it trains with a gradient scaler); "
+                          f"use bfloat16 or float32 on {device.type}")
+    return {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+# --- optimizer and schedule ----------------------------------------------------------------
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str = "cpu"
+                   ) -> torch.optim.AdamW:
+    """AdamW decaying only tensors of 2+ dims: matrices and embeddings, not biases or norms."""
+    params = [p for p in model.parameters() if p.requires_grad]  # a tied weight appears once
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    # One fused kernel for all parameters where the device has it (CUDA, CPU, MPS).
+    fused = device_type in ("cuda", "cpu", "mps")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
+
+
+def lr_at(iteration: int, cfg: TrainConfig) -> float:
+    """Linear warmup to `lr`, then cosine decay to `min_lr` at lr_decay_iters, then flat."""
+    if not cfg.decay_lr:
+        return cfg.lr
+    if iteration < cfg.warmup_iters:
+        return cfg.lr * (iteration + 1) / (cfg.warmup_iters + 1)
+    decay_iters = cfg.lr_decay_iters or cfg.max_iters
+    if iteration >= decay_iters:
+        return cfg.min_lr
+    progress = (iteration - cfg.warmup_iters) / (decay_iters - cfg.warmup_iters)  # 0 -> 1
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+Batch = tuple[Tensor, Tensor]
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+               next_batch: Callable[[], Batch], cfg: TrainConfig,
+               scaler: torch.amp.GradScaler | None = None,
+               amp_dtype: torch.dtype | None = None) -> Tensor:
+    """One optimizer step over `cfg.grad_accum` micro-batches; returns their mean loss.
+
+    The loss stays on the device (no host sync): read it with `.item()` only when logging.
+    """
+    total = None
+    for micro in range(cfg.grad_accum):
+        x, y = next_batch()  # (B, T), (B, T)
+        # With DDP, all-reduce the gradients only once, after the last micro-batch.
+        with ddp.sync_gradients(model, sync=micro == cfg.grad_accum - 1):
+            with autocast(x.device, amp_dtype):
+                _, loss = model(x, y)
+            # Each micro-batch loss is a mean over B*T tokens; dividing by the number of
+            # micro-batches makes the summed gradients those of the mean over all of them.
+            loss = loss / cfg.grad_accum
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    if cfg.grad_clip > 0:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+@torch.no_grad()
+def estimate_loss(model: nn.Module, samplers: dict[str, BatchSampler], eval_iters: int,
+                  amp_dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """Mean loss over `eval_iters` batches of each split, in eval mode (no dropout).
+
+    Returns device tensors so that ranks can average them; the model's mode is restored.
+    """
+    was_training = model.training
+    model.eval()
+    losses = {}
+    for split, sampler in samplers.items():
+        total = torch.zeros((), device=sampler.device)
+        for _ in range(eval_iters):
+            x, y = sampler.next_batch()
+            with autocast(x.device, amp_dtype):
+                _, loss = model(x, y)
+            total += loss.float()
+        losses[split] = total / eval_iters
+    model.train(was_training)
+    return losses
+
+
+# --- progress, metrics, pictures -----------------------------------------------------------
+
+class Reporter(Protocol):
+    def start(self, total: int, done: int) -> None: ...
+
+    def log(self, record: dict[str, Any]) -> None: ...
+
+    def eval(self, record: dict[str, Any]) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class SilentReporter:
+    def start(self, total: int, done: int) -> None: ...
+
+    def log(self, record: dict[str, Any]) -> None: ...
+
+    def eval(self, record: dict[str, Any]) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class RichReporter:
+    """A rich progress bar (iteration, loss, lr, tokens/s) and one line per evaluation."""
+
+    def __init__(self) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+        self.progress = Progress("[bold]train", BarColumn(), MofNCompleteColumn(),
+                                 "{task.fields[stats]}", TimeRemainingColumn(), transient=False)
+        self.task = None
+
+    def start(self, total: int, done: int) -> None:
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=total, completed=done, stats="")
+
+    def log(self, record: dict[str, Any]) -> None:
+        stats = (f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+                 f"{record['tokens_per_s']:,.0f} tok/s")
+        self.progress.update(self.task, completed=record["iter"], stats=stats)
+
+    def eval(self, record: dict[str, Any]) -> None:
+        self.progress.console.print(f"step {record['iter']}: train loss "
+                                    f"{record['train_loss']:.4f}, val loss "
+                                    f"{record['val_loss']:.4f}")
+
+    def stop(self) -> None:
+        self.progress.stop()
+
+
+def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:
+    with open(run_dir / ckpt.METRICS_FILE, "a", encoding="utf-8") as file:
+        file.write(json.dumps(record) + "\n")
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / ckpt.METRICS_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+def truncate_metrics(run_dir: Path, iteration: int) -> None:
+    """Drop lines logged after the checkpoint a run resumes from: they will be logged again."""
+    kept = [r for r in read_metrics(run_dir) if r["iter"] <= iteration]
+    write_text_atomic(run_dir / ckpt.METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept))
+
+
+def plot_losses(run_dir: Path) -> None:
+    """loss.png: training loss per log line and train/val loss per evaluation."""
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure state
+
+    records = read_metrics(run_dir)
+    steps = [r for r in records if "loss" in r]
+    evals = [r for r in records if "val_loss" in r]
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    ax.plot([r["iter"] for r in steps], [r["loss"] for r in steps], lw=0.8, alpha=0.6,
+            label="train (batch)")
+    for split in ("train", "val"):
+        ax.plot([r["iter"] for r in evals], [r[f"{split}_loss"] for r in evals], marker="o",
+                label=f"{split} (eval)")
+    ax.set(xlabel="iteration", ylabel="cross-entropy loss", title=run_dir.name)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    write_bytes_atomic(run_dir / ckpt.PLOT_FILE, buffer.getvalue())
+
+
+@contextlib.contextmanager
+def stop_on_sigint() -> Iterator[threading.Event]:
+    """An event set by Ctrl-C, instead of KeyboardInterrupt cutting a step in half."""
+    requested = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield requested
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: requested.set())
+    try:
+        yield requested
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# --- the trainer ---------------------------------------------------------------------------
+
+@dataclass
+class TrainResult:
+    iteration: int
+    train_loss: float | None  # last evaluation
+    val_loss: float | None
+    interrupted: bool
+    seconds: float
+
+
+class Trainer:
+    """Trains `model` on `data` into `run_dir`, checkpointing at every evaluation and the end."""
+
+    def __init__(self, model: GPT, cfg: TrainConfig, data: PreparedData, run_dir: str | Path,
+                 reporter: Reporter | None = None, context: ddp.DistContext | None = None):
+        self.cfg, self.data, self.run_dir = cfg, data, Path(run_dir)
+        self.context = context or ddp.DistContext()
+        if self.context.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.reporter = reporter if reporter is not None and self.context.is_main \
+            else SilentReporter()
+        self.device = resolve_device(cfg.device, self.context.local_rank)
+        self.amp_dtype = autocast_dtype(cfg.dtype, self.device)
+        data.check_block_size(model.config.block_size)
+        self.model = model.to(self.device)  # the plain model: saved, evaluated
+        self.optimizer = make_optimizer(self.model, cfg, self.device.type)
+        use_scaler = self.amp_dtype == torch.float16
+        self.scaler = torch.amp.GradScaler("cuda") if use_scaler else None
+        fast = torch.compile(self.model) if cfg.compile else self.model
+        self.eval_model = fast
+        self.train_model = ddp.wrap_model(fast, self.context, self.device)
+        # Each rank reads its own batches and drops its own dropout masks.
+        self.sampler = self._sampler("train", cfg.seed + self.context.rank)
+        torch.manual_seed(cfg.seed + self.context.rank)
+        self.state = ckpt.TrainState()
+        self.tokens_per_step = (cfg.batch_size * model.config.block_size * cfg.grad_accum
+                                * self.context.world_size)
+
+    def _sampler(self, split: str, seed: int) -> BatchSampler:
+        return BatchSampler(self.data.splits[split], self.model.config.block_size,
+                            self.cfg.batch_size, seed, self.device)
+
+    def resume(self) -> None:
+        """Continue from the checkpoint in run_dir: optimizer, step, RNG and sampler states."""
+        state = ckpt.load_train_state(self.run_dir)
+        path = self.run_dir / ckpt.MODEL_FILE
+        ckpt.load_model_tensors(self.model, ckpt.read_safetensors(path), path)
+        try:
+            self.optimizer.load_state_dict(state.optimizer)
+        except (ValueError, KeyError, RuntimeError) as error:
+            raise ckpt.CheckpointError(f"{self.run_dir}: optimizer state does not fit the "
+                                       f"model ({error})") from None
+        if self.scaler is not None and state.scaler:
+            self.scaler.load_state_dict(state.scaler)
+        if len(state.rng) == self.context.world_size:
+            self.sampler.set_state(ckpt.restore_rng_state(state.rng[self.context.rank]))
+        else:  # another world size: new streams per rank, so not bitwise the same run
+            torch.manual_seed(self.cfg.seed + self.context.rank + state.iteration)
+            self.sampler = self._sampler("train", self.cfg.seed + self.context.rank
+                                         + state.iteration)
+        self.state = state
+        if self.context.is_main:
+            truncate_metrics(self.run_dir, state.iteration)
+
+    def run(self) -> TrainResult:
+        cfg, start = self.cfg, time.perf_counter()
+        losses: dict[str, float] = {}
+        self.reporter.start(cfg.max_iters, self.state.iteration)
+        first_bad = torch.full((), -1, device=self.device)  # first step with a non-finite loss
+        last_log, logged_at = time.perf_counter(), self.state.iteration
+        try:
+            with stop_on_sigint() as stop_requested:
+                while self.state.iteration < cfg.max_iters:
+                    it = self.state.iteration
+                    lr = lr_at(it, cfg)
+                    set_lr(self.optimizer, lr)
+                    loss = train_step(self.train_model, self.optimizer, self.sampler.next_batch,
+                                      cfg, self.scaler, self.amp_dtype)
+                    first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss),
+                                            it + 1, first_bad)
+                    self.state.iteration = it = it + 1
+                    done = it == cfg.max_iters
+                    if it % cfg.log_interval == 0 or done:
+                        self._check_finite(first_bad)
+                        elapsed = time.perf_counter() - last_log
+                        self._log(it, loss, lr, (it - logged_at) * self.tokens_per_step / elapsed)
+                        last_log, logged_at = time.perf_counter(), it
+                    if it % cfg.eval_interval == 0 or done:
+                        self._check_finite(first_bad)
+                        losses = self._evaluate_and_save(it)
+                    if self._should_stop(stop_requested.is_set(), it, done):
+                        self._check_finite(first_bad)
+                        self._save()
+                        return self._result(losses, True, start)
+        finally:
+            self.reporter.stop()
+        return self._result(losses, False, start)
+
+    def _should_stop(self, requested: bool, it: int, done: bool) -> bool:
+        if done:
+            return False
+        if not self.context.enabled:
+            return requested
+        # Ranks agree at log steps only: an all-reduce every step would cost a sync.
+        if it % self.cfg.log_interval != 0:
+            return False
+        flag = torch.tensor(int(requested), device=self.device)
+        return bool(ddp.max_over_ranks(flag, self.context).item())
+
+    def _check_finite(self, first_bad: Tensor) -> None:
+        bad = int(ddp.max_over_ranks(first_bad, self.context).item())
+        if bad >= 0:
+            raise NonFiniteLossError(f"the loss became NaN or infinite at iteration {bad}; "
+                                     f"stopped without saving, the last good checkpoint in "
+                                     f"{self.run_dir} is kept (try a lower --lr)")
+
+    def _log(self, it: int, loss: Tensor, lr: float, tokens_per_s: float) -> None:
+        loss_value = ddp.mean_over_ranks(loss, self.context).item()
+        record = {"iter": it, "loss": loss_value, "lr": lr, "tokens_per_s": tokens_per_s}
+        if self.context.is_main:
+            append_metrics(self.run_dir, record)
+        self.reporter.log(record)
+
+    def _evaluate_and_save(self, it: int) -> dict[str, float]:
+        seed = self.cfg.seed + EVAL_SEED_OFFSET + self.context.rank
+        samplers = {split: self._sampler(split, seed) for split in ("train", "val")}
+        losses = estimate_loss(self.eval_model, samplers, self.cfg.eval_iters, self.amp_dtype)
+        values = {split: ddp.mean_over_ranks(v, self.context).item() for split, v in
+                  losses.items()}
+        self.state.best_val_loss = min(self.state.best_val_loss, values["val"])
+        record = {"iter": it, "train_loss": values["train"], "val_loss": values["val"]}
+        if self.context.is_main:
+            append_metrics(self.run_dir, record)
+            plot_losses(self.run_dir)
+        self.reporter.eval(record)
+        self._save()
+        return values
+
+    def _save(self) -> None:
+        """Rank 0 writes the checkpoint, with the RNG states of every rank."""
+        rng = ddp.gather_objects(ckpt.capture_rng_state(self.sampler.get_state()), self.context)
+        if self.context.is_main:
+            self.state.optimizer = self.optimizer.state_dict()
+            self.state.rng = rng
+            self.state.scaler = self.scaler.state_dict() if self.scaler is not None else None
+            ckpt.save_checkpoint(self.run_dir, self.model, self.data.tokenizer,
+                                 self.cfg.to_dict(), str(self.data.dir.resolve()), self.state)
+        ddp.barrier(self.context)
+
+    def _result(self, losses: dict[str, float], interrupted: bool, start: float) -> TrainResult:
+        return TrainResult(self.state.iteration, losses.get("train"), losses.get("val"),
+                           interrupted, time.perf_counter() - start)
+
+
+def build_model(model_settings: dict[str, Any], vocab_size: int, seed: int) -> GPT:
+    """A freshly initialised GPT; the vocabulary size comes from the data's tokenizer."""
+    config = GPTConfig.from_dict({**model_settings, "vocab_size": vocab_size})
+    torch.manual_seed(seed)  # the same initial weights on every rank
+    return GPT(config)

@@ -1,0 +1,133 @@
+"""`glassgpt convert`: a Hugging Face GPT-2 directory into a run and back, through the real CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from glassgpt import GPT, GPTConfig
+from glassgpt.checkpoint import load_model, save_model
+from glassgpt.cli import main
+from glassgpt.tokenizers import BPETokenizer, CharTokenizer
+
+transformers = pytest.importorskip("transformers")
+
+
+def run_glassgpt(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    # HF_HUB_OFFLINE keeps every test off the network; a hub name fails at once instead of
+    # retrying.
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "glassgpt", *args], capture_output=True,
+                          text=True, env=full_env, timeout=120)
+
+
+def logits_of(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(idx)
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+@pytest.fixture()
+def hf_dir(tmp_path: Path, small_text: Path) -> Path:
+    """A tiny random GPT-2 with a byte-level BPE tokenizer, as save_pretrained writes it."""
+    tokenizer = BPETokenizer.train(small_text.read_text(encoding="utf-8"), 300)
+    config = transformers.GPT2Config(vocab_size=tokenizer.vocab_size, n_positions=24, n_embd=32,
+                                     n_layer=2, n_head=4, bos_token_id=None, eos_token_id=None)
+    model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for param in model.parameters():  # LayerNorms too: a swapped one would show
+            param.normal_(0.0, 0.2)
+    path = tmp_path / "hf-source"
+    model.save_pretrained(path)
+    tokenizer.save(path / "tokenizer.json")
+    return path
+
+
+def test_convert_round_trip_through_a_run_directory(tmp_path: Path, hf_dir: Path) -> None:
+    source = transformers.GPT2LMHeadModel.from_pretrained(hf_dir).eval()
+    run = tmp_path / "run"
+    result = run_glassgpt("convert", "--from-hf", str(hf_dir), "--out", str(run))
+    assert result.returncode == 0, result.stderr
+    assert "2 layers" in result.stdout
+
+    model, tokenizer = load_model(run)
+    assert tokenizer.kind == "bpe" and tokenizer.vocab_size == source.config.vocab_size
+    idx = torch.randint(0, source.config.vocab_size, (2, 24))
+    torch.testing.assert_close(logits_of(model, idx), logits_of(source, idx), atol=1e-5, rtol=0)
+
+    sampled = run_glassgpt("sample", str(run), "--prompt", "To be", "--max-new-tokens", "8",
+                           "--seed", "0")
+    assert sampled.returncode == 0, sampled.stderr
+    assert "To be" in sampled.stdout
+
+    out = tmp_path / "hf-export"
+    result = run_glassgpt("convert", str(run), "--to-hf", str(out))
+    assert result.returncode == 0, result.stderr
+    exported = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    torch.testing.assert_close(logits_of(exported, idx), logits_of(source, idx), atol=1e-5,
+                               rtol=0)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    text = "To be or not to be, that is the question."
+    assert hf_tokenizer(text)["input_ids"] == tokenizer.encode(text)
+
+
+def test_char_run_exports_the_model_only(tmp_path: Path, capsys) -> None:
+    config = GPTConfig(vocab_size=30, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    model = GPT(config).eval()
+    run = tmp_path / "run"
+    save_model(run, model, CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz .,\n"))
+    out = tmp_path / "hf"
+    assert main(["convert", str(run), "--to-hf", str(out)]) == 0  # in-process: one less start-up
+    assert "model only" in capsys.readouterr().out
+    assert not (out / "tokenizer.json").exists()
+    idx = torch.randint(0, 30, (2, 16))
+    exported = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    torch.testing.assert_close(logits_of(exported, idx), logits_of(model, idx), atol=1e-5,
+                               rtol=0)
+
+
+def test_offline_hub_name_is_one_clear_line(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    empty_cache = {"HF_HOME": str(tmp_path / "hf-home")}  # no cached copy to fall back on
+    result = run_glassgpt("convert", "--from-hf", "gpt2", "--out", str(run), env=empty_cache)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: cannot load 'gpt2' from the Hugging Face hub (offline")
+    assert not run.exists()
+
+
+def test_post_ln_run_cannot_be_exported(tmp_path: Path, capsys) -> None:
+    config = GPTConfig(vocab_size=30, block_size=8, n_layer=1, n_head=2, n_embd=16, pre_ln=False)
+    run = tmp_path / "run"
+    save_model(run, GPT(config), CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz .,\n"))
+    assert main(["convert", str(run), "--to-hf", str(tmp_path / "hf")]) == 2
+    assert "pre_ln=False (Post-LN) cannot be exported" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("args", [
+    ["convert"],
+    ["convert", "--from-hf", "gpt2"],
+    ["convert", "RUN"],
+    ["convert", "RUN", "--to-hf", "OUT", "--from-hf", "gpt2"],
+    ["convert", "RUN", "--to-hf", "OUT", "--dropout", "0.1"],
+])
+def test_convert_needs_one_whole_direction(args: list[str], capsys) -> None:
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: convert:") and len(err.strip().splitlines()) == 1
+
+
+def test_import_never_overwrites_an_existing_run(tmp_path: Path, hf_dir: Path, capsys) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("keep me")
+    assert main(["convert", "--from-hf", str(hf_dir), "--out", str(run)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert (run / "notes.txt").read_text() == "keep me"

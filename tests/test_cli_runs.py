@@ -1,0 +1,231 @@
+"""`glassgpt prepare | train | sample | eval`, end to end through real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+        "--batch-size", "4", "--eval-iters", "2", "--log-interval", "1"]
+
+
+def glassgpt(*args: str | Path, env: dict[str, str], cwd: Path | None = None,
+             check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "glassgpt", *map(str, args)],
+                            capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+@pytest.fixture(scope="module")
+def env(shakespeare_path, tmp_path_factory) -> dict[str, str]:
+    cache = tmp_path_factory.mktemp("cache")
+    return {**os.environ, "GLASSGPT_TINYSHAKESPEARE": str(shakespeare_path.resolve()),
+            "XDG_CACHE_HOME": str(cache)}
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("text") / "small.txt"
+    path.write_text("".join(f"To be or not to be, line {i}: that is the question.\n"
+                            for i in range(200)), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def data_dir(text, env, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data")
+    result = glassgpt("prepare", "--text", text, "--out", out, env=env)
+    assert "char tokenizer" in result.stdout
+    return out
+
+
+@pytest.fixture(scope="module")
+def run_dir(data_dir, env, tmp_path_factory) -> Path:
+    """A tiny run, with one setting from a --config TOML file."""
+    root = tmp_path_factory.mktemp("run")
+    config = root / "recipe.toml"
+    config.write_text("[train]\neval_interval = 3\nlr = 0.003\n")
+    run = root / "run"
+    result = glassgpt("train", "--data", data_dir, "--out", run, "--max-iters", "6",
+                      "--config", config, *TINY, env=env)
+    assert "val loss" in result.stdout
+    return run
+
+
+def test_prepare_writes_a_data_directory(data_dir):
+    meta = json.loads((data_dir / "meta.json").read_text())
+    assert meta["tokenizer"] == "char" and meta["train_tokens"] > meta["val_tokens"] > 0
+    assert (data_dir / "train.bin").is_file() and (data_dir / "tokenizer.json").is_file()
+
+
+def test_prepare_bpe(text, env, tmp_path):
+    glassgpt("prepare", "--text", text, "--tokenizer", "bpe", "--vocab-size", "300",
+             "--out", tmp_path, env=env)
+    assert json.loads((tmp_path / "meta.json").read_text())["vocab_size"] == 300
+
+
+def test_train_writes_a_complete_run_directory(run_dir):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "train_state.json",
+                 "train_state.safetensors", "metrics.jsonl", "loss.png"):
+        assert (run_dir / name).is_file(), name
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["train"]["eval_interval"] == 3 and config["train"]["lr"] == 0.003
+    assert config["train"]["max_iters"] == 6 and config["model"]["n_layer"] == 1
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iter"] for r in metrics if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["iter"] for r in metrics if "val_loss" in r] == [3, 6]
+
+
+def test_sample_streams_the_same_text_it_prints(run_dir, env):
+    args = ["sample", run_dir, "--prompt", "To be", "--max-new-tokens", "40", "--seed", "4"]
+    printed = glassgpt(*args, env=env).stdout
+    streamed = glassgpt(*args, "--stream", env=env).stdout
+    assert printed == streamed and printed.startswith("To be")
+    assert len(printed) == len("To be") + 40 + 1  # char level: one character per token
+
+
+def test_sample_stops_before_the_stop_text(run_dir, env):
+    args = ["sample", run_dir, "--prompt", "T", "--max-new-tokens", "60", "--seed", "1",
+            "--temperature", "1.5"]
+    full = glassgpt(*args, env=env).stdout[1:-1]  # without prompt and final newline
+    stop = next(c for c in "e to" if c in full)  # a character the model does produce
+    for extra in ([], ["--stream"]):
+        stopped = glassgpt(*args, "--stop", stop, *extra, env=env).stdout
+        assert stopped == "T" + full[:full.index(stop)] + "\n"
+
+
+def test_sample_several(run_dir, env):
+    out = glassgpt("sample", run_dir, "--num-samples", "2", "--max-new-tokens", "5",
+                   env=env).stdout
+    assert out.count("-" * 40) == 1
+
+
+def test_a_long_prompt_is_cropped_with_a_note(run_dir, env):
+    result = glassgpt("sample", run_dir, "--prompt", "to be " * 10, "--max-new-tokens", "3",
+                      env=env)
+    assert "the model sees its last 16" in result.stderr
+
+
+def test_eval_prints_loss_and_perplexity(run_dir, env):
+    line = glassgpt("eval", run_dir, env=env).stdout
+    assert line.startswith("val loss") and "perplexity" in line
+    result = json.loads(glassgpt("eval", run_dir, "--json", "--split", "train",
+                                 env=env).stdout)
+    assert result["split"] == "train" and result["tokens"] > 0
+    assert abs(result["perplexity"] - 2.718281828 ** result["loss"]) < 1e-6
+
+
+def losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in line]
+
+
+def test_resume_continues_exactly(data_dir, env, tmp_path):
+    """6 iterations in one go == 3, stop, then --resume up to 6: same losses, same weights."""
+    common = [*TINY, "--data", data_dir, "--eval-interval", "3", "--lr-decay-iters", "6",
+              "--dropout", "0.1"]
+    glassgpt("train", "--out", tmp_path / "whole", "--max-iters", "6", *common, env=env)
+    glassgpt("train", "--out", tmp_path / "split", "--max-iters", "3", *common, env=env)
+    result = glassgpt("train", "--resume", "--out", tmp_path / "split", "--max-iters", "6",
+                      env=env)
+    assert "resuming" in result.stderr
+    assert losses(tmp_path / "whole") == losses(tmp_path / "split")
+    whole = load_file(tmp_path / "whole" / "model.safetensors")
+    split = load_file(tmp_path / "split" / "model.safetensors")
+    assert all((whole[k] == split[k]).all() for k in whole)
+
+
+def test_an_existing_run_is_not_overwritten(run_dir, data_dir, env):
+    result = glassgpt("train", "--data", data_dir, "--out", run_dir, *TINY, env=env,
+                      check=False)
+    assert result.returncode != 0 and "--resume" in result.stderr and "--force" in result.stderr
+
+
+def test_force_starts_over(data_dir, env, tmp_path):
+    for _ in range(2):
+        glassgpt("train", "--data", data_dir, "--out", tmp_path, "--max-iters", "2", "--force",
+                 *TINY, env=env)
+    assert len(losses(tmp_path)) == 2
+
+
+def test_ctrl_c_saves_a_checkpoint_that_resumes(data_dir, env, tmp_path):
+    run = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "glassgpt", "train", "--data", str(data_dir), "--out", str(run),
+         "--max-iters", "100000", "--eval-interval", "100000", *TINY],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (run / "metrics.jsonl").is_file() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130 and "Traceback" not in stderr
+    assert "--resume" in stderr
+    state = json.loads((run / "train_state.json").read_text())
+    assert state["iteration"] >= 1
+    glassgpt("train", "--resume", "--out", run, "--max-iters", str(state["iteration"] + 1),
+             env=env)
+    assert len(losses(run)) == state["iteration"] + 1
+
+
+def test_train_without_data_uses_tiny_shakespeare_and_a_fresh_run_dir(env, tmp_path):
+    result = glassgpt("train", "--max-iters", "1", "--eval-interval", "1", *TINY, env=env,
+                      cwd=tmp_path)
+    assert "cpu-small" in result.stderr and "runs/" in result.stderr
+    (run,) = (tmp_path / "runs").iterdir()
+    assert (run / "model.safetensors").is_file()
+    meta = Path(env["XDG_CACHE_HOME"]) / "glassgpt" / "data" / "tinyshakespeare-char" / "meta.json"
+    assert json.loads(meta.read_text())["train_tokens"] == 1_003_854
+
+
+def write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+BAD_INPUTS = {
+    "missing text": (lambda d, t: ["prepare", "--text", t / "nope.txt", "--out", t / "o"],
+                     "not found"),
+    "empty text": (lambda d, t: ["prepare", "--text", write(t / "e.txt", b""), "--out", t],
+                   "empty"),
+    "non-UTF-8 text": (lambda d, t: ["prepare", "--text", write(t / "l.txt", b"caf\xe9 " * 9),
+                                     "--out", t], "not UTF-8"),
+    "text shorter than the context": (
+        lambda d, t: ["train", "--data", d, "--out", t / "r", *TINY, "--block-size", "5000"],
+        "too short for block_size=5000"),
+    "unknown preset": (lambda d, t: ["train", "--data", d, "--preset", "gpt5"], "gpt5"),
+    "unknown flag": (lambda d, t: ["train", "--data", d, "--learning-rate", "1"],
+                     "--learning-rate"),
+    "batch size 0": (lambda d, t: ["train", "--data", d, "--out", t, "--batch-size", "0"],
+                     "batch_size must be positive, got 0"),
+    "block size 0": (lambda d, t: ["train", "--data", d, "--out", t, "--block-size", "-1"],
+                     "block_size must be positive, got -1"),
+    "resume of a missing run": (lambda d, t: ["train", "--resume", "--out", t / "nope"],
+                                "not found"),
+    "sampling without a checkpoint": (lambda d, t: ["sample", t], "no checkpoint"),
+    "unknown characters in a prompt": (lambda d, t: ["sample", d.parent / "run" / "run",
+                                                     "--prompt", "Zebra{"], "'Z{'"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_is_one_line_and_no_traceback(case, data_dir, run_dir, env, tmp_path):
+    make_args, message = BAD_INPUTS[case]
+    data = data_dir if "unknown characters" not in case else run_dir.parent.parent / "data"
+    args = make_args(data, tmp_path) if "unknown characters" not in case else \
+        ["sample", run_dir, "--prompt", "Zebra{"]
+    result = glassgpt(*args, env=env, check=False)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert message in result.stderr

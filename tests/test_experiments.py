@@ -1,0 +1,138 @@
+"""The experiments at their reduced (--quick) size: each must still show its expected outcome.
+
+These run the library's own modules, so a regression in attention, the block, LayerNorm or the
+model's construction shows up here as an experiment that no longer demonstrates its point.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from glassgpt.errors import ConfigError
+from glassgpt.experiments import EXPERIMENTS, run_experiment
+from glassgpt.experiments.results import ExperimentResult
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_quick(name: str, out_dir: Path, seed: int = 0, **options) -> ExperimentResult:
+    result = run_experiment(name, out_dir, seed=seed, quick=True, **options)
+    assert result.name == name
+    assert result.pictures, f"{name} drew no picture"
+    for picture in result.pictures:
+        assert picture.parent == out_dir
+        assert picture.read_bytes()[:8] == PNG_MAGIC
+    failed = [check.claim for check in result.checks if not check.holds]
+    assert not failed, f"{name}: expected outcomes not shown: {failed}"
+    return result
+
+
+def test_shapes_walk_matches_module_and_records_each_shape(tmp_path: Path) -> None:
+    result = run_quick("shapes", tmp_path, batch_size=2, seq_len=5, d_model=24, n_heads=3)
+    shapes = result.numbers["shapes"]
+    assert shapes["project to Q, K, V"] == [2, 5, 72]
+    assert shapes["split Q | K | V"] == [2, 5, 24]
+    assert shapes["heads become batch"] == [2, 3, 5, 8]
+    assert shapes["softmax over keys"] == [2, 3, 5, 5]
+    assert shapes["merge heads"] == [2, 5, 24]
+    assert max(result.numbers["max_diff"].values()) <= 1e-6
+
+
+def test_shapes_rejects_width_not_divisible_by_heads(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="d_model=10 is not divisible by n_heads=4"):
+        run_experiment("shapes", tmp_path, d_model=10, n_heads=4)
+
+
+def test_parity_every_reference_agrees_in_float64(tmp_path: Path) -> None:
+    result = run_quick("parity", tmp_path)
+    for mask in ("causal", "bidirectional"):
+        diffs = result.numbers[mask]
+        assert set(diffs) == {"per-head loop (ModuleList + cat)",
+                              "fused path (scaled_dot_product_attention)",
+                              "nn.MultiheadAttention"}
+        for output_diff, weights_diff in diffs.values():
+            assert output_diff <= 1e-12
+            assert weights_diff is None or weights_diff <= 1e-12
+
+
+def test_multihead_one_head_fails_a_target_and_three_heads_solve_all(tmp_path: Path) -> None:
+    result = run_quick("multihead", tmp_path)
+    worst = result.numbers["worst_target"]
+    assert len(worst["1"]) >= 2  # every seed is checked, not an average
+    assert all(w < 0.5 for w in worst["1"]), worst["1"]
+    assert all(w > 0.9 for w in worst["3"]), worst["3"]
+    assert all(w > 0.9 for w in worst["6"]), worst["6"]
+    assert len(set(result.numbers["parameters"].values())) == 1
+    assert sorted(result.numbers["dominant_offset"]["3"]) == [1, 2, 4]
+
+
+def test_layernorm_manual_matches_and_sequence_norm_leaks(tmp_path: Path) -> None:
+    result = run_quick("layernorm", tmp_path)
+    numbers = result.numbers
+    assert numbers["mean"] == 5.0 and numbers["variance"] == 5.0  # population variance
+    assert numbers["manual_vs_torch"] <= 1e-12
+    assert numbers["scale_rows_diff"] <= 1e-4
+    assert max(numbers["leak_per_position"]) == 0.0
+    assert max(numbers["leak_over_sequence"]) > 1e-3
+
+
+def test_params_formula_and_gpt2_small_total(tmp_path: Path) -> None:
+    result = run_quick("params", tmp_path)
+    for width, counts in result.numbers["block"].items():
+        C = int(width)
+        assert counts["counted"] == counts["formula"] == 12 * C * C + 13 * C
+    assert result.numbers["gpt2_small_total"] == 124_439_808
+    assert 0.30 < result.numbers["embedding_share"] < 0.33
+
+
+def test_residual_collapse_without_skips_and_learning_with_them(tmp_path: Path) -> None:
+    result = run_quick("residual", tmp_path)
+    chance = math.log(10)
+    no_residual = result.numbers["Pre-LN, no residual"]
+    assert no_residual["collapse_at_init"] > 0.9
+    assert no_residual["loss_last"] > 2.0
+    for name in ("Pre-LN + residual", "Post-LN + residual"):
+        assert result.numbers[name]["collapse_at_init"] < 0.6
+        assert result.numbers[name]["loss_last"] < chance / 2
+        assert result.numbers[name]["accuracy"] > 0.9
+
+
+def test_dropout_modes_and_fused_path(tmp_path: Path) -> None:
+    result = run_quick("dropout", tmp_path)
+    modes = result.numbers["modes"]
+    assert modes["train()"]["dropout_active"] and modes["train() + no_grad"]["dropout_active"]
+    assert not modes["eval()"]["dropout_active"] and not modes["eval() + no_grad"]["dropout_active"]
+    assert modes["train()"]["row_sum_max"] > 1.0 + 1e-3
+    assert abs(modes["eval()"]["row_sum_max"] - 1.0) < 1e-5
+    fused = result.numbers["fused"]
+    assert fused["fused, eval()"] <= 1e-6 < fused["fused, train()"]
+    assert fused["BUG: SDPA with dropout_p=p in eval()"] > 1e-3
+
+
+def test_sharing_counts_and_updates(tmp_path: Path) -> None:
+    result = run_quick("sharing", tmp_path)
+    per_block = result.numbers["per_block"]
+    shared = result.numbers["[block] * L (shared)"]
+    independent = result.numbers["L independent blocks"]
+    assert shared["parameters"] == per_block and shared["distinct_blocks"] == 1
+    assert independent["parameters"] == 4 * per_block and independent["distinct_blocks"] == 4
+    assert shared["layers_changed"] == [True] * 4
+    assert independent["layers_changed"] == [True, False, False, False]
+
+
+def test_same_seed_gives_the_same_numbers(tmp_path: Path) -> None:
+    first = run_experiment("dropout", tmp_path / "a", seed=3, quick=True)
+    second = run_experiment("dropout", tmp_path / "b", seed=3, quick=True)
+    assert first.numbers == second.numbers
+
+
+def test_unknown_experiment_and_option_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown experiment 'nope'"):
+        run_experiment("nope", tmp_path)
+    with pytest.raises(ConfigError, match="takes no option"):
+        run_experiment("params", tmp_path, d_model=32)
+    assert list(EXPERIMENTS) == ["shapes", "parity", "multihead", "layernorm", "params",
+                                 "residual", "dropout", "sharing"]
