@@ -10,6 +10,10 @@ import pytest
 import torch
 
 matplotlib.use("Agg")
+# Tiny test models are overhead-bound: one thread is faster than two fighting over 2 cores, and
+# subprocesses started by the CLI tests inherit the same setting.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_SHAKESPEARE = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"

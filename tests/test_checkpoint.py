@@ -53,7 +53,7 @@ def test_save_and_load_model(tmp_path):
 
 def test_tied_weights_are_stored_once_and_tied_again(tmp_path):
     save_model(tmp_path, tiny_model(), TOKENIZER)
-    names = load_file(tmp_path / "model.safetensors").keys()
+    names = load_file(tmp_path / "model.safetensors")
     assert "tok_emb.weight" in names and "lm_head.weight" not in names
     loaded, _ = load_model(tmp_path)
     assert loaded.lm_head.weight is loaded.tok_emb.weight
@@ -62,14 +62,14 @@ def test_tied_weights_are_stored_once_and_tied_again(tmp_path):
 def test_untied_head_is_stored(tmp_path):
     model = tiny_model(tie_weights=False)
     save_model(tmp_path, model, TOKENIZER)
-    assert "lm_head.weight" in load_file(tmp_path / "model.safetensors").keys()
+    assert "lm_head.weight" in load_file(tmp_path / "model.safetensors")
     assert same_weights(model, load_model(tmp_path)[0])
 
 
 def test_wrapped_models_save_without_prefixes(tmp_path):
     model = tiny_model()
     save_model(tmp_path, torch.compile(model), TOKENIZER)  # compiles lazily: no work here
-    names = load_file(tmp_path / "model.safetensors").keys()
+    names = load_file(tmp_path / "model.safetensors")
     assert not any(n.startswith(("_orig_mod.", "module.")) for n in names)
     assert same_weights(model, load_model(tmp_path)[0])
 

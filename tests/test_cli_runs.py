@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from glassgpt.cli import main
+
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--batch-size", "4", "--eval-iters", "2", "--log-interval", "1"]
 
@@ -99,21 +101,15 @@ def test_sample_stops_before_the_stop_text(run_dir, env):
             "--temperature", "1.5"]
     full = glassgpt(*args, env=env).stdout[1:-1]  # without prompt and final newline
     stop = next(c for c in "e to" if c in full)  # a character the model does produce
-    for extra in ([], ["--stream"]):
-        stopped = glassgpt(*args, "--stop", stop, *extra, env=env).stdout
-        assert stopped == "T" + full[:full.index(stop)] + "\n"
+    stopped = glassgpt(*args, "--stop", stop, "--stream", env=env).stdout
+    assert stopped == "T" + full[:full.index(stop)] + "\n"
 
 
-def test_sample_several(run_dir, env):
-    out = glassgpt("sample", run_dir, "--num-samples", "2", "--max-new-tokens", "5",
-                   env=env).stdout
-    assert out.count("-" * 40) == 1
-
-
-def test_a_long_prompt_is_cropped_with_a_note(run_dir, env):
+def test_several_samples_and_a_prompt_longer_than_the_context(run_dir, env):
     result = glassgpt("sample", run_dir, "--prompt", "to be " * 10, "--max-new-tokens", "3",
-                      env=env)
+                      "--num-samples", "2", env=env)
     assert "the model sees its last 16" in result.stderr
+    assert result.stdout.count("-" * 40) == 1 and result.stdout.count("to be " * 10) == 2
 
 
 def test_eval_prints_loss_and_perplexity(run_dir, env):
@@ -145,16 +141,14 @@ def test_resume_continues_exactly(data_dir, env, tmp_path):
     assert all((whole[k] == split[k]).all() for k in whole)
 
 
-def test_an_existing_run_is_not_overwritten(run_dir, data_dir, env):
-    result = glassgpt("train", "--data", data_dir, "--out", run_dir, *TINY, env=env,
-                      check=False)
-    assert result.returncode != 0 and "--resume" in result.stderr and "--force" in result.stderr
-
-
-def test_force_starts_over(data_dir, env, tmp_path):
-    for _ in range(2):
-        glassgpt("train", "--data", data_dir, "--out", tmp_path, "--max-iters", "2", "--force",
-                 *TINY, env=env)
+def test_an_existing_run_is_kept_unless_forced(data_dir, env, tmp_path):
+    glassgpt("train", "--data", data_dir, "--out", tmp_path, "--max-iters", "3", *TINY, env=env)
+    refused = glassgpt("train", "--data", data_dir, "--out", tmp_path, *TINY, env=env,
+                       check=False)
+    assert refused.returncode != 0 and "--resume" in refused.stderr
+    assert "--force" in refused.stderr and len(losses(tmp_path)) == 3
+    glassgpt("train", "--data", data_dir, "--out", tmp_path, "--max-iters", "2", "--force",
+             *TINY, env=env)
     assert len(losses(tmp_path)) == 2
 
 
@@ -194,38 +188,49 @@ def write(path: Path, data: bytes) -> Path:
 
 
 BAD_INPUTS = {
-    "missing text": (lambda d, t: ["prepare", "--text", t / "nope.txt", "--out", t / "o"],
+    "missing text": (lambda d, r, t: ["prepare", "--text", t / "nope.txt", "--out", t / "o"],
                      "not found"),
-    "empty text": (lambda d, t: ["prepare", "--text", write(t / "e.txt", b""), "--out", t],
+    "empty text": (lambda d, r, t: ["prepare", "--text", write(t / "e.txt", b""), "--out", t],
                    "empty"),
-    "non-UTF-8 text": (lambda d, t: ["prepare", "--text", write(t / "l.txt", b"caf\xe9 " * 9),
-                                     "--out", t], "not UTF-8"),
+    "non-UTF-8 text": (lambda d, r, t: ["prepare", "--text", write(t / "l.txt", b"caf\xe9 "),
+                                        "--out", t], "not UTF-8"),
     "text shorter than the context": (
-        lambda d, t: ["train", "--data", d, "--out", t / "r", *TINY, "--block-size", "5000"],
+        lambda d, r, t: ["train", "--data", d, "--out", t / "r", *TINY, "--block-size", "5000"],
         "too short for block_size=5000"),
-    "unknown preset": (lambda d, t: ["train", "--data", d, "--preset", "gpt5"], "gpt5"),
-    "unknown flag": (lambda d, t: ["train", "--data", d, "--learning-rate", "1"],
+    "unknown preset": (lambda d, r, t: ["train", "--data", d, "--preset", "gpt5"], "gpt5"),
+    "unknown flag": (lambda d, r, t: ["train", "--data", d, "--learning-rate", "1"],
                      "--learning-rate"),
-    "batch size 0": (lambda d, t: ["train", "--data", d, "--out", t, "--batch-size", "0"],
+    "batch size 0": (lambda d, r, t: ["train", "--data", d, "--out", t, "--batch-size", "0"],
                      "batch_size must be positive, got 0"),
-    "block size 0": (lambda d, t: ["train", "--data", d, "--out", t, "--block-size", "-1"],
-                     "block_size must be positive, got -1"),
-    "resume of a missing run": (lambda d, t: ["train", "--resume", "--out", t / "nope"],
+    "block size -1": (lambda d, r, t: ["train", "--data", d, "--out", t, "--block-size", "-1"],
+                      "block_size must be positive, got -1"),
+    "resume of a missing run": (lambda d, r, t: ["train", "--resume", "--out", t / "nope"],
                                 "not found"),
-    "sampling without a checkpoint": (lambda d, t: ["sample", t], "no checkpoint"),
-    "unknown characters in a prompt": (lambda d, t: ["sample", d.parent / "run" / "run",
-                                                     "--prompt", "Zebra{"], "'Z{'"),
+    "sampling without a checkpoint": (lambda d, r, t: ["sample", t], "no checkpoint"),
+    "unknown characters in a prompt": (lambda d, r, t: ["sample", r, "--prompt", "Zebra{"],
+                                       "'Z{'"),
+    "a config file that is not TOML": (
+        lambda d, r, t: ["train", "--data", d, "--out", t, "--config", write(t / "c.toml", b"[")],
+        "not valid TOML"),
 }
+# A few go through a real process; the rest run `main` in-process: the same code path (any
+# exception escaping `main` would be the traceback), without paying for a fresh interpreter.
+THROUGH_A_PROCESS = ("non-UTF-8 text", "unknown flag", "sampling without a checkpoint",
+                     "text shorter than the context")
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)
-def test_bad_input_is_one_line_and_no_traceback(case, data_dir, run_dir, env, tmp_path):
+def test_bad_input_is_one_line_and_no_traceback(case, data_dir, run_dir, env, tmp_path, capsys,
+                                                monkeypatch):
     make_args, message = BAD_INPUTS[case]
-    data = data_dir if "unknown characters" not in case else run_dir.parent.parent / "data"
-    args = make_args(data, tmp_path) if "unknown characters" not in case else \
-        ["sample", run_dir, "--prompt", "Zebra{"]
-    result = glassgpt(*args, env=env, check=False)
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert message in result.stderr
+    args = [str(a) for a in make_args(data_dir, run_dir, tmp_path)]
+    if case in THROUGH_A_PROCESS:
+        result = glassgpt(*args, env=env, check=False)
+        code, stderr = result.returncode, result.stderr
+    else:
+        monkeypatch.setenv("GLASSGPT_TINYSHAKESPEARE", env["GLASSGPT_TINYSHAKESPEARE"])
+        code, stderr = main(args), capsys.readouterr().err
+    assert code != 0
+    assert "Traceback" not in stderr
+    assert len(stderr.strip().splitlines()) == 1, stderr
+    assert message in stderr

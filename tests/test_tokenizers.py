@@ -57,7 +57,7 @@ def test_bpe_round_trips_unicode_and_whitespace(bpe):
     assert bpe.decode(bpe.encode(text)) == text
     assert bpe.vocab_size == 300
     # Merges were learned: a frequent word is shorter in tokens than in bytes.
-    assert len(bpe.encode(" question")) < len(" question".encode())
+    assert len(bpe.encode(" question")) < len(b" question")
 
 
 def test_bpe_vocab_too_small_is_an_error():

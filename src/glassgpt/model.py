@@ -117,13 +117,19 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def attention_maps(self, idx: Tensor) -> list[Tensor]:
-        """Attention weights of every layer for idx (B, T): a list of L tensors (B, H, T, T)."""
+        """Attention weights of every layer for idx (B, T): a list of L tensors (B, H, T, T).
+
+        Runs in eval mode (no dropout), whatever mode the model is in, then restores that mode.
+        """
         self.check_tokens(idx)
-        x = self.tok_emb(idx) + self.pos_emb(self.positions[:idx.shape[1]])
+        was_training = self.training
+        self.eval()
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(self.positions[:idx.shape[1]]))
         maps = []
         for block in self.blocks:
             x, weights = block(x, return_attn=True)
             maps.append(weights)
+        self.train(was_training)
         return maps
 
     # --- incremental decoding -------------------------------------------------------------

@@ -44,7 +44,7 @@ class MultiheadSettings:
     eval_sequences: int = 1000
 
 
-QUICK = MultiheadSettings(head_counts=(1, 3, 6), n_seeds=2, steps=400)
+QUICK = MultiheadSettings(head_counts=(1, 3, 6), n_seeds=2, steps=300)
 
 
 class AttentionOnlyCopier(nn.Module):

@@ -1,0 +1,329 @@
+"""Every user mistake and every damaged or hostile file, through the real CLI in a subprocess.
+
+Each row must end with a non-zero exit, exactly one line on stderr that names the problem and the
+offending value, no traceback, and not one byte of the run directory changed. One tiny run is
+trained once for the module; each row damages its own copy. The rows run a few processes at a time
+(a fresh interpreter costs seconds), then each test checks its own row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from glassgpt.cli import main
+from glassgpt.data import prepare
+
+TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+        "--batch-size", "4", "--eval-iters", "2", "--log-interval", "1", "--device", "cpu"]
+PARALLEL_PROCESSES = 4
+
+
+@dataclass(frozen=True)
+class Where:
+    """The paths a row may use: its own copy of the run, shared data, a scratch directory."""
+
+    run: Path
+    data: Path  # char tokenizer, the data the run was trained on
+    bpe_data: Path  # the same text, BPE tokenizer
+    work: Path
+
+
+@dataclass(frozen=True)
+class Case:
+    argv: Callable[[Where], list]
+    message: str  # must appear in the one line on stderr
+    damage: Callable[[Path], None] | None = None  # edits the row's copy of the run first
+    succeeds: bool = False
+
+
+def write(path: Path, data: bytes | str) -> Path:
+    path.write_bytes(data.encode() if isinstance(data, str) else data)
+    return path
+
+
+def edit_json(name: str, change: Callable[[dict], object]) -> Callable[[Path], None]:
+    """A damage that rewrites one JSON file of the run through `change(data)`."""
+    def damage(run: Path) -> None:
+        data = json.loads((run / name).read_text())
+        replaced = change(data)
+        (run / name).write_text(json.dumps(data if replaced is None else replaced))
+    return damage
+
+
+def edit_model(**values: object) -> Callable[[Path], None]:
+    return edit_json("config.json", lambda c: c["model"].update(values))
+
+
+def truncate_weights(run: Path) -> None:
+    path = run / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:1000])
+
+
+def pickle_as_weights(run: Path) -> None:
+    write(run / "model.safetensors", pickle.dumps({"tok_emb.weight": [0.0] * 16}))
+
+
+def nanogpt_layout(run: Path) -> None:
+    """A nanoGPT out dir: one pickled ckpt.pt instead of config, weights and tokenizer."""
+    for name in ("config.json", "model.safetensors"):
+        (run / name).unlink()
+    write(run / "ckpt.pt", pickle.dumps({"model": {}}))
+
+
+def hostile_journal(run: Path) -> None:
+    """A journal that would rename a file outside the run directory while recovering."""
+    write(run / "victim.pending", "x")
+    write(run / "checkpoint.journal", json.dumps(["../victim"]))
+
+
+def sample(*extra: str) -> Callable[[Where], list]:
+    return lambda w: ["sample", w.run, "--max-new-tokens", "3", "--device", "cpu", *extra]
+
+
+def train(*extra: object) -> Callable[[Where], list]:
+    return lambda w: ["train", "--data", w.data, "--out", w.work / "new", *TINY,
+                      *[e(w) if callable(e) else e for e in extra]]
+
+
+def resume(*extra: object) -> Callable[[Where], list]:
+    return lambda w: ["train", "--resume", "--out", w.run, "--max-iters", "6",
+                      *[e(w) if callable(e) else e for e in extra]]
+
+
+CASES: dict[str, Case] = {
+    # --- text to prepare
+    "missing text": Case(lambda w: ["prepare", "--text", w.work / "nope.txt", "--out", w.work],
+                         "not found: " + "{work}/nope.txt"),
+    "empty text": Case(lambda w: ["prepare", "--text", write(w.work / "e.txt", ""), "--out",
+                                  w.work], "e.txt is empty"),
+    "blank text": Case(lambda w: ["prepare", "--text", write(w.work / "b.txt", " \n\t\n"),
+                                  "--out", w.work], "b.txt is empty"),
+    "binary text": Case(lambda w: ["prepare", "--text", write(w.work / "x.png",
+                                                               b"\x89PNG\r\n\x1a\n\x00\xff"),
+                                   "--out", w.work], "x.png is not UTF-8 text (byte 0: b'\\x89')"),
+    "too-short text": Case(lambda w: ["prepare", "--text", write(w.work / "s.txt", "ab"),
+                                      "--out", w.work], "too short to split: 2 tokens"),
+    "unknown tokenizer": Case(lambda w: ["prepare", "--tokenizer", "wordpiece", "--out", w.work],
+                              "'wordpiece'"),
+    "BPE vocabulary too small": Case(
+        lambda w: ["prepare", "--text", w.work.parent / "text.txt", "--tokenizer", "bpe",
+                   "--vocab-size", "10", "--out", w.work], "at least 257"),
+    "validation fraction 1.5": Case(
+        lambda w: ["prepare", "--text", w.work.parent / "text.txt", "--val-fraction", "1.5",
+                   "--out", w.work], "got 1.5"),
+    "tokenizer file that is not JSON": Case(
+        lambda w: ["prepare", "--text", w.work.parent / "text.txt", "--tokenizer-file",
+                   write(w.work / "tok.json", "{chars"), "--out", w.work / "o"],
+        "tok.json is not valid JSON"),
+    # --- training settings
+    "no command": Case(lambda w: [], "no command given"),
+    "unknown preset": Case(train("--preset", "gpt5"), "'gpt5'"),
+    "unknown flag": Case(train("--learning-rate", "1"), "--learning-rate"),
+    "flag of the wrong type": Case(train("--max-iters", "ten"), "'ten'"),
+    "unknown device": Case(train("--device", "tpu"), "'tpu'"),
+    "unknown dtype": Case(train("--dtype", "float8"), "'float8'"),
+    "float16 on a CPU": Case(train("--dtype", "float16"), "float16 needs CUDA"),
+    "zero layers": Case(train("--n-layer", "0"), "n_layer must be positive, got 0"),
+    "negative width": Case(train("--n-embd", "-16"), "n_embd must be positive, got -16"),
+    "zero batch size": Case(train("--batch-size", "0"), "batch_size must be positive, got 0"),
+    "negative max iters": Case(train("--max-iters", "-5"), "max_iters must be positive, got -5"),
+    "zero learning rate": Case(train("--lr", "0"), "lr must be positive, got 0.0"),
+    "dropout 1.5": Case(train("--dropout", "1.5"), "got 1.5"),
+    "width not divisible by heads": Case(train("--n-embd", "30", "--n-head", "4"),
+                                         "d_model=30 is not divisible by n_heads=4"),
+    "huge model": Case(train("--n-embd", "1048576", "--n-head", "1", "--n-layer", "64"),
+                       "parameters"),
+    "context longer than the text": Case(train("--block-size", "5000"),
+                                         "too short for block_size=5000"),
+    "config file that is not TOML": Case(
+        train("--config", lambda w: write(w.work / "c.toml", "[model")), "not valid TOML"),
+    "config file with an unknown table": Case(
+        train("--config", lambda w: write(w.work / "c.toml", "[optim]\nlr = 1\n")),
+        "unknown tables ['optim']"),
+    "config file with an unknown setting": Case(
+        train("--config", lambda w: write(w.work / "c.toml", "[train]\nlearning_rate = 1\n")),
+        "['learning_rate']"),
+    "data directory that is not one": Case(
+        lambda w: ["train", "--data", w.work, "--out", w.work / "r", *TINY],
+        "is not a prepared data directory"),
+    "training over an existing run": Case(lambda w: ["train", "--data", w.data, "--out", w.run,
+                                                     *TINY], "already holds a run"),
+    # --- resuming and fine-tuning
+    "resume past the position table": Case(resume("--block-size", "64"),
+                                           "block_size=64 (the run has 16)"),
+    "resume with data of another tokenizer": Case(resume("--data", lambda w: w.bpe_data),
+                                                  "tokenizer differs"),
+    "resume a directory that is not a run": Case(
+        lambda w: ["train", "--resume", "--out", w.work], "holds no checkpoint"),
+    "resume a run without training state": Case(
+        resume(), "no training state",
+        damage=lambda run: (run / "train_state.json").unlink()),
+    "resume with malformed training state": Case(
+        resume(), "malformed training state",
+        damage=edit_json("train_state.json", lambda s: s.update(iteration="three"))),
+    "resume with a train table that is not one": Case(
+        resume(), "'train' must be",
+        damage=edit_json("config.json", lambda c: c.update(train=[1, 2]))),
+    "fine-tune with a new width": Case(
+        lambda w: ["train", "--data", w.data, "--out", w.work / "ft", "--init-from", w.run,
+                   *TINY[:4], "--n-embd", "32"], "only --dropout may change"),
+    "fine-tune on data of another tokenizer": Case(
+        lambda w: ["train", "--data", w.bpe_data, "--out", w.work / "ft", "--init-from", w.run,
+                   "--max-iters", "1"], "tokenizer differs"),
+    # --- sampling
+    "prompt outside the vocabulary": Case(sample("--prompt", "Zebra{"), "'Z{'"),
+    "prompt longer than the context": Case(sample("--prompt", "to be " * 20),
+                                           "the prompt has 120 tokens", succeeds=True),
+    "top-p 0": Case(sample("--top-p", "0"), "top_p must be in (0, 1], got 0.0"),
+    "top-p 1.5": Case(sample("--top-p", "1.5"), "top_p must be in (0, 1], got 1.5"),
+    "negative temperature": Case(sample("--temperature", "-1"), "got -1.0"),
+    "top-k 0": Case(sample("--top-k", "0"), "top_k must be a positive integer, got 0"),
+    "negative token count": Case(sample("--max-new-tokens", "-1"), "got -1"),
+    "zero samples": Case(sample("--num-samples", "0"), "got 0"),
+    "sample on an unknown device": Case(sample("--device", "quantum"), "'quantum'"),
+    # --- eval
+    "eval on data of another tokenizer": Case(
+        lambda w: ["eval", w.run, "--data", w.bpe_data, "--device", "cpu"], "tokenizer differs"),
+    "eval of an unknown split": Case(lambda w: ["eval", w.run, "--split", "test"], "'test'"),
+    "eval with batch size 0": Case(lambda w: ["eval", w.run, "--batch-size", "0"], "got 0"),
+    # --- run directories and checkpoints
+    "sample a directory that is not a run": Case(lambda w: ["sample", w.work],
+                                                 "holds no checkpoint"),
+    "sample a missing directory": Case(lambda w: ["sample", w.work / "nope"],
+                                       "run directory not found"),
+    "pickle file offered as a checkpoint": Case(
+        lambda w: ["sample", write(w.work / "model.pt", pickle.dumps({"w": [1.0]}))],
+        "never loads pickle"),
+    "pickle inside model.safetensors": Case(sample(), "not a valid safetensors file",
+                                            damage=pickle_as_weights),
+    "nanoGPT ckpt.pt run directory": Case(sample(), "ckpt.pt", damage=nanogpt_layout),
+    "truncated model.safetensors": Case(sample(), "not a valid safetensors file",
+                                        damage=truncate_weights),
+    "tensor shapes that do not match the config": Case(
+        sample(), "has shape (29, 16), config.json needs (29, 32)",
+        damage=edit_model(n_embd=32)),
+    "config.json that is not JSON": Case(
+        sample(), "config.json is not valid JSON",
+        damage=lambda run: write(run / "config.json", "{'model': 1")),
+    "config.json with an unknown key": Case(
+        sample(), "unknown keys ['optimizer']",
+        damage=edit_json("config.json", lambda c: c.update(optimizer="sgd"))),
+    "config.json with an unknown model key": Case(
+        sample(), "['n_experts']", damage=edit_model(n_experts=8)),
+    "config.json with a string size": Case(sample(), "n_layer must be int, got '1'",
+                                           damage=edit_model(n_layer="1")),
+    "config.json asking for 10**12 tokens": Case(sample(), "vocab_size=1000000000000",
+                                                 damage=edit_model(vocab_size=10**12)),
+    "config.json asking for a 10**9 context": Case(sample(), "block_size=1000000000",
+                                                   damage=edit_model(block_size=10**9)),
+    "config.json asking for a huge width": Case(sample(), "n_embd=4294967296",
+                                                damage=edit_model(n_embd=2**32, n_head=1)),
+    "tokenizer.json that is not JSON": Case(
+        sample(), "tokenizer.json is not valid JSON",
+        damage=lambda run: write(run / "tokenizer.json", b"\xff\xfe")),
+    "tokenizer.json with a non-character": Case(
+        sample(), "single characters, got ['ab']",
+        damage=edit_json("tokenizer.json", lambda t: t["chars"].append("ab"))),
+    "tokenizer larger than the model": Case(
+        sample(), "more than the model's vocab_size=29",
+        damage=edit_json("tokenizer.json", lambda t: t["chars"].extend("ÀÁÂ"))),
+    "journal that points outside the run": Case(sample(), "'../victim'",
+                                                damage=hostile_journal),
+}
+
+
+def file_hashes(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@dataclass
+class Outcome:
+    returncode: int
+    stdout: str
+    stderr: str
+    before: dict[str, str]
+    after: dict[str, str]
+    outside_before: dict[str, str]
+    outside_after: dict[str, str]
+
+
+def run_case(case: Case, root: Path, template: Path, where: Where, env: dict) -> Outcome:
+    """Copy the run, damage it, run the command, and hash the run around it."""
+    shutil.copytree(template, where.run)
+    where.work.mkdir()
+    if case.damage is not None:
+        case.damage(where.run)
+    before, outside_before = file_hashes(where.run), file_hashes(root)
+    argv = [str(a) for a in case.argv(where)]
+    result = subprocess.run([sys.executable, "-m", "glassgpt", *argv], capture_output=True,
+                            text=True, env=env, cwd=where.work, timeout=300)
+    return Outcome(result.returncode, result.stdout, result.stderr, before,
+                   file_hashes(where.run), outside_before, file_hashes(root))
+
+
+@pytest.fixture(scope="module")
+def outcomes(shakespeare_path, tmp_path_factory) -> dict[str, tuple[Outcome, Where]]:
+    root = tmp_path_factory.mktemp("bad_inputs")
+    env = {**os.environ, "GLASSGPT_TINYSHAKESPEARE": str(shakespeare_path.resolve()),
+           "XDG_CACHE_HOME": str(root / "cache"), "COLUMNS": "200"}
+    text = write(root / "text.txt", "".join(f"To be or not to be, line {i}: that is the "
+                                            f"question.\n" for i in range(200)))
+    data, bpe_data, template = root / "data", root / "bpe_data", root / "template"
+    prepare(data, text)
+    prepare(bpe_data, text, tokenizer="bpe", vocab_size=300)
+    # Trained in-process: the same code as the CLI without one more interpreter start.
+    assert main(["train", "--data", str(data), "--out", str(template), "--max-iters", "3",
+                 "--eval-interval", "3", *TINY]) == 0
+    cases_root = root / "cases"
+    wheres = {}
+    for i, name in enumerate(CASES):
+        case_dir = cases_root / f"case{i:02d}"
+        wheres[name] = Where(case_dir / "run", data, bpe_data, case_dir / "work")
+        case_dir.mkdir(parents=True)
+    with ThreadPoolExecutor(PARALLEL_PROCESSES) as pool:
+        futures = {name: pool.submit(run_case, case, wheres[name].run.parent, template,
+                                     wheres[name], env) for name, case in CASES.items()}
+        return {name: (future.result(), wheres[name]) for name, future in futures.items()}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input(name, outcomes):
+    case = CASES[name]
+    outcome, where = outcomes[name]
+    message = case.message.format(work=where.work)
+    assert "Traceback" not in outcome.stderr, outcome.stderr
+    if case.succeeds:
+        assert outcome.returncode == 0, outcome.stderr
+        assert message in outcome.stderr
+    else:
+        assert outcome.returncode != 0
+        lines = outcome.stderr.strip().splitlines()
+        assert len(lines) == 1, outcome.stderr
+        assert lines[0].startswith("error: ") and message in lines[0], lines[0]
+    assert outcome.after == outcome.before, "a file of the run changed"
+    outside = {k: v for k, v in outcome.outside_after.items() if not k.startswith("work/")}
+    assert outside == {k: v for k, v in outcome.outside_before.items()
+                       if not k.startswith("work/")}
+
+
+def test_debug_shows_the_traceback(outcomes):
+    """`--debug` is the one way to see where an error came from."""
+    outcome, where = outcomes["sample a missing directory"]
+    result = subprocess.run([sys.executable, "-m", "glassgpt", "--debug", "sample",
+                             str(where.work / "nope")], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode != 0 and "Traceback" in result.stderr
+    assert "CheckpointError" in result.stderr
