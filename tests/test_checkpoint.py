@@ -176,7 +176,7 @@ def test_a_crash_before_the_commit_point_keeps_the_old_checkpoint(tmp_path, monk
         raise OSError("disk full")
 
     monkeypatch.setattr(checkpoint, "write_text_atomic", crash)  # the journal write fails
-    with pytest.raises(OSError):
+    with pytest.raises(checkpoint.CheckpointError, match="disk full"):
         save_model(tmp_path, new, TOKENIZER)
     monkeypatch.undo()
     assert same_weights(load_model(tmp_path)[0], old)

@@ -14,6 +14,7 @@ from glassgpt.checkpoint import load_train_state
 from glassgpt.config import GPTConfig, load_preset
 from glassgpt.data import PreparedData, prepare
 from glassgpt.errors import ConfigError
+from glassgpt.metrics import read_metrics
 from glassgpt.model import GPT
 from glassgpt.train import (
     NonFiniteLossError,
@@ -23,7 +24,6 @@ from glassgpt.train import (
     estimate_loss,
     lr_at,
     make_optimizer,
-    read_metrics,
     resolve_configs,
     train_step,
 )

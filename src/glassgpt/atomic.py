@@ -5,21 +5,23 @@ part. Write to a temporary file in the same directory, fsync it, then `os.replac
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from pathlib import Path
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
     path = Path(path)
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # A fresh name opened with "x" (not mkstemp, which makes files only the owner can read): the
+    # file gets the usual permissions of the user's umask, like any file they write.
+    temp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     try:
-        with os.fdopen(fd, "wb") as file:
+        with open(temp, "xb") as file:
             file.write(data)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temp, path)
     except BaseException:
-        Path(temp).unlink(missing_ok=True)
+        temp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
 

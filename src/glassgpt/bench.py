@@ -25,7 +25,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -43,12 +43,13 @@ NEW_TOKENS = 128
 MAX_TRAIN_BATCH = 12  # caps a preset's batch so one step stays around a second on a laptop CPU
 
 GLASSGPT, GLASSGPT_COMPILED, HF = "glassgpt", "glassgpt+compile", "hf"
+Key = TypeVar("Key")
 
 
 # --- timing ---------------------------------------------------------------------------------
 
-def interleaved_medians(contenders: dict[str, Callable[[], Any]], rounds: int,
-                        warmup: int = 1) -> dict[str, float]:
+def interleaved_medians(contenders: dict[Key, Callable[[], Any]], rounds: int,
+                        warmup: int = 1) -> dict[Key, float]:
     """Median seconds per call of each contender, timed in interleaved, rotating rounds."""
     if rounds <= 0:
         raise ConfigError(f"rounds must be positive, got {rounds}")
@@ -56,7 +57,7 @@ def interleaved_medians(contenders: dict[str, Callable[[], Any]], rounds: int,
     for _ in range(warmup):
         for name in names:
             contenders[name]()
-    seconds: dict[str, list[float]] = {name: [] for name in names}
+    seconds: dict[Key, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             start = time.perf_counter()
@@ -263,29 +264,33 @@ def bench_decoding(preset: str, limits: MachineLimits, against_hf: bool = False,
     model = bench_model(preset, dropout=0.0, **overrides).eval()
     check_decode_length(model.config, prompt_len, new_tokens)
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len))
-    contenders: dict[tuple[str, bool, torch.dtype], Callable[[], Tensor]] = {
-        (GLASSGPT, True, torch.float32): _glassgpt_decoder(model, prompt, new_tokens, True)}
+    # (contender, KV cache, dtype) -> model; the bf16 contender decodes from a bf16 copy.
+    models: dict[tuple[str, bool, torch.dtype], nn.Module] = {
+        (GLASSGPT, True, torch.float32): model}
     if bf16:
-        half = copy.deepcopy(model).to(torch.bfloat16)
-        contenders[GLASSGPT, True, torch.bfloat16] = _glassgpt_decoder(half, prompt, new_tokens,
-                                                                        True)
+        models[GLASSGPT, True, torch.bfloat16] = copy.deepcopy(model).to(torch.bfloat16)
     if uncached:
-        contenders[GLASSGPT, False, torch.float32] = _glassgpt_decoder(model, prompt,
-                                                                         new_tokens, False)
+        models[GLASSGPT, False, torch.float32] = model
     if against_hf:
         hf_model = hf_twin(model)
         for cache in (True, False) if uncached else (True,):
-            contenders[HF, cache, torch.float32] = _hf_decoder(hf_model, prompt, new_tokens,
-                                                                cache)
-    timed = {key: fn for key, fn in contenders.items()}
-    seconds = interleaved_medians(timed, rounds)  # type: ignore[arg-type]
+            models[HF, cache, torch.float32] = hf_model
+
+    def decoders(n: int) -> dict[tuple[str, bool, torch.dtype], Callable[[], Tensor]]:
+        make = {GLASSGPT: _glassgpt_decoder, HF: _hf_decoder}
+        return {key: make[key[0]](m, prompt, n, key[1]) for key, m in models.items()}
+
+    for warm_up in decoders(min(4, new_tokens)).values():  # a short run touches every path
+        warm_up()
+    seconds = interleaved_medians(decoders(new_tokens), rounds, warmup=0)
+    weight_bytes = decode_bytes_per_token(model)  # fp32
     results = []
     for (name, cache, dtype), elapsed in seconds.items():
-        weight_bytes = decode_bytes_per_token(model) * dtype.itemsize // 4
+        dtype_bytes = weight_bytes * dtype.itemsize // 4
         tokens_per_s = new_tokens / elapsed
         results.append(DecodeResult(preset, name, cache, str(dtype).removeprefix("torch."),
-                                    elapsed, tokens_per_s, weight_bytes,
-                                    tokens_per_s * weight_bytes / limits.read_bandwidth))
+                                    elapsed, tokens_per_s, dtype_bytes,
+                                    tokens_per_s * dtype_bytes / limits.read_bandwidth))
     return results
 
 
@@ -303,6 +308,59 @@ def bf16_cost(preset: str, prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_T
     agree = (reference.argmax(-1) == approx.argmax(-1)).float().mean()
     return PrecisionCost(preset, float(agree), float(kl.mean()),
                          float((reference - approx).abs().max()))
+
+
+# --- where the time goes --------------------------------------------------------------------
+
+@dataclass
+class OpShare:
+    """One operator's share of the self CPU time of a profiled step."""
+
+    workload: str  # "train step" or "decode step"
+    preset: str
+    op: str
+    share: float
+    calls: int  # per step
+
+
+def top_ops(fn: Callable[[], Any], top: int = 8, repeats: int = 1
+            ) -> list[tuple[str, float, int]]:
+    """(op, share of self CPU time, calls per call of fn) of the `top` costliest operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(repeats):
+            fn()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    return [(e.key, e.self_cpu_time_total / total, e.count // repeats) for e in events[:top]]
+
+
+def profile_decode_step(preset: str, top: int = 8, prompt_len: int = PROMPT_LEN
+                        ) -> list[OpShare]:
+    """The costliest operators of one cached decoding step after a `prompt_len` prefill."""
+    model = bench_model(preset, dropout=0.0).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len))
+    model.setup_kv_cache(1, prompt_len + 1)
+    with torch.no_grad():
+        model(prompt, start_pos=0, last_only=True)
+        step = lambda: model(prompt[:, -1:], start_pos=prompt_len, last_only=True)  # noqa: E731
+        step()  # warm-up; the profiled step rewrites the same cache slot
+        ops = top_ops(step, top, repeats=20)
+    model.remove_kv_cache()
+    return [OpShare("decode step", preset, *op) for op in ops]
+
+
+def profile_train_step(preset: str, top: int = 8, batch_size: int | None = None
+                       ) -> list[OpShare]:
+    """The costliest operators of one eager training step (forward, backward, AdamW)."""
+    model = bench_model(preset)
+    train_cfg = bench_train_config(preset, batch_size)
+    data = torch.randint(0, model.config.vocab_size, (train_cfg.batch_size,
+                                                      model.config.block_size + 1))
+    step = _stepper(model, train_cfg, (data[:, :-1], data[:, 1:]))
+    step()  # warm-up: the optimizer allocates its state on the first step
+    return [OpShare("train step", preset, *op) for op in top_ops(step, top, repeats=2)]
 
 
 # --- the whole report -----------------------------------------------------------------------
@@ -367,6 +425,7 @@ class BenchReport:
     train: list[TrainResult] = field(default_factory=list)
     decode: list[DecodeResult] = field(default_factory=list)
     precision: list[PrecisionCost] = field(default_factory=list)
+    profile: list[OpShare] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -376,11 +435,16 @@ class BenchReport:
 
 def run_benchmarks(workload: str, train_presets: list[str], decode_presets: list[str],
                    against_hf: bool = False, rounds: int | None = None,
-                   new_tokens: int = NEW_TOKENS, compiled: bool = True,
+                   new_tokens: int = NEW_TOKENS, compiled: bool = True, profile: bool = False,
                    progress: Callable[[str], None] = lambda _: None) -> BenchReport:
     """Everything `glassgpt bench` measures; `workload` is train, generate or all."""
     if workload not in ("train", "generate", "all"):
         raise ConfigError(f"unknown workload {workload!r}; choose train, generate or all")
+    for preset in {*train_presets, *decode_presets}:
+        load_preset(preset)  # an unknown name fails now, not after minutes of measuring
+    if workload != "train":
+        for preset in decode_presets:
+            check_decode_length(GPTConfig.from_preset(preset), PROMPT_LEN, new_tokens)
     progress("measuring the machine's matmul peak and read bandwidth")
     report = BenchReport(machine_info(), measure_limits())
     if workload in ("train", "all"):
@@ -388,10 +452,14 @@ def run_benchmarks(workload: str, train_presets: list[str], decode_presets: list
             progress(f"training {preset}")
             report.train += bench_training(preset, report.limits, against_hf, compiled,
                                            rounds=rounds or 5)
+            if profile:
+                report.profile += profile_train_step(preset)
     if workload in ("generate", "all"):
         for preset in decode_presets:
             progress(f"decoding {preset}")
             report.decode += bench_decoding(preset, report.limits, against_hf,
                                             rounds=rounds or 3, new_tokens=new_tokens)
             report.precision.append(bf16_cost(preset, new_tokens=new_tokens))
+            if profile:
+                report.profile += profile_decode_step(preset)
     return report

@@ -17,6 +17,7 @@ crash after it is finished (rolled forward) the next time the run is opened.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -42,13 +43,16 @@ MODEL_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 STATE_TENSORS_FILE = "train_state.safetensors"
 STATE_JSON_FILE = "train_state.json"
-METRICS_FILE = "metrics.jsonl"
-PLOT_FILE = "loss.png"
 JOURNAL_FILE = "checkpoint.journal"
 PENDING_SUFFIX = ".pending"
 RUN_FORMAT = "glassgpt-run/1"
 CONFIG_KEYS = ("format", "model", "train", "data_dir", "tokenizer", "extra")
 STATE_KEYS = ("iteration", "best_val_loss", "optimizer", "rng", "scaler")
+CHECKPOINT_FILES = (CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, STATE_TENSORS_FILE, STATE_JSON_FILE)
+# Config, state and tokenizer files are small (GPT-2's tokenizer.json is 1.4 MB); a bigger one
+# is refused before it is read, so a hostile file cannot exhaust memory.
+MAX_JSON_BYTES = 64 * 2**20
+PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".pkl", ".bin")
 
 
 # --- the model -----------------------------------------------------------------------------
@@ -75,8 +79,15 @@ def model_tensors(model: nn.Module) -> dict[str, Tensor]:
 
 def load_model_tensors(model: GPT, tensors: dict[str, Tensor], path: Path) -> None:
     """Copy `tensors` into `model`, after checking names and shapes against its config."""
-    expected = {name: t.shape for name, t in model.state_dict().items()}
-    if model.config.tie_weights:
+    _check_tensor_shapes(model.config, model.state_dict(), tensors, path)
+    # strict=False only because a tied lm_head.weight is absent; it stays tied to tok_emb.
+    model.load_state_dict(tensors, strict=False)
+
+
+def _check_tensor_shapes(config: GPTConfig, model_state: dict[str, Tensor],
+                         tensors: dict[str, Tensor], path: Path) -> None:
+    expected = {name: t.shape for name, t in model_state.items()}
+    if config.tie_weights:
         expected.pop("lm_head.weight")  # the same tensor as tok_emb.weight, stored once
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
@@ -87,8 +98,6 @@ def load_model_tensors(model: GPT, tensors: dict[str, Tensor], path: Path) -> No
         if tensors[name].shape != shape:
             raise CheckpointError(f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}"
                                   f", config.json needs {tuple(shape)}")
-    # strict=False only because a tied lm_head.weight is absent; it stays tied to tok_emb.
-    model.load_state_dict(tensors, strict=False)
 
 
 # --- the run configuration -----------------------------------------------------------------
@@ -112,7 +121,20 @@ def read_run_config(run_dir: str | Path) -> dict[str, Any]:
         GPTConfig.from_dict(config["model"])
     except ConfigError as error:
         raise CheckpointError(f"{path}: {error}") from None
+    _check_config_types(config, path)
     return config
+
+
+def _check_config_types(config: dict[str, Any], path: Path) -> None:
+    """The tables besides 'model' have the types the trainer and the CLI expect."""
+    expected = {"train": (dict, None), "data_dir": (str, None), "tokenizer": (str, None),
+                "extra": (dict,), "format": (str,)}
+    for key, allowed in expected.items():
+        value = config.get(key)
+        if key in config and not (value is None and None in allowed
+                                  or isinstance(value, tuple(t for t in allowed if t))):
+            names = " or ".join("null" if t is None else t.__name__ for t in allowed)
+            raise CheckpointError(f"{path}: {key!r} must be {names}, got {value!r:.80}")
 
 
 def check_run_dir(run_dir: str | Path) -> Path:
@@ -125,9 +147,19 @@ def check_run_dir(run_dir: str | Path) -> Path:
         raise CheckpointError(f"run directory not found: {run_dir}")
     recover_interrupted_commit(run_dir)
     if not (run_dir / CONFIG_FILE).is_file() or not (run_dir / MODEL_FILE).is_file():
+        _refuse_pickles(run_dir)
         raise CheckpointError(f"{run_dir} holds no checkpoint (no {CONFIG_FILE} and "
                               f"{MODEL_FILE}); train first, or point at a run directory")
     return run_dir
+
+
+def _refuse_pickles(run_dir: Path) -> None:
+    """Name a legacy PyTorch checkpoint (nanoGPT's ckpt.pt, say): loading it would unpickle."""
+    pickles = sorted(p.name for p in run_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(f"{run_dir} holds a pickled checkpoint ({', '.join(pickles)}) and "
+                              f"no {MODEL_FILE}; glassgpt never unpickles files (it could run "
+                              f"code); convert it to safetensors where you trust it")
 
 
 # --- public API ----------------------------------------------------------------------------
@@ -150,10 +182,27 @@ def load_model(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple
     if tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(f"{run_dir}: tokenizer has {tokenizer.vocab_size} tokens, more "
                               f"than the model's vocab_size={config.vocab_size}")
-    model = GPT(config)
     path = run_dir / MODEL_FILE
-    load_model_tensors(model, read_safetensors(path), path)
+    tensors = read_safetensors(path)
+    check_config_fits_tensors(config, tensors, path)
+    model = GPT(config)
+    load_model_tensors(model, tensors, path)
     return model.to(device).eval(), tokenizer
+
+
+def check_config_fits_tensors(config: GPTConfig, tensors: dict[str, Tensor], path: Path) -> None:
+    """Compare config.json with the weights before allocating anything: a config that asks for
+    a huge model (vocab_size=10**12, say) is refused instead of exhausting memory."""
+    if config.n_layer > len(tensors):  # every layer has at least one tensor
+        raise CheckpointError(f"{path}: config.json asks for n_layer={config.n_layer}, but the "
+                              f"file holds only {len(tensors)} tensors")
+    try:
+        with torch.device("meta"):  # shapes only, no memory
+            expected = GPT(config).state_dict()
+    except RuntimeError as error:  # sizes whose product overflows
+        raise CheckpointError(f"{path}: config.json asks for tensors too large to exist "
+                              f"({error})") from None
+    _check_tensor_shapes(config, expected, tensors, path)
 
 
 def read_tokenizer(run_dir: Path) -> Tokenizer:
@@ -161,9 +210,11 @@ def read_tokenizer(run_dir: Path) -> Tokenizer:
     if not path.is_file():
         raise CheckpointError(f"{path} is missing")
     try:
-        return tokenizer_from_json(path.read_text(encoding="utf-8"), source=str(path))
-    except (TokenizerError, UnicodeDecodeError) as error:
+        return tokenizer_from_json(_read_small_text(path), source=str(path))
+    except TokenizerError as error:
         raise CheckpointError(str(error)) from None
+    except UnicodeDecodeError as error:
+        raise CheckpointError(f"{path} is not UTF-8 text ({error})") from None
 
 
 # --- training state ------------------------------------------------------------------------
@@ -294,17 +345,28 @@ def _join_train_state(state_json: dict[str, Any], tensors: dict[str, Tensor]) ->
 def commit_files(run_dir: str | Path, files: dict[str, bytes]) -> None:
     """Replace several files of `run_dir` so that a crash leaves all old or all new ones."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    recover_interrupted_commit(run_dir)
-    for name, data in files.items():
-        with open(run_dir / (name + PENDING_SUFFIX), "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-    fsync_dir(run_dir)
-    # From here on the new checkpoint is the one: the journal is the commit point.
-    write_text_atomic(run_dir / JOURNAL_FILE, json.dumps(sorted(files)))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        recover_interrupted_commit(run_dir)
+        for name, data in files.items():
+            with open(run_dir / (name + PENDING_SUFFIX), "wb") as file:
+                file.write(data)
+                file.flush()
+                os.fsync(file.fileno())
+        fsync_dir(run_dir)
+        # From here on the new checkpoint is the one: the journal is the commit point.
+        write_text_atomic(run_dir / JOURNAL_FILE, json.dumps(sorted(files)))
+    except OSError as error:  # a full disk, a read-only mount: nothing was committed
+        _drop_pending(run_dir)
+        raise CheckpointError(f"cannot save a checkpoint in {run_dir} ({error}); the previous "
+                              f"checkpoint there is kept") from None
     _roll_forward(run_dir)
+
+
+def _drop_pending(run_dir: Path) -> None:
+    for pending in run_dir.glob("*" + PENDING_SUFFIX):
+        with contextlib.suppress(OSError):
+            pending.unlink()
 
 
 def recover_interrupted_commit(run_dir: Path) -> None:
@@ -318,13 +380,24 @@ def recover_interrupted_commit(run_dir: Path) -> None:
 
 def _roll_forward(run_dir: Path) -> None:
     journal = run_dir / JOURNAL_FILE
-    for name in json.loads(journal.read_text(encoding="utf-8")):
+    for name in _read_journal(journal):
         pending = run_dir / (name + PENDING_SUFFIX)
         if pending.exists():  # absent when renamed before a crash
             os.replace(pending, run_dir / name)
     fsync_dir(run_dir)
     journal.unlink()
     fsync_dir(run_dir)
+
+
+def _read_journal(journal: Path) -> list[str]:
+    try:
+        names = json.loads(_read_small_text(journal))
+    except ValueError as error:
+        raise CheckpointError(f"{journal} is not valid JSON: {error}") from None
+    if not isinstance(names, list) or not set(names) <= set(CHECKPOINT_FILES):
+        raise CheckpointError(f"{journal} may only name the checkpoint files "
+                              f"{list(CHECKPOINT_FILES)}, got {names!r:.200}")
+    return names
 
 
 def read_safetensors(path: Path) -> dict[str, Tensor]:
@@ -341,12 +414,21 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{path} is missing")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(_read_small_text(path))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{path} is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} must hold a JSON object")
     return data
+
+
+def _read_small_text(path: Path) -> str:
+    """A UTF-8 file of at most MAX_JSON_BYTES (checked before reading it)."""
+    size = path.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise CheckpointError(f"{path} is {size:,} bytes, more than the {MAX_JSON_BYTES:,} a "
+                              f"config, state or tokenizer file may hold")
+    return path.read_bytes().decode("utf-8")
 
 
 def _json_bytes(data: dict[str, Any]) -> bytes:

@@ -156,6 +156,7 @@ class PreparedData:
             self.tokenizer: Tokenizer = load_tokenizer(self.dir / TOKENIZER_FILE)
         except (json.JSONDecodeError, UnicodeDecodeError, TokenizerError) as error:
             raise DataError(f"{self.dir}: unreadable metadata or tokenizer ({error})") from None
+        _check_meta(self.meta, meta_path)
         self.splits = {split: self._open(split) for split in SPLITS}
 
     def _open(self, split: str) -> np.ndarray:
@@ -179,6 +180,21 @@ class PreparedData:
                 raise DataError(f"the {split} split of {self.dir} has {len(ids)} tokens, too "
                                 f"short for block_size={block_size} (needs at least "
                                 f"{block_size + 1}); use a longer text or a smaller --block-size")
+
+
+def _check_meta(meta: Any, path: Path) -> None:
+    """meta.json has the fields PreparedData reads, with usable values."""
+    if not isinstance(meta, dict):
+        raise DataError(f"{path} must hold a JSON object")
+    if meta.get("dtype", "uint16") not in ("uint16", "uint32"):
+        raise DataError(f"{path}: dtype must be uint16 or uint32, got {meta.get('dtype')!r:.40}")
+    vocab_size = meta.get("vocab_size")
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size <= 0:
+        raise DataError(f"{path}: vocab_size must be a positive integer, got {vocab_size!r:.40}")
+    for split in SPLITS:
+        count = meta.get(f"{split}_tokens")
+        if count is not None and (not isinstance(count, int) or isinstance(count, bool)):
+            raise DataError(f"{path}: {split}_tokens must be an integer, got {count!r:.40}")
 
 
 # --- batches -------------------------------------------------------------------------------

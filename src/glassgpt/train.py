@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
-import json
 import math
+import os
 import signal
 import threading
 import time
@@ -22,18 +21,18 @@ import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from glassgpt import checkpoint as ckpt
 from glassgpt import distributed as ddp
-from glassgpt.atomic import write_bytes_atomic, write_text_atomic
 from glassgpt.config import GPTConfig, load_preset
 from glassgpt.data import BatchSampler, PreparedData
 from glassgpt.errors import ConfigError, GlassGPTError
-from glassgpt.model import GPT
+from glassgpt.metrics import Reporter, SilentReporter, append_metrics, plot_losses, truncate_metrics
+from glassgpt.model import GPT, count_parameters
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVAL_SEED_OFFSET = 1_000_003  # eval batches come from their own stream, apart from training's
@@ -43,29 +42,35 @@ class NonFiniteLossError(GlassGPTError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
 
 
+def setting(default: Any, doc: str) -> Any:
+    """A dataclass field with a help text (shown by `glassgpt train --help`)."""
+    return dataclasses.field(default=default, metadata={"help": doc})
+
+
 @dataclass
 class TrainConfig:
     """Every training setting. Defaults follow nanoGPT; presets' [train] tables override them."""
 
-    max_iters: int = 5000  # optimizer steps in total (a resumed run continues up to this)
-    batch_size: int = 12  # sequences per micro-batch (per rank)
-    grad_accum: int = 1  # micro-batches per optimizer step
-    lr: float = 6e-4  # peak learning rate
-    min_lr: float = 6e-5  # floor of the cosine decay
-    warmup_iters: int = 100
-    lr_decay_iters: int = 0  # end of the cosine decay; 0 means max_iters
-    decay_lr: bool = True  # False keeps lr constant
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # max gradient norm; 0 disables clipping
-    eval_interval: int = 250  # evaluate and checkpoint every this many steps
-    eval_iters: int = 20  # batches per split in an evaluation
-    log_interval: int = 10  # steps between progress updates and metrics lines
-    device: str = "auto"  # auto, cpu, cuda, cuda:1, mps
-    dtype: str = "auto"  # autocast dtype: auto (bf16/fp16 on CUDA, float32 elsewhere) or a name
-    compile: bool = False  # torch.compile the model
-    seed: int = 1337
+    max_iters: int = setting(5000, "optimizer steps in total (a resumed run continues to it)")
+    batch_size: int = setting(12, "sequences per micro-batch, per rank")
+    grad_accum: int = setting(1, "micro-batches per optimizer step")
+    lr: float = setting(6e-4, "peak learning rate")
+    min_lr: float = setting(6e-5, "floor of the cosine decay")
+    warmup_iters: int = setting(100, "steps of linear warmup")
+    lr_decay_iters: int = setting(0, "step where the cosine decay ends (0: max_iters)")
+    decay_lr: bool = setting(True, "warmup and cosine decay (else a constant lr)")
+    weight_decay: float = setting(0.1, "AdamW weight decay of matrices and embeddings")
+    beta1: float = setting(0.9, "AdamW beta1")
+    beta2: float = setting(0.95, "AdamW beta2")
+    grad_clip: float = setting(1.0, "largest gradient norm (0: no clipping)")
+    eval_interval: int = setting(250, "evaluate and checkpoint every this many steps")
+    eval_iters: int = setting(20, "batches per split in an evaluation")
+    log_interval: int = setting(10, "steps between progress updates and metrics lines")
+    device: str = setting("auto", "auto, cpu, cuda, cuda:N or mps")
+    dtype: str = setting("auto", "autocast dtype: auto (bf16/fp16 on CUDA, float32 "
+                         "elsewhere), float32, bfloat16, float16")
+    compile: bool = setting(False, "torch.compile the model")
+    seed: int = setting(1337, "seed of initialisation, batches and dropout")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -92,6 +97,8 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        if not isinstance(values, dict):
+            raise ConfigError(f"training settings must be a table, got {values!r:.80}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -255,108 +262,21 @@ def estimate_loss(model: nn.Module, samplers: dict[str, BatchSampler], eval_iter
     return losses
 
 
-# --- progress, metrics, pictures -----------------------------------------------------------
-
-class Reporter(Protocol):
-    def start(self, total: int, done: int) -> None: ...
-
-    def log(self, record: dict[str, Any]) -> None: ...
-
-    def eval(self, record: dict[str, Any]) -> None: ...
-
-    def stop(self) -> None: ...
-
-
-class SilentReporter:
-    def start(self, total: int, done: int) -> None: ...
-
-    def log(self, record: dict[str, Any]) -> None: ...
-
-    def eval(self, record: dict[str, Any]) -> None: ...
-
-    def stop(self) -> None: ...
-
-
-class RichReporter:
-    """A rich progress bar (iteration, loss, lr, tokens/s) and one line per evaluation."""
-
-    def __init__(self) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-
-        self.progress = Progress("[bold]train", BarColumn(), MofNCompleteColumn(),
-                                 "{task.fields[stats]}", TimeRemainingColumn(), transient=False)
-        self.task = None
-
-    def start(self, total: int, done: int) -> None:
-        self.progress.start()
-        self.task = self.progress.add_task("train", total=total, completed=done, stats="")
-
-    def log(self, record: dict[str, Any]) -> None:
-        stats = (f"loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-                 f"{record['tokens_per_s']:,.0f} tok/s")
-        self.progress.update(self.task, completed=record["iter"], stats=stats)
-
-    def eval(self, record: dict[str, Any]) -> None:
-        self.progress.console.print(f"step {record['iter']}: train loss "
-                                    f"{record['train_loss']:.4f}, val loss "
-                                    f"{record['val_loss']:.4f}")
-
-    def stop(self) -> None:
-        self.progress.stop()
-
-
-def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:
-    with open(run_dir / ckpt.METRICS_FILE, "a", encoding="utf-8") as file:
-        file.write(json.dumps(record) + "\n")
-
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / ckpt.METRICS_FILE
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
-
-
-def truncate_metrics(run_dir: Path, iteration: int) -> None:
-    """Drop lines logged after the checkpoint a run resumes from: they will be logged again."""
-    kept = [r for r in read_metrics(run_dir) if r["iter"] <= iteration]
-    write_text_atomic(run_dir / ckpt.METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept))
-
-
-def plot_losses(run_dir: Path) -> None:
-    """loss.png: training loss per log line and train/val loss per evaluation."""
-    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure state
-
-    records = read_metrics(run_dir)
-    steps = [r for r in records if "loss" in r]
-    evals = [r for r in records if "val_loss" in r]
-    fig = Figure(figsize=(7, 4))
-    ax = fig.subplots()
-    ax.plot([r["iter"] for r in steps], [r["loss"] for r in steps], lw=0.8, alpha=0.6,
-            label="train (batch)")
-    for split in ("train", "val"):
-        ax.plot([r["iter"] for r in evals], [r[f"{split}_loss"] for r in evals], marker="o",
-                label=f"{split} (eval)")
-    ax.set(xlabel="iteration", ylabel="cross-entropy loss", title=run_dir.name)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
-    write_bytes_atomic(run_dir / ckpt.PLOT_FILE, buffer.getvalue())
-
-
 @contextlib.contextmanager
 def stop_on_sigint() -> Iterator[threading.Event]:
-    """An event set by Ctrl-C, instead of KeyboardInterrupt cutting a step in half."""
+    """An event set by Ctrl-C or SIGTERM (a scheduler's stop), instead of the signal cutting a
+    step or a checkpoint write in half: the trainer saves and returns at the next step."""
     requested = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield requested
         return
-    previous = signal.signal(signal.SIGINT, lambda *_: requested.set())
+    stop_signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda *_: requested.set()) for sig in stop_signals}
     try:
         yield requested
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 # --- the trainer ---------------------------------------------------------------------------
@@ -489,6 +409,10 @@ class Trainer:
         losses = estimate_loss(self.eval_model, samplers, self.cfg.eval_iters, self.amp_dtype)
         values = {split: ddp.mean_over_ranks(v, self.context).item() for split, v in
                   losses.items()}
+        if not all(math.isfinite(v) for v in values.values()):  # the last step broke the weights
+            raise NonFiniteLossError(f"the evaluation at iteration {it} gave a NaN or infinite "
+                                     f"loss ({values}); stopped without saving, the last good "
+                                     f"checkpoint in {self.run_dir} is kept (try a lower --lr)")
         self.state.best_val_loss = min(self.state.best_val_loss, values["val"])
         record = {"iter": it, "train_loss": values["train"], "val_loss": values["val"]}
         if self.context.is_main:
@@ -517,5 +441,33 @@ class Trainer:
 def build_model(model_settings: dict[str, Any], vocab_size: int, seed: int) -> GPT:
     """A freshly initialised GPT; the vocabulary size comes from the data's tokenizer."""
     config = GPTConfig.from_dict({**model_settings, "vocab_size": vocab_size})
+    check_model_fits_memory(config)
     torch.manual_seed(seed)  # the same initial weights on every rank
     return GPT(config)
+
+
+def check_model_fits_memory(config: GPTConfig) -> None:
+    """Refuse, before allocating, a model whose weights alone exceed this machine's memory."""
+    try:
+        with torch.device("meta"):  # shapes only; one and two layers give the cost of a layer
+            one, two = (count_parameters(GPT(dataclasses.replace(config, n_layer=n)))
+                        for n in (1, 2))
+    except RuntimeError as error:  # sizes whose product overflows
+        raise ConfigError(f"n_embd={config.n_embd}, vocab_size={config.vocab_size}, block_size="
+                          f"{config.block_size} make tensors too large to exist "
+                          f"({error})") from None
+    params = one + (config.n_layer - 1) * (two - one)
+    needed, available = 4 * params, physical_memory()  # float32 weights
+    if available is not None and needed > available:
+        raise ConfigError(f"n_layer={config.n_layer}, n_embd={config.n_embd}, vocab_size="
+                          f"{config.vocab_size}, block_size={config.block_size} make "
+                          f"{params:,} parameters: {needed / 2**30:,.0f} GiB of weights alone, "
+                          f"more than this machine's {available / 2**30:,.0f} GiB of memory")
+
+
+def physical_memory() -> int | None:
+    """Bytes of RAM, where the OS tells (Linux, macOS); None elsewhere."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None

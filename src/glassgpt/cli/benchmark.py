@@ -1,5 +1,137 @@
-"""Placeholder: the owner of this command group replaces it."""
+"""`glassgpt bench [train|generate|all]`: measure speed against the machine's limits and HF GPT-2.
+
+All measuring lives in `glassgpt.bench`; this module parses flags, prints tables and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from glassgpt import bench
+from glassgpt.atomic import write_text_atomic
+from glassgpt.errors import ConfigError
+
+WORKLOADS = ("train", "generate", "all")
 
 
-def register(subparsers) -> None:
-    pass
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench", help="measure training and decoding speed",
+        description="Measure the machine's fp32 matmul peak and read bandwidth, then training "
+        "tokens/s and MFU, and decoding tokens/s with and without the KV cache, optionally "
+        "beside Hugging Face GPT-2 of the same shape. Contenders run in interleaved rounds; "
+        "warm-up is excluded and medians are reported.")
+    p.add_argument("workload", nargs="?", choices=WORKLOADS, default="all")
+    p.add_argument("--preset", nargs="+", metavar="NAME",
+                   help=f"model shapes to measure (default: {', '.join(bench.TRAIN_PRESETS)} "
+                   f"for training, {', '.join(bench.DECODE_PRESETS)} for decoding)")
+    p.add_argument("--against", choices=["hf"], help="also measure transformers' GPT-2")
+    p.add_argument("--json", type=Path, metavar="FILE", help="also write every figure here")
+    p.add_argument("--rounds", type=int, help="timed rounds per contender (default: 5 for "
+                   "training, 3 for decoding)")
+    p.add_argument("--new-tokens", type=int, default=bench.NEW_TOKENS,
+                   help=f"tokens to decode after a {bench.PROMPT_LEN}-token prompt")
+    p.add_argument("--no-compile", action="store_true",
+                   help="skip the torch.compile training contender (compiling takes a while)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one training and one decoding step (torch.profiler)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.set_defaults(handler=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        if args.threads <= 0:
+            raise ConfigError(f"--threads must be positive, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if args.json is not None and not args.json.parent.is_dir():
+        raise ConfigError(f"cannot write {args.json}: no directory {args.json.parent}")
+    err = Console(stderr=True)
+    with err.status("benchmarking") as status:
+        report = bench.run_benchmarks(
+            args.workload, args.preset or list(bench.TRAIN_PRESETS),
+            args.preset or list(bench.DECODE_PRESETS), against_hf=args.against == "hf",
+            rounds=args.rounds, new_tokens=args.new_tokens, compiled=not args.no_compile,
+            profile=args.profile, progress=status.update)
+    print_report(report, Console())
+    if args.json is not None:
+        write_text_atomic(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
+    return 0
+
+
+def print_report(report: bench.BenchReport, console: Console) -> None:
+    m, limits = report.machine, report.limits
+    console.print(f"{m['cpu']}, {m['cores']} cores, {m['threads']} torch threads; "
+                  f"torch {m['torch']}" + (f", transformers {m['transformers']}"
+                                            if "transformers" in m else ""))
+    console.print(f"fp32 matmul peak {limits.matmul_flops / 1e9:.1f} GFLOP/s, "
+                  f"read bandwidth {limits.read_bandwidth / 1e9:.1f} GB/s")
+    if report.train:
+        console.print(_train_table(report.train))
+    if report.decode:
+        console.print(_decode_table(report.decode))
+    if report.precision:
+        console.print(_precision_table(report.precision))
+    if report.profile:
+        console.print(_profile_table(report.profile))
+    ratios = bench.speedups(report)
+    if ratios:
+        console.print(_speedup_table(ratios))
+
+
+def _train_table(rows: list[bench.TrainResult]) -> Table:
+    table = Table(title="Training (fp32, one optimizer step per round)")
+    for column in ("preset", "contender", "batch x T", "ms/step", "tokens/s", "MFU"):
+        table.add_column(column, justify="left" if column in ("preset", "contender") else "right")
+    for r in rows:
+        table.add_row(r.preset, r.contender, f"{r.batch_size} x {r.seq_len}",
+                      f"{r.step_seconds * 1e3:.1f}", f"{r.tokens_per_s:,.0f}", f"{r.mfu:.0%}")
+    return table
+
+
+def _decode_table(rows: list[bench.DecodeResult]) -> Table:
+    table = Table(title=f"Decoding (batch 1, {bench.PROMPT_LEN}-token prompt, greedy)")
+    for column in ("preset", "contender", "KV cache", "dtype", "tokens/s", "MB/token",
+                   "of BW limit"):
+        table.add_column(column, justify="left" if column in ("preset", "contender") else "right")
+    for r in rows:
+        table.add_row(r.preset, r.contender, "yes" if r.cache else "no", r.dtype,
+                      f"{r.tokens_per_s:,.1f}", f"{r.bytes_per_token / 1e6:.1f}",
+                      f"{r.bandwidth_fraction:.0%}")
+    return table
+
+
+def _precision_table(rows: list[bench.PrecisionCost]) -> Table:
+    table = Table(title="What bf16 weights cost (teacher-forced on the fp32 greedy output)")
+    for column in ("preset", "top-1 agreement", "mean KL (nats)", "max |logit error|"):
+        table.add_column(column, justify="left" if column == "preset" else "right")
+    for r in rows:
+        table.add_row(r.preset, f"{r.top1_agreement:.1%}", f"{r.mean_kl:.2e}",
+                      f"{r.max_logit_error:.3g}")
+    return table
+
+
+def _profile_table(rows: list[bench.OpShare]) -> Table:
+    table = Table(title="Where the time goes (self CPU time of one profiled step)")
+    for column in ("step", "preset", "op", "share", "calls"):
+        table.add_column(column, justify="right" if column in ("share", "calls") else "left",
+                         overflow="fold")
+    for r in rows:
+        table.add_row(r.workload, r.preset, r.op, f"{r.share:.1%}", str(r.calls))
+    return table
+
+
+def _speedup_table(rows: list[bench.Speedup]) -> Table:
+    table = Table(title="Speed-ups measured in this run")
+    for column in ("workload", "preset", "glassgpt", "against", "ratio"):
+        table.add_column(column, justify="right" if column == "ratio" else "left")
+    for r in rows:
+        table.add_row(r.workload, r.preset, r.contender, r.reference, f"{r.ratio:.2f}x")
+    return table
+

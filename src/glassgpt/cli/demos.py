@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table as RichTable
 
 from glassgpt.atomic import write_text_atomic
@@ -97,23 +98,24 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def print_result(console: Console, result: ExperimentResult, seconds: float) -> None:
-    console.rule(f"[bold]{result.name}[/bold]: {result.summary}")
+    # Experiment text is plain, never markup: "[block] * L" must print as written.
+    console.rule(f"[bold]{result.name}[/bold]: {escape(result.summary)}")
     for table in result.tables:
         console.print(rich_table(table))
     for check in result.checks:
         mark = "[green]✓[/green]" if check.holds else "[red]✗[/red]"
-        console.print(f"{mark} {check.claim}")
+        console.print(f"{mark} {escape(check.claim)}")
     for picture in result.pictures:
-        console.print(f"picture: {picture}")
+        console.print(f"picture: {escape(str(picture))}")
     console.print(f"[dim]{result.name} took {seconds:.1f} s[/dim]\n")
 
 
 def rich_table(table: Table) -> RichTable:
-    out = RichTable(title=table.title, title_justify="left")
+    out = RichTable(title=escape(table.title), title_justify="left")
     for column in table.columns:
-        out.add_column(column, overflow="fold")
+        out.add_column(escape(column), overflow="fold")
     for row in table.rows:
-        out.add_row(*(format_value(value, table.formats.get(column))
+        out.add_row(*(escape(format_value(value, table.formats.get(column)))
                       for column, value in zip(table.columns, row, strict=True)))
     return out
 

@@ -31,10 +31,10 @@ from glassgpt.data import (
     tinyshakespeare_path,
 )
 from glassgpt.errors import CheckpointError, ConfigError, DataError
+from glassgpt.metrics import METRICS_FILE, PLOT_FILE, RichReporter
 from glassgpt.model import GPT
 from glassgpt.tokenizers import TOKENIZER_KINDS, Tokenizer
 from glassgpt.train import (
-    RichReporter,
     TrainConfig,
     Trainer,
     TrainResult,
@@ -46,7 +46,7 @@ from glassgpt.train import (
 FLAG_TYPES = {"int": int, "float": float, "str": str}
 DATA_DECIDES = ("vocab_size",)  # set by the tokenizer of the data, never by a flag
 RUN_FILES = (ckpt.CONFIG_FILE, ckpt.MODEL_FILE, ckpt.TOKENIZER_FILE, ckpt.STATE_JSON_FILE,
-             ckpt.STATE_TENSORS_FILE, ckpt.METRICS_FILE, ckpt.PLOT_FILE)
+             ckpt.STATE_TENSORS_FILE, METRICS_FILE, PLOT_FILE)
 INTERRUPTED_EXIT_CODE = 130
 DEFAULT_PROMPT = "\n"
 
@@ -102,27 +102,39 @@ def _register_train(subparsers: argparse._SubParsersAction) -> None:
                    help="start from the weights of this run directory (fine-tuning)")
     _add_dataclass_flags(p.add_argument_group("model settings"), GPTConfig, "model",
                          skip=DATA_DECIDES)
-    _add_dataclass_flags(p.add_argument_group("training settings"), TrainConfig, "train")
+    _add_dataclass_flags(p.add_argument_group(
+        "training settings", "defaults shown are TrainConfig's; a preset's [train] table and "
+        "--config override them"), TrainConfig, "train")
     p.set_defaults(handler=run_train)
+
+
+MODEL_HELP = {
+    "block_size": "context length in tokens", "n_layer": "Transformer blocks",
+    "n_head": "attention heads", "n_embd": "width C", "dropout": "dropout probability",
+    "bias": "biases in Linear layers and LayerNorms", "activation": "gelu, gelu_tanh or relu",
+    "pre_ln": "Pre-LN blocks (else Post-LN)", "tie_weights": "LM head shares the embedding",
+    "ln_eps": "LayerNorm epsilon", "attn_impl": "attention path: fused or explicit",
+}
 
 
 def _add_dataclass_flags(group: argparse._ArgumentGroup, cls: type, prefix: str,
                          skip: tuple[str, ...] = ()) -> None:
     """A `--field-name` flag per dataclass field, typed from its annotation; unset is None."""
-    defaults = cls() if cls is TrainConfig else None
     for field in dataclasses.fields(cls):
         if field.name in skip:
             continue
         flag = "--" + field.name.replace("_", "-")
-        default = f" (default {getattr(defaults, field.name)})" if defaults else ""
+        help_text = field.metadata.get("help") or MODEL_HELP.get(field.name, field.name)
+        if field.default is not dataclasses.MISSING and prefix == "train":
+            help_text += f" (default {field.default})"
         if field.type == "bool":
             group.add_argument(flag, dest=f"{prefix}_{field.name}",
                                action=argparse.BooleanOptionalAction, default=None,
-                               help=f"{field.name}{default}")
+                               help=help_text)
         else:
             group.add_argument(flag, dest=f"{prefix}_{field.name}",
                                type=FLAG_TYPES[field.type], default=None,
-                               metavar=field.type.upper(), help=f"{field.name}{default}")
+                               metavar=field.type.upper(), help=help_text)
 
 
 def _flags(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
@@ -163,8 +175,10 @@ def _resume(args: argparse.Namespace, model_flags: dict[str, Any],
         ckpt.load_train_state(args.out)  # raises the error that explains what to do
     changed = {k: v for k, v in model_flags.items() if config["model"].get(k) != v}
     if changed:
-        raise ConfigError(f"cannot change model settings {sorted(changed)} of a run when "
-                          f"resuming; start a new run with --init-from {args.out}")
+        asked = ", ".join(f"{k}={v} (the run has {config['model'].get(k)})"
+                          for k, v in sorted(changed.items()))
+        raise ConfigError(f"cannot change model settings of a run when resuming: {asked}; "
+                          f"start a new run with --init-from {args.out}")
     cfg = TrainConfig.from_dict({**(config["train"] or {}), **train_flags})
     data_dir = args.data or config.get("data_dir")
     if data_dir is None:
@@ -172,7 +186,7 @@ def _resume(args: argparse.Namespace, model_flags: dict[str, Any],
     device = resolve_device(cfg.device)
     with ddp.distributed(device.type) as context:
         data = PreparedData(data_dir)
-        model = GPT(GPTConfig.from_dict(config["model"]))
+        model = ckpt.load_model(args.out)[0].train()  # checks config.json against the weights
         _check_same_tokenizer(data.tokenizer, ckpt.read_tokenizer(Path(args.out)), args.out)
         trainer = Trainer(model, cfg, data, args.out, RichReporter(), context)
         trainer.resume()

@@ -63,6 +63,7 @@ def draw_attention_grid(weights: Tensor, labels: list[str], path: Path, layer: i
     cols = sorted({h for _, h in panels})
     T = len(labels)
     fontsize = max(4.0, min(8.0, 160.0 / max(T, 1)))
+    rotation = 0 if all(len(label) == 1 for label in labels) else 90  # characters stand upright
     fig = new_figure(PANEL_INCHES * len(cols) + 1.0, PANEL_INCHES * len(rows) + 0.6)
     axes = fig.subplots(len(rows), len(cols), squeeze=False)
     for i, lay in enumerate(rows):
@@ -72,9 +73,10 @@ def draw_attention_grid(weights: Tensor, labels: list[str], path: Path, layer: i
             ax.set_title(f"layer {lay}, head {h}", fontsize=8)
             ax.set_xticks(range(T))
             ax.set_yticks(range(T))
-            ax.set_xticklabels(labels, rotation=90, fontsize=fontsize)
-            ax.set_yticklabels(labels, fontsize=fontsize)
-            ax.tick_params(length=0)
+            ax.tick_params(length=0, labelsize=fontsize)
+            # Token labels on the outer edge of the grid only: queries left, keys below.
+            ax.set_yticklabels(labels if j == 0 else [])
+            ax.set_xticklabels(labels if i == len(rows) - 1 else [], rotation=rotation)
     fig.colorbar(image, ax=axes, shrink=0.5, label="attention weight")
     if title:
         fig.suptitle(title, fontsize=10)

@@ -52,8 +52,8 @@ def gpt2_small_breakdown() -> dict[str, int]:
 def run(out_dir: Path, seed: int = 0, quick: bool = False) -> ExperimentResult:
     del seed  # nothing random is measured
     widths = WIDTHS[:4] if quick else WIDTHS
-    formula_table = Table("one block: formula against counting", ["C", "12C^2 + 13C", "counted",
-                                                                   "equal"])
+    formula_table = Table("one block: formula against counting",
+                          ["C", "12C^2 + 13C", "counted", "equal"], formats={"C": "d"})
     counted = {}
     for C in widths:
         with torch.device("meta"):

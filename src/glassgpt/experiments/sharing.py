@@ -91,5 +91,5 @@ def draw_counts(numbers: dict[str, dict], path: Path) -> Path:
     right.set_ylabel("layer", fontsize=8)
     right.set_yticks(range(LAYERS))
     right.set_xlim(-0.6, len(names) - 0.4)
-    right.set_title("layers that moved when layer 0 was updated", fontsize=9)
+    right.set_title("layers moved by updating layer 0", fontsize=9)
     return save_figure(fig, path)

@@ -1,0 +1,200 @@
+"""The benchmark's measuring code: timing method, FLOP and byte arithmetic, ratios, the CLI.
+
+Tiny shapes only: these tests check that the numbers are computed right, not how fast anything is.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from glassgpt import bench
+from glassgpt.config import GPTConfig
+from glassgpt.errors import ConfigError, GlassGPTError
+from glassgpt.model import GPT
+from glassgpt.train import TrainConfig
+
+# cpu-small shrunk further: every code path of the benchmark, in well under a second.
+TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=32)
+LIMITS = bench.MachineLimits(matmul_flops=1e11, read_bandwidth=2e10)
+
+
+def glassgpt(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "glassgpt", *argv], capture_output=True,
+                          text=True, timeout=120)
+
+
+# --- timing ---------------------------------------------------------------------------------
+
+def test_interleaved_medians_rotates_the_order_and_skips_warm_up(monkeypatch):
+    calls: list[str] = []
+    durations = {"a": 1.0, "b": 3.0}
+    clock = [0.0]
+
+    def contender(name: str):
+        def run() -> None:
+            calls.append(name)
+            clock[0] += durations[name]
+            durations[name] += 1.0  # each call of a contender takes a second longer
+        return run
+
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    medians = bench.interleaved_medians({"a": contender("a"), "b": contender("b")}, rounds=3,
+                                        warmup=1)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-up, then rotating rounds
+    assert medians == {"a": 3.0, "b": 5.0}  # timed calls took 2, 3, 4 and 4, 5, 6 seconds
+
+
+def test_interleaved_medians_needs_a_round():
+    with pytest.raises(ConfigError, match="rounds"):
+        bench.interleaved_medians({"a": lambda: None}, rounds=0)
+
+
+def test_measured_limits_are_positive_rates():
+    limits = bench.measure_limits(rounds=1, matmul_size=64, buffer_bytes=2**20)
+    assert limits.matmul_flops > 1e6 and limits.read_bandwidth > 1e6
+
+
+# --- arithmetic -----------------------------------------------------------------------------
+
+def test_train_flops_per_token_is_6n_plus_attention_by_hand():
+    model = GPT(GPTConfig.from_preset("cpu-small"))
+    V, T, L, H, C = 65, 64, 4, 4, 128
+    n_params = V * C + L * (12 * C * C + 13 * C) + 2 * C  # no position table: it is a lookup
+    assert bench.matmul_parameters(model) == n_params
+    expected = 6 * n_params + 12 * L * H * (C // H) * T
+    assert bench.train_flops_per_token(model.config, n_params, T) == expected
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_decode_bytes_count_every_weight_once_and_one_row_per_lookup(tied):
+    V, L, C = 65, 1, 16  # block_size 32: the position table is read one row at a time
+    model = GPT(GPTConfig.from_preset("cpu-small", tie_weights=tied, **TINY))
+    blocks = L * (12 * C * C + 13 * C) + 2 * C  # + final LayerNorm
+    lm_head, one_row = V * C, C
+    lookups = one_row + (0 if tied else one_row)  # position row, and token row if untied
+    assert bench.decode_bytes_per_token(model) == 4 * (blocks + lm_head + lookups)
+    assert bench.decode_bytes_per_token(model.to(torch.bfloat16)) == 2 * (blocks + lm_head
+                                                                         + lookups)
+
+
+# --- training -------------------------------------------------------------------------------
+
+def test_training_results_follow_from_the_measured_step():
+    results = bench.bench_training("cpu-small", LIMITS, against_hf=True, compiled=False,
+                                   rounds=1, batch_size=2, **TINY)
+    assert [r.contender for r in results] == [bench.GLASSGPT, bench.HF]
+    model = GPT(GPTConfig.from_preset("cpu-small", **TINY))
+    flops = bench.train_flops_per_token(model.config, bench.matmul_parameters(model), 32)
+    for r in results:
+        assert (r.batch_size, r.seq_len, r.flops_per_token) == (2, 32, flops)
+        assert r.tokens_per_s == pytest.approx(2 * 32 / r.step_seconds)
+        assert r.mfu == pytest.approx(r.tokens_per_s * flops / LIMITS.matmul_flops)
+
+
+def test_bench_train_config_uses_the_recipe_with_a_capped_batch():
+    cfg = bench.bench_train_config("shakespeare-char", None)
+    assert (cfg.batch_size, cfg.grad_accum, cfg.lr, cfg.beta2) == (bench.MAX_TRAIN_BATCH, 1,
+                                                                    1e-3, 0.99)
+    assert bench.bench_train_config("shakespeare-char", 3).batch_size == 3
+
+
+def test_compiled_training_matches_eager_losses():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    data = torch.randint(0, 11, (2, 9))
+    cfg = TrainConfig(batch_size=2, lr=1e-2)
+    eager, compiled = bench.compiled_matches_eager(model, (data[:, :-1], data[:, 1:]), 3, cfg)
+    assert eager[0] != eager[-1]  # the steps did train
+    assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
+
+
+# --- decoding -------------------------------------------------------------------------------
+
+def test_decoding_results_and_bandwidth_fraction():
+    results = bench.bench_decoding("cpu-small", LIMITS, against_hf=True, rounds=1,
+                                   new_tokens=6, **TINY)
+    keys = [(r.contender, r.cache, r.dtype) for r in results]
+    assert keys == [(bench.GLASSGPT, True, "float32"), (bench.GLASSGPT, True, "bfloat16"),
+                    (bench.GLASSGPT, False, "float32"), (bench.HF, True, "float32"),
+                    (bench.HF, False, "float32")]
+    fp32 = results[0].bytes_per_token
+    for r in results:
+        assert r.bytes_per_token == (fp32 // 2 if r.dtype == "bfloat16" else fp32)
+        assert r.tokens_per_s == pytest.approx(6 / r.seconds)
+        limit = LIMITS.read_bandwidth / r.bytes_per_token  # tokens/s if bandwidth-bound
+        assert r.bandwidth_fraction == pytest.approx(r.tokens_per_s / limit)
+
+
+def test_decode_must_fit_the_context():
+    with pytest.raises(ConfigError, match="block_size=32"):
+        bench.bench_decoding("cpu-small", LIMITS, new_tokens=17, **TINY)
+
+
+def test_bf16_cost_is_small_and_well_formed():
+    cost = bench.bf16_cost("cpu-small", new_tokens=8, **TINY)
+    assert 0.5 <= cost.top1_agreement <= 1.0
+    assert 0.0 <= cost.mean_kl < 1e-2 and 0.0 < cost.max_logit_error < 0.5
+
+
+def test_missing_transformers_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # makes `import transformers` fail
+    with pytest.raises(GlassGPTError, match=r"pip install"):
+        bench.hf_twin(GPT(GPTConfig.from_preset("cpu-small", **TINY)))
+
+
+# --- the report -----------------------------------------------------------------------------
+
+def _train(contender: str, tokens_per_s: float) -> bench.TrainResult:
+    return bench.TrainResult("p", contender, 1, 1, 1.0, tokens_per_s, 1.0, 0.5)
+
+
+def _decode(contender: str, cache: bool, tokens_per_s: float, dtype="float32"):
+    return bench.DecodeResult("p", contender, cache, dtype, 1.0, tokens_per_s, 1, 0.5)
+
+
+def test_speedups_divide_the_right_rows():
+    report = bench.BenchReport({}, LIMITS, train=[
+        _train(bench.GLASSGPT, 300.0), _train(bench.GLASSGPT_COMPILED, 450.0),
+        _train(bench.HF, 200.0)], decode=[
+        _decode(bench.GLASSGPT, True, 500.0), _decode(bench.GLASSGPT, True, 900.0, "bfloat16"),
+        _decode(bench.GLASSGPT, False, 100.0), _decode(bench.HF, True, 250.0),
+        _decode(bench.HF, False, 50.0)])
+    ratios = {(s.workload, s.contender, s.reference): s.ratio for s in bench.speedups(report)}
+    assert ratios == {("train", bench.GLASSGPT, "hf"): 1.5,
+                      ("train", bench.GLASSGPT_COMPILED, "hf"): 2.25,
+                      ("decode", bench.GLASSGPT, "hf"): 2.0,
+                      ("decode", bench.GLASSGPT, "glassgpt no-cache"): 5.0,
+                      ("decode", bench.GLASSGPT, "hf no-cache"): 10.0}
+
+
+def test_cli_writes_every_figure_as_json(tmp_path: Path):
+    out = tmp_path / "bench.json"
+    result = glassgpt("bench", "generate", "--preset", "cpu-small", "--rounds", "1",
+                      "--new-tokens", "4", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "Decoding" in result.stdout and "tokens/s" in result.stdout
+    data = json.loads(out.read_text())
+    assert set(data) == {"machine", "limits", "train", "decode", "precision", "speedups"}
+    assert data["limits"]["matmul_flops"] > 0 and data["limits"]["read_bandwidth"] > 0
+    row = data["decode"][0]
+    assert {"preset", "contender", "cache", "dtype", "tokens_per_s", "bytes_per_token",
+            "bandwidth_fraction"} <= set(row)
+    assert data["machine"]["cores"] >= 1 and data["precision"][0]["preset"] == "cpu-small"
+    assert {r["cache"] for r in data["decode"]} == {True, False}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--preset", "gpt5"], "unknown preset 'gpt5'"),
+    (["bench", "generate", "--preset", "cpu-small"], "block_size=64"),
+    (["bench", "--threads", "0"], "--threads must be positive"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(argv, message):
+    result = glassgpt(*argv)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
