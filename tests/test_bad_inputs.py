@@ -89,6 +89,20 @@ def hostile_journal(run: Path) -> None:
     write(run / "checkpoint.journal", json.dumps(["../victim"]))
 
 
+def huge_tokenizer_file(run: Path) -> None:
+    """65 MiB (sparse: costs no disk) behind a valid JSON start."""
+    with open(run / "tokenizer.json", "r+b") as file:
+        file.truncate(65 * 2**20)
+
+
+def data_with_bad_meta(w: Where) -> Path:
+    """A copy of the data whose meta.json names an id type glassgpt never writes."""
+    data = shutil.copytree(w.data, w.work / "data")
+    meta = json.loads((data / "meta.json").read_text())
+    (data / "meta.json").write_text(json.dumps({**meta, "dtype": "float64"}))
+    return data
+
+
 def sample(*extra: str) -> Callable[[Where], list]:
     return lambda w: ["sample", w.run, "--max-new-tokens", "3", "--device", "cpu", *extra]
 
@@ -156,6 +170,9 @@ CASES: dict[str, Case] = {
     "config file with an unknown setting": Case(
         train("--config", lambda w: write(w.work / "c.toml", "[train]\nlearning_rate = 1\n")),
         "['learning_rate']"),
+    "data directory with a bad meta.json": Case(
+        lambda w: ["train", "--data", data_with_bad_meta(w), "--out", w.work / "r", *TINY],
+        "dtype must be uint16 or uint32, got 'float64'"),
     "data directory that is not one": Case(
         lambda w: ["train", "--data", w.work, "--out", w.work / "r", *TINY],
         "is not a prepared data directory"),
@@ -174,6 +191,12 @@ CASES: dict[str, Case] = {
     "resume with malformed training state": Case(
         resume(), "malformed training state",
         damage=edit_json("train_state.json", lambda s: s.update(iteration="three"))),
+    "resume with a negative iteration": Case(
+        resume(), "iteration must be an integer >= 0, got -5",
+        damage=edit_json("train_state.json", lambda s: s.update(iteration=-5))),
+    "resume with malformed random states": Case(
+        resume(), "the saved random states are malformed",
+        damage=edit_json("train_state.json", lambda s: s["rng"][0].update(python=[3, [1], None]))),
     "resume with a train table that is not one": Case(
         resume(), "'train' must be",
         damage=edit_json("config.json", lambda c: c.update(train=[1, 2]))),
@@ -237,6 +260,8 @@ CASES: dict[str, Case] = {
     "tokenizer.json with a non-character": Case(
         sample(), "single characters, got ['ab']",
         damage=edit_json("tokenizer.json", lambda t: t["chars"].append("ab"))),
+    "tokenizer.json of 65 MiB": Case(sample(), "68,157,440 bytes, more than the 67,108,864",
+                                     damage=huge_tokenizer_file),
     "tokenizer larger than the model": Case(
         sample(), "more than the model's vocab_size=29",
         damage=edit_json("tokenizer.json", lambda t: t["chars"].extend("ÀÁÂ"))),
@@ -346,7 +371,7 @@ def test_bad_input(name, setup, process_outcomes, tmp_path, capsys, monkeypatch)
         assert outcome.returncode == 0, outcome.stderr
         assert message in outcome.stderr
     else:
-        assert outcome.returncode != 0
+        assert outcome.returncode == 2
         lines = outcome.stderr.strip().splitlines()
         assert len(lines) == 1, outcome.stderr
         assert lines[0].startswith("error: ") and message in lines[0], lines[0]

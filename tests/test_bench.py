@@ -198,3 +198,20 @@ def test_cli_bad_input_is_one_line_and_exit_2(argv, message):
     result = glassgpt(*argv)
     assert result.returncode == 2
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_input_major_weights_change_the_layout_not_the_model():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_preset("cpu-small", **TINY)).eval()
+    prompt = torch.randint(0, 65, (2, 5))
+    logits, tokens = model(prompt)[0], model.generate(prompt, 8, temperature=0.0)
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    assert model.input_major_weights() is model
+    qkv = model.blocks[0].attn.qkv.weight
+    assert qkv.shape == (48, 16) and qkv.stride() == (1, 48)  # (out, in) shape, stored (in, out)
+    assert model.lm_head.weight is model.tok_emb.weight  # still tied
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    torch.testing.assert_close(model(prompt)[0], logits)
+    assert torch.equal(model.generate(prompt, 8, temperature=0.0), tokens)
+    assert torch.equal(model.generate(prompt, 8, temperature=0.0, use_cache=False), tokens)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from glassgpt.cli import main
@@ -26,6 +27,14 @@ def glassgpt(*args: str | Path, env: dict[str, str], cwd: Path | None = None,
     if check:
         assert result.returncode == 0, result.stderr
     return result
+
+
+def in_process(*args: str | Path, capsys: pytest.CaptureFixture) -> str:
+    """Run `glassgpt ARGS` in this process (where a second run of a command is only a reference
+    for the one under test, a fresh interpreter adds nothing but seconds); returns stdout."""
+    capsys.readouterr()
+    assert main([str(a) for a in args]) == 0
+    return capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")
@@ -88,18 +97,18 @@ def test_train_writes_a_complete_run_directory(run_dir):
     assert [r["iter"] for r in metrics if "val_loss" in r] == [3, 6]
 
 
-def test_sample_streams_the_same_text_it_prints(run_dir, env):
+def test_sample_streams_the_same_text_it_prints(run_dir, env, capsys):
     args = ["sample", run_dir, "--prompt", "To be", "--max-new-tokens", "40", "--seed", "4"]
-    printed = glassgpt(*args, env=env).stdout
+    printed = in_process(*args, capsys=capsys)
     streamed = glassgpt(*args, "--stream", env=env).stdout
     assert printed == streamed and printed.startswith("To be")
     assert len(printed) == len("To be") + 40 + 1  # char level: one character per token
 
 
-def test_sample_stops_before_the_stop_text(run_dir, env):
+def test_sample_stops_before_the_stop_text(run_dir, env, capsys):
     args = ["sample", run_dir, "--prompt", "T", "--max-new-tokens", "60", "--seed", "1",
             "--temperature", "1.5"]
-    full = glassgpt(*args, env=env).stdout[1:-1]  # without prompt and final newline
+    full = in_process(*args, capsys=capsys)[1:-1]  # without prompt and final newline
     stop = next(c for c in "e to" if c in full)  # a character the model does produce
     stopped = glassgpt(*args, "--stop", stop, "--stream", env=env).stdout
     assert stopped == "T" + full[:full.index(stop)] + "\n"
@@ -112,8 +121,8 @@ def test_several_samples_and_a_prompt_longer_than_the_context(run_dir, env):
     assert result.stdout.count("-" * 40) == 1 and result.stdout.count("to be " * 10) == 2
 
 
-def test_eval_prints_loss_and_perplexity(run_dir, env):
-    line = glassgpt("eval", run_dir, env=env).stdout
+def test_eval_prints_loss_and_perplexity(run_dir, env, capsys):
+    line = in_process("eval", run_dir, capsys=capsys)
     assert line.startswith("val loss") and "perplexity" in line
     result = json.loads(glassgpt("eval", run_dir, "--json", "--split", "train",
                                  env=env).stdout)
@@ -121,16 +130,34 @@ def test_eval_prints_loss_and_perplexity(run_dir, env):
     assert abs(result["perplexity"] - 2.718281828 ** result["loss"]) < 1e-6
 
 
+def test_fine_tuning_starts_from_another_runs_weights(run_dir, text, tmp_path, capsys):
+    in_process("prepare", "--text", text, "--tokenizer-file", run_dir / "tokenizer.json",
+               "--out", tmp_path / "data", capsys=capsys)
+    in_process("train", "--init-from", run_dir, "--data", tmp_path / "data", "--out",
+               tmp_path / "tuned", "--max-iters", "1", "--eval-iters", "1", "--dropout", "0.2",
+               "--lr", "1e-9", "--warmup-iters", "0", capsys=capsys)
+    base = load_file(run_dir / "model.safetensors")
+    tuned = load_file(tmp_path / "tuned" / "model.safetensors")
+    assert all(torch.allclose(base[k], tuned[k], atol=1e-6) for k in base)  # tiny lr: same
+    config = json.loads((tmp_path / "tuned" / "config.json").read_text())
+    assert config["model"]["dropout"] == 0.2 and config["model"]["n_embd"] == 16
+    in_process("prepare", "--text", text, "--tokenizer", "bpe", "--vocab-size", "300", "--out",
+               tmp_path / "bpe", capsys=capsys)
+    assert main(["train", "--init-from", str(run_dir), "--data", str(tmp_path / "bpe"),
+                 "--out", str(tmp_path / "wrong")]) == 2
+    assert "--tokenizer-file" in capsys.readouterr().err
+
+
 def losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
             if '"loss"' in line]
 
 
-def test_resume_continues_exactly(data_dir, env, tmp_path):
+def test_resume_continues_exactly(data_dir, env, tmp_path, capsys):
     """6 iterations in one go == 3, stop, then --resume up to 6: same losses, same weights."""
     common = [*TINY, "--data", data_dir, "--eval-interval", "3", "--lr-decay-iters", "6",
               "--dropout", "0.1"]
-    glassgpt("train", "--out", tmp_path / "whole", "--max-iters", "6", *common, env=env)
+    in_process("train", "--out", tmp_path / "whole", "--max-iters", "6", *common, capsys=capsys)
     glassgpt("train", "--out", tmp_path / "split", "--max-iters", "3", *common, env=env)
     result = glassgpt("train", "--resume", "--out", tmp_path / "split", "--max-iters", "6",
                       env=env)
@@ -141,8 +168,9 @@ def test_resume_continues_exactly(data_dir, env, tmp_path):
     assert all((whole[k] == split[k]).all() for k in whole)
 
 
-def test_an_existing_run_is_kept_unless_forced(data_dir, env, tmp_path):
-    glassgpt("train", "--data", data_dir, "--out", tmp_path, "--max-iters", "3", *TINY, env=env)
+def test_an_existing_run_is_kept_unless_forced(data_dir, env, tmp_path, capsys):
+    in_process("train", "--data", data_dir, "--out", tmp_path, "--max-iters", "3", *TINY,
+               capsys=capsys)
     refused = glassgpt("train", "--data", data_dir, "--out", tmp_path, *TINY, env=env,
                        check=False)
     assert refused.returncode != 0 and "--resume" in refused.stderr

@@ -28,7 +28,6 @@ ONE_STEP = textwrap.dedent("""
     from glassgpt import distributed as ddp
     from glassgpt.checkpoint import model_tensors
     from glassgpt.config import GPTConfig
-from glassgpt.data import prepare
     from glassgpt.model import GPT
     from glassgpt.train import TrainConfig, make_optimizer, train_step
 

@@ -95,7 +95,8 @@ def test_bpe_wraps_a_foreign_tokenizer_json(tmp_path):
     ('{"kind": "char", "chars": ["ab"]}', "single characters"),
     ('{"kind": "char", "chars": ["a"], "extra": 1}', "unknown keys"),
     ('{"kind": "word"}', "neither"),
-    ('{"model": {"type": "nonsense"}}', "not a valid Hugging Face"),
+    ('{"model": {"type": "WordPiece"}}', "byte-level BPE"),
+    ('{"model": {"type": "BPE", "vocab": 3}}', "not a valid Hugging Face"),
 ])
 def test_invalid_tokenizer_files_are_errors_naming_the_file(tmp_path, content, message):
     path = tmp_path / "tokenizer.json"

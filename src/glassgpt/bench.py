@@ -260,8 +260,11 @@ def bench_decoding(preset: str, limits: MachineLimits, against_hf: bool = False,
                    bf16: bool = True, uncached: bool = True, rounds: int = 3,
                    prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS,
                    **overrides: Any) -> list[DecodeResult]:
-    """Greedy decoding tokens/s of each contender at batch 1, with and without a KV cache."""
-    model = bench_model(preset, dropout=0.0, **overrides).eval()
+    """Greedy decoding tokens/s of each contender at batch 1, with and without a KV cache.
+
+    glassgpt decodes with input-major weights (`GPT.input_major_weights`), as `sample` does.
+    """
+    model = bench_model(preset, dropout=0.0, **overrides).eval().input_major_weights()
     check_decode_length(model.config, prompt_len, new_tokens)
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len))
     # (contender, KV cache, dtype) -> model; the bf16 contender decodes from a bf16 copy.
@@ -339,7 +342,7 @@ def top_ops(fn: Callable[[], Any], top: int = 8, repeats: int = 1
 def profile_decode_step(preset: str, top: int = 8, prompt_len: int = PROMPT_LEN
                         ) -> list[OpShare]:
     """The costliest operators of one cached decoding step after a `prompt_len` prefill."""
-    model = bench_model(preset, dropout=0.0).eval()
+    model = bench_model(preset, dropout=0.0).eval().input_major_weights()
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len))
     model.setup_kv_cache(1, prompt_len + 1)
     with torch.no_grad():

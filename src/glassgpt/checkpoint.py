@@ -244,6 +244,14 @@ def capture_rng_state(sampler_state: Tensor) -> dict[str, Any]:
 
 def restore_rng_state(rng: dict[str, Any]) -> Tensor:
     """Set the global random states saved by `capture_rng_state`; returns the sampler's."""
+    try:
+        return _restore_rng_state(rng)
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as error:
+        raise CheckpointError(f"{STATE_JSON_FILE}: the saved random states are malformed "
+                              f"({error!r:.200})") from None
+
+
+def _restore_rng_state(rng: dict[str, Any]) -> Tensor:
     version, mt, gauss = rng["python"]
     random.setstate((version, tuple(mt), gauss))
     numpy_state = rng["numpy"]
@@ -335,7 +343,10 @@ def _join_train_state(state_json: dict[str, Any], tensors: dict[str, Tensor]) ->
     groups = [{k: tuple(v) if k == "betas" else v for k, v in group.items()}
               for group in state_json["optimizer"]["param_groups"]]
     optimizer = {"state": optimizer_state, "param_groups": groups}
-    return TrainState(iteration=int(state_json["iteration"]),
+    iteration = state_json["iteration"]
+    if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
+        raise ValueError(f"iteration must be an integer >= 0, got {iteration!r:.40}")
+    return TrainState(iteration=iteration,
                       best_val_loss=float(state_json["best_val_loss"]),
                       optimizer=optimizer, rng=rng, scaler=state_json.get("scaler"))
 

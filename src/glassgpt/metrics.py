@@ -75,7 +75,13 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    records = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by a crash mid-append: the run goes on without it
+    return [r for r in records if isinstance(r, dict) and isinstance(r.get("iter"), int)]
 
 
 def truncate_metrics(run_dir: Path, iteration: int) -> None:

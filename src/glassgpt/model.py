@@ -147,6 +147,21 @@ class GPT(nn.Module):
         for block in self.blocks:
             block.attn.kv_cache = None
 
+    def input_major_weights(self) -> GPT:
+        """Store every Linear weight (in, out) in memory, keeping its (out, in) shape and values.
+
+        A decoding step at batch 1 multiplies one row vector by each weight matrix. Laid out
+        input-major, BLAS streams the matrix as a sum of scaled rows; in PyTorch's default
+        (out, in) layout it takes one dot product per output, which CPU BLAS runs markedly
+        slower (BENCHMARKS.md). Results agree up to float rounding; training and checkpoints
+        (written contiguous) work with either layout. Returns the model itself.
+        """
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, nn.Linear) and module.weight.is_contiguous():
+                    module.weight.data = module.weight.data.t().contiguous().t()
+        return self
+
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None,
                  stop_token: int | None = None, seed: int | None = None,

@@ -24,6 +24,7 @@ from glassgpt.errors import TokenizerError
 TOKENIZER_KINDS = ("char", "bpe")
 END_OF_TEXT = "<|endoftext|>"
 MIN_BPE_VOCAB = 257  # the 256 byte symbols plus the end-of-text token
+MAX_FILE_BYTES = 64 * 2**20  # GPT-2's tokenizer.json is 1.4 MB
 
 
 class Tokenizer(Protocol):
@@ -166,6 +167,9 @@ def tokenizer_from_json(text: str, source: str = "tokenizer JSON") -> Tokenizer:
         except TokenizerError as error:
             raise TokenizerError(f"{source}: {error}") from None
     if isinstance(data.get("model"), dict):  # the Hugging Face tokenizer.json layout
+        if data["model"].get("type", "BPE") != "BPE":
+            raise TokenizerError(f"{source} holds a {data['model'].get('type')!r:.40} "
+                                 f"tokenizer; glassgpt takes byte-level BPE ones")
         try:
             return BPETokenizer.from_json(text)
         except TokenizerError as error:
@@ -178,6 +182,10 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     """Read a tokenizer saved by `save` (or a Hugging Face tokenizer.json)."""
     path = Path(path)
     try:
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:  # checked before reading: a huge file cannot exhaust memory
+            raise TokenizerError(f"{path} is {size:,} bytes; a tokenizer file holds at most "
+                                 f"{MAX_FILE_BYTES:,}")
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise TokenizerError(f"tokenizer file not found: {path}") from None

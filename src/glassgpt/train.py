@@ -175,15 +175,18 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
 
 # --- optimizer and schedule ----------------------------------------------------------------
 
-def make_optimizer(model: nn.Module, cfg: TrainConfig, device_type: str = "cpu"
-                   ) -> torch.optim.AdamW:
+FUSED_ADAMW_DEVICES = ("cuda", "cpu", "mps")
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW decaying only tensors of 2+ dims: matrices and embeddings, not biases or norms."""
     params = [p for p in model.parameters() if p.requires_grad]  # a tied weight appears once
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    # One fused kernel for all parameters where the device has it (CUDA, CPU, MPS).
-    fused = device_type in ("cuda", "cpu", "mps")
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
+    # One fused kernel updates every parameter where the device has it; foreach elsewhere.
+    fused = params[0].device.type in FUSED_ADAMW_DEVICES
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused,
+                             foreach=None if fused else True)
 
 
 def lr_at(iteration: int, cfg: TrainConfig) -> float:
@@ -305,7 +308,7 @@ class Trainer:
         self.amp_dtype = autocast_dtype(cfg.dtype, self.device)
         data.check_block_size(model.config.block_size)
         self.model = model.to(self.device)  # the plain model: saved, evaluated
-        self.optimizer = make_optimizer(self.model, cfg, self.device.type)
+        self.optimizer = make_optimizer(self.model, cfg)
         use_scaler = self.amp_dtype == torch.float16
         self.scaler = torch.amp.GradScaler("cuda") if use_scaler else None
         fast = torch.compile(self.model) if cfg.compile else self.model

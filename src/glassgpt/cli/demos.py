@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table as RichTable
 
 from glassgpt.atomic import write_text_atomic
+from glassgpt.cli import CommandLineError
 from glassgpt.experiments import EXPERIMENTS, ExperimentResult, Table, run_experiment
 
 SHAPES_FLAGS = {"batch_size": "--batch-size", "seq_len": "--seq-len", "d_model": "--d-model",
@@ -29,23 +30,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_demo_command(subparsers: argparse._SubParsersAction) -> None:
-    listing = "; ".join(f"{name}: {what}" for name, what in EXPERIMENTS.items())
+    listing = "\n".join(f"  {name:<10} {what}" for name, what in EXPERIMENTS.items())
     demo = subparsers.add_parser(
         "demo", help="run one of the 'seeing inside' experiments (or all)",
-        description=f"Run an experiment, print its table, save its pictures. {listing}.")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=f"Run an experiment: print its tables, check its expected outcome, save its "
+                    f"pictures.\nExit code 1 if an expected outcome was not shown.\n\n{listing}")
     demo.add_argument("name", choices=[*EXPERIMENTS, "all"], metavar="NAME",
                       help=f"one of {', '.join(EXPERIMENTS)}, or all")
-    demo.add_argument("--out", type=Path, default=Path("demo_out"),
+    demo.add_argument("--out", type=Path, default=Path("demo_out"), metavar="DIR",
                       help="folder for the pictures (default: demo_out)")
-    demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    demo.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default: 0)")
     demo.add_argument("--quick", action="store_true",
                       help="the reduced size the tests use (seconds instead of a minute)")
     demo.add_argument("--json", type=Path, metavar="FILE", help="also write the numbers as JSON")
     shapes = demo.add_argument_group("shapes only")
-    shapes.add_argument("--batch-size", type=int, help="B (default 2)")
-    shapes.add_argument("--seq-len", type=int, help="T (default 5)")
-    shapes.add_argument("--d-model", type=int, help="C (default 16)")
-    shapes.add_argument("--n-heads", type=int, help="H (default 4)")
+    shapes.add_argument("--batch-size", type=int, metavar="B", help="batch (default 2)")
+    shapes.add_argument("--seq-len", type=int, metavar="T", help="positions (default 5)")
+    shapes.add_argument("--d-model", type=int, metavar="C", help="width (default 16)")
+    shapes.add_argument("--n-heads", type=int, metavar="H", help="heads (default 4)")
     demo.set_defaults(handler=run_demo)
 
 
@@ -67,8 +70,6 @@ def add_attention_command(subparsers: argparse._SubParsersAction) -> None:
 
 def shapes_options(args: argparse.Namespace) -> dict[str, int]:
     """The --batch-size/--seq-len/--d-model/--n-heads values given, which only `shapes` takes."""
-    from glassgpt.cli import CommandLineError
-
     given = {key: getattr(args, key) for key in SHAPES_FLAGS if getattr(args, key) is not None}
     if given and args.name != "shapes":
         flags = ", ".join(SHAPES_FLAGS[key] for key in given)
@@ -78,6 +79,8 @@ def shapes_options(args: argparse.Namespace) -> dict[str, int]:
 
 def run_demo(args: argparse.Namespace) -> int:
     options = shapes_options(args)
+    if args.out.exists() and not args.out.is_dir():
+        raise CommandLineError(f"--out {args.out} is a file; give a folder for the pictures")
     names = list(EXPERIMENTS) if args.name == "all" else [args.name]
     console = Console()
     results = {}
@@ -150,6 +153,8 @@ def run_attention(args: argparse.Namespace) -> int:
     from glassgpt.checkpoint import load_model
     from glassgpt.experiments.attention_maps import draw_attention_grid, prompt_attention
 
+    if args.out.is_dir():
+        raise CommandLineError(f"--out {args.out} is a folder; give a file name such as maps.png")
     model, tokenizer = load_model(args.run_dir)
     weights, labels = prompt_attention(model, tokenizer, args.prompt)  # (L, H, T, T)
     title = f"{args.run_dir.name}: attention for {args.prompt!r}"

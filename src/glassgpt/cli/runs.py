@@ -32,7 +32,7 @@ from glassgpt.data import (
 )
 from glassgpt.errors import CheckpointError, ConfigError, DataError
 from glassgpt.metrics import METRICS_FILE, PLOT_FILE, RichReporter
-from glassgpt.model import GPT
+from glassgpt.model import GPT, count_parameters
 from glassgpt.tokenizers import TOKENIZER_KINDS, Tokenizer
 from glassgpt.train import (
     TrainConfig,
@@ -161,8 +161,10 @@ def run_train(args: argparse.Namespace) -> int:
         model = _initial_model(args.init_from, model_settings, model_flags, data, cfg.seed)
         trainer = Trainer(model, cfg, data, run_dir, RichReporter(), context)
         if context.is_main:
-            _say(f"training preset {preset} ({_describe(model)}) on {device}, "
-                 f"data {data.dir}, run directory {run_dir}")
+            start = (f"fine-tuning {args.init_from}" if args.init_from
+                     else f"training preset {preset}")
+            _say(f"{start} ({_describe(model)}) on {trainer.device}, data {data.dir}, "
+                 f"run directory {run_dir}")
         return _finish(trainer.run(), run_dir, context)
 
 
@@ -289,7 +291,7 @@ def _check_same_tokenizer(data_tokenizer: Tokenizer, run_tokenizer: Tokenizer,
 
 def _describe(model: GPT) -> str:
     c = model.config
-    params = sum(p.numel() for p in model.parameters())
+    params = count_parameters(model)
     return f"{params / 1e6:.2f}M parameters, {c.n_layer} layers, {c.n_head} heads, " \
            f"width {c.n_embd}, context {c.block_size}"
 
