@@ -185,7 +185,8 @@ def test_cli_writes_every_figure_as_json(tmp_path: Path):
     row = data["decode"][0]
     assert {"preset", "contender", "cache", "dtype", "tokens_per_s", "bytes_per_token",
             "bandwidth_fraction"} <= set(row)
-    assert data["machine"]["cores"] >= 1 and data["precision"][0]["preset"] == "cpu-small"
+    assert data["machine"]["cores"] >= 1 and "load_before" in data["machine"]
+    assert data["precision"][0]["preset"] == "cpu-small"
     assert {r["cache"] for r in data["decode"]} == {True, False}
 
 

@@ -401,13 +401,18 @@ def speedups(report: BenchReport) -> list[Speedup]:
 def machine_info() -> dict[str, Any]:
     info = {"cpu": _cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__,
-            "platform": platform.platform()}
+            "platform": platform.platform(), "load_before": _load_average()}
     try:
         import transformers
         info["transformers"] = transformers.__version__
     except ImportError:
         pass
     return info
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average: other processes competing for the cores during the run."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
 def _cpu_model() -> str:
@@ -465,4 +470,5 @@ def run_benchmarks(workload: str, train_presets: list[str], decode_presets: list
             report.precision.append(bf16_cost(preset, new_tokens=new_tokens))
             if profile:
                 report.profile += profile_decode_step(preset)
+    report.machine["load_after"] = _load_average()
     return report

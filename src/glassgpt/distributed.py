@@ -114,5 +114,8 @@ def distributed(device_type: str) -> Iterator[DistContext]:
     context = init_distributed(device_type)
     try:
         yield context
+        # Leave together: a rank tearing down while a peer still talks to it aborts the peer.
+        # (After an error, no barrier: the other ranks may never reach it; torchrun stops them.)
+        barrier(context)
     finally:
         shutdown(context)

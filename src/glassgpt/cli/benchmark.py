@@ -70,6 +70,9 @@ def print_report(report: bench.BenchReport, console: Console) -> None:
     console.print(f"{m['cpu']}, {m['cores']} cores, {m['threads']} torch threads; "
                   f"torch {m['torch']}" + (f", transformers {m['transformers']}"
                                             if "transformers" in m else ""))
+    if m.get("load_before") is not None:
+        console.print(f"load average {m['load_before']:.2f} before the run, "
+                      f"{m['load_after']:.2f} after")
     console.print(f"fp32 matmul peak {limits.matmul_flops / 1e9:.1f} GFLOP/s, "
                   f"read bandwidth {limits.read_bandwidth / 1e9:.1f} GB/s")
     if report.train:
