@@ -21,7 +21,7 @@ from glassgpt.train import TrainConfig
 
 # cpu-small shrunk further: every code path of the benchmark, in well under a second.
 TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=32)
-LIMITS = bench.MachineLimits(matmul_flops=1e11, read_bandwidth=2e10)
+PROBES = bench.LimitProbes(matmul_size=64, buffer_bytes=2**20)
 
 
 def glassgpt(*argv: str) -> subprocess.CompletedProcess:
@@ -55,8 +55,10 @@ def test_interleaved_medians_needs_a_round():
         bench.interleaved_medians({"a": lambda: None}, rounds=0)
 
 
-def test_measured_limits_are_positive_rates():
-    limits = bench.measure_limits(rounds=1, matmul_size=64, buffer_bytes=2**20)
+def test_limit_probes_turn_seconds_into_rates():
+    assert PROBES.flops(2.0) == 2 * 64**3 / 2.0
+    assert PROBES.bandwidth(0.5) == 2**20 / 0.5
+    limits = bench.measure_limits(PROBES, rounds=1)
     assert limits.matmul_flops > 1e6 and limits.read_bandwidth > 1e6
 
 
@@ -86,7 +88,7 @@ def test_decode_bytes_count_every_weight_once_and_one_row_per_lookup(tied):
 # --- training -------------------------------------------------------------------------------
 
 def test_training_results_follow_from_the_measured_step():
-    results = bench.bench_training("cpu-small", LIMITS, against_hf=True, compiled=False,
+    results = bench.bench_training("cpu-small", PROBES, against_hf=True, compiled=False,
                                    rounds=1, batch_size=2, **TINY)
     assert [r.contender for r in results] == [bench.GLASSGPT, bench.HF]
     model = GPT(GPTConfig.from_preset("cpu-small", **TINY))
@@ -94,7 +96,8 @@ def test_training_results_follow_from_the_measured_step():
     for r in results:
         assert (r.batch_size, r.seq_len, r.flops_per_token) == (2, 32, flops)
         assert r.tokens_per_s == pytest.approx(2 * 32 / r.step_seconds)
-        assert r.mfu == pytest.approx(r.tokens_per_s * flops / LIMITS.matmul_flops)
+        assert r.mfu == pytest.approx(r.tokens_per_s * flops / r.matmul_flops)
+    assert results[0].matmul_flops == results[1].matmul_flops > 0  # one probe for the group
 
 
 def test_bench_train_config_uses_the_recipe_with_a_capped_batch():
@@ -117,23 +120,24 @@ def test_compiled_training_matches_eager_losses():
 # --- decoding -------------------------------------------------------------------------------
 
 def test_decoding_results_and_bandwidth_fraction():
-    results = bench.bench_decoding("cpu-small", LIMITS, against_hf=True, rounds=1,
+    results = bench.bench_decoding("cpu-small", PROBES, against_hf=True, rounds=1,
                                    new_tokens=6, **TINY)
     keys = [(r.contender, r.cache, r.dtype) for r in results]
     assert keys == [(bench.GLASSGPT, True, "float32"), (bench.GLASSGPT, True, "bfloat16"),
-                    (bench.GLASSGPT, False, "float32"), (bench.HF, True, "float32"),
+                    (bench.HF, True, "float32"), (bench.GLASSGPT, False, "float32"),
                     (bench.HF, False, "float32")]
     fp32 = results[0].bytes_per_token
     for r in results:
         assert r.bytes_per_token == (fp32 // 2 if r.dtype == "bfloat16" else fp32)
         assert r.tokens_per_s == pytest.approx(6 / r.seconds)
-        limit = LIMITS.read_bandwidth / r.bytes_per_token  # tokens/s if bandwidth-bound
+        assert r.read_bandwidth == results[0].read_bandwidth > 0  # one probe for the run
+        limit = r.read_bandwidth / r.bytes_per_token  # tokens/s if bandwidth-bound
         assert r.bandwidth_fraction == pytest.approx(r.tokens_per_s / limit)
 
 
 def test_decode_must_fit_the_context():
     with pytest.raises(ConfigError, match="block_size=32"):
-        bench.bench_decoding("cpu-small", LIMITS, new_tokens=17, **TINY)
+        bench.bench_decoding("cpu-small", PROBES, new_tokens=17, **TINY)
 
 
 def test_bf16_cost_is_small_and_well_formed():
@@ -151,15 +155,15 @@ def test_missing_transformers_is_a_clear_error(monkeypatch):
 # --- the report -----------------------------------------------------------------------------
 
 def _train(contender: str, tokens_per_s: float) -> bench.TrainResult:
-    return bench.TrainResult("p", contender, 1, 1, 1.0, tokens_per_s, 1.0, 0.5)
+    return bench.TrainResult("p", contender, 1, 1, 1.0, tokens_per_s, 1.0, 0.5, 1.0)
 
 
 def _decode(contender: str, cache: bool, tokens_per_s: float, dtype="float32"):
-    return bench.DecodeResult("p", contender, cache, dtype, 1.0, tokens_per_s, 1, 0.5)
+    return bench.DecodeResult("p", contender, cache, dtype, 1.0, tokens_per_s, 1, 0.5, 1.0)
 
 
 def test_speedups_divide_the_right_rows():
-    report = bench.BenchReport({}, LIMITS, train=[
+    report = bench.BenchReport({}, bench.MachineLimits(1.0, 1.0), train=[
         _train(bench.GLASSGPT, 300.0), _train(bench.GLASSGPT_COMPILED, 450.0),
         _train(bench.HF, 200.0)], decode=[
         _decode(bench.GLASSGPT, True, 500.0), _decode(bench.GLASSGPT, True, 900.0, "bfloat16"),

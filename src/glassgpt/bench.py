@@ -5,7 +5,7 @@ Library only: every function returns numbers (dataclasses); `glassgpt.cli.benchm
 Method. Contenders of one comparison run in interleaved rounds (A B C, B C A, C A B, ...) so that
 noise from other processes hits each of them alike; warm-up calls come first and are not timed;
 every figure is the median of its rounds. Nothing here is a constant figure: the limits that
-utilisation is measured against are measured in the same run.
+utilisation is measured against are probed in the same rounds as the contenders.
 
   * Training is compute-bound: its limit is the fp32 matmul peak. MFU = achieved model FLOP/s /
     measured peak, with 6N + 12*L*H*Q*T FLOPs per token (N = parameters that take part in matmuls,
@@ -74,18 +74,41 @@ class MachineLimits:
     read_bandwidth: float  # bytes/s read from main memory
 
 
-def measure_limits(rounds: int = 7, matmul_size: int = 2048,
-                   buffer_bytes: int = 256 * 2**20) -> MachineLimits:
-    """The fp32 matmul peak and the memory read bandwidth, measured side by side.
+class LimitProbes:
+    """Probes of the machine's two limits, timed in the same rounds as the contenders.
 
-    The bandwidth probe sums a buffer several times larger than any CPU cache, so every byte
-    comes from memory, and a sum does almost no arithmetic per byte.
+    A limit measured alongside the contenders suffers the same interference from other
+    processes, so utilisation stays meaningful on a shared machine.
+    * matmul: a large fp32 matmul, 2n^3 FLOPs.
+    * read: a sum over a buffer several times larger than any CPU cache, so every byte comes from
+      memory at almost no arithmetic per byte.
     """
-    a, b = torch.randn(matmul_size, matmul_size), torch.randn(matmul_size, matmul_size)
-    buffer = torch.ones(buffer_bytes // 4)
-    median = interleaved_medians({"matmul": lambda: a @ b, "read": buffer.sum}, rounds)
-    return MachineLimits(matmul_flops=2 * matmul_size**3 / median["matmul"],
-                         read_bandwidth=buffer.numel() * 4 / median["read"])
+
+    MATMUL, READ = "matmul peak probe", "read bandwidth probe"
+
+    def __init__(self, matmul_size: int = 2048, buffer_bytes: int = 256 * 2**20):
+        self.a = torch.randn(matmul_size, matmul_size)
+        self.b = torch.randn(matmul_size, matmul_size)
+        self.buffer = torch.ones(buffer_bytes // 4)
+
+    def matmul(self) -> Tensor:
+        return self.a @ self.b
+
+    def read(self) -> Tensor:
+        return self.buffer.sum()
+
+    def flops(self, seconds: float) -> float:
+        return 2 * self.a.shape[0] ** 3 / seconds
+
+    def bandwidth(self, seconds: float) -> float:
+        return self.buffer.numel() * self.buffer.element_size() / seconds
+
+
+def measure_limits(probes: LimitProbes, rounds: int = 7) -> MachineLimits:
+    """The fp32 matmul peak and the memory read bandwidth, measured side by side."""
+    median = interleaved_medians({probes.MATMUL: probes.matmul, probes.READ: probes.read}, rounds)
+    return MachineLimits(probes.flops(median[probes.MATMUL]),
+                         probes.bandwidth(median[probes.READ]))
 
 
 # --- model arithmetic -----------------------------------------------------------------------
@@ -156,7 +179,8 @@ class TrainResult:
     step_seconds: float
     tokens_per_s: float
     flops_per_token: float
-    mfu: float  # achieved FLOP/s / measured matmul peak
+    mfu: float  # achieved FLOP/s / matmul_flops
+    matmul_flops: float  # the peak, probed in the same rounds
 
 
 def bench_train_config(preset: str, batch_size: int | None) -> TrainConfig:
@@ -176,10 +200,13 @@ def _stepper(model: nn.Module, train_cfg: TrainConfig, batch: tuple[Tensor, Tens
     return lambda: train_step(model, optimizer, lambda: batch, train_cfg)
 
 
-def bench_training(preset: str, limits: MachineLimits, against_hf: bool = False,
+def bench_training(preset: str, probes: LimitProbes, against_hf: bool = False,
                    compiled: bool = True, rounds: int = 5,
                    batch_size: int | None = None, **overrides: Any) -> list[TrainResult]:
-    """Training tokens/s and MFU of each contender on the same random batch."""
+    """Training tokens/s and MFU of each contender on the same random batch.
+
+    The matmul peak that MFU divides by is probed in the same rounds as the contenders.
+    """
     model = bench_model(preset, **overrides)
     config, train_cfg = model.config, bench_train_config(preset, batch_size)
     B, T = train_cfg.batch_size, config.block_size
@@ -192,13 +219,15 @@ def bench_training(preset: str, limits: MachineLimits, against_hf: bool = False,
                                                  batch)
     if against_hf:
         contenders[HF] = _stepper(HFLanguageModel(hf_twin(model).train()), train_cfg, batch)
+    contenders[probes.MATMUL] = probes.matmul
     seconds = interleaved_medians(contenders, rounds, warmup=2)
+    peak = probes.flops(seconds.pop(probes.MATMUL))
     flops = train_flops_per_token(config, matmul_parameters(model), T)
     results = []
     for name, step in seconds.items():
         tokens_per_s = B * T / step
         results.append(TrainResult(preset, name, B, T, step, tokens_per_s, flops,
-                                   tokens_per_s * flops / limits.matmul_flops))
+                                   tokens_per_s * flops / peak, peak))
     return results
 
 
@@ -223,7 +252,8 @@ class DecodeResult:
     seconds: float  # prefill + every new token
     tokens_per_s: float
     bytes_per_token: int
-    bandwidth_fraction: float  # tokens/s / (read bandwidth / bytes per token)
+    bandwidth_fraction: float  # tokens/s / (read_bandwidth / bytes per token)
+    read_bandwidth: float  # bytes/s, probed in the same rounds as the cached decoders
 
 
 @dataclass
@@ -256,36 +286,39 @@ def check_decode_length(config: GPTConfig, prompt_len: int, new_tokens: int) -> 
                           f"block_size={config.block_size}; ask for fewer new tokens")
 
 
-def bench_decoding(preset: str, limits: MachineLimits, against_hf: bool = False,
+DecodeKey = tuple[str, bool, torch.dtype]  # (contender, KV cache, dtype)
+
+
+def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
                    bf16: bool = True, uncached: bool = True, rounds: int = 3,
-                   prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS,
-                   **overrides: Any) -> list[DecodeResult]:
+                   uncached_rounds: int = 1, prompt_len: int = PROMPT_LEN,
+                   new_tokens: int = NEW_TOKENS, **overrides: Any) -> list[DecodeResult]:
     """Greedy decoding tokens/s of each contender at batch 1, with and without a KV cache.
 
-    glassgpt decodes with input-major weights (`GPT.input_major_weights`), as `sample` does.
+    Cached and uncached decoders are compared in two interleaved groups: recomputing the
+    context costs tens of times more, so the uncached group gets its own (smaller) round count.
+    glassgpt decodes with input-major fp32 weights (`GPT.input_major_weights`); its bf16 copy
+    keeps the default layout, which bf16 kernels run faster.
     """
-    model = bench_model(preset, dropout=0.0, **overrides).eval().input_major_weights()
+    model = bench_model(preset, dropout=0.0, **overrides).eval()
     check_decode_length(model.config, prompt_len, new_tokens)
+    half = copy.deepcopy(model).to(torch.bfloat16) if bf16 else None  # default layout
+    model.input_major_weights()
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len))
+    hf_model = hf_twin(model) if against_hf else None
     # (contender, KV cache, dtype) -> model; the bf16 contender decodes from a bf16 copy.
-    models: dict[tuple[str, bool, torch.dtype], nn.Module] = {
-        (GLASSGPT, True, torch.float32): model}
-    if bf16:
-        models[GLASSGPT, True, torch.bfloat16] = copy.deepcopy(model).to(torch.bfloat16)
+    cached: dict[DecodeKey, nn.Module] = {(GLASSGPT, True, torch.float32): model}
+    if half is not None:
+        cached[GLASSGPT, True, torch.bfloat16] = half
+    recomputing: dict[DecodeKey, nn.Module] = {(GLASSGPT, False, torch.float32): model}
+    if hf_model is not None:
+        cached[HF, True, torch.float32] = hf_model
+        recomputing[HF, False, torch.float32] = hf_model
+    # The bandwidth limit is probed alongside the cached decoders, which it is the limit of.
+    seconds = _time_decoders(cached, prompt, new_tokens, rounds, {probes.READ: probes.read})
+    bandwidth = probes.bandwidth(seconds.pop(probes.READ))
     if uncached:
-        models[GLASSGPT, False, torch.float32] = model
-    if against_hf:
-        hf_model = hf_twin(model)
-        for cache in (True, False) if uncached else (True,):
-            models[HF, cache, torch.float32] = hf_model
-
-    def decoders(n: int) -> dict[tuple[str, bool, torch.dtype], Callable[[], Tensor]]:
-        make = {GLASSGPT: _glassgpt_decoder, HF: _hf_decoder}
-        return {key: make[key[0]](m, prompt, n, key[1]) for key, m in models.items()}
-
-    for warm_up in decoders(min(4, new_tokens)).values():  # a short run touches every path
-        warm_up()
-    seconds = interleaved_medians(decoders(new_tokens), rounds, warmup=0)
+        seconds |= _time_decoders(recomputing, prompt, new_tokens, uncached_rounds)
     weight_bytes = decode_bytes_per_token(model)  # fp32
     results = []
     for (name, cache, dtype), elapsed in seconds.items():
@@ -293,8 +326,21 @@ def bench_decoding(preset: str, limits: MachineLimits, against_hf: bool = False,
         tokens_per_s = new_tokens / elapsed
         results.append(DecodeResult(preset, name, cache, str(dtype).removeprefix("torch."),
                                     elapsed, tokens_per_s, dtype_bytes,
-                                    tokens_per_s * dtype_bytes / limits.read_bandwidth))
+                                    tokens_per_s * dtype_bytes / bandwidth, bandwidth))
     return results
+
+
+def _time_decoders(models: dict[DecodeKey, nn.Module], prompt: Tensor, new_tokens: int,
+                   rounds: int, probes: dict[str, Callable[[], Any]] | None = None
+                   ) -> dict[Any, float]:
+    """Median seconds of each model's greedy decoding, and of each probe, interleaved."""
+    def decoders(n: int) -> dict[Any, Callable[[], Any]]:
+        make = {GLASSGPT: _glassgpt_decoder, HF: _hf_decoder}
+        return {key: make[key[0]](m, prompt, n, key[1]) for key, m in models.items()}
+
+    for warm_up in decoders(min(4, new_tokens)).values():  # a short run touches every path
+        warm_up()
+    return interleaved_medians({**decoders(new_tokens), **(probes or {})}, rounds, warmup=0)
 
 
 @torch.no_grad()
@@ -454,18 +500,19 @@ def run_benchmarks(workload: str, train_presets: list[str], decode_presets: list
         for preset in decode_presets:
             check_decode_length(GPTConfig.from_preset(preset), PROMPT_LEN, new_tokens)
     progress("measuring the machine's matmul peak and read bandwidth")
-    report = BenchReport(machine_info(), measure_limits())
+    probes = LimitProbes()
+    report = BenchReport(machine_info(), measure_limits(probes))
     if workload in ("train", "all"):
         for preset in train_presets:
             progress(f"training {preset}")
-            report.train += bench_training(preset, report.limits, against_hf, compiled,
+            report.train += bench_training(preset, probes, against_hf, compiled,
                                            rounds=rounds or 5)
             if profile:
                 report.profile += profile_train_step(preset)
     if workload in ("generate", "all"):
         for preset in decode_presets:
             progress(f"decoding {preset}")
-            report.decode += bench_decoding(preset, report.limits, against_hf,
+            report.decode += bench_decoding(preset, probes, against_hf,
                                             rounds=rounds or 3, new_tokens=new_tokens)
             report.precision.append(bf16_cost(preset, new_tokens=new_tokens))
             if profile:

@@ -10,13 +10,14 @@ import dataclasses
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 from glassgpt.attention import ATTENTION_IMPLS, check_heads_divide_width
 from glassgpt.block import ACTIVATIONS
 from glassgpt.errors import ConfigError
 
 PRESETS_PACKAGE = "glassgpt.presets"
+T = TypeVar("T")
 
 
 @dataclass
@@ -37,7 +38,7 @@ class GPTConfig:
     attn_impl: str = "fused"
 
     def __post_init__(self) -> None:
-        self._check_types()
+        check_field_types(self)
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -53,17 +54,6 @@ class GPTConfig:
             raise ConfigError(f"unknown attn_impl {self.attn_impl!r}; "
                               f"choose one of {ATTENTION_IMPLS}")
 
-    def _check_types(self) -> None:
-        """Reject values of the wrong type (a config may come from JSON or TOML a user wrote)."""
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            expected = {"int": int, "float": float, "bool": bool, "str": str}[field.type]
-            if expected is float and isinstance(value, int) and not isinstance(value, bool):
-                setattr(self, field.name, float(value))
-                continue
-            if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-                raise ConfigError(f"{field.name} must be {field.type}, got {value!r}")
-
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
@@ -74,18 +64,42 @@ class GPTConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> GPTConfig:
         """Build from a plain dict (JSON, TOML); unknown keys are an error, never ignored."""
-        if not isinstance(values, dict):
-            raise ConfigError(f"a model config must be a table of settings, got {values!r}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"unknown model config keys {unknown}; known keys: {sorted(known)}")
-        return cls(**values)
+        return settings_from_dict(cls, values, "model config keys")
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> GPTConfig:
         """The `[model]` table of preset `name`, with `overrides` applied on top."""
         return cls.from_dict({**load_preset(name).get("model", {}), **overrides})
+
+
+_FIELD_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def check_field_types(settings: Any) -> None:
+    """Raise ConfigError for a dataclass field holding a value of the wrong type.
+
+    Settings may come from JSON or TOML a user wrote, where `"4"`, `4.0` or `true` can stand
+    where an int belongs. An int where a float belongs is fine and becomes a float.
+    """
+    for field in dataclasses.fields(settings):
+        value = getattr(settings, field.name)
+        expected = _FIELD_TYPES[field.type]
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            setattr(settings, field.name, float(value))
+            continue
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise ConfigError(f"{field.name} must be {field.type}, got {value!r:.80}")
+
+
+def settings_from_dict(cls: type[T], values: Any, what: str) -> T:
+    """Build the settings dataclass `cls` from a plain dict; unknown keys are an error."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{what} must be a table of settings, got {values!r:.80}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown {what} {unknown}; known keys: {sorted(known)}")
+    return cls(**values)
 
 
 def preset_names() -> list[str]:

@@ -277,7 +277,9 @@ def load_hf_model(name_or_dir: str | os.PathLike[str]) -> GPT2LMHeadModel:
         raise CheckpointError(_load_failure(name_or_dir, error)) from error
     config_from_hf(hf_config)  # reject what glassgpt cannot mirror before reading any weights
     try:
-        return transformers.GPT2LMHeadModel.from_pretrained(source, config=hf_config)
+        # safetensors only: a pickled pytorch_model.bin from a stranger is never unpickled.
+        return transformers.GPT2LMHeadModel.from_pretrained(source, config=hf_config,
+                                                            use_safetensors=True)
     except (OSError, ValueError, RuntimeError, SafetensorError) as error:
         # RuntimeError: weights that do not fit the config; SafetensorError: a damaged file.
         raise CheckpointError(_load_failure(name_or_dir, error)) from error

@@ -153,13 +153,17 @@ class GPT(nn.Module):
         A decoding step at batch 1 multiplies one row vector by each weight matrix. Laid out
         input-major, BLAS streams the matrix as a sum of scaled rows; in PyTorch's default
         (out, in) layout it takes one dot product per output, which CPU BLAS runs markedly
-        slower (BENCHMARKS.md). Results agree up to float rounding; training and checkpoints
+        slower (BENCHMARKS.md). Only float32 weights move: CPU bf16 kernels measured faster in
+        the default layout. Results agree up to float rounding; training and checkpoints
         (written contiguous) work with either layout. Returns the model itself.
         """
         with torch.no_grad():
             for module in self.modules():
-                if isinstance(module, nn.Linear) and module.weight.is_contiguous():
-                    module.weight.data = module.weight.data.t().contiguous().t()
+                if not isinstance(module, nn.Linear):
+                    continue
+                weight = module.weight
+                if weight.dtype == torch.float32 and weight.is_contiguous():
+                    weight.data = weight.data.t().contiguous().t()  # (out, in) view of (in, out)
         return self
 
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0,

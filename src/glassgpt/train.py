@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from glassgpt import checkpoint as ckpt
 from glassgpt import distributed as ddp
-from glassgpt.config import GPTConfig, load_preset
+from glassgpt.config import GPTConfig, check_field_types, load_preset, settings_from_dict
 from glassgpt.data import BatchSampler, PreparedData
 from glassgpt.errors import ConfigError, GlassGPTError
 from glassgpt.metrics import Reporter, SilentReporter, append_metrics, plot_losses, truncate_metrics
@@ -73,10 +73,7 @@ class TrainConfig:
     seed: int = setting(1337, "seed of initialisation, batches and dropout")
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _check_type(f.name, getattr(self, f.name), f.type)
-            if f.type == "float":
-                setattr(self, f.name, float(getattr(self, f.name)))
+        check_field_types(self)
         for name in ("max_iters", "batch_size", "grad_accum", "eval_interval", "eval_iters",
                      "log_interval"):
             if getattr(self, name) <= 0:
@@ -97,19 +94,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
-        if not isinstance(values, dict):
-            raise ConfigError(f"training settings must be a table, got {values!r:.80}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"unknown training settings {unknown}; known: {sorted(known)}")
-        return cls(**values)
-
-
-def _check_type(name: str, value: Any, type_name: str) -> None:
-    expected = {"int": int, "float": (int, float), "bool": bool, "str": str}[type_name]
-    if not isinstance(value, expected) or (type_name != "bool" and isinstance(value, bool)):
-        raise ConfigError(f"{name} must be {type_name}, got {value!r}")
+        return settings_from_dict(cls, values, "training settings")
 
 
 def read_config_file(path: str | Path) -> dict[str, dict[str, Any]]:

@@ -73,8 +73,9 @@ def print_report(report: bench.BenchReport, console: Console) -> None:
     if m.get("load_before") is not None:
         console.print(f"load average {m['load_before']:.2f} before the run, "
                       f"{m['load_after']:.2f} after")
-    console.print(f"fp32 matmul peak {limits.matmul_flops / 1e9:.1f} GFLOP/s, "
-                  f"read bandwidth {limits.read_bandwidth / 1e9:.1f} GB/s")
+    console.print(f"at the start: fp32 matmul peak {limits.matmul_flops / 1e9:.1f} GFLOP/s, "
+                  f"read bandwidth {limits.read_bandwidth / 1e9:.1f} GB/s (each table's are "
+                  f"probed in its own rounds)")
     if report.train:
         console.print(_train_table(report.train))
     if report.decode:
@@ -89,7 +90,10 @@ def print_report(report: bench.BenchReport, console: Console) -> None:
 
 
 def _train_table(rows: list[bench.TrainResult]) -> Table:
-    table = Table(title="Training (fp32, one optimizer step per round)")
+    peaks = {r.preset: r.matmul_flops for r in rows}
+    table = Table(title="Training (fp32, one optimizer step per round)",
+                  caption="MFU against the matmul peak probed in the same rounds: " + ", ".join(
+                      f"{preset} {peak / 1e9:.0f} GFLOP/s" for preset, peak in peaks.items()))
     for column in ("preset", "contender", "batch x T", "ms/step", "tokens/s", "MFU"):
         table.add_column(column, justify="left" if column in ("preset", "contender") else "right")
     for r in rows:
@@ -99,7 +103,10 @@ def _train_table(rows: list[bench.TrainResult]) -> Table:
 
 
 def _decode_table(rows: list[bench.DecodeResult]) -> Table:
-    table = Table(title=f"Decoding (batch 1, {bench.PROMPT_LEN}-token prompt, greedy)")
+    bandwidths = {r.preset: r.read_bandwidth for r in rows}
+    table = Table(title=f"Decoding (batch 1, {bench.PROMPT_LEN}-token prompt, greedy)",
+                  caption="bandwidth limit from the read bandwidth probed in the same rounds: "
+                  + ", ".join(f"{preset} {bw / 1e9:.1f} GB/s" for preset, bw in bandwidths.items()))
     for column in ("preset", "contender", "KV cache", "dtype", "tokens/s", "MB/token",
                    "of BW limit"):
         table.add_column(column, justify="left" if column in ("preset", "contender") else "right")
