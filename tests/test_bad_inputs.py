@@ -99,6 +99,16 @@ def huge_tokenizer_file(run: Path) -> None:
         file.truncate(65 * 2**20)
 
 
+def shorten_sampler_state(run: Path) -> None:
+    """A batch-sampler random state cut short (a generator state has a fixed size)."""
+    from safetensors.torch import load_file, save_file
+
+    path = run / "train_state.safetensors"
+    tensors = load_file(path)
+    tensors["rng.0.sampler"] = tensors["rng.0.sampler"][:10].clone()
+    save_file(tensors, path)
+
+
 def data_with_bad_meta(w: Where) -> Path:
     """A copy of the data whose meta.json names an id type glassgpt never writes."""
     data = shutil.copytree(w.data, w.work / "data")
@@ -201,6 +211,8 @@ CASES: dict[str, Case] = {
     "resume with malformed random states": Case(
         resume(), "the saved random states are malformed",
         damage=edit_json("train_state.json", lambda s: s["rng"][0].update(python=[3, [1], None]))),
+    "resume with a malformed sampler state": Case(
+        resume(), "batch-sampler state is malformed", damage=shorten_sampler_state),
     "resume with a train table that is not one": Case(
         resume(), "'train' must be",
         damage=edit_json("config.json", lambda c: c.update(train=[1, 2]))),

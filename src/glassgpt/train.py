@@ -323,7 +323,12 @@ class Trainer:
         if self.scaler is not None and state.scaler:
             self.scaler.load_state_dict(state.scaler)
         if len(state.rng) == self.context.world_size:
-            self.sampler.set_state(ckpt.restore_rng_state(state.rng[self.context.rank]))
+            sampler_state = ckpt.restore_rng_state(state.rng[self.context.rank])
+            try:
+                self.sampler.set_state(sampler_state)
+            except (RuntimeError, TypeError) as error:
+                raise ckpt.CheckpointError(f"{self.run_dir}: the saved batch-sampler state is "
+                                           f"malformed ({error})") from None
         else:  # another world size: new streams per rank, so not bitwise the same run
             torch.manual_seed(self.cfg.seed + self.context.rank + state.iteration)
             self.sampler = self._sampler("train", self.cfg.seed + self.context.rank
