@@ -60,11 +60,20 @@ def test_cached_decoding_gives_exactly_the_uncached_tokens(model, kind, B, T, ne
 
 def test_decoding_past_block_size_conditions_on_the_last_window(model):
     idx = prompt(1, 3)
-    out = model.generate(idx, 2 * BLOCK, temperature=0.0)
+    out = model.generate(idx, 4 * BLOCK, temperature=0.0)  # rolls the token buffer twice
     # Greedy: every new token is the argmax after the block_size tokens before it.
     for pos in range(3, out.shape[1]):
         window = out[:, max(0, pos - BLOCK):pos]
         assert out[0, pos] == model(window)[0][0, -1].argmax()
+
+
+def test_a_huge_token_budget_allocates_no_huge_buffer(model):
+    # Streaming a few tokens of an enormous budget: the decoder keeps at most two windows.
+    stream = model.generate_stream(prompt(1, 3), max_new_tokens=10**12, temperature=0.0)
+    tokens = [next(stream) for _ in range(3 * BLOCK)]
+    stream.close()
+    expected = model.generate(prompt(1, 3), 3 * BLOCK, temperature=0.0)[:, 3:]
+    assert torch.equal(torch.cat(tokens, dim=1), expected)
 
 
 @pytest.mark.parametrize("attn_impl", ["fused", "explicit"])

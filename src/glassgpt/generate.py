@@ -70,29 +70,45 @@ class _Decoder:
     step recomputes the last `block_size` tokens, exactly as the uncached decoder does.
     """
 
-    def __init__(self, model: Any, tokens: Tensor, prompt_len: int, use_cache: bool):
-        self.model, self.tokens, self.length = model, tokens, prompt_len  # tokens: (B, T + new)
-        self.block_size = model.config.block_size
-        self.use_cache = use_cache
-        if use_cache:
-            model.setup_kv_cache(tokens.shape[0], min(self.block_size, tokens.shape[1]))
+    def __init__(self, model: Any, prompt: Tensor, max_new_tokens: int, use_cache: bool):
+        self.model = model
+        self.block_size = block = model.config.block_size
+        self.position = prompt.shape[1]  # tokens in the sequence so far, prompt included
+        window = prompt[:, -block:]  # the model never sees more than block_size tokens
+        # Room for the window and every new token, but never more than two windows: a long
+        # generation rolls the buffer instead of growing it (see `_append`).
+        capacity = min(window.shape[1] + max_new_tokens, 2 * block)
+        self.buffer = torch.empty(prompt.shape[0], capacity, dtype=prompt.dtype,
+                                  device=prompt.device)  # (B, capacity)
+        self.buffer[:, :window.shape[1]] = window
+        self.filled = window.shape[1]
+        self.use_cache = use_cache and self.position <= block
+        if self.use_cache:
+            model.setup_kv_cache(prompt.shape[0], min(block, self.position + max_new_tokens))
 
     def prefill(self) -> Tensor:
         """Logits (B, V) after the prompt."""
-        window_start = max(0, self.length - self.block_size)
-        window = self.tokens[:, window_start:self.length]
-        start_pos = 0 if self.use_cache and window_start == 0 else None
+        window = self.buffer[:, :self.filled]
+        start_pos = 0 if self.use_cache else None
         return self.model(window, start_pos=start_pos, last_only=True)[0][:, -1]
 
     def step(self, token: Tensor) -> Tensor:
         """Append token (B, 1) and return the logits (B, V) for the position after it."""
-        pos = self.length
-        self.tokens[:, pos:pos + 1] = token
-        self.length += 1
+        pos = self.position
+        self._append(token)
         if self.use_cache and pos < self.block_size:
             return self.model(token, start_pos=pos, last_only=True)[0][:, -1]
-        window = self.tokens[:, max(0, self.length - self.block_size):self.length]
+        window = self.buffer[:, max(0, self.filled - self.block_size):self.filled]
         return self.model(window, last_only=True)[0][:, -1]
+
+    def _append(self, token: Tensor) -> None:
+        if self.filled == self.buffer.shape[1]:  # full: keep the last block_size - 1 tokens
+            keep = self.block_size - 1
+            self.buffer[:, :keep] = self.buffer[:, self.filled - keep:self.filled].clone()
+            self.filled = keep
+        self.buffer[:, self.filled:self.filled + 1] = token
+        self.filled += 1
+        self.position += 1
 
     def close(self) -> None:
         if self.use_cache:
@@ -120,11 +136,8 @@ def generate_stream(model: Any, idx: Tensor, max_new_tokens: int, temperature: f
         generator = torch.Generator(device=idx.device).manual_seed(seed)
     was_training = model.training
     model.eval()
-    B, T = idx.shape
-    tokens = torch.empty(B, T + max_new_tokens, dtype=torch.long, device=idx.device)
-    tokens[:, :T] = idx
-    decoder = _Decoder(model, tokens, T, use_cache)
-    finished = torch.zeros(B, 1, dtype=torch.bool, device=idx.device)
+    decoder = _Decoder(model, idx, max_new_tokens, use_cache)
+    finished = torch.zeros(idx.shape[0], 1, dtype=torch.bool, device=idx.device)
     try:
         logits = decoder.prefill()
         for i in range(max_new_tokens):
