@@ -89,12 +89,12 @@ def test_decode_bytes_count_every_weight_once_and_one_row_per_lookup(tied):
 
 def test_training_results_follow_from_the_measured_step():
     results = bench.bench_training("cpu-small", PROBES, against_hf=True, compiled=False,
-                                   rounds=1, batch_size=2, **TINY)
+                                   rounds=1, batch_size=2, dropout=0.1, **TINY)
     assert [r.contender for r in results] == [bench.GLASSGPT, bench.HF]
     model = GPT(GPTConfig.from_preset("cpu-small", **TINY))
     flops = bench.train_flops_per_token(model.config, bench.matmul_parameters(model), 32)
     for r in results:
-        assert (r.batch_size, r.seq_len, r.flops_per_token) == (2, 32, flops)
+        assert (r.batch_size, r.seq_len, r.dropout, r.flops_per_token) == (2, 32, 0.1, flops)
         assert r.tokens_per_s == pytest.approx(2 * 32 / r.step_seconds)
         assert r.mfu == pytest.approx(r.tokens_per_s * flops / r.matmul_flops)
     assert results[0].matmul_flops == results[1].matmul_flops > 0  # one probe for the group
@@ -112,7 +112,7 @@ def test_compiled_training_matches_eager_losses():
     model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16))
     data = torch.randint(0, 11, (2, 9))
     cfg = TrainConfig(batch_size=2, lr=1e-2)
-    eager, compiled = bench.compiled_matches_eager(model, (data[:, :-1], data[:, 1:]), 3, cfg)
+    eager, compiled = bench.eager_and_compiled_losses(model, (data[:, :-1], data[:, 1:]), 3, cfg)
     assert eager[0] != eager[-1]  # the steps did train
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
 
@@ -155,7 +155,7 @@ def test_missing_transformers_is_a_clear_error(monkeypatch):
 # --- the report -----------------------------------------------------------------------------
 
 def _train(contender: str, tokens_per_s: float) -> bench.TrainResult:
-    return bench.TrainResult("p", contender, 1, 1, 1.0, tokens_per_s, 1.0, 0.5, 1.0)
+    return bench.TrainResult("p", contender, 1, 1, 0.0, 1.0, tokens_per_s, 1.0, 0.5, 1.0)
 
 
 def _decode(contender: str, cache: bool, tokens_per_s: float, dtype="float32"):
@@ -184,7 +184,8 @@ def test_cli_writes_every_figure_as_json(tmp_path: Path):
     assert result.returncode == 0, result.stderr
     assert "Decoding" in result.stdout and "tokens/s" in result.stdout
     data = json.loads(out.read_text())
-    assert set(data) == {"machine", "limits", "train", "decode", "precision", "speedups"}
+    assert set(data) == {"machine", "limits", "train", "decode", "precision", "profile",
+                         "speedups"}
     assert data["limits"]["matmul_flops"] > 0 and data["limits"]["read_bandwidth"] > 0
     row = data["decode"][0]
     assert {"preset", "contender", "cache", "dtype", "tokens_per_s", "bytes_per_token",
@@ -198,6 +199,7 @@ def test_cli_writes_every_figure_as_json(tmp_path: Path):
     (["bench", "--preset", "gpt5"], "unknown preset 'gpt5'"),
     (["bench", "generate", "--preset", "cpu-small"], "block_size=64"),
     (["bench", "--threads", "0"], "--threads must be positive"),
+    (["bench", "train", "--dropout", "lots"], "--dropout must be a rate"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(argv, message):
     result = glassgpt(*argv)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glassgpt.errors import ConfigError, InputError
+from glassgpt.linear import Linear
 
 ATTENTION_IMPLS = ("fused", "explicit")
 
@@ -142,8 +143,8 @@ class MultiHeadSelfAttention(nn.Module):
             raise ConfigError(f"dropout must be in [0, 1), got {dropout}")
         self.d_model, self.n_heads, self.causal, self.impl = d_model, n_heads, causal, impl
         self.dropout_p = dropout
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
-        self.proj = nn.Linear(d_model, d_model, bias=bias)
+        self.qkv = Linear(d_model, 3 * d_model, bias=bias)
+        self.proj = Linear(d_model, d_model, bias=bias)
         self.attn_dropout = nn.Dropout(dropout)  # on the attention weights
         self.resid_dropout = nn.Dropout(dropout)  # on the output, before it joins the residual
         self.kv_cache: KVCache | None = None

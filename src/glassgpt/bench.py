@@ -48,9 +48,9 @@ Key = TypeVar("Key")
 
 # --- timing ---------------------------------------------------------------------------------
 
-def interleaved_medians(contenders: dict[Key, Callable[[], Any]], rounds: int,
-                        warmup: int = 1) -> dict[Key, float]:
-    """Median seconds per call of each contender, timed in interleaved, rotating rounds."""
+def interleaved_times(contenders: dict[Key, Callable[[], Any]], rounds: int,
+                      warmup: int = 1) -> dict[Key, list[float]]:
+    """Seconds of every timed call of each contender, run in interleaved, rotating rounds."""
     if rounds <= 0:
         raise ConfigError(f"rounds must be positive, got {rounds}")
     names = list(contenders)
@@ -63,7 +63,14 @@ def interleaved_medians(contenders: dict[Key, Callable[[], Any]], rounds: int,
             start = time.perf_counter()
             contenders[name]()
             seconds[name].append(time.perf_counter() - start)
-    return {name: statistics.median(times) for name, times in seconds.items()}
+    return seconds
+
+
+def interleaved_medians(contenders: dict[Key, Callable[[], Any]], rounds: int,
+                        warmup: int = 1) -> dict[Key, float]:
+    """Median seconds per call of each contender, timed in interleaved, rotating rounds."""
+    times = interleaved_times(contenders, rounds, warmup)
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
 # --- the machine's limits -------------------------------------------------------------------
@@ -77,8 +84,9 @@ class MachineLimits:
 class LimitProbes:
     """Probes of the machine's two limits, timed in the same rounds as the contenders.
 
-    A limit measured alongside the contenders suffers the same interference from other
-    processes, so utilisation stays meaningful on a shared machine.
+    A limit probed alongside the contenders sees the machine in the same state (other processes,
+    clocks, caches). A limit is a peak, so it is the fastest round of its probe, where a
+    contender's figure is its median round: utilisation errs low, never high.
     * matmul: a large fp32 matmul, 2n^3 FLOPs.
     * read: a sum over a buffer several times larger than any CPU cache, so every byte comes from
       memory at almost no arithmetic per byte.
@@ -106,9 +114,9 @@ class LimitProbes:
 
 def measure_limits(probes: LimitProbes, rounds: int = 7) -> MachineLimits:
     """The fp32 matmul peak and the memory read bandwidth, measured side by side."""
-    median = interleaved_medians({probes.MATMUL: probes.matmul, probes.READ: probes.read}, rounds)
-    return MachineLimits(probes.flops(median[probes.MATMUL]),
-                         probes.bandwidth(median[probes.READ]))
+    times = interleaved_times({probes.MATMUL: probes.matmul, probes.READ: probes.read}, rounds)
+    return MachineLimits(probes.flops(min(times[probes.MATMUL])),
+                         probes.bandwidth(min(times[probes.READ])))
 
 
 # --- model arithmetic -----------------------------------------------------------------------
@@ -176,6 +184,7 @@ class TrainResult:
     contender: str
     batch_size: int
     seq_len: int
+    dropout: float
     step_seconds: float
     tokens_per_s: float
     flops_per_token: float
@@ -220,18 +229,19 @@ def bench_training(preset: str, probes: LimitProbes, against_hf: bool = False,
     if against_hf:
         contenders[HF] = _stepper(HFLanguageModel(hf_twin(model).train()), train_cfg, batch)
     contenders[probes.MATMUL] = probes.matmul
-    seconds = interleaved_medians(contenders, rounds, warmup=2)
-    peak = probes.flops(seconds.pop(probes.MATMUL))
+    times = interleaved_times(contenders, rounds, warmup=2)
+    peak = probes.flops(min(times.pop(probes.MATMUL)))
+    seconds = {name: statistics.median(t) for name, t in times.items()}
     flops = train_flops_per_token(config, matmul_parameters(model), T)
     results = []
     for name, step in seconds.items():
         tokens_per_s = B * T / step
-        results.append(TrainResult(preset, name, B, T, step, tokens_per_s, flops,
+        results.append(TrainResult(preset, name, B, T, config.dropout, step, tokens_per_s, flops,
                                    tokens_per_s * flops / peak, peak))
     return results
 
 
-def compiled_matches_eager(model: GPT, batch: tuple[Tensor, Tensor], steps: int,
+def eager_and_compiled_losses(model: GPT, batch: tuple[Tensor, Tensor], steps: int,
                            train_cfg: TrainConfig) -> tuple[list[float], list[float]]:
     """Losses of `steps` optimizer steps, eager and compiled, from the same initial weights."""
     losses = []
@@ -291,7 +301,7 @@ DecodeKey = tuple[str, bool, torch.dtype]  # (contender, KV cache, dtype)
 
 def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
                    bf16: bool = True, uncached: bool = True, rounds: int = 3,
-                   uncached_rounds: int = 1, prompt_len: int = PROMPT_LEN,
+                   uncached_rounds: int = 3, prompt_len: int = PROMPT_LEN,
                    new_tokens: int = NEW_TOKENS, **overrides: Any) -> list[DecodeResult]:
     """Greedy decoding tokens/s of each contender at batch 1, with and without a KV cache.
 
@@ -315,10 +325,11 @@ def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
         cached[HF, True, torch.float32] = hf_model
         recomputing[HF, False, torch.float32] = hf_model
     # The bandwidth limit is probed alongside the cached decoders, which it is the limit of.
-    seconds = _time_decoders(cached, prompt, new_tokens, rounds, {probes.READ: probes.read})
-    bandwidth = probes.bandwidth(seconds.pop(probes.READ))
+    times = _time_decoders(cached, prompt, new_tokens, rounds, {probes.READ: probes.read})
+    bandwidth = probes.bandwidth(min(times.pop(probes.READ)))
     if uncached:
-        seconds |= _time_decoders(recomputing, prompt, new_tokens, uncached_rounds)
+        times |= _time_decoders(recomputing, prompt, new_tokens, uncached_rounds)
+    seconds = {key: statistics.median(t) for key, t in times.items()}
     weight_bytes = decode_bytes_per_token(model)  # fp32
     results = []
     for (name, cache, dtype), elapsed in seconds.items():
@@ -332,15 +343,15 @@ def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
 
 def _time_decoders(models: dict[DecodeKey, nn.Module], prompt: Tensor, new_tokens: int,
                    rounds: int, probes: dict[str, Callable[[], Any]] | None = None
-                   ) -> dict[Any, float]:
-    """Median seconds of each model's greedy decoding, and of each probe, interleaved."""
+                   ) -> dict[Any, list[float]]:
+    """Seconds of each model's greedy decoding, and of each probe, in interleaved rounds."""
     def decoders(n: int) -> dict[Any, Callable[[], Any]]:
         make = {GLASSGPT: _glassgpt_decoder, HF: _hf_decoder}
         return {key: make[key[0]](m, prompt, n, key[1]) for key, m in models.items()}
 
     for warm_up in decoders(min(4, new_tokens)).values():  # a short run touches every path
         warm_up()
-    return interleaved_medians({**decoders(new_tokens), **(probes or {})}, rounds, warmup=0)
+    return interleaved_times({**decoders(new_tokens), **(probes or {})}, rounds, warmup=0)
 
 
 @torch.no_grad()
@@ -400,10 +411,10 @@ def profile_decode_step(preset: str, top: int = 8, prompt_len: int = PROMPT_LEN
     return [OpShare("decode step", preset, *op) for op in ops]
 
 
-def profile_train_step(preset: str, top: int = 8, batch_size: int | None = None
-                       ) -> list[OpShare]:
+def profile_train_step(preset: str, top: int = 8, batch_size: int | None = None,
+                       **overrides: Any) -> list[OpShare]:
     """The costliest operators of one eager training step (forward, backward, AdamW)."""
-    model = bench_model(preset)
+    model = bench_model(preset, **overrides)
     train_cfg = bench_train_config(preset, batch_size)
     data = torch.randint(0, model.config.vocab_size, (train_cfg.batch_size,
                                                       model.config.block_size + 1))
@@ -490,8 +501,13 @@ class BenchReport:
 def run_benchmarks(workload: str, train_presets: list[str], decode_presets: list[str],
                    against_hf: bool = False, rounds: int | None = None,
                    new_tokens: int = NEW_TOKENS, compiled: bool = True, profile: bool = False,
+                   train_dropout: float | None = 0.0,
                    progress: Callable[[str], None] = lambda _: None) -> BenchReport:
-    """Everything `glassgpt bench` measures; `workload` is train, generate or all."""
+    """Everything `glassgpt bench` measures; `workload` is train, generate or all.
+
+    Training runs without dropout by default, as nanoGPT's bench.py does: dropout's random
+    masks cost time that no FLOP count includes. `train_dropout=None` keeps each preset's.
+    """
     if workload not in ("train", "generate", "all"):
         raise ConfigError(f"unknown workload {workload!r}; choose train, generate or all")
     for preset in {*train_presets, *decode_presets}:
@@ -505,15 +521,17 @@ def run_benchmarks(workload: str, train_presets: list[str], decode_presets: list
     if workload in ("train", "all"):
         for preset in train_presets:
             progress(f"training {preset}")
+            dropout = {} if train_dropout is None else {"dropout": train_dropout}
             report.train += bench_training(preset, probes, against_hf, compiled,
-                                           rounds=rounds or 5)
+                                           rounds=rounds or 5, **dropout)
             if profile:
-                report.profile += profile_train_step(preset)
+                report.profile += profile_train_step(preset, **dropout)
     if workload in ("generate", "all"):
         for preset in decode_presets:
             progress(f"decoding {preset}")
             report.decode += bench_decoding(preset, probes, against_hf,
-                                            rounds=rounds or 3, new_tokens=new_tokens)
+                                            rounds=rounds or 5, new_tokens=new_tokens,
+                                            uncached_rounds=min(3, rounds or 5))
             report.precision.append(bf16_cost(preset, new_tokens=new_tokens))
             if profile:
                 report.profile += profile_decode_step(preset)

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from glassgpt.attention import MultiHeadSelfAttention
 from glassgpt.errors import ConfigError
+from glassgpt.linear import Linear
 
 ACTIVATIONS = {
     "gelu": lambda: nn.GELU(),  # exact, with erf
@@ -54,9 +55,9 @@ class FeedForward(nn.Module):
     def __init__(self, d_model: int, activation: str = "gelu", dropout: float = 0.0,
                  bias: bool = True, hidden_mult: int = 4):
         super().__init__()
-        self.fc = nn.Linear(d_model, hidden_mult * d_model, bias=bias)
+        self.fc = Linear(d_model, hidden_mult * d_model, bias=bias)
         self.act = make_activation(activation)
-        self.proj = nn.Linear(hidden_mult * d_model, d_model, bias=bias)
+        self.proj = Linear(hidden_mult * d_model, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -18,6 +18,7 @@ from glassgpt.attention import KVCache
 from glassgpt.block import TransformerBlock
 from glassgpt.config import GPTConfig
 from glassgpt.errors import InputError
+from glassgpt.linear import Linear
 
 INIT_STD = 0.02
 RESIDUAL_PROJECTIONS = ("attn.proj.weight", "ffn.proj.weight")
@@ -41,7 +42,7 @@ class GPT(nn.Module):
         # A fresh block per layer: `[block] * L` would make every layer the same module.
         self.blocks = nn.ModuleList(self._make_block() for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(C, eps=config.ln_eps, bias=config.bias)
-        self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
+        self.lm_head = Linear(C, config.vocab_size, bias=False)
         if config.tie_weights:
             # One matrix both reads tokens in and scores them on the way out.
             self.lm_head.weight = self.tok_emb.weight

@@ -33,12 +33,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    f"for training, {', '.join(bench.DECODE_PRESETS)} for decoding)")
     p.add_argument("--against", choices=["hf"], help="also measure transformers' GPT-2")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write every figure here")
-    p.add_argument("--rounds", type=int, help="timed rounds per contender (default: 5 for "
-                   "training, 3 for decoding)")
+    p.add_argument("--rounds", type=int, help="timed rounds per contender (default: 5; "
+                   "decoding without a KV cache, tens of times slower, gets 3)")
     p.add_argument("--new-tokens", type=int, default=bench.NEW_TOKENS,
                    help=f"tokens to decode after a {bench.PROMPT_LEN}-token prompt")
     p.add_argument("--no-compile", action="store_true",
                    help="skip the torch.compile training contender (compiling takes a while)")
+    p.add_argument("--dropout", default="0",
+                   help="dropout of the trained models: a rate, or `preset` for each preset's "
+                   "own (default 0, as nanoGPT's bench.py)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one training and one decoding step (torch.profiler)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
@@ -58,11 +61,21 @@ def run_bench(args: argparse.Namespace) -> int:
             args.workload, args.preset or list(bench.TRAIN_PRESETS),
             args.preset or list(bench.DECODE_PRESETS), against_hf=args.against == "hf",
             rounds=args.rounds, new_tokens=args.new_tokens, compiled=not args.no_compile,
-            profile=args.profile, progress=status.update)
+            profile=args.profile, train_dropout=_dropout(args.dropout), progress=status.update)
     print_report(report, Console())
     if args.json is not None:
         write_text_atomic(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
     return 0
+
+
+def _dropout(value: str) -> float | None:
+    if value == "preset":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"--dropout must be a rate in [0, 1) or `preset`, got {value!r}"
+                          ) from None
 
 
 def print_report(report: bench.BenchReport, console: Console) -> None:
@@ -94,10 +107,10 @@ def _train_table(rows: list[bench.TrainResult]) -> Table:
     table = Table(title="Training (fp32, one optimizer step per round)",
                   caption="MFU against the matmul peak probed in the same rounds: " + ", ".join(
                       f"{preset} {peak / 1e9:.0f} GFLOP/s" for preset, peak in peaks.items()))
-    for column in ("preset", "contender", "batch x T", "ms/step", "tokens/s", "MFU"):
+    for column in ("preset", "contender", "batch x T", "dropout", "ms/step", "tokens/s", "MFU"):
         table.add_column(column, justify="left" if column in ("preset", "contender") else "right")
     for r in rows:
-        table.add_row(r.preset, r.contender, f"{r.batch_size} x {r.seq_len}",
+        table.add_row(r.preset, r.contender, f"{r.batch_size} x {r.seq_len}", f"{r.dropout:g}",
                       f"{r.step_seconds * 1e3:.1f}", f"{r.tokens_per_s:,.0f}", f"{r.mfu:.0%}")
     return table
 
