@@ -13,7 +13,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from glassgpt.attention import KVCache, MultiHeadSelfAttention, PerHeadSelfAttention
 from glassgpt.errors import ConfigError, InputError
@@ -46,17 +45,6 @@ def fully_masked_rows(pad_mask: torch.Tensor | None, causal: bool) -> torch.Tens
     if causal:
         allowed = allowed & torch.ones(T, T, dtype=torch.bool).tril()
     return ~allowed.any(dim=-1)
-
-
-def to_torch_mha(attn: MultiHeadSelfAttention) -> nn.MultiheadAttention:
-    """An `nn.MultiheadAttention` holding `attn`'s weights: qkv -> in_proj, proj -> out_proj."""
-    mha = nn.MultiheadAttention(C, H, batch_first=True, dtype=attn.qkv.weight.dtype).eval()
-    with torch.no_grad():
-        mha.in_proj_weight.copy_(attn.qkv.weight)
-        mha.in_proj_bias.copy_(attn.qkv.bias)
-        mha.out_proj.weight.copy_(attn.proj.weight)
-        mha.out_proj.bias.copy_(attn.proj.bias)
-    return mha
 
 
 def query_rows(weights: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -144,7 +132,7 @@ def test_parallel_heads_equal_per_head_loop_without_bias(causal):
 @pytest.mark.parametrize("padded", [False, True], ids=["no-pad", "pad"])
 def test_matches_torch_multihead_attention(impl, causal, padded):
     attn = make_attention(causal, impl)
-    mha = to_torch_mha(attn)
+    mha = attn.to_torch_multihead().eval()
     x = torch.randn(B, T, C, dtype=torch.float64)
     pad = make_pad_mask() if padded else None
     causal_mask = torch.ones(T, T, dtype=torch.bool).triu(1) if causal else None  # True = hide
@@ -161,6 +149,16 @@ def test_matches_torch_multihead_attention(impl, causal, padded):
     print(f"{impl} causal={causal} padded={padded}: max |ours - nn.MultiheadAttention| "
           f"output={output_diff:.1e} weights={weights_diff:.1e}")
     assert output_diff <= 1e-12 and weights_diff <= 1e-12
+
+
+def test_torch_multihead_copy_without_bias_computes_the_same():
+    attn = MultiHeadSelfAttention(C, H, causal=True, bias=False).double().eval()
+    mha = attn.to_torch_multihead()
+    assert mha.in_proj_bias is None and mha.batch_first and not mha.training
+    x = torch.randn(B, T, C, dtype=torch.float64)
+    causal_mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+    expected, _ = mha(x, x, x, attn_mask=causal_mask, need_weights=False)
+    assert max_diff(attn(x), expected) <= 1e-12
 
 
 # --- fully masked rows: zero, never NaN --------------------------------------------------

@@ -103,15 +103,17 @@ def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
     The weights returned are the ones multiplied into v, so after dropout when it is active.
     """
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, T, S)
-    empty_rows = None
-    if mask is not None:
-        mask, empty_rows = _open_empty_rows(mask)
-        scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1)
-    if empty_rows is not None:
-        weights = weights.masked_fill(empty_rows, 0.0)
-    weights = dropout(weights)
+    weights = dropout(masked_softmax(scores, mask))
     return weights @ v, weights  # (B, H, T, d), (B, H, T, S)
+
+
+def masked_softmax(scores: Tensor, mask: Tensor | None) -> Tensor:
+    """Softmax over the last axis of scores, over allowed keys only; all-masked rows give 0."""
+    if mask is None:
+        return torch.softmax(scores, dim=-1)
+    mask, empty_rows = _open_empty_rows(mask)
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return weights.masked_fill(empty_rows, 0.0)
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
@@ -148,6 +150,22 @@ class MultiHeadSelfAttention(nn.Module):
         self.attn_dropout = nn.Dropout(dropout)  # on the attention weights
         self.resid_dropout = nn.Dropout(dropout)  # on the output, before it joins the residual
         self.kv_cache: KVCache | None = None
+
+    def to_torch_multihead(self) -> nn.MultiheadAttention:
+        """An `nn.MultiheadAttention` (batch_first) computing the same: qkv -> in_proj, proj ->
+        out_proj, copied 1:1 because both keep Q, K, V stacked in that order."""
+        bias = self.qkv.bias is not None
+        weight = self.qkv.weight
+        mha = nn.MultiheadAttention(self.d_model, self.n_heads, dropout=self.dropout_p,
+                                    bias=bias, batch_first=True, device=weight.device,
+                                    dtype=weight.dtype)
+        with torch.no_grad():
+            mha.in_proj_weight.copy_(weight)
+            mha.out_proj.weight.copy_(self.proj.weight)
+            if bias:
+                mha.in_proj_bias.copy_(self.qkv.bias)
+                mha.out_proj.bias.copy_(self.proj.bias)
+        return mha.train(self.training)
 
     def split_heads(self, x: Tensor) -> Tensor:
         """(B, T, C) -> (B, H, T, d): each head becomes a batch entry of its own."""
@@ -200,12 +218,7 @@ class AttentionHead(nn.Module):
         """x (B, T, C) -> (output (B, T, d), weights (B, T, T))."""
         q, k, v = self.query(x), self.key(x), self.value(x)  # 3 x (B, T, d)
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, T, T)
-        if mask is not None:
-            mask, empty_rows = _open_empty_rows(mask)
-            scores = scores.masked_fill(~mask, float("-inf"))
-        weights = torch.softmax(scores, dim=-1)
-        if mask is not None:
-            weights = weights.masked_fill(empty_rows, 0.0)
+        weights = masked_softmax(scores, mask)
         return weights @ v, weights
 
 

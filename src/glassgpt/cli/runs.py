@@ -302,6 +302,9 @@ def _say(message: str) -> None:
 
 # --- sample --------------------------------------------------------------------------------
 
+SAMPLE_DTYPES = ("float32", "bfloat16")
+
+
 def _register_sample(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("sample", help="generate text from a trained run",
                               description="Continue a prompt with the model of RUN_DIR.")
@@ -317,6 +320,8 @@ def _register_sample(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--stream", action="store_true", help="print tokens as they are sampled")
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", choices=SAMPLE_DTYPES, default="float32",
+                   help="weights for decoding: bfloat16 halves the bytes read per token")
     p.set_defaults(handler=run_sample)
 
 
@@ -325,6 +330,10 @@ def run_sample(args: argparse.Namespace) -> int:
         raise ConfigError(f"--num-samples must be positive, got {args.num_samples}")
     device = resolve_device(args.device)
     model, tokenizer = ckpt.load_model(args.run_dir, device)
+    # bf16 halves the bytes each token reads; fp32 weights go input-major for faster one-row
+    # products (both measured in BENCHMARKS.md).
+    bf16 = args.dtype == "bfloat16"
+    model = model.to(torch.bfloat16) if bf16 else model.input_major_weights()
     prompt_ids = tokenizer.encode(args.prompt or DEFAULT_PROMPT)
     if not prompt_ids:
         raise ConfigError("the prompt encodes to no tokens; give a non-empty --prompt")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from glassgpt.attention import MultiHeadSelfAttention, PerHeadSelfAttention
 from glassgpt.experiments.figures import new_figure, save_figure
@@ -23,18 +23,6 @@ TOLERANCE = 1e-12  # float64; the per-head loop reaches exactly 0
 def padding_mask(lengths: list[int], T: int) -> Tensor:
     """(B, T) bool, True on the padding after each sequence's real tokens."""
     return torch.arange(T).view(1, T) >= torch.tensor(lengths).view(-1, 1)
-
-
-def torch_mha_with_weights_of(attn: MultiHeadSelfAttention) -> nn.MultiheadAttention:
-    """An `nn.MultiheadAttention` whose weights are copied 1:1 from `attn` (the Q, K, V order)."""
-    mha = nn.MultiheadAttention(attn.d_model, attn.n_heads, bias=True, batch_first=True)
-    mha = mha.to(attn.qkv.weight).eval()
-    with torch.no_grad():
-        mha.in_proj_weight.copy_(attn.qkv.weight)
-        mha.in_proj_bias.copy_(attn.qkv.bias)
-        mha.out_proj.weight.copy_(attn.proj.weight)
-        mha.out_proj.bias.copy_(attn.proj.bias)
-    return mha
 
 
 def max_diff_at_real_queries(a: Tensor, b: Tensor, real: Tensor) -> float:
@@ -61,7 +49,7 @@ def compare(causal: bool, x: Tensor, pad: Tensor,
     y_loop, w_loop = PerHeadSelfAttention.from_parallel(attn)(x, pad_mask=pad)
     y_fused = attn(x, pad_mask=pad)  # return_attn=False takes the SDPA path
     future = torch.ones(T, T, dtype=torch.bool).triu(diagonal=1) if causal else None
-    mha = torch_mha_with_weights_of(attn)
+    mha = attn.to_torch_multihead().eval()
     y_mha, w_mha = mha(x, x, x, key_padding_mask=pad, attn_mask=future, need_weights=True,
                        average_attn_weights=False)
     return {  # SDPA returns no weights, hence None
