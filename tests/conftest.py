@@ -40,3 +40,15 @@ def small_text(tmp_path: Path) -> Path:
     path = tmp_path / "small.txt"
     path.write_text("".join(lines), encoding="utf-8")
     return path
+
+
+def cli_environment(shakespeare_path: Path, cache: Path) -> dict[str, str]:
+    """Environment for a `glassgpt` subprocess: the test corpus, and a private user cache."""
+    return {**os.environ, "GLASSGPT_TINYSHAKESPEARE": str(shakespeare_path.resolve()),
+            "XDG_CACHE_HOME": str(cache)}
+
+
+@pytest.fixture(scope="module")
+def env(shakespeare_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """`cli_environment` with a cache shared by the tests of one module."""
+    return cli_environment(shakespeare_path, tmp_path_factory.mktemp("cache"))

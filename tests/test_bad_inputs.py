@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import pickle
 import shutil
 import subprocess
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import cli_environment
 from glassgpt.checkpoint import load_model, load_train_state
 from glassgpt.cli import main
 from glassgpt.data import prepare
@@ -338,8 +338,7 @@ def run_in_a_process(name: str, setup: Setup, case_dir: Path) -> tuple[Outcome, 
 @pytest.fixture(scope="module")
 def setup(shakespeare_path, tmp_path_factory) -> Setup:
     root = tmp_path_factory.mktemp("bad_inputs")
-    env = {**os.environ, "GLASSGPT_TINYSHAKESPEARE": str(shakespeare_path.resolve()),
-           "XDG_CACHE_HOME": str(root / "cache")}
+    env = cli_environment(shakespeare_path, root / "cache")
     text = write(root / "text.txt", "".join(f"To be or not to be, line {i}: that is the "
                                             f"question.\n" for i in range(200)))
     data, bpe_data, template = root / "data", root / "bpe_data", root / "template"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -35,13 +34,6 @@ def in_process(*args: str | Path, capsys: pytest.CaptureFixture) -> str:
     capsys.readouterr()
     assert main([str(a) for a in args]) == 0
     return capsys.readouterr().out
-
-
-@pytest.fixture(scope="module")
-def env(shakespeare_path, tmp_path_factory) -> dict[str, str]:
-    cache = tmp_path_factory.mktemp("cache")
-    return {**os.environ, "GLASSGPT_TINYSHAKESPEARE": str(shakespeare_path.resolve()),
-            "XDG_CACHE_HOME": str(cache)}
 
 
 @pytest.fixture(scope="module")

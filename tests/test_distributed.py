@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import cli_environment
 from glassgpt.config import GPTConfig
 from glassgpt.data import prepare
 from glassgpt.model import GPT
@@ -57,8 +57,7 @@ def torchrun(*args: str | Path, env: dict[str, str]) -> subprocess.CompletedProc
 
 @pytest.fixture()
 def env(shakespeare_path, tmp_path) -> dict[str, str]:
-    return {**os.environ, "GLASSGPT_TINYSHAKESPEARE": str(shakespeare_path.resolve()),
-            "XDG_CACHE_HOME": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    return {**cli_environment(shakespeare_path, tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
 
 
 def test_two_ranks_take_the_same_step_as_one_process_with_both_batches(tmp_path, env):

@@ -68,13 +68,6 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
 
 
 @pytest.fixture(scope="module")
-def env(shakespeare_path, tmp_path_factory) -> dict[str, str]:
-    cache = tmp_path_factory.mktemp("cache")
-    return {**os.environ, "GLASSGPT_TINYSHAKESPEARE": str(shakespeare_path.resolve()),
-            "XDG_CACHE_HOME": str(cache)}
-
-
-@pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("faults")
     text = root / "text.txt"
