@@ -13,7 +13,7 @@ from glassgpt import train as train_module
 from glassgpt.checkpoint import load_train_state
 from glassgpt.config import GPTConfig, load_preset
 from glassgpt.data import PreparedData, prepare
-from glassgpt.errors import ConfigError
+from glassgpt.errors import ConfigError, DataError
 from glassgpt.metrics import read_metrics
 from glassgpt.model import GPT
 from glassgpt.train import (
@@ -24,7 +24,9 @@ from glassgpt.train import (
     estimate_loss,
     lr_at,
     make_optimizer,
+    model_for_finetuning,
     resolve_configs,
+    resume_settings,
     train_step,
 )
 
@@ -170,6 +172,28 @@ def test_resume_is_bitwise_exact(tmp_path, data):
         assert torch.equal(a, b)
     for d in ("whole", "split"):
         assert (tmp_path / d / "loss.png").stat().st_size > 0
+
+
+def test_resume_settings_keep_the_model_and_take_new_training_settings(tmp_path, data):
+    run_tiny(data, tmp_path / "run", 4)
+    cfg, data_dir = resume_settings(tmp_path / "run", {"n_layer": 2}, {"max_iters": 12})
+    assert cfg.max_iters == 12 and cfg.batch_size == 4  # the rest is the run's own
+    assert data_dir == data.dir.resolve()
+    with pytest.raises(ConfigError, match=r"n_embd=32 \(the run has 16\)"):
+        resume_settings(tmp_path / "run", {"n_embd": 32}, {})
+
+
+def test_finetuning_keeps_the_weights_and_only_dropout_may_change(tmp_path, data, small_text):
+    trainer = run_tiny(data, tmp_path / "run", 4)
+    model = model_for_finetuning(tmp_path / "run", data, {"dropout": 0.3})
+    assert model.training and model.config.dropout == 0.3
+    for a, b in zip(model.parameters(), trainer.model.parameters(), strict=True):
+        assert torch.equal(a, b.cpu())
+    with pytest.raises(ConfigError, match="only --dropout may change"):
+        model_for_finetuning(tmp_path / "run", data, {"n_layer": 3})
+    prepare(tmp_path / "bpe", small_text, "bpe", 300)
+    with pytest.raises(DataError, match="tokenizer differs"):
+        model_for_finetuning(tmp_path / "run", PreparedData(tmp_path / "bpe"), {})
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path, data, monkeypatch):

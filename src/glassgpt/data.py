@@ -182,6 +182,23 @@ class PreparedData:
                                 f"{block_size + 1}); use a longer text or a smaller --block-size")
 
 
+def default_data_dir() -> Path:
+    """Where `prepared_default_corpus` keeps Tiny Shakespeare, prepared at character level."""
+    return cache_dir() / "data" / "tinyshakespeare-char"
+
+
+def is_prepared_from(data_dir: Path, text_path: Path) -> bool:
+    """Whether `data_dir` holds data prepared from exactly the text at `text_path`."""
+    meta_path = data_dir / META_FILE
+    if not meta_path.is_file():
+        return False
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except ValueError:
+        return False
+    return isinstance(meta, dict) and meta.get("sha256") == sha256_of(text_path)
+
+
 def _check_meta(meta: Any, path: Path) -> None:
     """meta.json has the fields PreparedData reads, with usable values."""
     if not isinstance(meta, dict):

@@ -30,7 +30,7 @@ from glassgpt import checkpoint as ckpt
 from glassgpt import distributed as ddp
 from glassgpt.config import GPTConfig, check_field_types, load_preset, settings_from_dict
 from glassgpt.data import BatchSampler, PreparedData
-from glassgpt.errors import ConfigError, GlassGPTError
+from glassgpt.errors import ConfigError, DataError, GlassGPTError
 from glassgpt.metrics import Reporter, SilentReporter, append_metrics, plot_losses, truncate_metrics
 from glassgpt.model import GPT, count_parameters
 
@@ -429,6 +429,54 @@ class Trainer:
     def _result(self, losses: dict[str, float], interrupted: bool, start: float) -> TrainResult:
         return TrainResult(self.state.iteration, losses.get("train"), losses.get("val"),
                            interrupted, time.perf_counter() - start)
+
+
+def resume_settings(run_dir: str | Path, model_flags: dict[str, Any],
+                    train_flags: dict[str, Any]) -> tuple[TrainConfig, Path | None]:
+    """The training settings to continue the run in `run_dir` with, and its data directory
+    (None when the run records none).
+
+    Training settings may change (`train_flags` override the run's); model settings may not.
+    """
+    config = ckpt.read_run_config(run_dir)
+    if not ckpt.has_train_state(run_dir):
+        ckpt.load_train_state(run_dir)  # raises the error that explains what to do
+    changed = {k: v for k, v in model_flags.items() if config["model"].get(k) != v}
+    if changed:
+        asked = ", ".join(f"{k}={v} (the run has {config['model'].get(k)})"
+                          for k, v in sorted(changed.items()))
+        raise ConfigError(f"cannot change model settings of a run when resuming: {asked}; "
+                          f"start a new run with --init-from {run_dir}")
+    cfg = TrainConfig.from_dict({**(config["train"] or {}), **train_flags})
+    data_dir = config.get("data_dir")
+    return cfg, None if data_dir is None else Path(data_dir)
+
+
+def check_same_tokenizer(data: PreparedData, run_dir: str | Path) -> None:
+    """Refuse data prepared with another tokenizer than the run's: the ids would mean nothing."""
+    if data.tokenizer.to_json() != ckpt.read_tokenizer(Path(run_dir)).to_json():
+        raise DataError(f"the data's tokenizer differs from the one of {run_dir}; prepare the "
+                        f"text with --tokenizer-file {Path(run_dir) / ckpt.TOKENIZER_FILE}")
+
+
+def model_for_finetuning(init_from: str | Path, data: PreparedData,
+                         model_settings: dict[str, Any]) -> GPT:
+    """The model of run `init_from`, in train mode, to train further on `data`.
+
+    Its shape is fixed by its weights; only `dropout` among `model_settings` may differ.
+    """
+    model, _ = ckpt.load_model(init_from)
+    check_same_tokenizer(data, init_from)
+    changed = {k for k, v in model_settings.items() if k != "dropout"
+               and getattr(model.config, k) != v}
+    if changed:
+        raise ConfigError(f"--init-from {init_from}: its model settings are fixed; only "
+                          f"--dropout may change (got {sorted(changed)})")
+    if "dropout" in model_settings:
+        fresh = GPT(dataclasses.replace(model.config, dropout=model_settings["dropout"]))
+        fresh.load_state_dict(model.state_dict())
+        model = fresh
+    return model.train()
 
 
 def build_model(model_settings: dict[str, Any], vocab_size: int, seed: int) -> GPT:

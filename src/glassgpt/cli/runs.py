@@ -22,15 +22,14 @@ from glassgpt import checkpoint as ckpt
 from glassgpt import distributed as ddp
 from glassgpt.config import GPTConfig, preset_names
 from glassgpt.data import (
-    META_FILE,
     PreparedData,
-    cache_dir,
+    default_data_dir,
+    is_prepared_from,
     prepare,
     sequential_batches,
-    sha256_of,
     tinyshakespeare_path,
 )
-from glassgpt.errors import CheckpointError, ConfigError, DataError
+from glassgpt.errors import CheckpointError, ConfigError
 from glassgpt.metrics import METRICS_FILE, PLOT_FILE, RichReporter
 from glassgpt.model import GPT, count_parameters
 from glassgpt.tokenizers import TOKENIZER_KINDS, Tokenizer
@@ -39,8 +38,11 @@ from glassgpt.train import (
     Trainer,
     TrainResult,
     build_model,
+    check_same_tokenizer,
+    model_for_finetuning,
     resolve_configs,
     resolve_device,
+    resume_settings,
 )
 
 FLAG_TYPES = {"int": int, "float": float, "str": str}
@@ -172,24 +174,15 @@ def _resume(args: argparse.Namespace, model_flags: dict[str, Any],
             train_flags: dict[str, Any]) -> int:
     if args.out is None:
         raise ConfigError("--resume needs --out RUN_DIR, the run to continue")
-    config = ckpt.read_run_config(args.out)
-    if not ckpt.has_train_state(args.out):
-        ckpt.load_train_state(args.out)  # raises the error that explains what to do
-    changed = {k: v for k, v in model_flags.items() if config["model"].get(k) != v}
-    if changed:
-        asked = ", ".join(f"{k}={v} (the run has {config['model'].get(k)})"
-                          for k, v in sorted(changed.items()))
-        raise ConfigError(f"cannot change model settings of a run when resuming: {asked}; "
-                          f"start a new run with --init-from {args.out}")
-    cfg = TrainConfig.from_dict({**(config["train"] or {}), **train_flags})
-    data_dir = args.data or config.get("data_dir")
+    cfg, recorded_data = resume_settings(args.out, model_flags, train_flags)
+    data_dir = args.data or recorded_data
     if data_dir is None:
         raise ConfigError(f"{args.out} records no data directory; pass --data")
     device = resolve_device(cfg.device)
     with ddp.distributed(device.type) as context:
         data = PreparedData(data_dir)
         model = ckpt.load_model(args.out)[0].train()  # checks config.json against the weights
-        _check_same_tokenizer(data.tokenizer, ckpt.read_tokenizer(Path(args.out)), args.out)
+        check_same_tokenizer(data, args.out)
         trainer = Trainer(model, cfg, data, args.out, RichReporter(), context)
         trainer.resume()
         if trainer.state.iteration >= cfg.max_iters:
@@ -244,49 +237,19 @@ def _data_dir(data: Path | None, context: ddp.DistContext) -> Path:
     """--data, or Tiny Shakespeare prepared once (character level) into the cache."""
     if data is not None:
         return data
-    default = cache_dir() / "data" / "tinyshakespeare-char"
-    if context.is_main and not _is_prepared_from(default, tinyshakespeare_path()):
+    default = default_data_dir()
+    if context.is_main and not is_prepared_from(default, tinyshakespeare_path()):
         _say(f"preparing Tiny Shakespeare (character level) into {default}")
         prepare(default)
     ddp.barrier(context)
     return default
 
 
-def _is_prepared_from(data_dir: Path, text_path: Path) -> bool:
-    meta_path = data_dir / META_FILE
-    if not meta_path.is_file():
-        return False
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except ValueError:
-        return False
-    return meta.get("sha256") == sha256_of(text_path)
-
-
 def _initial_model(init_from: Path | None, model_settings: dict[str, Any],
                    model_flags: dict[str, Any], data: PreparedData, seed: int) -> GPT:
     if init_from is None:
         return build_model(model_settings, data.vocab_size, seed)
-    model, tokenizer = ckpt.load_model(init_from)
-    _check_same_tokenizer(data.tokenizer, tokenizer, init_from)
-    changed = {k for k, v in model_flags.items() if k != "dropout"
-               and getattr(model.config, k) != v}
-    if changed:
-        raise ConfigError(f"--init-from {init_from}: its model settings are fixed; only "
-                          f"--dropout may change (got {sorted(changed)})")
-    if "dropout" in model_flags:
-        config = dataclasses.replace(model.config, dropout=model_flags["dropout"])
-        fresh = GPT(config)
-        fresh.load_state_dict(model.state_dict())
-        model = fresh
-    return model.train()
-
-
-def _check_same_tokenizer(data_tokenizer: Tokenizer, run_tokenizer: Tokenizer,
-                          run_dir: Path) -> None:
-    if data_tokenizer.to_json() != run_tokenizer.to_json():
-        raise DataError(f"the data's tokenizer differs from the one of {run_dir}; prepare the "
-                        f"text with --tokenizer-file {Path(run_dir) / ckpt.TOKENIZER_FILE}")
+    return model_for_finetuning(init_from, data, model_flags)
 
 
 def _describe(model: GPT) -> str:
@@ -423,12 +386,12 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ConfigError(f"--batch-size and --max-batches must be positive, got "
                           f"{args.batch_size} and {args.max_batches}")
     device = resolve_device(args.device)
-    model, tokenizer = ckpt.load_model(args.run_dir, device)
+    model, _ = ckpt.load_model(args.run_dir, device)
     data_dir = args.data or ckpt.read_run_config(args.run_dir).get("data_dir")
     if data_dir is None:
         raise ConfigError(f"{args.run_dir} records no data directory; pass --data")
     data = PreparedData(data_dir)
-    _check_same_tokenizer(data.tokenizer, tokenizer, args.run_dir)
+    check_same_tokenizer(data, args.run_dir)
     data.check_block_size(model.config.block_size)
     loss, tokens = _mean_loss(model, data, args, device)
     result = {"split": args.split, "loss": loss, "perplexity": math.exp(loss),
