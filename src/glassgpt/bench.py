@@ -179,7 +179,7 @@ def bench_model(preset: str, **overrides: Any) -> GPT:
 # --- training -------------------------------------------------------------------------------
 
 @dataclass
-class TrainResult:
+class TrainSpeed:
     preset: str
     contender: str
     batch_size: int
@@ -211,7 +211,7 @@ def _stepper(model: nn.Module, train_cfg: TrainConfig, batch: tuple[Tensor, Tens
 
 def bench_training(preset: str, probes: LimitProbes, against_hf: bool = False,
                    compiled: bool = True, rounds: int = 5,
-                   batch_size: int | None = None, **overrides: Any) -> list[TrainResult]:
+                   batch_size: int | None = None, **overrides: Any) -> list[TrainSpeed]:
     """Training tokens/s and MFU of each contender on the same random batch.
 
     The matmul peak that MFU divides by is probed in the same rounds as the contenders.
@@ -236,7 +236,7 @@ def bench_training(preset: str, probes: LimitProbes, against_hf: bool = False,
     results = []
     for name, step in seconds.items():
         tokens_per_s = B * T / step
-        results.append(TrainResult(preset, name, B, T, config.dropout, step, tokens_per_s, flops,
+        results.append(TrainSpeed(preset, name, B, T, config.dropout, step, tokens_per_s, flops,
                                    tokens_per_s * flops / peak, peak))
     return results
 
@@ -254,7 +254,7 @@ def eager_and_compiled_losses(model: GPT, batch: tuple[Tensor, Tensor], steps: i
 # --- decoding -------------------------------------------------------------------------------
 
 @dataclass
-class DecodeResult:
+class DecodeSpeed:
     preset: str
     contender: str
     cache: bool
@@ -302,7 +302,7 @@ DecodeKey = tuple[str, bool, torch.dtype]  # (contender, KV cache, dtype)
 def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
                    bf16: bool = True, uncached: bool = True, rounds: int = 3,
                    uncached_rounds: int = 3, prompt_len: int = PROMPT_LEN,
-                   new_tokens: int = NEW_TOKENS, **overrides: Any) -> list[DecodeResult]:
+                   new_tokens: int = NEW_TOKENS, **overrides: Any) -> list[DecodeSpeed]:
     """Greedy decoding tokens/s of each contender at batch 1, with and without a KV cache.
 
     Cached and uncached decoders are compared in two interleaved groups: recomputing the
@@ -335,7 +335,7 @@ def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
     for (name, cache, dtype), elapsed in seconds.items():
         dtype_bytes = weight_bytes * dtype.itemsize // 4
         tokens_per_s = new_tokens / elapsed
-        results.append(DecodeResult(preset, name, cache, str(dtype).removeprefix("torch."),
+        results.append(DecodeSpeed(preset, name, cache, str(dtype).removeprefix("torch."),
                                     elapsed, tokens_per_s, dtype_bytes,
                                     tokens_per_s * dtype_bytes / bandwidth, bandwidth))
     return results
@@ -487,8 +487,8 @@ def _cpu_model() -> str:
 class BenchReport:
     machine: dict[str, Any]
     limits: MachineLimits
-    train: list[TrainResult] = field(default_factory=list)
-    decode: list[DecodeResult] = field(default_factory=list)
+    train: list[TrainSpeed] = field(default_factory=list)
+    decode: list[DecodeSpeed] = field(default_factory=list)
     precision: list[PrecisionCost] = field(default_factory=list)
     profile: list[OpShare] = field(default_factory=list)
 

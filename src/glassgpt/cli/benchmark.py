@@ -102,7 +102,7 @@ def print_report(report: bench.BenchReport, console: Console) -> None:
         console.print(_speedup_table(ratios))
 
 
-def _train_table(rows: list[bench.TrainResult]) -> Table:
+def _train_table(rows: list[bench.TrainSpeed]) -> Table:
     peaks = {r.preset: r.matmul_flops for r in rows}
     table = Table(title="Training (fp32, one optimizer step per round)",
                   caption="MFU against the matmul peak probed in the same rounds: " + ", ".join(
@@ -115,7 +115,7 @@ def _train_table(rows: list[bench.TrainResult]) -> Table:
     return table
 
 
-def _decode_table(rows: list[bench.DecodeResult]) -> Table:
+def _decode_table(rows: list[bench.DecodeSpeed]) -> Table:
     bandwidths = {r.preset: r.read_bandwidth for r in rows}
     table = Table(title=f"Decoding (batch 1, {bench.PROMPT_LEN}-token prompt, greedy)",
                   caption="bandwidth limit from the read bandwidth probed in the same rounds: "
