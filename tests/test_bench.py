@@ -154,12 +154,12 @@ def test_missing_transformers_is_a_clear_error(monkeypatch):
 
 # --- the report -----------------------------------------------------------------------------
 
-def _train(contender: str, tokens_per_s: float) -> bench.TrainResult:
-    return bench.TrainResult("p", contender, 1, 1, 0.0, 1.0, tokens_per_s, 1.0, 0.5, 1.0)
+def _train(contender: str, tokens_per_s: float) -> bench.TrainSpeed:
+    return bench.TrainSpeed("p", contender, 1, 1, 0.0, 1.0, tokens_per_s, 1.0, 0.5, 1.0)
 
 
 def _decode(contender: str, cache: bool, tokens_per_s: float, dtype="float32"):
-    return bench.DecodeResult("p", contender, cache, dtype, 1.0, tokens_per_s, 1, 0.5, 1.0)
+    return bench.DecodeSpeed("p", contender, cache, dtype, 1.0, tokens_per_s, 1, 0.5, 1.0)
 
 
 def test_speedups_divide_the_right_rows():
