@@ -123,7 +123,8 @@ def test_decoding_results_and_bandwidth_fraction():
     results = bench.bench_decoding("cpu-small", PROBES, against_hf=True, rounds=1,
                                    new_tokens=6, **TINY)
     keys = [(r.contender, r.cache, r.dtype) for r in results]
-    assert keys == [(bench.GLASSGPT, True, "float32"), (bench.GLASSGPT, True, "bfloat16"),
+    assert keys == [(bench.GLASSGPT, True, "float32"), (bench.GLASSGPT_COMPILED, True, "float32"),
+                    (bench.GLASSGPT, True, "bfloat16"), (bench.GLASSGPT_COMPILED, True, "bfloat16"),
                     (bench.HF, True, "float32"), (bench.GLASSGPT, False, "float32"),
                     (bench.HF, False, "float32")]
     fp32 = results[0].bytes_per_token
@@ -167,6 +168,8 @@ def test_speedups_divide_the_right_rows():
         _train(bench.GLASSGPT, 300.0), _train(bench.GLASSGPT_COMPILED, 450.0),
         _train(bench.HF, 200.0)], decode=[
         _decode(bench.GLASSGPT, True, 500.0), _decode(bench.GLASSGPT, True, 900.0, "bfloat16"),
+        _decode(bench.GLASSGPT_COMPILED, True, 750.0),
+        _decode(bench.GLASSGPT_COMPILED, True, 1500.0, "bfloat16"),
         _decode(bench.GLASSGPT, False, 100.0), _decode(bench.HF, True, 250.0),
         _decode(bench.HF, False, 50.0)])
     ratios = {(s.workload, s.contender, s.reference): s.ratio for s in bench.speedups(report)}
@@ -174,7 +177,10 @@ def test_speedups_divide_the_right_rows():
                       ("train", bench.GLASSGPT_COMPILED, "hf"): 2.25,
                       ("decode", bench.GLASSGPT, "hf"): 2.0,
                       ("decode", bench.GLASSGPT, "glassgpt no-cache"): 5.0,
-                      ("decode", bench.GLASSGPT, "hf no-cache"): 10.0}
+                      ("decode", bench.GLASSGPT, "hf no-cache"): 10.0,
+                      ("decode", bench.GLASSGPT_COMPILED, "hf"): 3.0,
+                      ("decode", bench.GLASSGPT_COMPILED, "glassgpt no-cache"): 7.5,
+                      ("decode", bench.GLASSGPT_COMPILED, "hf no-cache"): 15.0}
 
 
 def test_cli_writes_every_figure_as_json(tmp_path: Path):

@@ -116,6 +116,11 @@ def test_sample_in_bfloat16_decodes_the_same_greedy_text(run_dir, capsys):
     assert half[:8] == full[:8]
 
 
+def test_sample_with_a_compiled_step_prints_the_same_text(run_dir, capsys):
+    args = ["sample", run_dir, "--prompt", "To be", "--max-new-tokens", "30", "--seed", "5"]
+    assert in_process(*args, "--compile", capsys=capsys) == in_process(*args, capsys=capsys)
+
+
 def test_several_samples_and_a_prompt_longer_than_the_context(run_dir, env):
     result = glassgpt("sample", run_dir, "--prompt", "to be " * 10, "--max-new-tokens", "3",
                       "--num-samples", "2", env=env)

@@ -116,9 +116,22 @@ def masked_softmax(scores: Tensor, mask: Tensor | None) -> Tensor:
     return weights.masked_fill(empty_rows, 0.0)
 
 
+def one_query_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """softmax(q k^T / sqrt(d)) v for one query position, as reductions a compiler can fuse.
+
+    q (B, H, 1, d), k and v (B, H, S, d) -> (B, H, 1, d). Used under torch.compile for a decoding
+    step, where it becomes a few loops fused with their neighbours instead of a kernel call.
+    """
+    scores = (q * k).sum(dim=-1, keepdim=True) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, S, 1)
+    weights = torch.softmax(scores, dim=-2)
+    return (weights * v).sum(dim=-2, keepdim=True)  # (B, H, S, d) -> (B, H, 1, d)
+
+
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
                     dropout_p: float) -> Tensor:
     """The same computation through PyTorch's fused kernel. Returns (B, H, T, d)."""
+    if mask is None and q.shape[2] == 1 and dropout_p == 0.0 and torch.compiler.is_compiling():
+        return one_query_attention(q, k, v)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal)
     mask, empty_rows = _open_empty_rows(mask)
@@ -198,7 +211,7 @@ class MultiHeadSelfAttention(nn.Module):
             plain_causal = self.causal and pad_mask is None and T == S
             mask = None if plain_causal else build_attention_mask(T, S, self.causal, pad_mask,
                                                                   x.device)
-            y = fused_attention(q, k, v, mask, plain_causal and T > 1, dropout_p)
+            y = fused_attention(q, k, v, mask, T > 1 and plain_causal, dropout_p)
 
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, H, T, d) -> (B, T, C)
         y = self.resid_dropout(self.proj(y))

@@ -281,6 +281,12 @@ def _glassgpt_decoder(model: GPT, prompt: Tensor, new_tokens: int, cache: bool
     return lambda: model.generate(prompt, new_tokens, temperature=0.0, use_cache=cache)
 
 
+def _compiled_decoder(model: GPT, prompt: Tensor, new_tokens: int, cache: bool
+                      ) -> Callable[[], Tensor]:
+    return lambda: model.generate(prompt, new_tokens, temperature=0.0, use_cache=cache,
+                                  compiled=True)
+
+
 def _hf_decoder(hf_model: nn.Module, prompt: Tensor, new_tokens: int, cache: bool
                 ) -> Callable[[], Tensor]:
     def run() -> Tensor:
@@ -300,26 +306,33 @@ DecodeKey = tuple[str, bool, torch.dtype]  # (contender, KV cache, dtype)
 
 
 def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
-                   bf16: bool = True, uncached: bool = True, rounds: int = 3,
+                   bf16: bool = True, uncached: bool = True, compiled: bool = True,
+                   rounds: int = 3,
                    uncached_rounds: int = 3, prompt_len: int = PROMPT_LEN,
                    new_tokens: int = NEW_TOKENS, **overrides: Any) -> list[DecodeSpeed]:
     """Greedy decoding tokens/s of each contender at batch 1, with and without a KV cache.
 
     Cached and uncached decoders are compared in two interleaved groups: recomputing the
     context costs tens of times more, so the uncached group gets its own (smaller) round count.
-    glassgpt decodes with input-major fp32 weights (`GPT.input_major_weights`); its bf16 copy
-    keeps the default layout, which bf16 kernels run faster.
+    Eager glassgpt decodes with input-major fp32 weights (`GPT.input_major_weights`); the bf16
+    copy and the compiled contenders (`compiled=True`, `generate(..., compiled=True)`) keep the
+    default layout, which bf16 kernels and the compiled one-row reductions read faster.
     """
     model = bench_model(preset, dropout=0.0, **overrides).eval()
     check_decode_length(model.config, prompt_len, new_tokens)
     half = copy.deepcopy(model).to(torch.bfloat16) if bf16 else None  # default layout
+    default_layout = copy.deepcopy(model) if compiled else None
     model.input_major_weights()
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len))
     hf_model = hf_twin(model) if against_hf else None
-    # (contender, KV cache, dtype) -> model; the bf16 contender decodes from a bf16 copy.
+    # (contender, KV cache, dtype) -> model; the bf16 contenders decode from a bf16 copy.
     cached: dict[DecodeKey, nn.Module] = {(GLASSGPT, True, torch.float32): model}
+    if default_layout is not None:
+        cached[GLASSGPT_COMPILED, True, torch.float32] = default_layout
     if half is not None:
         cached[GLASSGPT, True, torch.bfloat16] = half
+        if compiled:
+            cached[GLASSGPT_COMPILED, True, torch.bfloat16] = half
     recomputing: dict[DecodeKey, nn.Module] = {(GLASSGPT, False, torch.float32): model}
     if hf_model is not None:
         cached[HF, True, torch.float32] = hf_model
@@ -346,10 +359,12 @@ def _time_decoders(models: dict[DecodeKey, nn.Module], prompt: Tensor, new_token
                    ) -> dict[Any, list[float]]:
     """Seconds of each model's greedy decoding, and of each probe, in interleaved rounds."""
     def decoders(n: int) -> dict[Any, Callable[[], Any]]:
-        make = {GLASSGPT: _glassgpt_decoder, HF: _hf_decoder}
+        make = {GLASSGPT: _glassgpt_decoder, GLASSGPT_COMPILED: _compiled_decoder,
+                HF: _hf_decoder}
         return {key: make[key[0]](m, prompt, n, key[1]) for key, m in models.items()}
 
-    for warm_up in decoders(min(4, new_tokens)).values():  # a short run touches every path
+    # A short run touches every path, and compiles the compiled step (once per process).
+    for warm_up in decoders(min(4, new_tokens)).values():
         warm_up()
     return interleaved_times({**decoders(new_tokens), **(probes or {})}, rounds, warmup=0)
 
@@ -446,12 +461,13 @@ def speedups(report: BenchReport) -> list[Speedup]:
     for preset in sorted({r.preset for r in report.decode}):
         rows = {(r.contender, r.cache): r for r in report.decode
                 if r.preset == preset and r.dtype == "float32"}
-        ours = rows.get((GLASSGPT, True))
-        for key, label in (((HF, True), "hf"), ((GLASSGPT, False), "glassgpt no-cache"),
-                           ((HF, False), "hf no-cache")):
-            if ours is not None and key in rows:
-                out.append(Speedup("decode", preset, GLASSGPT, label,
-                                   ours.tokens_per_s / rows[key].tokens_per_s))
+        for name in (GLASSGPT, GLASSGPT_COMPILED):
+            ours = rows.get((name, True))
+            for key, label in (((HF, True), "hf"), ((GLASSGPT, False), "glassgpt no-cache"),
+                               ((HF, False), "hf no-cache")):
+                if ours is not None and key in rows:
+                    out.append(Speedup("decode", preset, name, label,
+                                       ours.tokens_per_s / rows[key].tokens_per_s))
     return out
 
 
@@ -529,7 +545,7 @@ def run_benchmarks(workload: str, train_presets: list[str], decode_presets: list
     if workload in ("generate", "all"):
         for preset in decode_presets:
             progress(f"decoding {preset}")
-            report.decode += bench_decoding(preset, probes, against_hf,
+            report.decode += bench_decoding(preset, probes, against_hf, compiled=compiled,
                                             rounds=rounds or 5, new_tokens=new_tokens,
                                             uncached_rounds=min(3, rounds or 5))
             report.precision.append(bf16_cost(preset, new_tokens=new_tokens))

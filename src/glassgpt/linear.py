@@ -5,9 +5,14 @@ vector-matrix product reads the whole matrix for two FLOPs per element, so its s
 bandwidth; but CPU BLAS runs an fp32 one on a single thread, which leaves much of the bandwidth
 unused (BENCHMARKS.md). `Linear` splits the output columns into one equal block per thread and
 multiplies the row by all blocks in one batched matmul, which BLAS spreads over the threads. The
-blocks are views of the weight in either memory layout (see `GPT.input_major_weights`). Every
-other input takes the plain `F.linear` path; weights, names and state dicts are exactly those of
-`nn.Linear`.
+blocks are views of the weight in either memory layout (see `GPT.input_major_weights`).
+
+Under `torch.compile` (the compiled decoding step, `generate(..., compiled=True)`) a lone row is
+instead written as multiply-then-sum over the input axis. Inductor turns that reduction into one
+vectorised loop over the weight's rows, split across the threads and fused with what comes before
+and after it, so the weight streams through once at close to the memory's read bandwidth; a BLAS
+call would stay outside the fused graph. Every other input takes the plain `F.linear` path;
+weights, names and state dicts are exactly those of `nn.Linear`.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ from torch import Tensor, nn
 
 
 class Linear(nn.Linear):
-    """y = x W^T + b, exactly `nn.Linear`; a lone fp32 input row is spread over all threads."""
+    """y = x W^T + b, exactly `nn.Linear`; a lone input row gets a bandwidth-bound path."""
 
     def forward(self, x: Tensor) -> Tensor:
         out_features, in_features = self.weight.shape
+        if x.numel() == in_features and torch.compiler.is_compiling():
+            return self._one_row_reduction(x)
         threads = torch.get_num_threads()
         # bf16 kernels already use every thread, and measured slower when split (BENCHMARKS.md).
         if (x.numel() == in_features and self.weight.dtype == torch.float32
@@ -50,3 +57,13 @@ class Linear(nn.Linear):
                             None if self.bias is None else self.bias[even:])
             y = torch.cat([y, tail], dim=-1)  # (1, out)
         return y.view(*x.shape[:-1], out_features)
+
+    def _one_row_reduction(self, x: Tensor) -> Tensor:
+        """x (..., in) holding one row -> (..., out) as a reduction, for the compiler to fuse.
+
+        Reads the weight along its rows, so it wants the default (out, in) layout.
+        """
+        y = (self.weight * x.reshape(1, -1)).sum(dim=-1)  # (out, in) * (1, in) -> (out,)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)

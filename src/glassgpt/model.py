@@ -170,20 +170,20 @@ class GPT(nn.Module):
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None,
                  stop_token: int | None = None, seed: int | None = None,
-                 use_cache: bool = True) -> Tensor:
+                 use_cache: bool = True, compiled: bool = False) -> Tensor:
         """Continue idx (B, T) by up to `max_new_tokens`; returns (B, T + new). See `generate`."""
         return decoding.generate(self, idx, max_new_tokens, temperature=temperature, top_k=top_k,
                                  top_p=top_p, stop_token=stop_token, seed=seed,
-                                 use_cache=use_cache)
+                                 use_cache=use_cache, compiled=compiled)
 
     def generate_stream(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0,
                         top_k: int | None = None, top_p: float | None = None,
                         stop_token: int | None = None, seed: int | None = None,
-                        use_cache: bool = True) -> Iterator[Tensor]:
+                        use_cache: bool = True, compiled: bool = False) -> Iterator[Tensor]:
         """Like `generate`, but yields each new token (B, 1) as soon as it is sampled."""
         return decoding.generate_stream(self, idx, max_new_tokens, temperature=temperature,
                                         top_k=top_k, top_p=top_p, stop_token=stop_token,
-                                        seed=seed, use_cache=use_cache)
+                                        seed=seed, use_cache=use_cache, compiled=compiled)
 
 
 class TransformerLM(GPT):

@@ -38,7 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--new-tokens", type=int, default=bench.NEW_TOKENS,
                    help=f"tokens to decode after a {bench.PROMPT_LEN}-token prompt")
     p.add_argument("--no-compile", action="store_true",
-                   help="skip the torch.compile training contender (compiling takes a while)")
+                   help="skip the torch.compile contenders, training and decoding "
+                   "(compiling takes a while)")
     p.add_argument("--dropout", default="0",
                    help="dropout of the trained models: a rate, or `preset` for each preset's "
                    "own (default 0, as nanoGPT's bench.py)")

@@ -285,6 +285,9 @@ def _register_sample(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", choices=SAMPLE_DTYPES, default="float32",
                    help="weights for decoding: bfloat16 halves the bytes read per token")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decoding step: seconds to compile once, then "
+                   "several times faster per token on a CPU (pays off for long samples)")
     p.set_defaults(handler=run_sample)
 
 
@@ -293,10 +296,12 @@ def run_sample(args: argparse.Namespace) -> int:
         raise ConfigError(f"--num-samples must be positive, got {args.num_samples}")
     device = resolve_device(args.device)
     model, tokenizer = ckpt.load_model(args.run_dir, device)
-    # bf16 halves the bytes each token reads; fp32 weights go input-major for faster one-row
-    # products (both measured in BENCHMARKS.md).
-    bf16 = args.dtype == "bfloat16"
-    model = model.to(torch.bfloat16) if bf16 else model.input_major_weights()
+    # bf16 halves the bytes each token reads; eager fp32 weights go input-major for faster
+    # one-row products, while the compiled step reads the default layout (BENCHMARKS.md).
+    if args.dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    elif not args.compile:
+        model = model.input_major_weights()
     prompt_ids = tokenizer.encode(args.prompt or DEFAULT_PROMPT)
     if not prompt_ids:
         raise ConfigError("the prompt encodes to no tokens; give a non-empty --prompt")
@@ -323,7 +328,8 @@ def _sample_text(model: GPT, tokenizer: Tokenizer, prompt: torch.Tensor,
                  args: argparse.Namespace, seed: int) -> Iterator[str]:
     """New text piece by piece, ending before the stop text when it appears."""
     tokens = model.generate_stream(prompt, args.max_new_tokens, temperature=args.temperature,
-                                   top_k=args.top_k, top_p=args.top_p, seed=seed)
+                                   top_k=args.top_k, top_p=args.top_p, seed=seed,
+                                   compiled=args.compile)
     pieces = _decode_incrementally(tokenizer, tokens)
     return _until_stop(pieces, args.stop) if args.stop else pieces
 
