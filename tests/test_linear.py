@@ -63,3 +63,16 @@ def test_threaded_decoding_changes_no_token(threads):
     model.input_major_weights()
     assert torch.equal(model.generate(prompt, 12, temperature=0.0), cached)
     assert torch.equal(model.generate(prompt, 12, temperature=0.0, use_cache=False), cached)
+
+
+def test_a_compiled_training_step_is_one_graph(threads):
+    """Thread counts are not traceable: Linear must decide its path without asking for them
+    under torch.compile, or every layer splits the compiled graph (fullgraph makes that fail)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=16))
+    idx, targets = torch.randint(0, 29, (2, 8)), torch.randint(0, 29, (2, 8))
+    eager_logits, eager_loss = model(idx, targets)
+    logits, loss = torch.compile(model, fullgraph=True)(idx, targets)
+    torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())

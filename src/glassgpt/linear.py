@@ -27,8 +27,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         out_features, in_features = self.weight.shape
-        if x.numel() == in_features and torch.compiler.is_compiling():
-            return self._one_row_reduction(x)
+        if torch.compiler.is_compiling():  # thread counts are not traceable: decide here
+            if x.numel() == in_features:
+                return self._one_row_reduction(x)
+            return F.linear(x, self.weight, self.bias)
         threads = torch.get_num_threads()
         # bf16 kernels already use every thread, and measured slower when split (BENCHMARKS.md).
         if (x.numel() == in_features and self.weight.dtype == torch.float32
