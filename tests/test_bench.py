@@ -136,6 +136,18 @@ def test_decoding_results_and_bandwidth_fraction():
         assert r.bandwidth_fraction == pytest.approx(r.tokens_per_s / limit)
 
 
+def test_decode_profiles_show_operators_eager_and_one_graph_compiled():
+    products = {"aten::baddbmm", "aten::bmm", "aten::addmm", "aten::mm"}  # BLAS, any path
+    eager = bench.profile_decode_step("cpu-small", top=20)
+    assert {o.workload for o in eager} == {"decode step"}
+    assert products & {o.op for o in eager}
+    compiled = bench.profile_decode_step("cpu-small", top=20, compiled=True)
+    ops = {o.op: o for o in compiled}
+    assert ops["inductor kernels (one compiled graph)"].calls == 1
+    assert not products & set(ops)  # every one-row product runs inside the graph
+    assert sum(o.share for o in compiled) == pytest.approx(1.0, abs=0.05)
+
+
 def test_decode_must_fit_the_context():
     with pytest.raises(ConfigError, match="block_size=32"):
         bench.bench_decoding("cpu-small", PROBES, new_tokens=17, **TINY)

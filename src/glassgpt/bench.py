@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from glassgpt.config import GPTConfig, load_preset
 from glassgpt.errors import ConfigError
+from glassgpt.generate import compiled_step, one_token_logits
 from glassgpt.model import GPT, count_parameters
 from glassgpt.train import TrainConfig, make_optimizer, train_step
 
@@ -391,7 +392,7 @@ def bf16_cost(preset: str, prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_T
 class OpShare:
     """One operator's share of the self CPU time of a profiled step."""
 
-    workload: str  # "train step" or "decode step"
+    workload: str  # "train step", "decode step" or "compiled decode step"
     preset: str
     op: str
     share: float
@@ -411,19 +412,33 @@ def top_ops(fn: Callable[[], Any], top: int = 8, repeats: int = 1
     return [(e.key, e.self_cpu_time_total / total, e.count // repeats) for e in events[:top]]
 
 
-def profile_decode_step(preset: str, top: int = 8, prompt_len: int = PROMPT_LEN
-                        ) -> list[OpShare]:
-    """The costliest operators of one cached decoding step after a `prompt_len` prefill."""
-    model = bench_model(preset, dropout=0.0).eval().input_major_weights()
+def profile_decode_step(preset: str, top: int = 8, prompt_len: int = PROMPT_LEN,
+                        compiled: bool = False) -> list[OpShare]:
+    """The costliest operators of one cached decoding step after a `prompt_len` prefill.
+
+    With `compiled`, the step is `generate.compiled_step()`: its kernels show up as one graph
+    call, beside dynamo's guard check and whatever still runs outside the graph.
+    """
+    model = bench_model(preset, dropout=0.0).eval()
+    if not compiled:
+        model.input_major_weights()  # each contender in the layout it decodes with
+    step_fn = compiled_step() if compiled else one_token_logits
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len))
-    model.setup_kv_cache(1, prompt_len + 1)
+    model.setup_kv_cache(1, None if compiled else prompt_len + 1)
     with torch.no_grad():
         model(prompt, start_pos=0, last_only=True)
-        step = lambda: model(prompt[:, -1:], start_pos=prompt_len, last_only=True)  # noqa: E731
-        step()  # warm-up; the profiled step rewrites the same cache slot
+        step = lambda: step_fn(model, prompt[:, -1:], prompt_len)  # noqa: E731
+        step()  # warm-up (and compilation); the profiled step rewrites the same cache slot
         ops = top_ops(step, top, repeats=20)
     model.remove_kv_cache()
-    return [OpShare("decode step", preset, *op) for op in ops]
+    label = "compiled decode step" if compiled else "decode step"
+    return [OpShare(label, preset, _readable_op(name), share, calls)
+            for name, share, calls in ops]
+
+
+def _readable_op(name: str) -> str:
+    """Profiler names of compiled graphs carry a hash; the name says what they are."""
+    return "inductor kernels (one compiled graph)" if "CompiledFxGraph" in name else name
 
 
 def profile_train_step(preset: str, top: int = 8, batch_size: int | None = None,
@@ -551,5 +566,7 @@ def run_benchmarks(workload: str, train_presets: list[str], decode_presets: list
             report.precision.append(bf16_cost(preset, new_tokens=new_tokens))
             if profile:
                 report.profile += profile_decode_step(preset)
+                if compiled:
+                    report.profile += profile_decode_step(preset, compiled=True)
     report.machine["load_after"] = _load_average()
     return report

@@ -69,21 +69,21 @@ def sample_next_token(logits: Tensor, temperature: float = 1.0, top_k: int | Non
 STEP_COMPILE_OPTIONS = {"realize_cpu_opcount_threshold": 10}
 
 
-def _one_token_logits(model: Any, token: Tensor, start_pos: int) -> Tensor:
+def one_token_logits(model: Any, token: Tensor, start_pos: int) -> Tensor:
     """Logits (B, V) after token (B, 1) at start_pos; the cache holds the earlier positions."""
     return model(token, start_pos=start_pos, last_only=True)[0][:, -1]
 
 
 @functools.cache
 def compiled_step() -> Callable[[Any, Tensor, int], Tensor]:
-    """`_one_token_logits` through torch.compile, built once per process and shared by all models.
+    """`one_token_logits` through torch.compile, built once per process and shared by all models.
 
     The position is a dynamic size, so one compilation serves every step: the cache is written at
     a symbolic offset and attention reads only the positions filled so far. One-row products
     become fused reductions (see `glassgpt.linear`), so a step runs as a few native loops with no
     per-operator Python overhead.
     """
-    return torch.compile(_one_token_logits, dynamic=True, options=STEP_COMPILE_OPTIONS)
+    return torch.compile(one_token_logits, dynamic=True, options=STEP_COMPILE_OPTIONS)
 
 
 class _Decoder:
@@ -97,7 +97,7 @@ class _Decoder:
     def __init__(self, model: Any, prompt: Tensor, max_new_tokens: int, use_cache: bool,
                  compiled: bool = False):
         self.model = model
-        self.one_token_logits = compiled_step() if compiled else _one_token_logits
+        self.one_token_logits = compiled_step() if compiled else one_token_logits
         self.block_size = block = model.config.block_size
         self.position = prompt.shape[1]  # tokens in the sequence so far, prompt included
         window = prompt[:, -block:]  # the model never sees more than block_size tokens
