@@ -427,7 +427,8 @@ def profile_decode_step(preset: str, top: int = 8, prompt_len: int = PROMPT_LEN,
     model.setup_kv_cache(1, None if compiled else prompt_len + 1)
     with torch.no_grad():
         model(prompt, start_pos=0, last_only=True)
-        step = lambda: step_fn(model, prompt[:, -1:], prompt_len)  # noqa: E731
+        token = prompt[:, -1:].clone(memory_format=torch.contiguous_format)  # as sampled
+        step = lambda: step_fn(model, token, prompt_len)  # noqa: E731
         step()  # warm-up (and compilation); the profiled step rewrites the same cache slot
         ops = top_ops(step, top, repeats=20)
     model.remove_kv_cache()
