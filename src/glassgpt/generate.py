@@ -79,9 +79,12 @@ def compiled_step() -> Callable[[Any, Tensor, int], Tensor]:
     """`one_token_logits` through torch.compile, built once per process and shared by all models.
 
     The position is a dynamic size, so one compilation serves every step: the cache is written at
-    a symbolic offset and attention reads only the positions filled so far. One-row products
-    become fused reductions (see `glassgpt.linear`), so a step runs as a few native loops with no
-    per-operator Python overhead.
+    a symbolic offset and attention reads only the positions filled so far (gpt-fast instead
+    attends over the whole cache under a mask, which for GPT-2's 1024 positions reads more bytes
+    of cache than a 16-token prompt needs). One-row products and the one query's attention become
+    fused reductions (`Linear._one_row_reduction`, `attention.one_query_attention`), so a step
+    is a single native function with no per-operator Python overhead. Dynamo keeps one compiled
+    graph per model shape, dtype and batch size, up to its recompile limit (8) per process.
     """
     return torch.compile(one_token_logits, dynamic=True, options=STEP_COMPILE_OPTIONS)
 
@@ -153,7 +156,9 @@ def generate_stream(model: Any, idx: Tensor, max_new_tokens: int, temperature: f
     A row that has produced `stop_token` keeps repeating it; decoding ends when every row has.
     `seed` makes sampling reproducible without touching the global random state.
     `compiled` runs each cached step through `compiled_step()`: the first use in a process
-    compiles (seconds to a minute), after which a CPU step is several times faster.
+    compiles (seconds to a minute) for each model shape and dtype, after which a CPU step is
+    1.5-2.5x faster (BENCHMARKS.md); the tokens are those of eager decoding (tested). It has no
+    effect without the KV cache, or once decoding runs past `block_size` and recomputes.
     """
     check_sampling_args(temperature, top_k, top_p, max_new_tokens)
     if idx.dim() != 2 or idx.shape[1] == 0:

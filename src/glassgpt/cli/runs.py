@@ -287,7 +287,7 @@ def _register_sample(subparsers: argparse._SubParsersAction) -> None:
                    help="weights for decoding: bfloat16 halves the bytes read per token")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decoding step: seconds to compile once, then "
-                   "several times faster per token on a CPU (pays off for long samples)")
+                   "1.5-2.5x faster per token on a CPU (pays off for long samples)")
     p.set_defaults(handler=run_sample)
 
 
