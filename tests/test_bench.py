@@ -90,14 +90,17 @@ def test_decode_bytes_count_every_weight_once_and_one_row_per_lookup(tied):
 def test_training_results_follow_from_the_measured_step():
     results = bench.bench_training("cpu-small", PROBES, against_hf=True, compiled=False,
                                    rounds=1, batch_size=2, dropout=0.1, **TINY)
-    assert [r.contender for r in results] == [bench.GLASSGPT, bench.HF]
+    assert [(r.contender, r.dtype) for r in results] == [
+        (bench.GLASSGPT, "float32"), (bench.GLASSGPT, "bfloat16"), (bench.HF, "float32")]
     model = GPT(GPTConfig.from_preset("cpu-small", **TINY))
     flops = bench.train_flops_per_token(model.config, bench.matmul_parameters(model), 32)
     for r in results:
         assert (r.batch_size, r.seq_len, r.dropout, r.flops_per_token) == (2, 32, 0.1, flops)
         assert r.tokens_per_s == pytest.approx(2 * 32 / r.step_seconds)
         assert r.mfu == pytest.approx(r.tokens_per_s * flops / r.matmul_flops)
-    assert results[0].matmul_flops == results[1].matmul_flops > 0  # one probe for the group
+    fp32, bf16, hf = results
+    assert fp32.matmul_flops == hf.matmul_flops > 0  # one probe for the group
+    assert bf16.matmul_flops > 0 and bf16.matmul_flops != fp32.matmul_flops  # its own peak
 
 
 def test_bench_train_config_uses_the_recipe_with_a_capped_batch():
@@ -167,8 +170,8 @@ def test_missing_transformers_is_a_clear_error(monkeypatch):
 
 # --- the report -----------------------------------------------------------------------------
 
-def _train(contender: str, tokens_per_s: float) -> bench.TrainSpeed:
-    return bench.TrainSpeed("p", contender, 1, 1, 0.0, 1.0, tokens_per_s, 1.0, 0.5, 1.0)
+def _train(contender: str, tokens_per_s: float, dtype="float32") -> bench.TrainSpeed:
+    return bench.TrainSpeed("p", contender, dtype, 1, 1, 0.0, 1.0, tokens_per_s, 1.0, 0.5, 1.0)
 
 
 def _decode(contender: str, cache: bool, tokens_per_s: float, dtype="float32"):
@@ -178,7 +181,7 @@ def _decode(contender: str, cache: bool, tokens_per_s: float, dtype="float32"):
 def test_speedups_divide_the_right_rows():
     report = bench.BenchReport({}, bench.MachineLimits(1.0, 1.0), train=[
         _train(bench.GLASSGPT, 300.0), _train(bench.GLASSGPT_COMPILED, 450.0),
-        _train(bench.HF, 200.0)], decode=[
+        _train(bench.GLASSGPT, 500.0, "bfloat16"), _train(bench.HF, 200.0)], decode=[
         _decode(bench.GLASSGPT, True, 500.0), _decode(bench.GLASSGPT, True, 900.0, "bfloat16"),
         _decode(bench.GLASSGPT_COMPILED, True, 750.0),
         _decode(bench.GLASSGPT_COMPILED, True, 1500.0, "bfloat16"),
@@ -187,6 +190,7 @@ def test_speedups_divide_the_right_rows():
     ratios = {(s.workload, s.contender, s.reference): s.ratio for s in bench.speedups(report)}
     assert ratios == {("train", bench.GLASSGPT, "hf"): 1.5,
                       ("train", bench.GLASSGPT_COMPILED, "hf"): 2.25,
+                      ("train", f"{bench.GLASSGPT} bfloat16", "hf"): 2.5,
                       ("decode", bench.GLASSGPT, "hf"): 2.0,
                       ("decode", bench.GLASSGPT, "glassgpt no-cache"): 5.0,
                       ("decode", bench.GLASSGPT, "hf no-cache"): 10.0,

@@ -94,6 +94,7 @@ class LimitProbes:
     """
 
     MATMUL, READ = "matmul peak probe", "read bandwidth probe"
+    MATMUL_BF16 = "bf16 matmul peak probe"
 
     def __init__(self, matmul_size: int = 2048, buffer_bytes: int = 256 * 2**20):
         self.a = torch.randn(matmul_size, matmul_size)
@@ -102,6 +103,11 @@ class LimitProbes:
 
     def matmul(self) -> Tensor:
         return self.a @ self.b
+
+    def matmul_bf16(self) -> Tensor:
+        """The peak that bf16 autocast training runs against: the same product in bfloat16."""
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.a @ self.b
 
     def read(self) -> Tensor:
         return self.buffer.sum()
@@ -183,6 +189,7 @@ def bench_model(preset: str, **overrides: Any) -> GPT:
 class TrainSpeed:
     preset: str
     contender: str
+    dtype: str  # "float32", or "bfloat16" for bf16 autocast (fp32 weights and optimizer)
     batch_size: int
     seq_len: int
     dropout: float
@@ -190,7 +197,7 @@ class TrainSpeed:
     tokens_per_s: float
     flops_per_token: float
     mfu: float  # achieved FLOP/s / matmul_flops
-    matmul_flops: float  # the peak, probed in the same rounds
+    matmul_flops: float  # the peak of its dtype, probed in the same rounds
 
 
 def bench_train_config(preset: str, batch_size: int | None) -> TrainConfig:
@@ -202,20 +209,25 @@ def bench_train_config(preset: str, batch_size: int | None) -> TrainConfig:
     return TrainConfig(batch_size=batch, grad_accum=1, **settings)
 
 
-def _stepper(model: nn.Module, train_cfg: TrainConfig, batch: tuple[Tensor, Tensor]
-             ) -> Callable[[], Tensor]:
+def _stepper(model: nn.Module, train_cfg: TrainConfig, batch: tuple[Tensor, Tensor],
+             amp_dtype: torch.dtype | None = None) -> Callable[[], Tensor]:
     """One optimizer step of the trainer's own `train_step` on a fixed batch."""
     optimizer = make_optimizer(model, train_cfg)
     model.train()
-    return lambda: train_step(model, optimizer, lambda: batch, train_cfg)
+    return lambda: train_step(model, optimizer, lambda: batch, train_cfg, amp_dtype=amp_dtype)
+
+
+TrainKey = tuple[str, str]  # (contender, dtype)
+FP32, BF16 = "float32", "bfloat16"
 
 
 def bench_training(preset: str, probes: LimitProbes, against_hf: bool = False,
-                   compiled: bool = True, rounds: int = 5,
+                   compiled: bool = True, bf16: bool = True, rounds: int = 5,
                    batch_size: int | None = None, **overrides: Any) -> list[TrainSpeed]:
     """Training tokens/s and MFU of each contender on the same random batch.
 
-    The matmul peak that MFU divides by is probed in the same rounds as the contenders.
+    The matmul peak that MFU divides by is probed in the same rounds as the contenders; the
+    bf16 autocast contender (`train --dtype bfloat16`) is measured against a bf16 matmul's peak.
     """
     model = bench_model(preset, **overrides)
     config, train_cfg = model.config, bench_train_config(preset, batch_size)
@@ -223,22 +235,30 @@ def bench_training(preset: str, probes: LimitProbes, against_hf: bool = False,
     data = torch.randint(0, config.vocab_size, (B, T + 1))
     batch = (data[:, :-1], data[:, 1:])  # (B, T) inputs and next-token targets
     # Each contender trains its own copy from the same initial weights.
-    contenders = {GLASSGPT: _stepper(copy.deepcopy(model), train_cfg, batch)}
+    contenders: dict[TrainKey | str, Callable[[], Any]] = {
+        (GLASSGPT, FP32): _stepper(copy.deepcopy(model), train_cfg, batch)}
     if compiled:
-        contenders[GLASSGPT_COMPILED] = _stepper(torch.compile(copy.deepcopy(model)), train_cfg,
-                                                 batch)
+        contenders[GLASSGPT_COMPILED, FP32] = _stepper(torch.compile(copy.deepcopy(model)),
+                                                       train_cfg, batch)
+    if bf16:
+        contenders[GLASSGPT, BF16] = _stepper(copy.deepcopy(model), train_cfg, batch,
+                                              amp_dtype=torch.bfloat16)
+        contenders[probes.MATMUL_BF16] = probes.matmul_bf16
     if against_hf:
-        contenders[HF] = _stepper(HFLanguageModel(hf_twin(model).train()), train_cfg, batch)
+        contenders[HF, FP32] = _stepper(HFLanguageModel(hf_twin(model).train()), train_cfg,
+                                        batch)
     contenders[probes.MATMUL] = probes.matmul
     times = interleaved_times(contenders, rounds, warmup=2)
-    peak = probes.flops(min(times.pop(probes.MATMUL)))
-    seconds = {name: statistics.median(t) for name, t in times.items()}
+    peaks = {FP32: probes.flops(min(times.pop(probes.MATMUL)))}
+    if bf16:
+        peaks[BF16] = probes.flops(min(times.pop(probes.MATMUL_BF16)))
     flops = train_flops_per_token(config, matmul_parameters(model), T)
     results = []
-    for name, step in seconds.items():
+    for (name, dtype), step_times in times.items():
+        step = statistics.median(step_times)
         tokens_per_s = B * T / step
-        results.append(TrainSpeed(preset, name, B, T, config.dropout, step, tokens_per_s, flops,
-                                   tokens_per_s * flops / peak, peak))
+        results.append(TrainSpeed(preset, name, dtype, B, T, config.dropout, step, tokens_per_s,
+                                  flops, tokens_per_s * flops / peaks[dtype], peaks[dtype]))
     return results
 
 
@@ -468,12 +488,15 @@ class Speedup:
 
 
 def speedups(report: BenchReport) -> list[Speedup]:
-    """Each glassgpt fp32 contender against HF, and cached against uncached decoding."""
+    """Each glassgpt training contender (bf16 autocast included) against HF's fp32 step; each
+    glassgpt fp32 decoder against HF, and cached against uncached decoding."""
     out = []
     for preset in sorted({r.preset for r in report.train}):
-        rows = {r.contender: r for r in report.train if r.preset == preset}
-        out += [Speedup("train", preset, name, HF, row.tokens_per_s / rows[HF].tokens_per_s)
-                for name, row in rows.items() if name != HF and HF in rows]
+        rows = {(r.contender, r.dtype): r for r in report.train if r.preset == preset}
+        hf = rows.get((HF, FP32))
+        out += [Speedup("train", preset, name if dtype == FP32 else f"{name} {dtype}", HF,
+                        row.tokens_per_s / hf.tokens_per_s)
+                for (name, dtype), row in rows.items() if name != HF and hf is not None]
     for preset in sorted({r.preset for r in report.decode}):
         rows = {(r.contender, r.cache): r for r in report.decode
                 if r.preset == preset and r.dtype == "float32"}

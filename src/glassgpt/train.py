@@ -144,7 +144,10 @@ def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
     """The autocast dtype for `dtype` on `device`; None means plain float32."""
     if dtype == "auto":
         if device.type != "cuda":
-            return None  # autocast on a CPU is rarely faster; keep full precision there
+            # On a CPU bf16 is opt-in: it pays off only where the CPU has bf16 instructions
+            # (2-2.5x on shakespeare-char with AVX512-BF16, little on cpu-small: BENCHMARKS.md),
+            # and full precision keeps CPU runs comparable with the documented losses.
+            return None
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if dtype == "float16" and device.type != "cuda":
         raise ConfigError(f"dtype float16 needs CUDA (it trains with a gradient scaler); "

@@ -104,15 +104,18 @@ def print_report(report: bench.BenchReport, console: Console) -> None:
 
 
 def _train_table(rows: list[bench.TrainSpeed]) -> Table:
-    peaks = {r.preset: r.matmul_flops for r in rows}
-    table = Table(title="Training (fp32, one optimizer step per round)",
-                  caption="MFU against the matmul peak probed in the same rounds: " + ", ".join(
-                      f"{preset} {peak / 1e9:.0f} GFLOP/s" for preset, peak in peaks.items()))
-    for column in ("preset", "contender", "batch x T", "dropout", "ms/step", "tokens/s", "MFU"):
+    peaks = {(r.preset, r.dtype): r.matmul_flops for r in rows}
+    table = Table(title="Training (one optimizer step per round; bfloat16 = autocast)",
+                  caption="MFU against the matmul peak of its dtype, probed in the same rounds: "
+                  + ", ".join(f"{preset} {dtype} {peak / 1e9:.0f} GFLOP/s"
+                              for (preset, dtype), peak in peaks.items()))
+    for column in ("preset", "contender", "dtype", "batch x T", "dropout", "ms/step", "tokens/s",
+                   "MFU"):
         table.add_column(column, justify="left" if column in ("preset", "contender") else "right")
     for r in rows:
-        table.add_row(r.preset, r.contender, f"{r.batch_size} x {r.seq_len}", f"{r.dropout:g}",
-                      f"{r.step_seconds * 1e3:.1f}", f"{r.tokens_per_s:,.0f}", f"{r.mfu:.0%}")
+        table.add_row(r.preset, r.contender, r.dtype, f"{r.batch_size} x {r.seq_len}",
+                      f"{r.dropout:g}", f"{r.step_seconds * 1e3:.1f}", f"{r.tokens_per_s:,.0f}",
+                      f"{r.mfu:.0%}")
     return table
 
 
