@@ -145,7 +145,7 @@ def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
     if dtype == "auto":
         if device.type != "cuda":
             # On a CPU bf16 is opt-in: it pays off only where the CPU has bf16 instructions
-            # (2-2.5x on shakespeare-char with AVX512-BF16, little on cpu-small: BENCHMARKS.md),
+            # (2.6x on shakespeare-char with AVX512-BF16, 1.2x on cpu-small: BENCHMARKS.md),
             # and full precision keeps CPU runs comparable with the documented losses.
             return None
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
