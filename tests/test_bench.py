@@ -43,7 +43,7 @@ def test_interleaved_medians_rotates_the_order_and_skips_warm_up(monkeypatch):
             durations[name] += 1.0  # each call of a contender takes a second longer
         return run
 
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(bench.measure.time, "perf_counter", lambda: clock[0])
     medians = bench.interleaved_medians({"a": contender("a"), "b": contender("b")}, rounds=3,
                                         warmup=1)
     assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-up, then rotating rounds

@@ -1,0 +1,157 @@
+"""Decoding speed at batch 1, with and without the KV cache, and what bf16 weights cost."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from glassgpt.bench.measure import (
+    GLASSGPT,
+    GLASSGPT_COMPILED,
+    HF,
+    NEW_TOKENS,
+    PROMPT_LEN,
+    LimitProbes,
+    bench_model,
+    decode_bytes_per_token,
+    hf_twin,
+    interleaved_times,
+)
+from glassgpt.config import GPTConfig
+from glassgpt.errors import ConfigError
+from glassgpt.model import GPT
+
+
+@dataclass
+class DecodeSpeed:
+    preset: str
+    contender: str
+    cache: bool
+    dtype: str
+    seconds: float  # prefill + every new token
+    tokens_per_s: float
+    bytes_per_token: int
+    bandwidth_fraction: float  # tokens/s / (read_bandwidth / bytes per token)
+    read_bandwidth: float  # bytes/s, probed in the same rounds as the cached decoders
+
+
+@dataclass
+class PrecisionCost:
+    """What bf16 weights cost in accuracy, on the fp32 model's own greedy continuation."""
+
+    preset: str
+    top1_agreement: float  # positions where both pick the same next token
+    mean_kl: float  # mean KL(fp32 || bf16) of the next-token distributions, in nats
+    max_logit_error: float
+
+
+def _glassgpt_decoder(model: GPT, prompt: Tensor, new_tokens: int, cache: bool,
+                      compiled: bool = False) -> Callable[[], Tensor]:
+    return lambda: model.generate(prompt, new_tokens, temperature=0.0, use_cache=cache,
+                                  compiled=compiled)
+
+
+def _hf_decoder(hf_model: nn.Module, prompt: Tensor, new_tokens: int, cache: bool
+                ) -> Callable[[], Tensor]:
+    def run() -> Tensor:
+        with torch.no_grad():
+            return hf_model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                     do_sample=False, use_cache=cache)
+    return run
+
+
+def check_decode_length(config: GPTConfig, prompt_len: int, new_tokens: int) -> None:
+    if prompt_len + new_tokens > config.block_size:
+        raise ConfigError(f"a {prompt_len}-token prompt plus {new_tokens} new tokens does not fit "
+                          f"block_size={config.block_size}; ask for fewer new tokens")
+
+
+DecodeKey = tuple[str, bool, torch.dtype]  # (contender, KV cache, dtype)
+
+
+def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
+                   bf16: bool = True, uncached: bool = True, compiled: bool = True,
+                   rounds: int = 3,
+                   uncached_rounds: int = 3, prompt_len: int = PROMPT_LEN,
+                   new_tokens: int = NEW_TOKENS, **overrides: Any) -> list[DecodeSpeed]:
+    """Greedy decoding tokens/s of each contender at batch 1, with and without a KV cache.
+
+    Cached and uncached decoders are compared in two interleaved groups: recomputing the
+    context costs tens of times more, so the uncached group gets its own (smaller) round count.
+    Eager glassgpt decodes with input-major fp32 weights (`GPT.input_major_weights`); the bf16
+    copy and the compiled contenders (`compiled=True`, `generate(..., compiled=True)`) keep the
+    default layout, which bf16 kernels and the compiled one-row reductions read faster.
+    """
+    model = bench_model(preset, dropout=0.0, **overrides).eval()
+    check_decode_length(model.config, prompt_len, new_tokens)
+    half = copy.deepcopy(model).to(torch.bfloat16) if bf16 else None  # default layout
+    default_layout = copy.deepcopy(model) if compiled else None
+    model.input_major_weights()
+    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len))
+    hf_model = hf_twin(model) if against_hf else None
+    # (contender, KV cache, dtype) -> model; the bf16 contenders decode from a bf16 copy.
+    cached: dict[DecodeKey, nn.Module] = {(GLASSGPT, True, torch.float32): model}
+    if default_layout is not None:
+        cached[GLASSGPT_COMPILED, True, torch.float32] = default_layout
+    if half is not None:
+        cached[GLASSGPT, True, torch.bfloat16] = half
+        if compiled:
+            cached[GLASSGPT_COMPILED, True, torch.bfloat16] = half
+    recomputing: dict[DecodeKey, nn.Module] = {(GLASSGPT, False, torch.float32): model}
+    if hf_model is not None:
+        cached[HF, True, torch.float32] = hf_model
+        recomputing[HF, False, torch.float32] = hf_model
+    # The bandwidth limit is probed alongside the cached decoders, which it is the limit of.
+    times = _time_decoders(cached, prompt, new_tokens, rounds, {probes.READ: probes.read})
+    bandwidth = probes.bandwidth(min(times.pop(probes.READ)))
+    if uncached:
+        times |= _time_decoders(recomputing, prompt, new_tokens, uncached_rounds)
+    seconds = {key: statistics.median(t) for key, t in times.items()}
+    weight_bytes = decode_bytes_per_token(model)  # fp32
+    results = []
+    for (name, cache, dtype), elapsed in seconds.items():
+        dtype_bytes = weight_bytes * dtype.itemsize // 4
+        tokens_per_s = new_tokens / elapsed
+        results.append(DecodeSpeed(preset, name, cache, str(dtype).removeprefix("torch."),
+                                    elapsed, tokens_per_s, dtype_bytes,
+                                    tokens_per_s * dtype_bytes / bandwidth, bandwidth))
+    return results
+
+
+def _time_decoders(models: dict[DecodeKey, nn.Module], prompt: Tensor, new_tokens: int,
+                   rounds: int, probes: dict[str, Callable[[], Any]] | None = None
+                   ) -> dict[Any, list[float]]:
+    """Seconds of each model's greedy decoding, and of each probe, in interleaved rounds."""
+    def decoders(n: int) -> dict[Any, Callable[[], Any]]:
+        make = {GLASSGPT: _glassgpt_decoder, HF: _hf_decoder,
+                GLASSGPT_COMPILED: functools.partial(_glassgpt_decoder, compiled=True)}
+        return {key: make[key[0]](m, prompt, n, key[1]) for key, m in models.items()}
+
+    # A short run touches every path, and compiles the compiled step (once per process).
+    for warm_up in decoders(min(4, new_tokens)).values():
+        warm_up()
+    return interleaved_times({**decoders(new_tokens), **(probes or {})}, rounds, warmup=0)
+
+
+@torch.no_grad()
+def bf16_cost(preset: str, prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS,
+              **overrides: Any) -> PrecisionCost:
+    """Teacher-force the fp32 greedy continuation through fp32 and bf16 copies and compare."""
+    model = bench_model(preset, dropout=0.0, **overrides).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len))
+    tokens = model.generate(prompt, new_tokens, temperature=0.0)[:, :-1]  # (1, T)
+    reference = model(tokens)[0].float()  # (1, T, V)
+    approx = copy.deepcopy(model).to(torch.bfloat16)(tokens)[0].float()
+    kl = F.kl_div(approx.log_softmax(-1), reference.log_softmax(-1), log_target=True,
+                  reduction="none").sum(-1)  # (1, T)
+    agree = (reference.argmax(-1) == approx.argmax(-1)).float().mean()
+    return PrecisionCost(preset, float(agree), float(kl.mean()),
+                         float((reference - approx).abs().max()))
