@@ -73,7 +73,8 @@ def test_compiled_one_row_product_equals_f_linear(bias):
 VARIANTS = {
     "pre-ln gelu": {},
     "post-ln gelu_tanh, no bias": dict(pre_ln=False, activation="gelu_tanh", bias=False),
-    "relu, untied": dict(activation="relu", tie_weights=False),
+    "relu, untied, explicit attention": dict(activation="relu", tie_weights=False,
+                                             attn_impl="explicit"),
 }
 SAMPLING = {
     "greedy": dict(temperature=0.0),
