@@ -19,6 +19,7 @@ from glassgpt.bench.decoding import (
     check_decode_length,
 )
 from glassgpt.bench.measure import (
+    FP32,
     GLASSGPT,
     GLASSGPT_COMPILED,
     HF,
@@ -29,7 +30,7 @@ from glassgpt.bench.measure import (
     measure_limits,
 )
 from glassgpt.bench.profiles import OpShare, profile_decode_step, profile_train_step
-from glassgpt.bench.training import FP32, TrainSpeed, bench_training
+from glassgpt.bench.training import TrainSpeed, bench_training
 from glassgpt.config import GPTConfig, load_preset
 from glassgpt.errors import ConfigError
 
@@ -57,7 +58,7 @@ def speedups(report: BenchReport) -> list[Speedup]:
                 for (name, dtype), row in rows.items() if name != HF and hf is not None]
     for preset in sorted({r.preset for r in report.decode}):
         rows = {(r.contender, r.cache): r for r in report.decode
-                if r.preset == preset and r.dtype == "float32"}
+                if r.preset == preset and r.dtype == FP32}
         for name in (GLASSGPT, GLASSGPT_COMPILED):
             ours = rows.get((name, True))
             for key, label in (((HF, True), "hf"), ((GLASSGPT, False), "glassgpt no-cache"),

@@ -12,6 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from glassgpt.bench.measure import (
+    BF16,
+    FP32,
     GLASSGPT,
     GLASSGPT_COMPILED,
     HF,
@@ -62,7 +64,6 @@ def train_stepper(model: nn.Module, train_cfg: TrainConfig, batch: tuple[Tensor,
 
 
 TrainKey = tuple[str, str]  # (contender, dtype)
-FP32, BF16 = "float32", "bfloat16"
 
 
 def bench_training(preset: str, probes: LimitProbes, against_hf: bool = False,
