@@ -32,9 +32,9 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 from torch import Tensor, nn
 
-from glassgpt.atomic import fsync_dir, write_text_atomic
 from glassgpt.config import GPTConfig
 from glassgpt.errors import CheckpointError, ConfigError, TokenizerError
+from glassgpt.files import fsync_dir, write_text_atomic
 from glassgpt.model import GPT
 from glassgpt.tokenizers import Tokenizer, tokenizer_from_json
 

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from glassgpt.atomic import write_bytes_atomic, write_text_atomic
 from glassgpt.errors import DataError, TokenizerError
+from glassgpt.files import write_bytes_atomic, write_text_atomic
 from glassgpt.tokenizers import Tokenizer, load_tokenizer, train_tokenizer
 
 TINYSHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"

@@ -29,3 +29,7 @@ class DataError(GlassGPTError):
 
 class CheckpointError(GlassGPTError):
     """A run directory or checkpoint that is missing, corrupt or does not match its config."""
+
+
+class CommandLineError(GlassGPTError):
+    """A bad flag or argument on the command line."""

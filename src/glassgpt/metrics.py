@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Protocol
 
-from glassgpt.atomic import write_bytes_atomic, write_text_atomic
+from glassgpt.files import write_bytes_atomic, write_text_atomic
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"

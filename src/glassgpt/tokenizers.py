@@ -18,8 +18,8 @@ from typing import Protocol
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from glassgpt.atomic import write_text_atomic
 from glassgpt.errors import TokenizerError
+from glassgpt.files import write_text_atomic
 
 TOKENIZER_KINDS = ("char", "bpe")
 END_OF_TEXT = "<|endoftext|>"

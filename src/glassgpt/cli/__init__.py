@@ -13,14 +13,10 @@ import sys
 from collections.abc import Sequence
 
 from glassgpt import __version__
-from glassgpt.errors import GlassGPTError
+from glassgpt.errors import CommandLineError, GlassGPTError
 
 # Modules under glassgpt.cli that each add a group of subcommands.
 COMMAND_MODULES: list[str] = ["runs", "demos", "benchmark", "convert"]
-
-
-class CommandLineError(GlassGPTError):
-    """A bad flag or argument on the command line."""
 
 
 class _Parser(argparse.ArgumentParser):

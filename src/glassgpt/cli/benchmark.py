@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.table import Table
 
 from glassgpt import bench
-from glassgpt.atomic import write_text_atomic
 from glassgpt.errors import ConfigError
+from glassgpt.files import write_text_atomic
 
 WORKLOADS = ("train", "generate", "all")
 

@@ -13,8 +13,7 @@ from pathlib import Path
 
 from glassgpt import interop
 from glassgpt.checkpoint import load_model, save_model
-from glassgpt.cli import CommandLineError
-from glassgpt.errors import CheckpointError
+from glassgpt.errors import CheckpointError, CommandLineError
 from glassgpt.tokenizers import END_OF_TEXT, BPETokenizer, Tokenizer, load_tokenizer
 
 

@@ -16,9 +16,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table as RichTable
 
-from glassgpt.atomic import write_text_atomic
-from glassgpt.cli import CommandLineError
+from glassgpt.errors import CommandLineError
 from glassgpt.experiments import EXPERIMENTS, ExperimentResult, Table, run_experiment
+from glassgpt.files import write_text_atomic
 
 SHAPES_FLAGS = {"batch_size": "--batch-size", "seq_len": "--seq-len", "d_model": "--d-model",
                 "n_heads": "--n-heads"}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from glassgpt.atomic import write_bytes_atomic
+from glassgpt.files import write_bytes_atomic
 
 DPI = 100
 
