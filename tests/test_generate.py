@@ -13,7 +13,13 @@ from torch import Tensor, nn
 
 from glassgpt.config import GPTConfig
 from glassgpt.errors import InputError
-from glassgpt.generate import generate, keep_top_k, keep_top_p, sample_next_token
+from glassgpt.generate import (
+    generate,
+    generate_stream,
+    keep_top_k,
+    keep_top_p,
+    sample_next_token,
+)
 from glassgpt.model import GPT
 
 V, BLOCK = 23, 10
@@ -51,8 +57,8 @@ SAMPLING = {
 ])
 def test_cached_decoding_gives_exactly_the_uncached_tokens(model, kind, B, T, new):
     idx = prompt(B, T)
-    cached = model.generate(idx, new, use_cache=True, **SAMPLING[kind])
-    uncached = model.generate(idx, new, use_cache=False, **SAMPLING[kind])
+    cached = generate(model, idx, max_new_tokens=new, use_cache=True, **SAMPLING[kind])
+    uncached = generate(model, idx, max_new_tokens=new, use_cache=False, **SAMPLING[kind])
     assert cached.shape == (B, T + new)
     assert torch.equal(cached[:, :T], idx)
     assert torch.equal(cached, uncached)
@@ -60,7 +66,8 @@ def test_cached_decoding_gives_exactly_the_uncached_tokens(model, kind, B, T, ne
 
 def test_decoding_past_block_size_conditions_on_the_last_window(model):
     idx = prompt(1, 3)
-    out = model.generate(idx, 4 * BLOCK, temperature=0.0)  # rolls the token buffer twice
+    # Rolls the token buffer twice.
+    out = generate(model, idx, max_new_tokens=4 * BLOCK, temperature=0.0)
     # Greedy: every new token is the argmax after the block_size tokens before it.
     for pos in range(3, out.shape[1]):
         window = out[:, max(0, pos - BLOCK):pos]
@@ -69,10 +76,10 @@ def test_decoding_past_block_size_conditions_on_the_last_window(model):
 
 def test_a_huge_token_budget_allocates_no_huge_buffer(model):
     # Streaming a few tokens of an enormous budget: the decoder keeps at most two windows.
-    stream = model.generate_stream(prompt(1, 3), max_new_tokens=10**12, temperature=0.0)
+    stream = generate_stream(model, prompt(1, 3), max_new_tokens=10**12, temperature=0.0)
     tokens = [next(stream) for _ in range(3 * BLOCK)]
     stream.close()
-    expected = model.generate(prompt(1, 3), 3 * BLOCK, temperature=0.0)[:, 3:]
+    expected = generate(model, prompt(1, 3), max_new_tokens=3 * BLOCK, temperature=0.0)[:, 3:]
     assert torch.equal(torch.cat(tokens, dim=1), expected)
 
 
@@ -100,7 +107,8 @@ def test_cache_feeds_one_token_per_step_until_the_window_is_full(model, use_cach
     fed = []
     hook = model.register_forward_pre_hook(lambda module, args: fed.append(args[0].shape[1]))
     try:
-        model.generate(prompt(1, 3), 2 * BLOCK, temperature=0.0, use_cache=use_cache)
+        generate(model, prompt(1, 3), max_new_tokens=2 * BLOCK, temperature=0.0,
+                 use_cache=use_cache)
     finally:
         hook.remove()
     # After the prompt, one call per new token but the last, when the sequence holds n tokens:
@@ -116,7 +124,7 @@ def test_cache_feeds_one_token_per_step_until_the_window_is_full(model, use_cach
 def test_generate_cleans_up_the_cache_and_restores_training_mode(model):
     model.train()
     try:
-        model.generate(prompt(1, 2), 3)
+        generate(model, prompt(1, 2), max_new_tokens=3)
         assert model.training
         assert all(block.attn.kv_cache is None for block in model.blocks)
     finally:
@@ -125,7 +133,7 @@ def test_generate_cleans_up_the_cache_and_restores_training_mode(model):
 
 def test_zero_new_tokens_returns_the_prompt(model):
     idx = prompt(2, 3)
-    assert torch.equal(model.generate(idx, 0), idx)
+    assert torch.equal(generate(model, idx, max_new_tokens=0), idx)
 
 
 # --- streaming -----------------------------------------------------------------------------
@@ -133,10 +141,11 @@ def test_zero_new_tokens_returns_the_prompt(model):
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_stream_yields_one_token_at_a_time_and_matches_generate(model, use_cache):
     idx = prompt(2, 3)
-    stream = model.generate_stream(idx, 8, temperature=1.0, seed=3, use_cache=use_cache)
+    stream = generate_stream(model, idx, max_new_tokens=8, temperature=1.0, seed=3,
+                             use_cache=use_cache)
     tokens = list(stream)
     assert len(tokens) == 8 and all(t.shape == (2, 1) for t in tokens)
-    expected = model.generate(idx, 8, temperature=1.0, seed=3, use_cache=use_cache)
+    expected = generate(model, idx, max_new_tokens=8, temperature=1.0, seed=3, use_cache=use_cache)
     assert torch.equal(torch.cat([idx, *tokens], dim=1), expected)
 
 
@@ -144,7 +153,7 @@ def test_stream_is_lazy(model):
     calls = []
     hook = model.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape))
     try:
-        stream = model.generate_stream(prompt(1, 2), 5, temperature=0.0)
+        stream = generate_stream(model, prompt(1, 2), max_new_tokens=5, temperature=0.0)
         assert calls == []  # nothing runs before the first token is asked for
         assert next(stream).shape == (1, 1)
         assert len(calls) == 1  # the prompt only: the next step waits for the next request
@@ -161,18 +170,19 @@ def test_stream_is_lazy(model):
 def test_seeded_sampling_is_reproducible_and_leaves_global_rng_alone(model):
     idx = prompt(2, 3)
     state = torch.get_rng_state()
-    first = model.generate(idx, 12, temperature=1.0, seed=123)
+    first = generate(model, idx, max_new_tokens=12, temperature=1.0, seed=123)
     assert torch.equal(torch.get_rng_state(), state)
-    assert torch.equal(model.generate(idx, 12, temperature=1.0, seed=123), first)
-    assert not torch.equal(model.generate(idx, 12, temperature=1.0, seed=124), first)
+    assert torch.equal(generate(model, idx, max_new_tokens=12, temperature=1.0, seed=123), first)
+    other = generate(model, idx, max_new_tokens=12, temperature=1.0, seed=124)
+    assert not torch.equal(other, first)
 
 
 def test_unseeded_sampling_uses_the_global_rng(model):
     idx = prompt(1, 3)
     torch.manual_seed(5)
-    a = model.generate(idx, 12, temperature=1.0)
+    a = generate(model, idx, max_new_tokens=12, temperature=1.0)
     torch.manual_seed(5)
-    b = model.generate(idx, 12, temperature=1.0)
+    b = generate(model, idx, max_new_tokens=12, temperature=1.0)
     assert torch.equal(a, b)
 
 
@@ -191,8 +201,8 @@ class CountingModel(nn.Module):
     def remove_kv_cache(self) -> None:
         pass
 
-    def forward(self, idx: Tensor, start_pos: int | None = None,
-                last_only: bool = False) -> tuple[Tensor, None]:
+    def forward(self, idx: Tensor, start_pos: int | None = None, last_only: bool = False,
+                check_ids: bool = True) -> tuple[Tensor, None]:
         following = (idx[:, -1:] + 1) % self.config.vocab_size  # (B, 1)
         logits = torch.zeros(idx.shape[0], 1, self.config.vocab_size)
         return logits.scatter(-1, following.unsqueeze(-1), 10.0), None  # (B, 1, V)
@@ -200,23 +210,24 @@ class CountingModel(nn.Module):
 
 def test_a_row_that_emitted_the_stop_token_repeats_it():
     idx = torch.tensor([[1], [3]])
-    out = generate(CountingModel(), idx, 6, temperature=0.0, stop_token=5)
+    out = generate(CountingModel(), idx, max_new_tokens=6, temperature=0.0, stop_token=5)
     # Row 1 reaches 5 after two steps and then repeats it; row 0 gets there after four.
     assert out.tolist() == [[1, 2, 3, 4, 5], [3, 4, 5, 5, 5]]  # ends once both rows stopped
 
 
 def test_decoding_runs_to_max_tokens_when_a_row_never_stops():
     idx = torch.tensor([[1], [7]])
-    out = generate(CountingModel(vocab_size=10), idx, 5, temperature=0.0, stop_token=4)
+    out = generate(CountingModel(vocab_size=10), idx, max_new_tokens=5, temperature=0.0,
+                   stop_token=4)
     assert out.tolist() == [[1, 2, 3, 4, 4, 4], [7, 8, 9, 0, 1, 2]]
 
 
 def test_stop_token_with_the_real_model(model):
     idx = prompt(2, 4)
-    free = model.generate(idx, 8, temperature=0.0)
+    free = generate(model, idx, max_new_tokens=8, temperature=0.0)
     stop = int(free[0, 6])  # row 0's third new token (or an earlier repeat of it)
     first = int((free[0, 4:] == stop).nonzero()[0])
-    stopped = model.generate(idx, 8, temperature=0.0, stop_token=stop)
+    stopped = generate(model, idx, max_new_tokens=8, temperature=0.0, stop_token=stop)
     row0 = stopped[0, 4:]
     assert torch.equal(row0[:first + 1], free[0, 4:4 + first + 1])
     assert torch.all(row0[first:] == stop)
@@ -228,10 +239,10 @@ def test_stop_token_with_the_real_model(model):
 
 def test_stop_when_every_row_emits_it_ends_early(model):
     idx = prompt(1, 4).expand(3, 4)  # three identical rows stop at the same step
-    free = model.generate(idx, 8, temperature=0.0)
+    free = generate(model, idx, max_new_tokens=8, temperature=0.0)
     stop = int(free[0, 5])
     first = int((free[0, 4:] == stop).nonzero()[0])
-    stopped = model.generate(idx, 8, temperature=0.0, stop_token=stop)
+    stopped = generate(model, idx, max_new_tokens=8, temperature=0.0, stop_token=stop)
     assert stopped.shape == (3, 4 + first + 1)
     assert torch.equal(stopped, free[:, :4 + first + 1])
 
@@ -307,18 +318,18 @@ def test_sampling_with_a_generator_is_reproducible():
 def test_bad_sampling_arguments_are_errors(model, kwargs, message):
     kwargs = {"max_new_tokens": 3, **kwargs}
     with pytest.raises(InputError, match=message):
-        model.generate(prompt(1, 2), **kwargs)
+        generate(model, prompt(1, 2), **kwargs)
     with pytest.raises(InputError, match=message):
-        next(model.generate_stream(prompt(1, 2), **kwargs))
+        next(generate_stream(model, prompt(1, 2), **kwargs))
 
 
 def test_empty_or_flat_prompt_is_an_error(model):
     with pytest.raises(InputError, match=r"got shape \(1, 0\)"):
-        model.generate(torch.zeros(1, 0, dtype=torch.long), 3)
+        generate(model, torch.zeros(1, 0, dtype=torch.long), max_new_tokens=3)
     with pytest.raises(InputError, match=r"got shape \(4,\)"):
-        model.generate(torch.zeros(4, dtype=torch.long), 3)
+        generate(model, torch.zeros(4, dtype=torch.long), max_new_tokens=3)
 
 
 def test_prompt_token_outside_the_vocabulary_is_an_error(model):
     with pytest.raises(InputError, match=rf"token id {V} "):
-        model.generate(torch.tensor([[1, V]]), 3)
+        generate(model, torch.tensor([[1, V]]), max_new_tokens=3)

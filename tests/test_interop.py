@@ -10,6 +10,7 @@ import torch
 
 from glassgpt import GPT, ConfigError, GPTConfig
 from glassgpt.errors import CheckpointError
+from glassgpt.generate import generate
 from glassgpt.interop import (
     MissingExtraError,
     config_from_hf,
@@ -117,7 +118,7 @@ def test_imported_model_generates_hf_greedy_tokens(shape: dict) -> None:
     prompt = random_tokens(shape["vocab_size"], 3, seed=4)
     new = shape["n_positions"] - 3
     theirs = hf_model.generate(prompt, do_sample=False, max_new_tokens=new, min_new_tokens=new)
-    ours = model.generate(prompt, new, temperature=0.0)
+    ours = generate(model, prompt, max_new_tokens=new, temperature=0.0)
     assert ours.shape == (3, shape["n_positions"])
     assert torch.equal(ours, theirs)
     assert len(set(ours[:, 3:].flatten().tolist())) > 1  # the tokens vary: a real comparison
@@ -213,7 +214,7 @@ def test_exported_model_generates_our_greedy_tokens(shape: dict) -> None:
     prompt = random_tokens(shape["vocab_size"], 2, seed=6)
     new = shape["block_size"] - 2
     theirs = hf_model.generate(prompt, do_sample=False, max_new_tokens=new, min_new_tokens=new)
-    ours = model.generate(prompt, new, temperature=0.0)
+    ours = generate(model, prompt, max_new_tokens=new, temperature=0.0)
     assert torch.equal(ours, theirs)
     assert len(set(ours[:, 2:].flatten().tolist())) > 1
 

@@ -9,6 +9,7 @@ Notation used in every shape comment of this file:
   * fused:    torch.nn.functional.scaled_dot_product_attention                  (fast kernels)
 `PerHeadSelfAttention` is the textbook "one module per head, then concatenate" form; it exists so
 tests can prove that treating heads as a batch dimension changes nothing.
+Plain PyTorch only: the speed paths of decoding live beside the model, in `glassgpt.decoding`.
 """
 
 from __future__ import annotations
@@ -19,21 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from glassgpt.errors import ConfigError, InputError
-from glassgpt.linear import Linear
-
-ATTENTION_IMPLS = ("fused", "explicit")
-
-
-def check_heads_divide_width(d_model: int, n_heads: int) -> int:
-    """Return the head width d = d_model // n_heads, or raise if the heads do not split C evenly."""
-    if d_model <= 0 or n_heads <= 0:
-        raise ConfigError(f"d_model and n_heads must be positive, got d_model={d_model}, "
-                          f"n_heads={n_heads}")
-    if d_model % n_heads != 0:
-        raise ConfigError(f"d_model={d_model} is not divisible by n_heads={n_heads}: each head "
-                          f"needs an equal slice of the width")
-    return d_model // n_heads
+from glassgpt.config import (
+    ATTENTION_IMPLS,
+    check_choice,
+    check_dropout,
+    check_heads_divide_width,
+)
+from glassgpt.errors import InputError
 
 
 class KVCache(nn.Module):
@@ -116,22 +109,9 @@ def masked_softmax(scores: Tensor, mask: Tensor | None) -> Tensor:
     return weights.masked_fill(empty_rows, 0.0)
 
 
-def one_query_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """softmax(q k^T / sqrt(d)) v for one query position, as reductions a compiler can fuse.
-
-    q (B, H, 1, d), k and v (B, H, S, d) -> (B, H, 1, d). Used under torch.compile for a decoding
-    step, where it becomes a few loops fused with their neighbours instead of a kernel call.
-    """
-    scores = (q * k).sum(dim=-1, keepdim=True) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, S, 1)
-    weights = torch.softmax(scores, dim=-2)
-    return (weights * v).sum(dim=-2, keepdim=True)  # (B, H, S, d) -> (B, H, 1, d)
-
-
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
                     dropout_p: float) -> Tensor:
     """The same computation through PyTorch's fused kernel. Returns (B, H, T, d)."""
-    if mask is None and q.shape[2] == 1 and dropout_p == 0.0 and torch.compiler.is_compiling():
-        return one_query_attention(q, k, v)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal)
     mask, empty_rows = _open_empty_rows(mask)
@@ -152,14 +132,12 @@ class MultiHeadSelfAttention(nn.Module):
                  bias: bool = True, impl: str = "fused"):
         super().__init__()
         self.head_dim = check_heads_divide_width(d_model, n_heads)
-        if impl not in ATTENTION_IMPLS:
-            raise ConfigError(f"unknown attention impl {impl!r}; choose one of {ATTENTION_IMPLS}")
-        if not 0.0 <= dropout < 1.0:
-            raise ConfigError(f"dropout must be in [0, 1), got {dropout}")
+        check_choice("attention impl", impl, ATTENTION_IMPLS)
+        check_dropout(dropout)
         self.d_model, self.n_heads, self.causal, self.impl = d_model, n_heads, causal, impl
         self.dropout_p = dropout
-        self.qkv = Linear(d_model, 3 * d_model, bias=bias)
-        self.proj = Linear(d_model, d_model, bias=bias)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.proj = nn.Linear(d_model, d_model, bias=bias)
         self.attn_dropout = nn.Dropout(dropout)  # on the attention weights
         self.resid_dropout = nn.Dropout(dropout)  # on the output, before it joins the residual
         self.kv_cache: KVCache | None = None
@@ -199,23 +177,27 @@ class MultiHeadSelfAttention(nn.Module):
             if self.kv_cache is None:
                 raise InputError("start_pos given but no KV cache is set up on this module")
             k, v = self.kv_cache.update(start_pos, k, v)  # 2 x (B, H, S, d)
-        S = k.shape[2]
-
-        if return_attn or self.impl == "explicit":
-            mask = build_attention_mask(T, S, self.causal, pad_mask, x.device)
-            y, weights = explicit_attention(q, k, v, mask, self.attn_dropout)
-        else:
-            weights = None
-            dropout_p = self.dropout_p if self.training else 0.0  # never drop at eval time
-            # With no padding and T == S, is_causal=True lets SDPA pick its flash kernel.
-            plain_causal = self.causal and pad_mask is None and T == S
-            mask = None if plain_causal else build_attention_mask(T, S, self.causal, pad_mask,
-                                                                  x.device)
-            y = fused_attention(q, k, v, mask, T > 1 and plain_causal, dropout_p)
-
+        y, weights = self.attend(q, k, v, pad_mask, return_attn)  # (B, H, T, d)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, H, T, d) -> (B, T, C)
         y = self.resid_dropout(self.proj(y))
         return (y, weights) if return_attn else y
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, pad_mask: Tensor | None,
+               return_attn: bool) -> tuple[Tensor, Tensor | None]:
+        """softmax(q k^T / sqrt(d)) v for q (B, H, T, d) over keys k, v (B, H, S, d).
+
+        Returns the output (B, H, T, d) and, on the explicit path, the weights (B, H, T, S).
+        """
+        T, S = q.shape[2], k.shape[2]
+        if return_attn or self.impl == "explicit":
+            mask = build_attention_mask(T, S, self.causal, pad_mask, q.device)
+            return explicit_attention(q, k, v, mask, self.attn_dropout)
+        dropout_p = self.dropout_p if self.training else 0.0  # never drop at eval time
+        # With no padding and T == S, is_causal=True lets SDPA pick its flash kernel.
+        plain_causal = self.causal and pad_mask is None and T == S
+        mask = None if plain_causal else build_attention_mask(T, S, self.causal, pad_mask,
+                                                              q.device)
+        return fused_attention(q, k, v, mask, T > 1 and plain_causal, dropout_p), None
 
 
 class AttentionHead(nn.Module):

@@ -10,21 +10,16 @@ import torch
 from torch import Tensor, nn
 
 from glassgpt.attention import MultiHeadSelfAttention
-from glassgpt.errors import ConfigError
-from glassgpt.linear import Linear
-
-ACTIVATIONS = {
-    "gelu": lambda: nn.GELU(),  # exact, with erf
-    "gelu_tanh": lambda: nn.GELU(approximate="tanh"),  # GPT-2's original ("gelu_new")
-    "relu": lambda: nn.ReLU(),
-}
+from glassgpt.config import ACTIVATIONS, check_choice, check_dropout
 
 
 def make_activation(name: str) -> nn.Module:
     """The activation module called `name`; unknown names are a ConfigError listing the choices."""
-    if name not in ACTIVATIONS:
-        raise ConfigError(f"unknown activation {name!r}; choose one of {sorted(ACTIVATIONS)}")
-    return ACTIVATIONS[name]()
+    check_choice("activation", name, ACTIVATIONS)
+    if name == "relu":
+        return nn.ReLU()
+    # "gelu" is exact (with erf); "gelu_tanh" is GPT-2's original approximation ("gelu_new").
+    return nn.GELU(approximate="tanh" if name == "gelu_tanh" else "none")
 
 
 class ManualLayerNorm(nn.Module):
@@ -55,9 +50,10 @@ class FeedForward(nn.Module):
     def __init__(self, d_model: int, activation: str = "gelu", dropout: float = 0.0,
                  bias: bool = True, hidden_mult: int = 4):
         super().__init__()
-        self.fc = Linear(d_model, hidden_mult * d_model, bias=bias)
+        self.fc = nn.Linear(d_model, hidden_mult * d_model, bias=bias)
         self.act = make_activation(activation)
-        self.proj = Linear(hidden_mult * d_model, d_model, bias=bias)
+        self.proj = nn.Linear(hidden_mult * d_model, d_model, bias=bias)
+        check_dropout(dropout)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:

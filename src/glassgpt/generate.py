@@ -1,33 +1,28 @@
-"""Autoregressive decoding: a prefill of the prompt, then one token per step through a KV cache.
+"""Sampling: continue a prompt token by token, as tensors or as streamed text.
 
-Works with any model that has `config.block_size`, `setup_kv_cache`, `remove_kv_cache` and
-`forward(idx, start_pos=..., last_only=True) -> (logits, _)` (glassgpt's `GPT`).
+Decoding is a prefill of the prompt, then one token per step through a KV cache; the steps run
+on a decoding engine chosen for the model's device (`glassgpt.decoding`), which gives exactly
+the tokens of the plain model. All settings are one `SamplingConfig`.
 Shapes: B = batch, T = prompt length, V = vocabulary.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterator
+import dataclasses
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from glassgpt.config import SamplingConfig
+from glassgpt.decoding import EagerEngine, engine_for
 from glassgpt.errors import InputError
+from glassgpt.model import check_token_ids
+from glassgpt.tokenizers import Tokenizer
 
-
-def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None,
-                        max_new_tokens: int) -> None:
-    """Raise InputError naming the value for any sampling setting out of range."""
-    if temperature < 0:
-        raise InputError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-    if top_k is not None and top_k <= 0:
-        raise InputError(f"top_k must be a positive integer, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise InputError(f"top_p must be in (0, 1], got {top_p}")
-    if max_new_tokens < 0:
-        raise InputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+__all__ = ["SamplingConfig", "encode_prompt", "generate", "generate_stream", "keep_top_k",
+           "keep_top_p", "sample_next_token", "stream_text"]
 
 
 def keep_top_k(logits: Tensor, k: int) -> Tensor:
@@ -54,7 +49,10 @@ def sample_next_token(logits: Tensor, temperature: float = 1.0, top_k: int | Non
     """Pick one token per row from logits (B, V); returns (B, 1). Temperature 0 is greedy."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    # Shift each row's best logit to 0 before dividing: a tiny temperature then sends the
+    # others towards -inf instead of sending the best one to +inf (which softmax turns to NaN).
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None:
         logits = keep_top_k(logits, top_k)
     if top_p is not None and top_p < 1.0:
@@ -63,74 +61,43 @@ def sample_next_token(logits: Tensor, temperature: float = 1.0, top_k: int | Non
     return torch.multinomial(probs, num_samples=1, generator=generator)
 
 
-# Inductor settings for the compiled step. By default a CPU kernel may recompute a cheap producer
-# inside its consumer; for a LayerNorm feeding a one-row matrix product that means normalising the
-# row again for every output feature. A low threshold makes inductor store such a row once.
-STEP_COMPILE_OPTIONS = {"realize_cpu_opcount_threshold": 10}
-
-
-def one_token_logits(model: Any, token: Tensor, start_pos: int) -> Tensor:
-    """Logits (B, V) after token (B, 1) at start_pos; the cache holds the earlier positions."""
-    return model(token, start_pos=start_pos, last_only=True)[0][:, -1]
-
-
-@functools.cache
-def compiled_step() -> Callable[[Any, Tensor, int], Tensor]:
-    """`one_token_logits` through torch.compile, built once per process and shared by all models.
-
-    The position is a dynamic size, so one compilation serves every step: the cache is written at
-    a symbolic offset and attention reads only the positions filled so far (gpt-fast instead
-    attends over the whole cache under a mask, which for GPT-2's 1024 positions reads more bytes
-    of cache than a 16-token prompt needs). One-row products and the one query's attention become
-    fused reductions (`Linear._one_row_reduction`, `attention.one_query_attention`), so a step
-    is a single native function with no per-operator Python overhead. Dynamo keeps one compiled
-    graph per model shape, dtype and batch size, up to its recompile limit (8) per process.
-    """
-    return torch.compile(one_token_logits, dynamic=True, options=STEP_COMPILE_OPTIONS)
-
-
 class _Decoder:
-    """Feeds the model one step at a time, with or without a KV cache.
+    """Feeds the engine one step at a time, with or without the KV cache.
 
     With the cache, each step runs only the newest token. Once the sequence outgrows the
     position table the cache cannot slide (learned positions are absolute), so from then on each
     step recomputes the last `block_size` tokens, exactly as the uncached decoder does.
     """
 
-    def __init__(self, model: Any, prompt: Tensor, max_new_tokens: int, use_cache: bool,
-                 compiled: bool = False):
-        self.model = model
-        self.one_token_logits = compiled_step() if compiled else one_token_logits
-        self.block_size = block = model.config.block_size
+    def __init__(self, engine: EagerEngine, block_size: int, prompt: Tensor,
+                 max_new_tokens: int, use_cache: bool):
+        self.engine, self.block_size = engine, block_size
         self.position = prompt.shape[1]  # tokens in the sequence so far, prompt included
-        window = prompt[:, -block:]  # the model never sees more than block_size tokens
+        window = prompt[:, -block_size:]  # the model never sees more than block_size tokens
         # Room for the window and every new token, but never more than two windows: a long
         # generation rolls the buffer instead of growing it (see `_append`).
-        capacity = min(window.shape[1] + max_new_tokens, 2 * block)
+        capacity = min(window.shape[1] + max_new_tokens, 2 * block_size)
         self.buffer = torch.empty(prompt.shape[0], capacity, dtype=prompt.dtype,
                                   device=prompt.device)  # (B, capacity)
         self.buffer[:, :window.shape[1]] = window
         self.filled = window.shape[1]
-        self.use_cache = use_cache and self.position <= block
+        self.use_cache = use_cache and self.position <= block_size
         if self.use_cache:
-            # A compiled step keeps the cache at full size: one shape, so never a recompilation.
-            needed = block if compiled else min(block, self.position + max_new_tokens)
-            model.setup_kv_cache(prompt.shape[0], needed)
+            engine.start(prompt.shape[0], min(block_size, self.position + max_new_tokens))
 
     def prefill(self) -> Tensor:
         """Logits (B, V) after the prompt."""
         window = self.buffer[:, :self.filled]
-        start_pos = 0 if self.use_cache else None
-        return self.model(window, start_pos=start_pos, last_only=True)[0][:, -1]
+        return self.engine.prefill(window) if self.use_cache else self.engine.recompute(window)
 
     def step(self, token: Tensor) -> Tensor:
         """Append token (B, 1) and return the logits (B, V) for the position after it."""
         pos = self.position
         self._append(token)
         if self.use_cache and pos < self.block_size:
-            return self.one_token_logits(self.model, token, pos)
+            return self.engine.step(token, pos)
         window = self.buffer[:, max(0, self.filled - self.block_size):self.filled]
-        return self.model(window, last_only=True)[0][:, -1]
+        return self.engine.recompute(window)
 
     def _append(self, token: Tensor) -> None:
         if self.filled == self.buffer.shape[1]:  # full: keep the last block_size - 1 tokens
@@ -143,46 +110,63 @@ class _Decoder:
 
     def close(self) -> None:
         if self.use_cache:
-            self.model.remove_kv_cache()
+            self.engine.close()
 
 
-@torch.no_grad()
-def generate_stream(model: Any, idx: Tensor, max_new_tokens: int, temperature: float = 1.0,
-                    top_k: int | None = None, top_p: float | None = None,
-                    stop_token: int | None = None, seed: int | None = None,
-                    use_cache: bool = True, compiled: bool = False) -> Iterator[Tensor]:
-    """Yield up to `max_new_tokens` new tokens (B, 1) one by one, continuing idx (B, T).
+def _settings(sampling: SamplingConfig | None, overrides: dict[str, Any]) -> SamplingConfig:
+    """`sampling` (default: SamplingConfig()) with `overrides` of its fields applied."""
+    if sampling is not None and not isinstance(sampling, SamplingConfig):
+        raise InputError(f"sampling must be a SamplingConfig, got {sampling!r:.40}; give "
+                         f"settings by name, e.g. max_new_tokens=50")
+    base = sampling if sampling is not None else SamplingConfig()
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(SamplingConfig)})
+    if unknown:
+        raise InputError(f"unknown sampling settings {unknown}; the settings are the fields of "
+                         f"SamplingConfig")
+    return dataclasses.replace(base, **overrides) if overrides else base
 
-    A row that has produced `stop_token` keeps repeating it; decoding ends when every row has.
-    `seed` makes sampling reproducible without touching the global random state.
-    `compiled` runs each cached step through `compiled_step()`: the first use in a process
-    compiles (seconds to a minute) for each model shape and dtype, after which a CPU step is
-    1.5-2.5x faster (BENCHMARKS.md); the tokens are those of eager decoding (tested). It has no
-    effect without the KV cache, or once decoding runs past `block_size` and recomputes.
-    """
-    check_sampling_args(temperature, top_k, top_p, max_new_tokens)
+
+def _check_prompt(model: Any, idx: Tensor) -> None:
     if idx.dim() != 2 or idx.shape[1] == 0:
         raise InputError(f"a prompt must be (batch, time) with at least one token, "
                          f"got shape {tuple(idx.shape)}")
-    if max_new_tokens == 0:
+    check_token_ids(idx, model.config.vocab_size)  # once, here: steps never read ids back
+
+
+@torch.no_grad()
+def generate_stream(model: Any, idx: Tensor, sampling: SamplingConfig | None = None,
+                    **settings: Any) -> Iterator[Tensor]:
+    """Yield up to `max_new_tokens` new tokens (B, 1) one by one, continuing idx (B, T).
+
+    `settings` are fields of `SamplingConfig` (e.g. `max_new_tokens=50, temperature=0.8`),
+    applied over `sampling`. A row that has produced `stop_token` keeps repeating it; decoding
+    ends when every row has. `seed` makes sampling reproducible without touching the global
+    random state. The prompt's ids are read back once to be checked; after that no step reads
+    anything back to the host (on a GPU: no sync per token), except to end early on a stop token.
+    """
+    cfg = _settings(sampling, settings)
+    _check_prompt(model, idx)
+    if cfg.max_new_tokens == 0:
         return
     generator = None
-    if seed is not None:
-        generator = torch.Generator(device=idx.device).manual_seed(seed)
+    if cfg.seed is not None:
+        generator = torch.Generator(device=idx.device).manual_seed(cfg.seed)
     was_training = model.training
     model.eval()
-    decoder = _Decoder(model, idx, max_new_tokens, use_cache, compiled)
+    engine = engine_for(model, cfg.engine, cfg.compiled)
+    decoder = _Decoder(engine, model.config.block_size, idx, cfg.max_new_tokens, cfg.use_cache)
     finished = torch.zeros(idx.shape[0], 1, dtype=torch.bool, device=idx.device)
     try:
         logits = decoder.prefill()
-        for i in range(max_new_tokens):
-            token = sample_next_token(logits, temperature, top_k, top_p, generator)
-            if stop_token is not None:
-                token = token.masked_fill(finished, stop_token)
-                finished |= token == stop_token
+        for i in range(cfg.max_new_tokens):
+            token = sample_next_token(logits, cfg.temperature, cfg.top_k, cfg.top_p, generator)
+            if cfg.stop_token is not None:
+                token = token.masked_fill(finished, cfg.stop_token)
+                finished |= token == cfg.stop_token
             yield token
             # The one host sync per step, and only when a stop token can end decoding early.
-            if (stop_token is not None and bool(finished.all())) or i == max_new_tokens - 1:
+            if (cfg.stop_token is not None and bool(finished.all())) \
+                    or i == cfg.max_new_tokens - 1:
                 break
             logits = decoder.step(token)
     finally:
@@ -190,12 +174,75 @@ def generate_stream(model: Any, idx: Tensor, max_new_tokens: int, temperature: f
         model.train(was_training)
 
 
-def generate(model: Any, idx: Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None,
-             stop_token: int | None = None, seed: int | None = None,
-             use_cache: bool = True, compiled: bool = False) -> Tensor:
-    """Continue idx (B, T); returns (B, T + n) with n <= max_new_tokens (fewer after a stop)."""
-    new = list(generate_stream(model, idx, max_new_tokens, temperature=temperature, top_k=top_k,
-                               top_p=top_p, stop_token=stop_token, seed=seed,
-                               use_cache=use_cache, compiled=compiled))
-    return torch.cat([idx, *new], dim=1)
+def generate(model: Any, idx: Tensor, sampling: SamplingConfig | None = None,
+             **settings: Any) -> Tensor:
+    """Continue idx (B, T); returns (B, T + n) with n <= max_new_tokens (fewer after a stop).
+
+    `settings` are fields of `SamplingConfig`, e.g.
+    `generate(model, prompt, max_new_tokens=20, temperature=0.8, top_k=10, seed=0)`.
+    """
+    return torch.cat([idx, *generate_stream(model, idx, sampling, **settings)], dim=1)
+
+
+# --- text ------------------------------------------------------------------------------------
+
+def encode_prompt(tokenizer: Tokenizer, text: str, block_size: int,
+                  device: torch.device | str = "cpu") -> tuple[Tensor, int]:
+    """The prompt as ids (1, T) for the model, and how many tokens it had before cropping.
+
+    A prompt longer than the context keeps its last `block_size` tokens, which is all the model
+    can see; the caller decides whether to say so (the second value exceeds block_size).
+    """
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise InputError("the prompt encodes to no tokens; give a non-empty prompt")
+    return torch.tensor([ids[-block_size:]], device=device), len(ids)
+
+
+def stream_text(model: Any, tokenizer: Tokenizer, prompt: Tensor,
+                sampling: SamplingConfig | None = None, stop: str | None = None,
+                **settings: Any) -> Iterator[str]:
+    """The continuation of prompt (1, T) as text, piece by piece as tokens are sampled.
+
+    With `stop`, the text ends just before `stop` first appears (and decoding ends there).
+    """
+    pieces = decode_incrementally(tokenizer, generate_stream(model, prompt, sampling,
+                                                             **settings))
+    return until_stop(pieces, stop) if stop else pieces
+
+
+def decode_incrementally(tokenizer: Tokenizer, tokens: Iterable[Tensor]) -> Iterator[str]:
+    """Text of each new token (1, 1) as soon as it is whole: byte-level BPE can split one
+    character over several tokens, so an unfinished UTF-8 sequence waits for its end."""
+    pending: list[int] = []
+    for token in tokens:
+        pending.append(int(token))
+        text = tokenizer.decode(pending)
+        if not text.endswith("\ufffd"):  # the replacement character of an unfinished sequence
+            yield text
+            pending.clear()
+    if pending:
+        yield tokenizer.decode(pending)
+
+
+def until_stop(pieces: Iterable[str], stop: str) -> Iterator[str]:
+    """Pass text through until `stop` appears; hold back a tail that may be its beginning."""
+    pending = ""
+    for piece in pieces:
+        pending += piece
+        cut = pending.find(stop)
+        if cut >= 0:
+            yield pending[:cut]
+            return  # closing the token generator ends decoding
+        hold = _longest_prefix_suffix(pending, stop)
+        yield pending[:len(pending) - hold]
+        pending = pending[len(pending) - hold:]
+    yield pending
+
+
+def _longest_prefix_suffix(text: str, stop: str) -> int:
+    """Length of the longest end of `text` that is a start of `stop` (and not all of it)."""
+    for size in range(min(len(text), len(stop) - 1), 0, -1):
+        if stop.startswith(text[-size:]):
+            return size
+    return 0

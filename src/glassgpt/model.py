@@ -1,27 +1,38 @@
 """The GPT language model: embeddings, a stack of blocks, a final LayerNorm and a tied LM head.
 
 Notation: B = batch, T = positions, C = n_embd, V = vocab_size, L = n_layer.
-The model knows nothing of training: it maps token ids to logits (and a loss when given targets).
+The model knows nothing of training or sampling: it maps token ids to logits (and a loss when
+given targets). Sampling is `glassgpt.generate`; the fast decoding paths (threaded one-row
+products, compiled and CUDA-graph steps) are `glassgpt.decoding`, which runs this model unchanged.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from glassgpt import generate as decoding
 from glassgpt.attention import KVCache
 from glassgpt.block import TransformerBlock
 from glassgpt.config import GPTConfig
 from glassgpt.errors import InputError
-from glassgpt.linear import Linear
 
 INIT_STD = 0.02
 RESIDUAL_PROJECTIONS = ("attn.proj.weight", "ffn.proj.weight")
+
+
+def check_token_ids(idx: Tensor, vocab_size: int) -> None:
+    """Raise InputError naming the first id of idx outside [0, vocab_size) (reads ids back)."""
+    if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+        raise InputError(f"token ids must be integers, got dtype {idx.dtype}")
+    if idx.numel() == 0:
+        return
+    low, high = (int(v) for v in torch.aminmax(idx))
+    if low < 0 or high >= vocab_size:
+        raise InputError(f"token id {low if low < 0 else high} is outside the vocabulary "
+                         f"[0, {vocab_size})")
 
 
 def count_parameters(module: nn.Module) -> int:
@@ -42,7 +53,7 @@ class GPT(nn.Module):
         # A fresh block per layer: `[block] * L` would make every layer the same module.
         self.blocks = nn.ModuleList(self._make_block() for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(C, eps=config.ln_eps, bias=config.bias)
-        self.lm_head = Linear(C, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
         if config.tie_weights:
             # One matrix both reads tokens in and scores them on the way out.
             self.lm_head.weight = self.tok_emb.weight
@@ -74,37 +85,41 @@ class GPT(nn.Module):
             if name.endswith(RESIDUAL_PROJECTIONS):
                 nn.init.normal_(param, mean=0.0, std=residual_std)
 
-    def check_tokens(self, idx: Tensor, start_pos: int = 0) -> None:
-        """Raise InputError for a sequence past `block_size` or an id outside the vocabulary."""
+    def check_tokens(self, idx: Tensor, start_pos: int = 0, check_ids: bool = True) -> None:
+        """Raise InputError for a sequence past `block_size` or, with `check_ids`, an id outside
+        the vocabulary.
+
+        Reading the ids back is a host sync on a GPU, so the trainer and the decoders check ids
+        once where they enter (the batch sampler, the prompt) and pass check_ids=False.
+        """
         if idx.dim() != 2:
             raise InputError(f"token ids must be (batch, time), got shape {tuple(idx.shape)}")
         end = start_pos + idx.shape[1]
         if end > self.config.block_size:
             raise InputError(f"sequence of {end} tokens is longer than block_size="
                              f"{self.config.block_size}")
-        if torch.compiler.is_compiling() or idx.numel() == 0:
-            return  # a data-dependent check would break the compiled graph
-        low, high = (int(v) for v in torch.aminmax(idx))
-        if low < 0 or high >= self.config.vocab_size:
-            bad = low if low < 0 else high
-            raise InputError(f"token id {bad} is outside the vocabulary "
-                             f"[0, {self.config.vocab_size})")
+        if check_ids:
+            check_token_ids(idx, self.config.vocab_size)
+
+    def embed(self, idx: Tensor, positions: Tensor) -> Tensor:
+        """Token ids (B, T) at positions (T,) -> the residual stream's start (B, T, C)."""
+        return self.drop(self.tok_emb(idx) + self.pos_emb(positions))
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, *,
                 pad_mask: Tensor | None = None, start_pos: int | None = None,
-                last_only: bool = False) -> tuple[Tensor, Tensor | None]:
+                last_only: bool = False, check_ids: bool = True) -> tuple[Tensor, Tensor | None]:
         """idx (B, T) -> (logits (B, T, V), loss or None).
 
         targets (B, T): next-token ids, -1 where no loss is wanted.
         start_pos: idx holds positions start_pos.. and the KV cache holds the ones before.
         last_only: compute logits for the last position only (B, 1, V), which is all that
         sampling needs and saves the largest matmul of the model.
+        check_ids: check every id against the vocabulary first (a host sync on a GPU; callers
+        that checked their ids where they entered pass False).
         """
         offset = 0 if start_pos is None else start_pos
-        self.check_tokens(idx, offset)
-        T = idx.shape[1]
-        pos = self.positions[offset:offset + T]  # (T,)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
+        self.check_tokens(idx, offset, check_ids)
+        x = self.embed(idx, self.positions[offset:offset + idx.shape[1]])  # (B, T, C)
         for block in self.blocks:
             x = block(x, pad_mask=pad_mask, start_pos=start_pos)
         x = self.ln_f(x)
@@ -125,7 +140,7 @@ class GPT(nn.Module):
         self.check_tokens(idx)
         was_training = self.training
         self.eval()
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(self.positions[:idx.shape[1]]))
+        x = self.embed(idx, self.positions[:idx.shape[1]])  # (B, T, C)
         maps = []
         for block in self.blocks:
             x, weights = block(x, return_attn=True)
@@ -147,43 +162,6 @@ class GPT(nn.Module):
     def remove_kv_cache(self) -> None:
         for block in self.blocks:
             block.attn.kv_cache = None
-
-    def input_major_weights(self) -> GPT:
-        """Store every Linear weight (in, out) in memory, keeping its (out, in) shape and values.
-
-        A decoding step at batch 1 multiplies one row vector by each weight matrix. Laid out
-        input-major, BLAS streams the matrix as a sum of scaled rows; in PyTorch's default
-        (out, in) layout it takes one dot product per output, which CPU BLAS runs markedly
-        slower (BENCHMARKS.md). Only float32 weights move: CPU bf16 kernels measured faster in
-        the default layout. Results agree up to float rounding; training and checkpoints
-        (written contiguous) work with either layout. Returns the model itself.
-        """
-        with torch.no_grad():
-            for module in self.modules():
-                if not isinstance(module, nn.Linear):
-                    continue
-                weight = module.weight
-                if weight.dtype == torch.float32 and weight.is_contiguous():
-                    weight.data = weight.data.t().contiguous().t()  # (out, in) view of (in, out)
-        return self
-
-    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None,
-                 stop_token: int | None = None, seed: int | None = None,
-                 use_cache: bool = True, compiled: bool = False) -> Tensor:
-        """Continue idx (B, T) by up to `max_new_tokens`; returns (B, T + new). See `generate`."""
-        return decoding.generate(self, idx, max_new_tokens, temperature=temperature, top_k=top_k,
-                                 top_p=top_p, stop_token=stop_token, seed=seed,
-                                 use_cache=use_cache, compiled=compiled)
-
-    def generate_stream(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0,
-                        top_k: int | None = None, top_p: float | None = None,
-                        stop_token: int | None = None, seed: int | None = None,
-                        use_cache: bool = True, compiled: bool = False) -> Iterator[Tensor]:
-        """Like `generate`, but yields each new token (B, 1) as soon as it is sampled."""
-        return decoding.generate_stream(self, idx, max_new_tokens, temperature=temperature,
-                                        top_k=top_k, top_p=top_p, stop_token=stop_token,
-                                        seed=seed, use_cache=use_cache, compiled=compiled)
 
 
 class TransformerLM(GPT):

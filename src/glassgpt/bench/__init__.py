@@ -26,6 +26,7 @@ from glassgpt.bench.measure import (
     DECODE_PRESETS,
     GLASSGPT,
     GLASSGPT_COMPILED,
+    GLASSGPT_EAGER,
     HF,
     MAX_TRAIN_BATCH,
     NEW_TOKENS,
@@ -53,7 +54,8 @@ from glassgpt.bench.training import (
 )
 
 __all__ = [
-    "DECODE_PRESETS", "GLASSGPT", "GLASSGPT_COMPILED", "HF", "MAX_TRAIN_BATCH", "NEW_TOKENS",
+    "DECODE_PRESETS", "GLASSGPT", "GLASSGPT_COMPILED", "GLASSGPT_EAGER", "HF", "MAX_TRAIN_BATCH",
+    "NEW_TOKENS",
     "PROMPT_LEN", "TRAIN_PRESETS", "BenchReport", "DecodeSpeed", "HFLanguageModel",
     "LimitProbes", "MachineLimits", "OpShare", "PrecisionCost", "Speedup", "TrainSpeed",
     "bench_decoding", "bench_model", "bench_train_config", "bench_training", "bf16_cost",

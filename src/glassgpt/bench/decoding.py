@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from glassgpt.bench.measure import (
     GLASSGPT,
     GLASSGPT_COMPILED,
+    GLASSGPT_EAGER,
     HF,
     NEW_TOKENS,
     PROMPT_LEN,
@@ -27,6 +28,7 @@ from glassgpt.bench.measure import (
 )
 from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError
+from glassgpt.generate import generate
 from glassgpt.model import GPT
 
 
@@ -54,9 +56,9 @@ class PrecisionCost:
 
 
 def _glassgpt_decoder(model: GPT, prompt: Tensor, new_tokens: int, cache: bool,
-                      compiled: bool = False) -> Callable[[], Tensor]:
-    return lambda: model.generate(prompt, new_tokens, temperature=0.0, use_cache=cache,
-                                  compiled=compiled)
+                      compiled: bool = False, engine: str = "auto") -> Callable[[], Tensor]:
+    return lambda: generate(model, prompt, max_new_tokens=new_tokens, temperature=0.0,
+                            use_cache=cache, compiled=compiled, engine=engine)
 
 
 def _hf_decoder(hf_model: nn.Module, prompt: Tensor, new_tokens: int, cache: bool
@@ -86,21 +88,20 @@ def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
 
     Cached and uncached decoders are compared in two interleaved groups: recomputing the
     context costs tens of times more, so the uncached group gets its own (smaller) round count.
-    Eager glassgpt decodes with input-major fp32 weights (`GPT.input_major_weights`); the bf16
-    copy and the compiled contenders (`compiled=True`, `generate(..., compiled=True)`) keep the
-    default layout, which bf16 kernels and the compiled one-row reductions read faster.
+    `glassgpt` decodes on the device's engine (`glassgpt.decoding`), `glassgpt+compile` on its
+    compiled variant, and `glassgpt eager` on the reference engine (the plain model), which
+    shows what the engines add.
     """
     model = bench_model(preset, dropout=0.0, **overrides).eval()
     check_decode_length(model.config, prompt_len, new_tokens)
-    half = copy.deepcopy(model).to(torch.bfloat16) if bf16 else None  # default layout
-    default_layout = copy.deepcopy(model) if compiled else None
-    model.input_major_weights()
+    half = copy.deepcopy(model).to(torch.bfloat16) if bf16 else None
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len))
     hf_model = hf_twin(model) if against_hf else None
     # (contender, KV cache, dtype) -> model; the bf16 contenders decode from a bf16 copy.
-    cached: dict[DecodeKey, nn.Module] = {(GLASSGPT, True, torch.float32): model}
-    if default_layout is not None:
-        cached[GLASSGPT_COMPILED, True, torch.float32] = default_layout
+    cached: dict[DecodeKey, nn.Module] = {(GLASSGPT, True, torch.float32): model,
+                                          (GLASSGPT_EAGER, True, torch.float32): model}
+    if compiled:
+        cached[GLASSGPT_COMPILED, True, torch.float32] = model
     if half is not None:
         cached[GLASSGPT, True, torch.bfloat16] = half
         if compiled:
@@ -132,7 +133,8 @@ def _time_decoders(models: dict[DecodeKey, nn.Module], prompt: Tensor, new_token
     """Seconds of each model's greedy decoding, and of each probe, in interleaved rounds."""
     def decoders(n: int) -> dict[Any, Callable[[], Any]]:
         make = {GLASSGPT: _glassgpt_decoder, HF: _hf_decoder,
-                GLASSGPT_COMPILED: functools.partial(_glassgpt_decoder, compiled=True)}
+                GLASSGPT_COMPILED: functools.partial(_glassgpt_decoder, compiled=True),
+                GLASSGPT_EAGER: functools.partial(_glassgpt_decoder, engine="eager")}
         return {key: make[key[0]](m, prompt, n, key[1]) for key, m in models.items()}
 
     # A short run touches every path, and compiles the compiled step (once per process).
@@ -147,7 +149,7 @@ def bf16_cost(preset: str, prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_T
     """Teacher-force the fp32 greedy continuation through fp32 and bf16 copies and compare."""
     model = bench_model(preset, dropout=0.0, **overrides).eval()
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len))
-    tokens = model.generate(prompt, new_tokens, temperature=0.0)[:, :-1]  # (1, T)
+    tokens = generate(model, prompt, max_new_tokens=new_tokens, temperature=0.0)[:, :-1]  # (1,T)
     reference = model(tokens)[0].float()  # (1, T, V)
     approx = copy.deepcopy(model).to(torch.bfloat16)(tokens)[0].float()
     kl = F.kl_div(approx.log_softmax(-1), reference.log_softmax(-1), log_target=True,

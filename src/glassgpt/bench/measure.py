@@ -24,6 +24,7 @@ NEW_TOKENS = 128
 MAX_TRAIN_BATCH = 12  # caps a preset's batch so one step stays around a second on a laptop CPU
 
 GLASSGPT, GLASSGPT_COMPILED, HF = "glassgpt", "glassgpt+compile", "hf"
+GLASSGPT_EAGER = "glassgpt eager"  # decoding on the reference engine: the plain model
 FP32, BF16 = "float32", "bfloat16"  # dtype names in every result row
 Key = TypeVar("Key")
 

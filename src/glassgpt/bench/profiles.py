@@ -10,7 +10,7 @@ import torch
 
 from glassgpt.bench.measure import PROMPT_LEN, bench_model
 from glassgpt.bench.training import bench_train_config, train_stepper
-from glassgpt.generate import compiled_step, one_token_logits
+from glassgpt.decoding import CompiledCPUEngine, CPUEngine
 
 
 @dataclass
@@ -41,22 +41,20 @@ def profile_decode_step(preset: str, top: int = 8, prompt_len: int = PROMPT_LEN,
                         compiled: bool = False) -> list[OpShare]:
     """The costliest operators of one cached decoding step after a `prompt_len` prefill.
 
-    With `compiled`, the step is `generate.compiled_step()`: its kernels show up as one graph
+    With `compiled`, the step is the `CompiledCPUEngine`'s: its kernels show up as one graph
     call, beside dynamo's guard check and whatever still runs outside the graph.
     """
     model = bench_model(preset, dropout=0.0).eval()
-    if not compiled:
-        model.input_major_weights()  # each contender in the layout it decodes with
-    step_fn = compiled_step() if compiled else one_token_logits
+    engine = CompiledCPUEngine(model) if compiled else CPUEngine(model)
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len))
-    model.setup_kv_cache(1, None if compiled else prompt_len + 1)
+    engine.start(1, prompt_len + 1)
     with torch.no_grad():
-        model(prompt, start_pos=0, last_only=True)
+        engine.prefill(prompt)
         token = prompt[:, -1:].clone(memory_format=torch.contiguous_format)  # as sampled
-        step = lambda: step_fn(model, token, prompt_len)  # noqa: E731
+        step = lambda: engine.step(token, prompt_len)  # noqa: E731
         step()  # warm-up (and compilation); the profiled step rewrites the same cache slot
         ops = top_ops(step, top, repeats=20)
-    model.remove_kv_cache()
+    engine.close()
     label = "compiled decode step" if compiled else "decode step"
     return [OpShare(label, preset, _readable_op(name), share, calls)
             for name, share, calls in ops]

@@ -22,6 +22,7 @@ from glassgpt.bench.measure import (
     FP32,
     GLASSGPT,
     GLASSGPT_COMPILED,
+    GLASSGPT_EAGER,
     HF,
     NEW_TOKENS,
     PROMPT_LEN,
@@ -61,7 +62,8 @@ def speedups(report: BenchReport) -> list[Speedup]:
                 if r.preset == preset and r.dtype == FP32}
         for name in (GLASSGPT, GLASSGPT_COMPILED):
             ours = rows.get((name, True))
-            for key, label in (((HF, True), "hf"), ((GLASSGPT, False), "glassgpt no-cache"),
+            for key, label in (((HF, True), "hf"), ((GLASSGPT_EAGER, True), GLASSGPT_EAGER),
+                               ((GLASSGPT, False), "glassgpt no-cache"),
                                ((HF, False), "hf no-cache")):
                 if ours is not None and key in rows:
                     out.append(Speedup("decode", preset, name, label,

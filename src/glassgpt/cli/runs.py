@@ -12,7 +12,6 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch
 
 from glassgpt import checkpoint as ckpt
 from glassgpt import distributed as ddp
-from glassgpt.config import GPTConfig, preset_names
+from glassgpt.config import GPTConfig, SamplingConfig, preset_names
 from glassgpt.data import (
     PreparedData,
     default_data_dir,
@@ -30,9 +29,10 @@ from glassgpt.data import (
     tinyshakespeare_path,
 )
 from glassgpt.errors import CheckpointError, ConfigError
+from glassgpt.generate import encode_prompt, stream_text
 from glassgpt.metrics import METRICS_FILE, PLOT_FILE, RichReporter
 from glassgpt.model import GPT, count_parameters
-from glassgpt.tokenizers import TOKENIZER_KINDS, Tokenizer
+from glassgpt.tokenizers import TOKENIZER_KINDS
 from glassgpt.train import (
     TrainConfig,
     Trainer,
@@ -295,79 +295,29 @@ def run_sample(args: argparse.Namespace) -> int:
     if args.num_samples <= 0:
         raise ConfigError(f"--num-samples must be positive, got {args.num_samples}")
     device = resolve_device(args.device)
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                              compiled=args.compile)
     model, tokenizer = ckpt.load_model(args.run_dir, device)
-    # bf16 halves the bytes each token reads; eager fp32 weights go input-major for faster
-    # one-row products, while the compiled step reads the default layout (BENCHMARKS.md).
     if args.dtype == "bfloat16":
-        model = model.to(torch.bfloat16)
-    elif not args.compile:
-        model = model.input_major_weights()
-    prompt_ids = tokenizer.encode(args.prompt or DEFAULT_PROMPT)
-    if not prompt_ids:
-        raise ConfigError("the prompt encodes to no tokens; give a non-empty --prompt")
+        model = model.to(torch.bfloat16)  # half the bytes read per token
     block_size = model.config.block_size
-    if len(prompt_ids) > block_size:
-        _say(f"note: the prompt has {len(prompt_ids)} tokens, more than the context of "
-             f"{block_size}; the model sees its last {block_size}")
-    prompt = torch.tensor([prompt_ids[-block_size:]], device=device)  # (1, T)
+    prompt, length = encode_prompt(tokenizer, args.prompt or DEFAULT_PROMPT, block_size, device)
+    if length > block_size:
+        _say(f"note: the prompt has {length} tokens, more than the context of {block_size}; "
+             f"the model sees its last {block_size}")
     for i in range(args.num_samples):
         if i:
             print("\n" + "-" * 40)
         print(args.prompt, end="", flush=True)
-        pieces = _sample_text(model, tokenizer, prompt, args, seed=args.seed + i)
+        seed = None if args.seed is None else args.seed + i
+        pieces = stream_text(model, tokenizer, prompt, sampling, stop=args.stop, seed=seed)
         if args.stream:
             for piece in pieces:
                 print(piece, end="", flush=True)
         else:
             print("".join(pieces), end="")
         print(flush=True)
-    return 0
-
-
-def _sample_text(model: GPT, tokenizer: Tokenizer, prompt: torch.Tensor,
-                 args: argparse.Namespace, seed: int) -> Iterator[str]:
-    """New text piece by piece, ending before the stop text when it appears."""
-    tokens = model.generate_stream(prompt, args.max_new_tokens, temperature=args.temperature,
-                                   top_k=args.top_k, top_p=args.top_p, seed=seed,
-                                   compiled=args.compile)
-    pieces = _decode_incrementally(tokenizer, tokens)
-    return _until_stop(pieces, args.stop) if args.stop else pieces
-
-
-def _decode_incrementally(tokenizer: Tokenizer, tokens: Iterator[torch.Tensor]) -> Iterator[str]:
-    """Decode a growing id list, yielding only new text; an unfinished UTF-8 sequence (byte-level
-    BPE can split a character over tokens) waits for the token that completes it."""
-    ids: list[int] = []
-    emitted = 0
-    for token in tokens:  # (1, 1)
-        ids.append(int(token))
-        text = tokenizer.decode(ids)
-        if text.endswith("\ufffd"):
-            continue
-        yield text[emitted:]
-        emitted = len(text)
-
-
-def _until_stop(pieces: Iterator[str], stop: str) -> Iterator[str]:
-    """Pass text through until `stop` appears; hold back a tail that may be its beginning."""
-    pending = ""
-    for piece in pieces:
-        pending += piece
-        cut = pending.find(stop)
-        if cut >= 0:
-            yield pending[:cut]
-            return  # closing the token generator ends decoding
-        hold = _longest_prefix_suffix(pending, stop)
-        yield pending[:len(pending) - hold]
-        pending = pending[len(pending) - hold:]
-    yield pending
-
-
-def _longest_prefix_suffix(text: str, stop: str) -> int:
-    """Length of the longest end of `text` that is a start of `stop` (and not all of it)."""
-    for size in range(min(len(text), len(stop) - 1), 0, -1):
-        if stop.startswith(text[-size:]):
-            return size
     return 0
 
 

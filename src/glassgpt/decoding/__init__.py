@@ -1,0 +1,55 @@
+"""Decoding engines: the same decoding steps as the plain model, made fast for one device.
+
+The model files (`attention.py`, `block.py`, `model.py`) are plain PyTorch; every speed path of
+decoding lives here, one module per device:
+    engine.py  `EagerEngine`, the reference: `GPT.forward` with a KV cache, nothing else
+    cpu.py     `CPUEngine` (one-row products on every thread), `CompiledCPUEngine` (one compiled
+               graph per step, products and attention as fused reductions)
+    cuda.py    `CUDAGraphEngine` (a static KV cache and the step captured as a CUDA graph)
+An engine prepares a plain `GPT` without changing its weights' values and gives exactly the
+tokens of `EagerEngine` (tested for each). `glassgpt.generate` picks one with `engine_for`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from glassgpt.config import ENGINES
+from glassgpt.decoding.cpu import CompiledCPUEngine, CPUEngine
+from glassgpt.decoding.cuda import CUDAGraphEngine
+from glassgpt.decoding.engine import EagerEngine
+from glassgpt.errors import ConfigError
+
+__all__ = ["ENGINES", "CPUEngine", "CUDAGraphEngine", "CompiledCPUEngine", "EagerEngine",
+           "engine_for"]
+
+
+def engine_for(model: Any, name: str = "auto", compiled: bool = False) -> EagerEngine:
+    """The decoding engine `name` for `model`; "auto" picks the one made for its device.
+
+    `compiled` asks for the engine's torch.compile'd variant (the CPU's compiled step, or a
+    compiled step inside the CUDA graph); the eager reference has none.
+    """
+    device = next(model.parameters(), torch.empty(0)).device.type
+    if name == "auto":
+        name = {"cpu": "cpu", "cuda": "cuda-graph"}.get(device, "eager")
+    if name == "eager":
+        if compiled:
+            raise ConfigError("the eager engine is the uncompiled reference; use engine 'auto' "
+                              "to compile the decoding step")
+        return EagerEngine(model)
+    if name == "cpu":
+        _check_device(name, device, "cpu")
+        return CompiledCPUEngine(model) if compiled else CPUEngine(model)
+    if name == "cuda-graph":
+        _check_device(name, device, "cuda")
+        return CUDAGraphEngine(model, compiled=compiled)
+    raise ConfigError(f"unknown decoding engine {name!r}; choose one of {list(ENGINES)}")
+
+
+def _check_device(engine: str, device: str, needed: str) -> None:
+    if device != needed:
+        raise ConfigError(f"the {engine} engine decodes a model on {needed}, this one is on "
+                          f"{device}")

@@ -1,0 +1,180 @@
+"""Decoding on a CPU: one-row products spread over every thread, or one compiled step.
+
+Decoding one token at batch 1 multiplies a single row x (1, in) by every weight matrix. That
+vector-matrix product reads the whole matrix for two FLOPs per element, so its speed is memory
+bandwidth; but CPU BLAS runs an fp32 one on a single thread, which leaves most of the bandwidth
+unused (BENCHMARKS.md). Two engines fix that, each on a twin of the model (its weights shared,
+their values untouched):
+
+* `CPUEngine` (eager): `ThreadedLinear` splits the output columns into one block per thread and
+  multiplies the row by all blocks in one batched matmul, which BLAS spreads over the threads.
+* `CompiledCPUEngine`: the whole cached step is one `torch.compile` graph. `ReductionLinear`
+  writes a lone row's product as multiply-then-sum, which inductor turns into one vectorised
+  loop over the weight's rows, split across the threads and fused with its neighbours, so each
+  weight streams through once at close to the memory's read bandwidth; `OneQueryAttention` does
+  the same for the single query's attention, so a step is one native function with no
+  per-operator Python overhead.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from glassgpt.attention import MultiHeadSelfAttention
+from glassgpt.decoding.engine import EagerEngine, one_token_logits, twin
+
+# Inductor options of the compiled step, each applied only where the installed torch knows it
+# (`step_compile_options`). By default a CPU kernel may recompute a cheap producer inside its
+# consumer; for a LayerNorm feeding a one-row product that means normalising the row again for
+# every output feature. A low threshold makes inductor store such a row once (510-575 -> 850-890
+# tokens/s on shakespeare-char, BENCHMARKS.md).
+CPU_STEP_OPTIONS = {"realize_cpu_opcount_threshold": 10}
+
+
+class ThreadedLinear(nn.Linear):
+    """nn.Linear whose lone input row is multiplied on every thread; any other input (and every
+    non-float32 weight: CPU bf16 kernels already use every thread) takes F.linear."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        threads = torch.get_num_threads()
+        if (x.numel() == self.in_features and self.weight.dtype == torch.float32
+                and 1 < threads <= self.out_features):
+            return self._one_row(x, threads)
+        return F.linear(x, self.weight, self.bias)
+
+    def _one_row(self, x: Tensor, blocks: int) -> Tensor:
+        """x (..., in) holding one row -> (..., out): `blocks` column blocks in one bmm.
+
+        The columns that do not fill a whole block (out % blocks of them) get a plain F.linear.
+        """
+        out_features, in_features = self.weight.shape
+        even = out_features - out_features % blocks
+        weight, bias = self.weight[:even], None if self.bias is None else self.bias[:even]
+        # (even, in) -> (blocks, even/blocks, in) -> (blocks, in, even/blocks): views, no copy.
+        w = weight.view(blocks, -1, in_features).transpose(1, 2)
+        row = x.reshape(1, 1, in_features).expand(blocks, 1, in_features)  # the row, per block
+        y = (torch.bmm(row, w) if bias is None
+             else torch.baddbmm(bias.view(blocks, 1, -1), row, w))  # (blocks, 1, even/blocks)
+        y = y.view(1, even)  # the blocks side by side
+        if even < out_features:
+            tail = F.linear(x.reshape(1, in_features), self.weight[even:],
+                            None if self.bias is None else self.bias[even:])
+            y = torch.cat([y, tail], dim=-1)  # (1, out)
+        return y.view(*x.shape[:-1], out_features)
+
+
+class ReductionLinear(nn.Linear):
+    """nn.Linear whose lone input row is a multiply-then-sum, for the compiler to fuse."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.numel() != self.in_features:
+            return F.linear(x, self.weight, self.bias)
+        y = (self.weight * x.reshape(1, -1)).sum(dim=-1)  # (out, in) * (1, in) -> (out,)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def one_query_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """softmax(q k^T / sqrt(d)) v for one query position, as reductions a compiler can fuse.
+
+    q (B, H, 1, d), k and v (B, H, S, d) -> (B, H, 1, d).
+    """
+    scores = (q * k).sum(dim=-1, keepdim=True) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, S, 1)
+    weights = torch.softmax(scores, dim=-2)
+    return (weights * v).sum(dim=-2, keepdim=True)  # (B, H, S, d) -> (B, H, 1, d)
+
+
+class OneQueryAttention(MultiHeadSelfAttention):
+    """Attention whose single unmasked query (a decoding step) is `one_query_attention`."""
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, pad_mask: Tensor | None,
+               return_attn: bool) -> tuple[Tensor, Tensor | None]:
+        if (q.shape[2] == 1 and pad_mask is None and not return_attn and not self.training
+                and self.impl == "fused"):
+            return one_query_attention(q, k, v), None
+        return super().attend(q, k, v, pad_mask, return_attn)
+
+
+def _threaded(module: nn.Module) -> type[nn.Module] | None:
+    return ThreadedLinear if type(module) is nn.Linear else None
+
+
+def _fusable(module: nn.Module) -> type[nn.Module] | None:
+    if type(module) is nn.Linear:
+        return ReductionLinear
+    return OneQueryAttention if type(module) is MultiHeadSelfAttention else None
+
+
+class CPUEngine(EagerEngine):
+    """Eager decoding with every one-row product spread over the threads.
+
+    `input_major=True` gives the twin its own copies of the float32 weights laid out (in, out)
+    in memory (same shape and values): BLAS then streams a one-row product as a sum of scaled
+    rows instead of one dot product per output (BENCHMARKS.md measures both layouts).
+    """
+
+    name = "cpu"
+
+    def __init__(self, model: Any, input_major: bool = False):
+        super().__init__(twin(model, _threaded))
+        if input_major:
+            _lay_out_input_major(self.model)
+
+
+def _lay_out_input_major(model: nn.Module) -> None:
+    """Replace each float32 ThreadedLinear weight by an (in, out)-major copy of it."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, ThreadedLinear) and module.weight.dtype == torch.float32:
+                copy = module.weight.t().contiguous().t()  # (out, in) view of (in, out) memory
+                module.weight = nn.Parameter(copy, requires_grad=False)
+
+
+class CompiledCPUEngine(EagerEngine):
+    """Every cached step is one compiled graph (`compiled_step`), compiled once per process and
+    model shape/dtype (seconds to a minute), then 1.5-2.5x faster than eager (BENCHMARKS.md).
+
+    The cache is allocated at full size and the position is a dynamic size, so one compilation
+    serves every step and prompt length; attention reads only the filled prefix. (gpt-fast
+    instead attends over the whole cache under a mask, which for GPT-2's 1024 positions reads
+    more cache than a short sequence needs.)
+    """
+
+    name = "cpu-compiled"
+
+    def __init__(self, model: Any):
+        super().__init__(twin(model, _fusable))
+        self.compiled = compiled_step(tuple(sorted(step_compile_options().items())))
+
+    def start(self, batch_size: int, max_len: int) -> None:
+        self.model.setup_kv_cache(batch_size, self.model.config.block_size)  # one cache shape
+
+    def step(self, token: Tensor, pos: int) -> Tensor:
+        return self.compiled(self.model, token, pos)
+
+
+def step_compile_options(wanted: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The options of `wanted` (default CPU_STEP_OPTIONS) that this torch's inductor knows.
+
+    Inductor refuses an option it does not know, and option names come and go between torch
+    releases, so asking for one the installed torch lacks would crash compilation.
+    """
+    wanted = CPU_STEP_OPTIONS if wanted is None else wanted
+    known = set(torch._inductor.list_options())
+    return {name: value for name, value in wanted.items() if name in known}
+
+
+@functools.cache
+def compiled_step(options: tuple[tuple[str, Any], ...]) -> Callable[[Any, Tensor, int], Tensor]:
+    """`one_token_logits` through torch.compile with these inductor options, built once per
+    process and options, and shared by every model: dynamo keeps one graph per model shape,
+    dtype and batch size, up to its recompile limit (8) per process."""
+    return torch.compile(one_token_logits, dynamic=True, options=dict(options))

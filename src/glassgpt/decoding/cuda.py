@@ -1,0 +1,112 @@
+"""Decoding on a CUDA GPU: the one-token step captured once as a CUDA graph, replayed per token.
+
+A GPT-2 step launches a few hundred small kernels; at batch 1 a GPU finishes each long before
+the CPU can launch the next, so eager decoding measures Python and launch overhead, not the GPU.
+A CUDA graph records the step's kernels once and replays them with one launch. Replaying needs
+the same shapes and the same memory every time, so, as in gpt-fast:
+  * the KV cache is allocated at full size (`StaticKVCache`), and a step writes its keys and
+    values at a position held in a device tensor instead of a Python int;
+  * attention runs over the whole cache, with the positions not yet written masked out as
+    padding (`pad_mask`, the convention `MultiHeadSelfAttention` already has);
+  * the token and the position are copied into fixed input tensors before each replay, and the
+    logits come out of a fixed output tensor.
+Nothing here reads a value back to the host, so a step costs no synchronisation; sampling stays
+on the device too (`glassgpt.generate`).
+
+`capture=False` runs the same static step without a graph. That is how the tests check, on any
+device, that the static step gives exactly the eager tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from glassgpt.attention import KVCache
+from glassgpt.decoding.engine import EagerEngine
+
+
+class StaticKVCache(KVCache):
+    """A KVCache that a replayed graph can write: at a position given as a tensor, it writes in
+    place and returns the whole buffers (the caller masks the positions not yet written)."""
+
+    def update(self, start_pos: int | Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if isinstance(start_pos, int):  # the prefill: an ordinary cache update
+            return super().update(start_pos, k, v)
+        self.k.index_copy_(2, start_pos, k)  # start_pos (T,): the positions of k, v (B, H, T, d)
+        self.v.index_copy_(2, start_pos, v)
+        return self.k, self.v
+
+
+def static_step(model: Any, token: Tensor, pos: Tensor, key_positions: Tensor) -> Tensor:
+    """Logits (B, V) after token (B, 1) at position pos (1,), every shape fixed by the cache.
+
+    key_positions (S,) numbers the cache's slots; those after `pos` hold no key yet and are
+    masked out as padding.
+    """
+    x = model.embed(token, pos)  # (B, 1, C)
+    unwritten = (key_positions > pos).expand(token.shape[0], -1)  # (B, S)
+    for block in model.blocks:
+        x = block(x, pad_mask=unwritten, start_pos=pos)
+    return model.lm_head(model.ln_f(x))[:, -1]  # (B, 1, V) -> (B, V)
+
+
+class CUDAGraphEngine(EagerEngine):
+    """Prefill eagerly; then every step is one replay of a captured CUDA graph.
+
+    `compiled=True` captures the torch.compile'd step instead of the eager one (fewer, fused
+    kernels per replay, after a compilation of a minute or so).
+    """
+
+    name = "cuda-graph"
+
+    def __init__(self, model: Any, compiled: bool = False, capture: bool = True):
+        super().__init__(model)
+        self.capture = capture
+        self.run: Callable[..., Tensor] = (torch.compile(static_step, fullgraph=True)
+                                           if compiled else static_step)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def start(self, batch_size: int, max_len: int) -> None:
+        c, weight = self.model.config, self.model.lm_head.weight
+        for block in self.model.blocks:
+            block.attn.kv_cache = StaticKVCache(batch_size, c.n_head, c.block_size, c.head_dim,
+                                                dtype=weight.dtype, device=weight.device)
+        # The graph's fixed inputs: the token, its position and the cache slots' positions.
+        self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=weight.device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=weight.device)
+        self.key_positions = torch.arange(c.block_size, device=weight.device)
+        if self.capture:
+            self._capture()
+
+    def _static_step(self) -> Tensor:
+        return self.run(self.model, self.token, self.pos, self.key_positions)
+
+    def _capture(self) -> None:
+        """Record one step. Warm-up runs first on a side stream (allocations, library handles,
+        compilation), as CUDA graph capture requires; they write only slot 0 of the cache, which
+        the prefill overwrites."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(2):
+                self._static_step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(self.graph):
+            self.logits = self._static_step()
+
+    def step(self, token: Tensor, pos: int) -> Tensor:
+        self.token.copy_(token)
+        self.pos.fill_(pos)  # a scalar argument of a kernel launch: no host sync
+        if self.graph is None:
+            return self._static_step()
+        self.graph.replay()
+        return self.logits.clone()  # the next replay overwrites the output tensor
+
+    def close(self) -> None:
+        super().close()
+        self.graph = None

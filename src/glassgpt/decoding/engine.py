@@ -1,0 +1,77 @@
+"""The decoding engine interface, and the reference engine: the plain model, run eagerly.
+
+An engine runs the two calls that incremental decoding is made of, with a KV cache:
+    prefill(idx (B, T))        -> logits (B, V) after the prompt, filling positions 0..T-1
+    step(token (B, 1), pos)    -> logits (B, V) after `token`, written at position `pos`
+and `recompute(window)`, the uncached call used once a sequence outgrows the position table.
+Every engine gives exactly the tokens of `EagerEngine`, which calls `GPT.forward` and nothing
+else; the tests hold each engine to that.
+
+Faster engines never change the model a user passed in: they work on a *twin*, a second module
+tree that shares every weight tensor with the model (so it costs no memory and sees every update
+of the weights) but whose modules may be of speed-tuned subclasses.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor, nn
+
+
+class EagerEngine:
+    """The reference: `GPT.forward` with its KV cache, exactly as a student would call it."""
+
+    name = "eager"
+
+    def __init__(self, model: Any):
+        self.model = model
+
+    def start(self, batch_size: int, max_len: int) -> None:
+        """Allocate the KV cache for `batch_size` rows of up to `max_len` positions."""
+        self.model.setup_kv_cache(batch_size, max_len)
+
+    def prefill(self, idx: Tensor) -> Tensor:
+        """Logits (B, V) after the prompt idx (B, T), whose keys and values fill the cache."""
+        return self.model(idx, start_pos=0, last_only=True, check_ids=False)[0][:, -1]
+
+    def step(self, token: Tensor, pos: int) -> Tensor:
+        """Logits (B, V) after token (B, 1) at position `pos`; the cache holds the ones before."""
+        return one_token_logits(self.model, token, pos)
+
+    def recompute(self, window: Tensor) -> Tensor:
+        """Logits (B, V) after the last position of window (B, T), without the cache."""
+        return self.model(window, last_only=True, check_ids=False)[0][:, -1]
+
+    def close(self) -> None:
+        self.model.remove_kv_cache()
+
+
+def one_token_logits(model: Any, token: Tensor, pos: int) -> Tensor:
+    """Logits (B, V) after token (B, 1) at `pos`: the step that compiled engines compile."""
+    return model(token, start_pos=pos, last_only=True, check_ids=False)[0][:, -1]
+
+
+Swap = Callable[[nn.Module], "type[nn.Module] | None"]
+
+
+def twin(model: nn.Module, swap: Swap) -> nn.Module:
+    """A copy of `model`'s module tree that shares all of its tensors, in eval mode, in which
+    every module for which `swap(module)` names a subclass of its type becomes that subclass.
+
+    The subclasses add no tensors of their own and keep every name, so the twin has the model's
+    state dict. (Turning a module into a subclass in place is how `torch.nn.utils.parametrize`
+    works too.)
+    """
+    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    copied = copy.deepcopy(model, memo=shared)
+    for module in copied.modules():
+        subclass = swap(module)
+        if subclass is not None:
+            if not issubclass(subclass, type(module)):
+                raise TypeError(f"{subclass.__name__} does not extend {type(module).__name__}")
+            module.__class__ = subclass
+    return copied.eval()

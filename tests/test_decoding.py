@@ -1,0 +1,286 @@
+"""Decoding engines change the speed, never the tokens.
+
+Every engine of `glassgpt.decoding` is held to the reference, `EagerEngine` (the plain model's
+forward with its KV cache): whole generations token for token, and each speed piece against the
+PyTorch operation it replaces. Shapes: B = batch, T = prompt length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glassgpt.config import GPTConfig
+from glassgpt.decoding import (
+    CompiledCPUEngine,
+    CPUEngine,
+    CUDAGraphEngine,
+    EagerEngine,
+    engine_for,
+)
+from glassgpt.decoding import cpu as cpu_engines
+from glassgpt.decoding.engine import twin
+from glassgpt.errors import ConfigError
+from glassgpt.generate import generate
+from glassgpt.model import GPT
+
+V, BLOCK = 37, 24
+
+
+@pytest.fixture(autouse=True)
+def compiled_for_real() -> Iterator[None]:
+    """Fail rather than fall back to eager (which would pass trivially) if dynamo ever gives up
+    after too many recompilations: every model shape in a test session compiles once."""
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=64):
+        yield
+
+
+@pytest.fixture()
+def two_threads() -> Iterator[None]:
+    """Two threads for the test (conftest pins one), so the threaded one-row path really runs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_gpt(seed: int = 0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    settings = dict(vocab_size=V, block_size=BLOCK, n_layer=2, n_head=2, n_embd=32) | overrides
+    return GPT(GPTConfig(**settings)).eval()
+
+
+def prompt(B: int, T: int) -> torch.Tensor:
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(10 * B + T))
+
+
+# --- the pieces -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("S", [1, 7])
+def test_one_query_attention_equals_sdpa_float64(S):
+    q, k, v = (torch.randn(2, 3, n, 8, dtype=torch.float64) for n in (1, S, S))
+    expected = F.scaled_dot_product_attention(q, k, v)  # one query sees every key
+    torch.testing.assert_close(cpu_engines.one_query_attention(q, k, v), expected, rtol=1e-12,
+                               atol=1e-12)
+
+
+def test_one_query_attention_scales_by_one_over_sqrt_head_width():
+    q = torch.ones(1, 1, 1, 4, dtype=torch.float64)
+    k = torch.stack([torch.zeros(4), torch.ones(4)]).to(torch.float64).view(1, 1, 2, 4)
+    v = torch.tensor([[0.0], [1.0]], dtype=torch.float64).view(1, 1, 2, 1)
+    weight_on_second = 1 / (1 + math.exp(-4 / math.sqrt(4)))  # scores 0 and 4/sqrt(d)
+    assert cpu_engines.one_query_attention(q, k, v).item() == pytest.approx(weight_on_second,
+                                                                             rel=1e-12)
+
+
+def as_subclass(linear: nn.Linear, cls: type[nn.Linear]) -> nn.Linear:
+    linear.__class__ = cls
+    return linear
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 1, 24), (1, 24), (24,)])
+@pytest.mark.parametrize("out_features", [30, 31])  # even split, and one column left over
+def test_threaded_one_row_product_equals_f_linear(two_threads, bias, shape, out_features):
+    linear = as_subclass(nn.Linear(24, out_features, bias=bias), cpu_engines.ThreadedLinear)
+    x = torch.randn(shape, requires_grad=True)
+    y, expected = linear(x), F.linear(x, linear.weight, linear.bias)
+    assert y.shape == expected.shape == (*shape[:-1], out_features)
+    torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-6)
+    (grad,) = torch.autograd.grad(y.sum(), x)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), x)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-6)
+
+
+def test_many_rows_and_bf16_take_the_plain_path(two_threads):
+    linear = as_subclass(nn.Linear(24, 30), cpu_engines.ThreadedLinear)
+    x = torch.randn(3, 24)
+    assert torch.equal(linear(x), F.linear(x, linear.weight, linear.bias))
+    half, row = linear.to(torch.bfloat16), torch.randn(1, 24, dtype=torch.bfloat16)
+    assert torch.equal(half(row), F.linear(row, half.weight, half.bias))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_compiled_one_row_reduction_equals_f_linear(bias):
+    linear = as_subclass(nn.Linear(48, 40, bias=bias), cpu_engines.ReductionLinear)
+    x = torch.randn(1, 1, 48)
+    compiled = torch.compile(linear, fullgraph=True)
+    torch.testing.assert_close(compiled(x), F.linear(x, linear.weight, linear.bias),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_a_twin_shares_every_tensor_and_leaves_the_model_as_it_was():
+    model = tiny_gpt()
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    copy = twin(model, lambda m: cpu_engines.ThreadedLinear if type(m) is nn.Linear else None)
+    assert all(type(m) is not cpu_engines.ThreadedLinear for m in model.modules())
+    assert sum(type(m) is cpu_engines.ThreadedLinear for m in copy.modules()) == 9
+    ours, theirs = model.state_dict(), copy.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k].data_ptr() == theirs[k].data_ptr() for k in ours)  # shared, not copied
+    assert all(torch.equal(before[k], ours[k]) for k in ours)
+    assert copy.lm_head.weight is copy.tok_emb.weight  # still tied
+
+
+# --- whole generations ----------------------------------------------------------------------
+
+VARIANTS = {
+    "pre-ln gelu": {},
+    "post-ln gelu_tanh, no bias": dict(pre_ln=False, activation="gelu_tanh", bias=False),
+    "relu, untied, explicit attention": dict(activation="relu", tie_weights=False,
+                                             attn_impl="explicit"),
+}
+SAMPLING = {
+    "greedy": dict(temperature=0.0),
+    "top_k+top_p": dict(temperature=1.0, top_k=10, top_p=0.9, seed=3),
+}
+SHAPES = [
+    (1, 5, 12),  # the shape decoding is tuned for
+    (2, 3, 8),  # a batch: rows take the plain matmul path
+    (1, 4, 2 * BLOCK),  # runs past block_size, where the window slides by recomputation
+]
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant(request) -> GPT:
+    return tiny_gpt(**VARIANTS[request.param])
+
+
+def eager_tokens(model: GPT, idx: torch.Tensor, new: int, **sampling) -> torch.Tensor:
+    return generate(model, idx, max_new_tokens=new, engine="eager", **sampling)
+
+
+@pytest.mark.parametrize("kind", SAMPLING)
+@pytest.mark.parametrize("B, T, new", SHAPES)
+def test_the_threaded_cpu_engine_gives_exactly_the_eager_tokens(two_threads, variant, kind, B,
+                                                                 T, new):
+    idx = prompt(B, T)
+    assert torch.equal(generate(variant, idx, max_new_tokens=new, engine="cpu", **SAMPLING[kind]),
+                       eager_tokens(variant, idx, new, **SAMPLING[kind]))
+
+
+@pytest.mark.parametrize("kind", SAMPLING)
+@pytest.mark.parametrize("B, T, new", SHAPES)
+def test_the_compiled_cpu_engine_gives_exactly_the_eager_tokens(variant, kind, B, T, new):
+    idx = prompt(B, T)
+    compiled = generate(variant, idx, max_new_tokens=new, compiled=True, **SAMPLING[kind])
+    assert torch.equal(compiled, eager_tokens(variant, idx, new, **SAMPLING[kind]))
+
+
+class StaticStepEngine(CUDAGraphEngine):
+    """The CUDA engine's static step (full cache, position as a tensor, masked attention) on any
+    device, without capturing a graph: what the graph replays, checked where CI runs."""
+
+    def __init__(self, model):
+        super().__init__(model, capture=False)
+
+
+@pytest.mark.parametrize("kind", SAMPLING)
+@pytest.mark.parametrize("B, T, new", SHAPES)
+def test_the_static_step_of_the_cuda_engine_gives_exactly_the_eager_tokens(
+        variant, kind, B, T, new, monkeypatch):
+    monkeypatch.setattr("glassgpt.generate.engine_for", lambda model, name, compiled:
+                        StaticStepEngine(model) if name == "cuda-graph" else EagerEngine(model))
+    idx = prompt(B, T)
+    static = generate(variant, idx, max_new_tokens=new, engine="cuda-graph", **SAMPLING[kind])
+    assert torch.equal(static, eager_tokens(variant, idx, new, **SAMPLING[kind]))
+
+
+def test_compiled_logits_match_eager_step_by_step():
+    model = tiny_gpt(seed=1)
+    idx = prompt(1, 6)
+    expected, got = [], []
+    for engine, out in ((EagerEngine(model), expected), (CompiledCPUEngine(model), got)):
+        engine.start(1, BLOCK)
+        with torch.no_grad():
+            engine.prefill(idx[:, :3])
+            out.extend(engine.step(idx[:, pos:pos + 1], pos) for pos in range(3, 6))
+        engine.close()
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_one_compilation_serves_every_position_prompt_and_call():
+    model = tiny_gpt(seed=2)
+    generate(model, prompt(1, 2), max_new_tokens=3, temperature=0.0, compiled=True)  # compiles
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for T, new in [(1, 5), (7, 9), (3, BLOCK - 3)]:  # each call builds a new twin
+            generate(model, prompt(1, T), max_new_tokens=new, temperature=0.0, compiled=True)
+
+
+def test_the_compiled_step_runs_where_torch_lacks_the_cpu_only_options(monkeypatch):
+    """An older (or CUDA) torch rejects inductor options it does not know: the engine asks only
+    for those the installed torch lists, so removing them from the list must still compile."""
+    known = [o for o in torch._inductor.list_options() if o not in cpu_engines.CPU_STEP_OPTIONS]
+    monkeypatch.setattr(torch._inductor, "list_options", lambda: known)
+    assert cpu_engines.step_compile_options() == {}
+    model = tiny_gpt(seed=4, n_layer=1)
+    idx = prompt(1, 3)
+    compiled = generate(model, idx, max_new_tokens=5, temperature=0.0, compiled=True)
+    assert torch.equal(compiled, eager_tokens(model, idx, 5, temperature=0.0))
+
+
+def test_the_cpu_options_are_used_where_torch_has_them():
+    options = cpu_engines.step_compile_options()
+    known = set(torch._inductor.list_options())
+    assert options == {k: v for k, v in cpu_engines.CPU_STEP_OPTIONS.items() if k in known}
+
+
+def test_compiled_bf16_decoding_runs_and_mostly_agrees():
+    model = tiny_gpt(seed=3)
+    idx = prompt(1, 4)
+    fp32 = generate(model, idx, max_new_tokens=10, temperature=0.0)
+    half = generate(model.to(torch.bfloat16), idx, max_new_tokens=10, temperature=0.0,
+                    compiled=True)
+    assert half.shape == fp32.shape and half.dtype == torch.long
+    assert torch.equal(half[:, :6], fp32[:, :6])  # rounding may part them late, not at once
+
+
+# --- choosing an engine ---------------------------------------------------------------------
+
+def test_auto_picks_the_engine_of_the_device():
+    model = tiny_gpt()
+    assert type(engine_for(model)) is CPUEngine
+    assert type(engine_for(model, compiled=True)) is CompiledCPUEngine
+    assert type(engine_for(model, "eager")) is EagerEngine
+
+
+@pytest.mark.parametrize(("name", "compiled", "message"), [
+    ("eager", True, "uncompiled reference"),
+    ("cuda-graph", False, "decodes a model on cuda, this one is on cpu"),
+    ("turbo", False, "unknown decoding engine 'turbo'"),
+])
+def test_an_engine_that_cannot_run_is_a_config_error(name, compiled, message):
+    with pytest.raises(ConfigError, match=message):
+        engine_for(tiny_gpt(), name, compiled)
+
+
+# --- on a GPU (the device check runs these; CI has no GPU) ----------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B", [1, 3])
+def test_cuda_graph_decoding_gives_exactly_the_eager_tokens(dtype, B):
+    model = tiny_gpt(seed=5).to("cuda", dtype)
+    idx = prompt(B, 5).cuda()
+    assert type(engine_for(model)) is CUDAGraphEngine
+    for kind in SAMPLING.values():
+        graph = generate(model, idx, max_new_tokens=30, **kind)
+        assert torch.equal(graph, generate(model, idx, max_new_tokens=30, engine="eager", **kind))
+
+
+@cuda
+def test_compiled_cuda_graph_decoding_gives_the_eager_greedy_tokens():
+    model = tiny_gpt(seed=6).cuda()
+    idx = prompt(1, 5).cuda()
+    compiled = generate(model, idx, max_new_tokens=30, temperature=0.0, compiled=True)
+    torch.testing.assert_close(compiled, generate(model, idx, max_new_tokens=30,
+                                                  temperature=0.0, engine="eager"))
