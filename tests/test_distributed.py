@@ -20,6 +20,8 @@ from glassgpt.train import TrainConfig, make_optimizer, train_step
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--batch-size", "2", "--eval-iters", "2", "--log-interval", "1"]
+# Two ranks need two devices: on a machine with fewer GPUs they train on the CPU (gloo).
+DEVICE = ["--device", "auto" if torch.cuda.device_count() >= 2 else "cpu"]
 
 ONE_STEP = textwrap.dedent("""
     import sys
@@ -84,12 +86,13 @@ def test_two_ranks_train_checkpoint_and_resume(tmp_path, env, small_text):
     data, run = tmp_path / "data", tmp_path / "run"
     prepare(data, small_text)
     train = ["-m", "glassgpt", "train", "--data", data, "--out", run, "--eval-interval", "2",
-             *TINY]
+             *TINY, *DEVICE]
     first = torchrun(*train, "--max-iters", "2", env=env)
     assert "Traceback" not in first.stderr
     state = json.loads((run / "train_state.json").read_text())
     assert state["iteration"] == 2 and len(state["rng"]) == 2  # every rank's random state
-    torchrun("-m", "glassgpt", "train", "--resume", "--out", run, "--max-iters", "4", env=env)
+    torchrun("-m", "glassgpt", "train", "--resume", "--out", run, "--max-iters", "4", *DEVICE,
+             env=env)
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["iter"] for r in metrics if "loss" in r] == [1, 2, 3, 4]  # rank 0 alone writes
     assert json.loads((run / "train_state.json").read_text())["iteration"] == 4

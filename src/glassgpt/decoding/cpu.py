@@ -155,10 +155,19 @@ class CompiledCPUEngine(EagerEngine):
         self.compiled = compiled_step(tuple(sorted(step_compile_options().items())))
 
     def start(self, batch_size: int, max_len: int) -> None:
-        self.model.setup_kv_cache(batch_size, self.model.config.block_size)  # one cache shape
+        """A full-size cache, kept on the twin from call to call: the compiled graph is tied
+        to these cache modules (an older torch recompiles for new ones). The positions a
+        prompt or step writes are exactly the ones attention then reads, so stale entries
+        from an earlier call are never seen."""
+        cache = self.model.blocks[0].attn.kv_cache
+        if cache is None or cache.k.shape[0] != batch_size:
+            self.model.setup_kv_cache(batch_size, self.model.config.block_size)
 
     def step(self, token: Tensor, pos: int) -> Tensor:
         return self.compiled(self.model, token, pos)
+
+    def close(self) -> None:
+        pass  # the cache stays with the twin (see `start`); the user's model never had one
 
 
 def step_compile_options(wanted: dict[str, Any] | None = None) -> dict[str, Any]:

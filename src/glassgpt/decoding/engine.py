@@ -9,13 +9,16 @@ else; the tests hold each engine to that.
 
 Faster engines never change the model a user passed in: they work on a *twin*, a second module
 tree that shares every weight tensor with the model (so it costs no memory and sees every update
-of the weights) but whose modules may be of speed-tuned subclasses.
+of the weights) but whose modules may be of speed-tuned subclasses. A model keeps its twin while
+its tensors stay the same (moving it to another device or dtype makes a new one), so a compiled
+step keeps serving one model from call to call.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -66,12 +69,22 @@ def twin(model: nn.Module, swap: Swap) -> nn.Module:
     state dict. (Turning a module into a subclass in place is how `torch.nn.utils.parametrize`
     works too.)
     """
-    shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
-    copied = copy.deepcopy(model, memo=shared)
+    tensors = list(itertools.chain(model.parameters(), model.buffers()))
+    fingerprint = tuple((id(t), t.data_ptr(), t.dtype, t.device, t.shape) for t in tensors)
+    known = _twins.setdefault(model, {})
+    if swap in known and known[swap][0] == fingerprint:
+        return known[swap][1]
+    copied = copy.deepcopy(model, memo={id(t): t for t in tensors})
     for module in copied.modules():
         subclass = swap(module)
         if subclass is not None:
             if not issubclass(subclass, type(module)):
                 raise TypeError(f"{subclass.__name__} does not extend {type(module).__name__}")
             module.__class__ = subclass
-    return copied.eval()
+    known[swap] = (fingerprint, copied.eval())
+    return copied
+
+
+# model -> {swap: (fingerprint of the model's tensors, twin)}; a twin dies with its model.
+_twins: weakref.WeakKeyDictionary[nn.Module, dict[Swap, tuple[Any, nn.Module]]] = \
+    weakref.WeakKeyDictionary()
