@@ -1,34 +1,41 @@
-"""`glassgpt demo` and `glassgpt attention` through a real subprocess, at tiny sizes."""
+"""`glassgpt demo` and `glassgpt attention`, called in-process through `glassgpt.cli.main`, at
+tiny sizes: what they print, what they write, and their one-line errors."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from glassgpt.checkpoint import save_model
+from glassgpt.cli import demos, main
 from glassgpt.config import GPTConfig
+from glassgpt.experiments import EXPERIMENTS, Check, ExperimentResult
 from glassgpt.model import GPT
 from glassgpt.tokenizers import CharTokenizer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def glassgpt(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "glassgpt", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+def glassgpt(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    """Run the CLI in-process: (exit code, stdout, stderr)."""
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-def test_demo_shapes_prints_table_and_writes_json(tmp_path: Path) -> None:
-    out = glassgpt("demo", "shapes", "--out", "pics", "--json", "shapes.json", "--batch-size", "2",
-                   "--seq-len", "5", "--d-model", "24", "--n-heads", "3", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
-    assert "(2, 3, 5, 8)" in out.stdout and "merge heads" in out.stdout
-    assert "✓ the walk equals the module" in out.stdout
+def test_demo_shapes_prints_table_and_writes_json(tmp_path: Path, capsys,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, err = glassgpt(capsys, "demo", "shapes", "--out", "pics", "--json", "shapes.json",
+                              "--batch-size", "2", "--seq-len", "5", "--d-model", "24",
+                              "--n-heads", "3")
+    assert code == 0, err
+    assert "(2, 3, 5, 8)" in out and "merge heads" in out
+    assert "✓ the walk equals the module" in out
+    assert "experiments showed" not in out  # the summary is for `demo all`
     data = json.loads((tmp_path / "shapes.json").read_text())
     shapes = data["experiments"]["shapes"]
     assert data["seed"] == 0 and data["quick"] is False
@@ -38,10 +45,12 @@ def test_demo_shapes_prints_table_and_writes_json(tmp_path: Path) -> None:
     assert (tmp_path / "pics" / "shapes_weights.png").read_bytes()[:8] == PNG_MAGIC
 
 
-def test_demo_all_quick_runs_every_experiment(tmp_path: Path) -> None:
-    out = glassgpt("demo", "all", "--quick", "--out", "pics", "--json", "all.json", "--seed",
-                   "1", cwd=tmp_path)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr
+def test_demo_all_quick_runs_every_experiment_and_sums_up(tmp_path: Path, capsys,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, err = glassgpt(capsys, "demo", "all", "--quick", "--out", "pics", "--json",
+                              "all.json", "--seed", "1")
+    assert code == 0, out[-2000:] + err
     data = json.loads((tmp_path / "all.json").read_text())
     assert list(data["experiments"]) == ["shapes", "parity", "multihead", "layernorm", "params",
                                          "residual", "dropout", "sharing"]
@@ -52,65 +61,111 @@ def test_demo_all_quick_runs_every_experiment(tmp_path: Path) -> None:
             assert (tmp_path / picture).read_bytes()[:8] == PNG_MAGIC
     params = data["experiments"]["params"]["numbers"]
     assert params["gpt2_small_total"] == 124_439_808
-    assert "124,439,808" in out.stdout
-    assert "[block] * L" in out.stdout  # printed as written, not eaten as rich markup
+    assert "124,439,808" in out
+    assert "[block] * L" in out  # printed as written, not eaten as rich markup
+    assert out.rstrip().endswith("8/8 experiments showed what they claim")
+
+
+def test_demo_all_summary_names_what_was_not_shown(tmp_path: Path, capsys,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    def fake_experiment(name: str, out_dir: Path, **_) -> ExperimentResult:
+        return ExperimentResult(name=name, summary="fake",
+                                checks=[Check("the point", holds=name != "residual")])
+
+    monkeypatch.setattr(demos, "run_experiment", fake_experiment)
+    code, out, _ = glassgpt(capsys, "demo", "all", "--out", str(tmp_path))
+    assert code == 1
+    assert f"7/{len(EXPERIMENTS)} experiments showed what they claim" in out
+    assert "expected outcome not shown by: residual" in out
 
 
 @pytest.mark.parametrize(("args", "message"), [
     (["demo", "nope"], "invalid choice: 'nope'"),
-    (["demo", "params", "--d-model", "32"], "--d-model only apply to `glassgpt demo shapes`"),
+    (["demo", "parity", "--seq-len", "3"],
+     "--seq-len only applies to `glassgpt demo shapes`, not to `glassgpt demo parity`"),
+    (["demo", "params", "--d-model", "32", "--n-heads", "2"],
+     "--d-model and --n-heads only apply to `glassgpt demo shapes`, not to `glassgpt demo "
+     "params`"),
     (["demo", "shapes", "--d-model", "10", "--n-heads", "4"],
      "d_model=10 is not divisible by n_heads=4"),
 ])
-def test_demo_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str],
+def test_demo_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys, args: list[str],
                                               message: str) -> None:
-    out = glassgpt(*args, cwd=tmp_path)
-    assert out.returncode == 2
-    assert message in out.stderr
-    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+    code, _, err = glassgpt(capsys, *args, "--out", str(tmp_path / "pics"))
+    assert code == 2
+    assert message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-@pytest.fixture()
-def tiny_run(tmp_path: Path) -> Path:
-    """A run directory holding a tiny random character-level model."""
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run directory holding a tiny random character-level model: 2 layers x 4 heads."""
     tokenizer = CharTokenizer.from_text("to be or not, that is the question")
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, block_size=32, n_layer=2, n_head=2,
+    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, block_size=64, n_layer=2, n_head=4,
                           n_embd=16))
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path_factory.mktemp("attention") / "run"
     save_model(run_dir, model, tokenizer)
     return run_dir
 
 
-def test_attention_draws_every_layer_and_head_or_one_panel(tiny_run: Path,
-                                                           tmp_path: Path) -> None:
-    full = glassgpt("attention", str(tiny_run), "--prompt", "to be or not", "--out", "all.png",
-                    cwd=tmp_path)
-    assert full.returncode == 0, full.stderr
-    assert "2 layers x 2 heads over 12 tokens" in full.stdout
+def test_attention_says_what_it_drew(tiny_run: Path, tmp_path: Path, capsys) -> None:
+    code, out, err = glassgpt(capsys, "attention", str(tiny_run), "--prompt", "to be or not",
+                              "--out", str(tmp_path / "all.png"))
+    assert code == 0, err
+    assert out == f"attention maps of 2 layers x 4 heads over 12 tokens written to " \
+                  f"{tmp_path / 'all.png'}\n"
     assert (tmp_path / "all.png").read_bytes()[:8] == PNG_MAGIC
-    one = glassgpt("attention", str(tiny_run), "--prompt", "to be or not", "--layer", "1",
-                   "--head", "0", "--out", "one.png", cwd=tmp_path)
-    assert one.returncode == 0, one.stderr
+    code, out, err = glassgpt(capsys, "attention", str(tiny_run), "--prompt", "t", "--layer",
+                              "1", "--head", "3", "--out", str(tmp_path / "one.png"))
+    assert code == 0, err
+    assert out == f"attention maps of layer 1, head 3 over 1 token written to " \
+                  f"{tmp_path / 'one.png'}\n"
     assert (tmp_path / "one.png").stat().st_size < (tmp_path / "all.png").stat().st_size
+
+
+@pytest.mark.parametrize(("layer", "head", "words"), [
+    (None, None, "4 layers x 6 heads"), (1, 3, "layer 1, head 3"),
+    (2, None, "6 heads of layer 2"), (None, 0, "head 0 of 4 layers"),
+    (None, None, "1 layer x 1 head"),
+])
+def test_attention_names_the_selection(layer: int | None, head: int | None, words: str) -> None:
+    L, H = (1, 1) if words.startswith("1 layer") else (4, 6)
+    assert demos.drawn_panels(L, H, layer, head) == words
+
+
+def test_attention_splits_a_long_prompt_per_layer(tiny_run: Path, tmp_path: Path,
+                                                  capsys) -> None:
+    prompt = "to be or not to be, that is the question"  # 40 tokens: 4 heads no longer fit
+    code, out, err = glassgpt(capsys, "attention", str(tiny_run), "--prompt", prompt, "--out",
+                              str(tmp_path / "long.png"))
+    assert code == 0, err
+    pictures = [tmp_path / "long_layer0.png", tmp_path / "long_layer1.png"]
+    assert out.splitlines() == [
+        "attention maps of 2 layers x 4 heads over 40 tokens written to 2 pictures (one grid "
+        "would shrink the labels):", *(f"  {p}" for p in pictures)]
+    assert all(p.read_bytes()[:8] == PNG_MAGIC for p in pictures)
+    assert not (tmp_path / "long.png").exists()
 
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--prompt", "to be", "--layer", "2"], "layer 2 does not exist: the model has layers 0..1"),
+    (["--prompt", "to be", "--head", "4"], "head 4 does not exist: the model has heads 0..3"),
     (["--prompt", "zebra"], "not in the tokenizer's vocabulary"),
-    (["--prompt", "to be " * 10], "longer than block_size=32"),
+    (["--prompt", "to be " * 11], "longer than block_size=64"),
 ])
-def test_attention_bad_input_is_one_line_and_exit_2(tiny_run: Path, tmp_path: Path,
+def test_attention_bad_input_is_one_line_and_exit_2(tiny_run: Path, tmp_path: Path, capsys,
                                                    args: list[str], message: str) -> None:
-    out = glassgpt("attention", str(tiny_run), *args, "--out", "x.png", cwd=tmp_path)
-    assert out.returncode == 2
-    assert message in out.stderr
-    assert len(out.stderr.strip().splitlines()) == 1
-    assert not (tmp_path / "x.png").exists()
+    code, _, err = glassgpt(capsys, "attention", str(tiny_run), *args, "--out",
+                            str(tmp_path / "x.png"))
+    assert code == 2
+    assert message in err
+    assert len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_attention_missing_run_dir_is_a_clear_error(tmp_path: Path) -> None:
-    out = glassgpt("attention", str(tmp_path / "nowhere"), "--prompt", "a", "--out", "x.png",
-                   cwd=tmp_path)
-    assert out.returncode == 2
-    assert "nowhere" in out.stderr and "Traceback" not in out.stderr
+def test_attention_missing_run_dir_is_a_clear_error(tmp_path: Path, capsys) -> None:
+    code, _, err = glassgpt(capsys, "attention", str(tmp_path / "nowhere"), "--prompt", "a",
+                            "--out", str(tmp_path / "x.png"))
+    assert code == 2
+    assert "nowhere" in err and "Traceback" not in err

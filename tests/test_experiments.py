@@ -10,9 +10,11 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from glassgpt.errors import ConfigError
 from glassgpt.experiments import EXPERIMENTS, run_experiment
+from glassgpt.experiments.multihead import weight_per_offset
 from glassgpt.experiments.results import ExperimentResult
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -67,6 +69,35 @@ def test_multihead_one_head_fails_a_target_and_three_heads_solve_all(tmp_path: P
     assert all(w > 0.9 for w in worst["6"]), worst["6"]
     assert len(set(result.numbers["parameters"].values())) == 1
     assert sorted(result.numbers["dominant_offset"]["3"]) == [1, 2, 4]
+    # The table and the check line print the same per-seed numbers.
+    accuracy, where = result.tables
+    one_head = next(row for row in accuracy.rows if row[0] == 1)
+    per_seed = one_head[accuracy.columns.index("worst target, each seed")]
+    assert per_seed == ", ".join(f"{w:.1%}" for w in worst["1"])
+    assert any(per_seed in check.claim and check.claim.startswith("1 head")
+               for check in result.checks)
+    # Every head's shares of attention over offsets t-0 .. t-4 and further back sum to 1.
+    shares = [name for name in where.columns if name.startswith("w t-")]
+    assert shares == ["w t-0", "w t-1", "w t-2", "w t-3", "w t-4", "w t-5.."]
+    for row in where.rows:
+        assert abs(sum(row[where.columns.index(name)] for name in shares) - 1.0) < 1e-5
+
+
+def test_weight_per_offset_averages_every_offset_over_the_same_queries() -> None:
+    # Head 0 always looks 1 back; head 1 spreads evenly over every key it can see.
+    T = 6
+    one_back = torch.zeros(T, T)
+    one_back[0, 0] = 1.0
+    for t in range(1, T):
+        one_back[t, t - 1] = 1.0
+    even = torch.ones(T, T).tril()
+    even = even / even.sum(dim=-1, keepdim=True)
+    shares = weight_per_offset(torch.stack([one_back, even]).unsqueeze(0), max_offset=2)
+    # Queries t = 2..5 only: head 0 puts everything on t-1; head 1 gives each of its t+1 keys
+    # 1/(t+1), so t-0, t-1, t-2 each get mean(1/3, 1/4, 1/5, 1/6) and the rest goes further.
+    assert torch.allclose(shares[0], torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    each = (1 / 3 + 1 / 4 + 1 / 5 + 1 / 6) / 4
+    assert torch.allclose(shares[1], torch.tensor([each, each, each, 1 - 3 * each]))
 
 
 def test_layernorm_manual_matches_and_sequence_norm_leaks(tmp_path: Path) -> None:
@@ -121,6 +152,9 @@ def test_sharing_counts_and_updates(tmp_path: Path) -> None:
     assert independent["parameters"] == 4 * per_block and independent["distinct_blocks"] == 4
     assert shared["layers_changed"] == [True] * 4
     assert independent["layers_changed"] == [True, False, False, False]
+    # The state_dict lists 4 blocks' worth of names either way; only 12 tensors are distinct.
+    assert shared["state_dict_entries"] == independent["state_dict_entries"] == 48
+    assert shared["distinct_tensors"] == 12 and independent["distinct_tensors"] == 48
 
 
 def test_same_seed_gives_the_same_numbers(tmp_path: Path) -> None:

@@ -56,13 +56,17 @@ def add_attention_command(subparsers: argparse._SubParsersAction) -> None:
     attention = subparsers.add_parser(
         "attention", help="draw the attention maps of a trained run for a prompt",
         description="Draw every layer's and head's attention weights for a prompt as a grid "
-                    "(queries down, keys across, token labels on the axes).")
+                    "(queries down, keys across, token labels on the axes). Labels keep their "
+                    "size: when a prompt is too long for one readable grid, FILE.png becomes "
+                    "one picture per layer (FILE_layer0.png, ...) or per head "
+                    "(FILE_layer0_head0.png, ...).")
     attention.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a trained run")
     attention.add_argument("--prompt", required=True, help="the text to look at")
     attention.add_argument("--layer", type=int, help="draw only this layer (0-based)")
     attention.add_argument("--head", type=int, help="draw only this head (0-based)")
     attention.add_argument("--out", type=Path, required=True, metavar="FILE.png",
-                           help="where to write the picture")
+                           help="where to write the picture (split by layer or head for long "
+                                "prompts)")
     attention.set_defaults(handler=run_attention)
 
 
@@ -72,8 +76,10 @@ def shapes_options(args: argparse.Namespace) -> dict[str, int]:
     """The --batch-size/--seq-len/--d-model/--n-heads values given, which only `shapes` takes."""
     given = {key: getattr(args, key) for key in SHAPES_FLAGS if getattr(args, key) is not None}
     if given and args.name != "shapes":
-        flags = ", ".join(SHAPES_FLAGS[key] for key in given)
-        raise CommandLineError(f"{flags} only apply to `glassgpt demo shapes`")
+        flags = [SHAPES_FLAGS[key] for key in given]
+        verb = "applies" if len(flags) == 1 else "apply"
+        raise CommandLineError(f"{' and '.join(flags)} only {verb} to `glassgpt demo shapes`, "
+                               f"not to `glassgpt demo {args.name}`")
     return given
 
 
@@ -94,6 +100,11 @@ def run_demo(args: argparse.Namespace) -> int:
         write_json(args.json, results, args.seed, args.quick)
         console.print(f"numbers written to {args.json}")
     failed = [name for name, result in results.items() if not result.all_checks_hold]
+    if len(results) > 1:
+        shown = len(results) - len(failed)
+        colour = "red" if failed else "green"
+        console.print(f"[bold {colour}]{shown}/{len(results)} experiments showed what they "
+                      f"claim[/bold {colour}]")
     if failed:
         console.print(f"[red]expected outcome not shown by: {', '.join(failed)}[/red]")
         return 1
@@ -149,17 +160,40 @@ def write_json(path: Path, results: dict[str, ExperimentResult], seed: int, quic
 
 # --- attention -----------------------------------------------------------------------------
 
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
+def drawn_panels(L: int, H: int, layer: int | None, head: int | None) -> str:
+    """What `--layer`/`--head` selected, in words: "4 layers x 4 heads", "layer 1, head 3",
+    "4 heads of layer 1", "head 3 of 4 layers"."""
+    layers = plural(L, "layer") if layer is None else f"layer {layer}"
+    heads = plural(H, "head") if head is None else f"head {head}"
+    if layer is None and head is None:
+        return f"{layers} x {heads}"
+    if layer is not None and head is not None:
+        return f"{layers}, {heads}"
+    return f"{heads} of {layers}"
+
+
 def run_attention(args: argparse.Namespace) -> int:
     from glassgpt.checkpoint import load_model
-    from glassgpt.experiments.attention_maps import draw_attention_grid, prompt_attention
+    from glassgpt.experiments.attention_maps import draw_attention_maps, prompt_attention
 
     if args.out.is_dir():
         raise CommandLineError(f"--out {args.out} is a folder; give a file name such as maps.png")
     model, tokenizer = load_model(args.run_dir)
     weights, labels = prompt_attention(model, tokenizer, args.prompt)  # (L, H, T, T)
     title = f"{args.run_dir.name}: attention for {args.prompt!r}"
-    path = draw_attention_grid(weights, labels, args.out, layer=args.layer, head=args.head,
-                               title=title if len(title) <= 80 else title[:79] + "…")
+    paths = draw_attention_maps(weights, labels, args.out, layer=args.layer, head=args.head,
+                                title=title if len(title) <= 100 else title[:99] + "…")
     L, H, T = weights.shape[:3]
-    print(f"attention maps of {L} layers x {H} heads over {T} tokens written to {path}")
+    what = f"attention maps of {drawn_panels(L, H, args.layer, args.head)} over " \
+           f"{plural(T, 'token')}"
+    if len(paths) == 1:
+        print(f"{what} written to {paths[0]}")
+    else:
+        print(f"{what} written to {len(paths)} pictures (one grid would shrink the labels):")
+        for path in paths:
+            print(f"  {path}")
     return 0

@@ -1,21 +1,42 @@
-"""Attention maps of a trained model for a prompt: every layer and head on one grid.
+"""Attention maps of a trained model for a prompt: every layer and head, with readable labels.
 
+Every prompt token gets a row and a column of `CELL_INCHES`, enough for its label at `TICK_PT`:
+the panels grow with the prompt instead of the labels shrinking. When the whole grid (one row per
+layer, one column per head) would pass `PAGE_INCHES`, the maps are split into one picture per
+layer (its heads wrapped into a grid), and when even one layer does not fit, one picture per
+panel. Beyond `MAX_PANEL_INCHES` a panel stops growing and labels every 2nd, 3rd, ... token.
 Notation: L = layers, H = heads, T = prompt tokens.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from matplotlib.figure import Figure
 from torch import Tensor
 
 from glassgpt.errors import InputError
-from glassgpt.experiments.figures import new_figure, save_figure
+from glassgpt.experiments.figures import (
+    SUPTITLE_PT,
+    TICK_PT,
+    grid_shape,
+    label_axes,
+    labelled_colorbar,
+    new_figure,
+    save_figure,
+    text_height,
+    wrap_title,
+)
 from glassgpt.model import GPT
 from glassgpt.tokenizers import Tokenizer
 
-PANEL_INCHES = 2.4
+CELL_INCHES = 0.14  # one token's row: an 8 pt label is 0.11 in tall
+MIN_PANEL_INCHES = 2.4
+MAX_PANEL_INCHES = 9.0  # 64 tokens (the cpu-small context) still get a label each
+PAGE_INCHES = 18.0  # the most panels one picture holds, across and down
 VISIBLE = {" ": "␣", "\n": "⏎", "\t": "⇥"}
 
 
@@ -51,33 +72,103 @@ def select_panels(weights: Tensor, layer: int | None, head: int | None) -> list[
     return [(lay, h) for lay in layers for h in heads]
 
 
-def draw_attention_grid(weights: Tensor, labels: list[str], path: Path, layer: int | None = None,
-                        head: int | None = None, title: str = "") -> Path:
-    """Draw weights (L, H, T, T) as a grid, one row per layer, one column per head.
+def panel_inches(T: int) -> float:
+    """Side of one square panel for T tokens."""
+    return min(MAX_PANEL_INCHES, max(MIN_PANEL_INCHES, T * CELL_INCHES))
+
+
+def label_step(T: int) -> int:
+    """Label every token, or every n-th one once the panel has stopped growing."""
+    return max(1, math.ceil(T * CELL_INCHES / MAX_PANEL_INCHES))
+
+
+@dataclass(frozen=True)
+class Page:
+    """The panels of one picture, drawn row by row in `n_cols` columns."""
+
+    panels: list[tuple[int, int]]
+    n_cols: int
+    part: str = ""  # "layer 2" or "layer 2, head 1" when the maps are split over pictures
+
+    @property
+    def n_rows(self) -> int:
+        return math.ceil(len(self.panels) / self.n_cols)
+
+    def path(self, path: Path) -> Path:
+        """Where this page goes: `path`, or with "_layer2" / "_layer2_head1" added to its stem."""
+        suffix = ("_" + self.part.replace(", ", "_").replace(" ", "")) if self.part else ""
+        return path.with_name(f"{path.stem}{suffix}{path.suffix}")
+
+
+def plan_pages(panels: list[tuple[int, int]], T: int) -> list[Page]:
+    """Lay (layer, head) panels out on as few pictures as keep every label at full size.
+
+    One picture with a row per layer if it fits `PAGE_INCHES` both ways; else a picture per
+    layer with its heads in a grid as even as possible; else a picture per panel. A page's
+    `part` names it only when there are several.
+    """
+    side = panel_inches(T)
+    fits = max(1, int(PAGE_INCHES // side))  # panels per row (and per column) of one picture
+    layers = sorted({lay for lay, _ in panels})
+    heads = sorted({h for _, h in panels})
+    rows, cols = grid_shape(len(heads), fits)
+    if len(layers) <= fits and len(heads) <= fits:
+        pages = [Page(panels, len(heads))]
+    elif rows <= fits:
+        pages = [Page([p for p in panels if p[0] == lay], cols, f"layer {lay}") for lay in layers]
+    else:
+        pages = [Page([(lay, h)], 1, f"layer {lay}, head {h}") for lay, h in panels]
+    return pages if len(pages) > 1 else [Page(pages[0].panels, pages[0].n_cols)]
+
+
+def page_figure(weights: Tensor, labels: list[str], page: Page, title: str = "") -> Figure:
+    """Draw the panels of `page` from weights (L, H, T, T), with one colour bar.
 
     Queries run down each panel and keys across, so row t shows where token t looked; the
-    upper triangle is empty because the model is causal.
+    upper triangle is empty because the model is causal. Token labels and the axis titles sit
+    on the outer edges: queries on the left column, keys under the lowest panel of each column.
     """
-    panels = select_panels(weights, layer, head)
-    rows = sorted({lay for lay, _ in panels})
-    cols = sorted({h for _, h in panels})
-    T = len(labels)
-    fontsize = max(4.0, min(8.0, 160.0 / max(T, 1)))
-    rotation = 0 if all(len(label) == 1 for label in labels) else 90  # characters stand upright
-    fig = new_figure(PANEL_INCHES * len(cols) + 1.0, PANEL_INCHES * len(rows) + 0.6)
-    axes = fig.subplots(len(rows), len(cols), squeeze=False)
-    for i, lay in enumerate(rows):
-        for j, h in enumerate(cols):
-            ax = axes[i][j]
-            image = ax.imshow(weights[lay, h].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
-            ax.set_title(f"layer {lay}, head {h}", fontsize=8)
-            ax.set_xticks(range(T))
-            ax.set_yticks(range(T))
-            ax.tick_params(length=0, labelsize=fontsize)
-            # Token labels on the outer edge of the grid only: queries left, keys below.
-            ax.set_yticklabels(labels if j == 0 else [])
-            ax.set_xticklabels(labels if i == len(rows) - 1 else [], rotation=rotation)
-    fig.colorbar(image, ax=axes, shrink=0.5, label="attention weight")
+    T, side = len(labels), panel_inches(len(labels))
+    step = label_step(T)
+    ticks, shown = list(range(0, T, step)), labels[::step]
+    rotation = 0 if all(len(label) == 1 for label in shown) else 90  # characters stand upright
+    longest = max(len(label) for label in shown) if rotation else 1
+    margin = 0.5 + 0.08 * longest  # room for the labels, rotated or not
+    width = page.n_cols * side + margin + 1.2  # + the colour bar
+    title = wrap_title(title, width) if title else ""
+    fig = new_figure(width, page.n_rows * (side + 0.3) + margin + 0.4 + text_height(title))
+    axes = fig.subplots(page.n_rows, page.n_cols, squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        if i >= len(page.panels):
+            ax.axis("off")
+            continue
+        lay, h = page.panels[i]
+        image = ax.imshow(weights[lay, h].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
+        left, lowest = i % page.n_cols == 0, i + page.n_cols >= len(page.panels)
+        # Inner panels carry no ticks at all: fewer artists, a much faster drawing.
+        ax.set_xticks(ticks if lowest else [], shown if lowest else [], rotation=rotation)
+        ax.set_yticks(ticks if left else [], shown if left else [])
+        label_axes(ax, xlabel="key (attended to)" if lowest else "",
+                   ylabel="query (looking)" if left else "", title=f"layer {lay}, head {h}")
+        ax.tick_params(length=0, labelsize=TICK_PT)
+    # A colour bar about 4 inches tall, however many panels it stands beside.
+    labelled_colorbar(fig, image, axes, "attention weight",
+                      shrink=min(0.9, 4.0 / (page.n_rows * side)))
     if title:
-        fig.suptitle(title, fontsize=10)
-    return save_figure(fig, path)
+        fig.suptitle(title, fontsize=SUPTITLE_PT)
+    return fig
+
+
+def draw_attention_maps(weights: Tensor, labels: list[str], path: Path, layer: int | None = None,
+                        head: int | None = None, title: str = "") -> list[Path]:
+    """Draw weights (L, H, T, T), all panels or the ones `layer`/`head` select.
+
+    Writes `path` when everything fits one readable picture, else `path` with `_layerN` (or
+    `_layerN_headM`) added to its stem, one picture each. Returns the paths written, in order.
+    """
+    written = []
+    for page in plan_pages(select_panels(weights, layer, head), len(labels)):
+        page_title = f"{title} ({page.part})" if title and page.part else title
+        figure = page_figure(weights, labels, page, page_title)
+        written.append(save_figure(figure, page.path(path)))
+    return written

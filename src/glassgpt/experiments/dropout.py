@@ -14,10 +14,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from matplotlib.figure import Figure
 from torch import Tensor
 
 from glassgpt.attention import MultiHeadSelfAttention
-from glassgpt.experiments.figures import new_figure, save_figure
+from glassgpt.experiments.figures import (
+    TICK_PT,
+    label_axes,
+    labelled_colorbar,
+    new_figure,
+    save_figure,
+)
 from glassgpt.experiments.results import Check, ExperimentResult, Table
 
 P = 0.5
@@ -100,7 +107,7 @@ def run(out_dir: Path, seed: int = 0, quick: bool = False) -> ExperimentResult:
     # Head 0 of sequence 0, eval then train: (2, T, T)
     heatmaps = torch.stack([attention_in_mode(attn, x, training, no_grad=False, seed=seed)[1][0, 0]
                             for training in (False, True)])
-    picture = draw_weights(heatmaps, out_dir / "dropout_weights.png")
+    picture = save_figure(weights_figure(heatmaps), out_dir / "dropout_weights.png")
     train_sums = mode_numbers["train()"]
     return ExperimentResult(
         name="dropout", summary=f"attention dropout p={P}: train vs eval vs no_grad",
@@ -120,21 +127,18 @@ def run(out_dir: Path, seed: int = 0, quick: bool = False) -> ExperimentResult:
         ])
 
 
-def draw_weights(heatmaps: Tensor, path: Path) -> Path:
-    """Head 0 of sequence 0 in eval and in train mode, each row's sum written beside it."""
-    fig = new_figure(6.0, 2.9)
+def weights_figure(heatmaps: Tensor) -> Figure:
+    """Head 0 of sequence 0, eval then train (2, T, T), each row's sum written beside it."""
+    fig = new_figure(7.6, 3.4)
     axes = fig.subplots(1, 2)
     vmax = heatmaps.max().item()
     for ax, weights, title in zip(axes, heatmaps, ("eval()", f"train(), p={P}"), strict=True):
         image = ax.imshow(weights.numpy(), cmap="magma", vmin=0.0, vmax=vmax)
-        ax.set_title(title, fontsize=9)
         T = weights.shape[0]
         ax.set_xticks(range(T))
         ax.set_yticks(range(T))
-        ax.set_xlabel("key", fontsize=8)
-        ax.set_ylabel("query", fontsize=8)
-        ax.tick_params(labelsize=7)
+        label_axes(ax, xlabel="key", ylabel="query", title=title)
         for t, row_sum in enumerate(weights.sum(dim=-1).tolist()):
-            ax.text(T - 0.3, t, f" sum {row_sum:.2f}", va="center", fontsize=7)
-    fig.colorbar(image, ax=list(axes), shrink=0.8)
-    return save_figure(fig, path)
+            ax.text(T - 0.3, t, f" row sum {row_sum:.2f}", va="center", fontsize=TICK_PT)
+    labelled_colorbar(fig, image, list(axes), "attention weight (after dropout)")
+    return fig

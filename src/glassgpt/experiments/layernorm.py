@@ -9,10 +9,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from glassgpt.block import ManualLayerNorm
-from glassgpt.experiments.figures import new_figure, save_figure
+from glassgpt.experiments.figures import LABEL_PT, TICK_PT, label_axes, new_figure, save_figure
 from glassgpt.experiments.results import Check, ExperimentResult, Table
 
 EPS = 1e-5
@@ -87,7 +88,8 @@ def run(out_dir: Path, seed: int = 0, quick: bool = False) -> ExperimentResult:
                       ["normalise over", "max |change| at earlier positions"])
     causality.add_row("C (per position, what LayerNorm does)", max(per_position))
     causality.add_row("(T, C) (the whole sequence)", max(over_sequence))
-    picture = draw_leak(per_position, over_sequence, out_dir / "layernorm_leak.png")
+    picture = save_figure(leak_figure(per_position, over_sequence),
+                          out_dir / "layernorm_leak.png")
     return ExperimentResult(
         name="layernorm", summary="manual LayerNorm, scale invariance, the (T, C) causality leak",
         tables=[example, scale_table, causality], pictures=[picture],
@@ -105,18 +107,25 @@ def run(out_dir: Path, seed: int = 0, quick: bool = False) -> ExperimentResult:
         ])
 
 
-def draw_leak(per_position: list[float], over_sequence: list[float], path: Path) -> Path:
-    fig = new_figure(5.6, 2.8)
+def leak_figure(per_position: list[float], over_sequence: list[float]) -> Figure:
+    """Side-by-side bars per earlier position; a bar of exactly 0 is written as such, since a
+    zero-height bar cannot be seen."""
+    fig = new_figure(6.4, 3.2)
     ax = fig.subplots()
     positions = range(len(per_position))
     ax.bar([p - 0.2 for p in positions], over_sequence, width=0.4, label="normalise over (T, C)",
            color="tab:red")
     ax.bar([p + 0.2 for p in positions], per_position, width=0.4,
            label="normalise over C (LayerNorm)", color="tab:blue")
+    top = max([*over_sequence, *per_position, 1e-12])
+    for p, change in zip(positions, per_position, strict=True):
+        if change == 0.0:
+            ax.text(p + 0.2, 0.02 * top, "0 (exactly)", rotation=90, ha="center", va="bottom",
+                    color="tab:blue", fontsize=TICK_PT)
+    ax.set_ylim(0, 1.3 * top)  # headroom for the legend above the bars
     ax.set_xticks(list(positions))
-    ax.set_xlabel("earlier position t (the last token was changed)", fontsize=8)
-    ax.set_ylabel("max |change of output|", fontsize=8)
-    ax.set_title("only per-position normalisation keeps the past independent of the future",
-                 fontsize=9)
-    ax.legend(fontsize=8)
-    return save_figure(fig, path)
+    label_axes(ax, xlabel="earlier position t (only the last token was changed)",
+               ylabel="max |change of output|",
+               title="only per-position normalisation keeps the past independent of the future")
+    ax.legend(fontsize=LABEL_PT, loc="upper right")
+    return fig

@@ -14,10 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from matplotlib.figure import Figure
 
 from glassgpt.block import TransformerBlock
 from glassgpt.config import GPTConfig
-from glassgpt.experiments.figures import new_figure, save_figure
+from glassgpt.experiments.figures import TICK_PT, label_axes, new_figure, save_figure
 from glassgpt.experiments.results import Check, ExperimentResult, Table
 from glassgpt.model import GPT, count_parameters
 
@@ -71,7 +72,7 @@ def run(out_dir: Path, seed: int = 0, quick: bool = False) -> ExperimentResult:
                        formula_total / total)
     embeddings = (parts["token embedding (V x C, shared with the LM head)"]
                   + parts["position embedding (block_size x C)"])
-    picture = draw_shares(parts, out_dir / "params_gpt2.png")
+    picture = save_figure(shares_figure(parts), out_dir / "params_gpt2.png")
     return ExperimentResult(
         name="params", summary="12C^2 + 13C per block, and GPT-2 small's 124,439,808",
         tables=[formula_table, gpt2_table], pictures=[picture],
@@ -86,20 +87,20 @@ def run(out_dir: Path, seed: int = 0, quick: bool = False) -> ExperimentResult:
                 Check("the whole-model formula gives the same total", formula_total == total)])
 
 
-def draw_shares(parts: dict[str, int], path: Path) -> Path:
-    """Horizontal bars: where GPT-2 small's parameters live."""
+def shares_figure(parts: dict[str, int]) -> Figure:
+    """Horizontal bars: where GPT-2 small's parameters live, each with its share of the total."""
     *components, total_name = parts
     total = parts[total_name]
-    fig = new_figure(6.4, 2.4)
+    fig = new_figure(6.4, 2.6)
     ax = fig.subplots()
     names = [name.split(" (")[0] for name in components]
     values = [parts[name] / 1e6 for name in components]
     bars = ax.barh(names[::-1], values[::-1], color="tab:blue")
     for bar, name in zip(bars, components[::-1], strict=True):
+        share = parts[name] / total
         ax.text(bar.get_width() + 1, bar.get_y() + bar.get_height() / 2,
-                f"{parts[name] / total:.1%}", va="center", fontsize=8)
-    ax.set_xlabel("millions of parameters", fontsize=8)
-    ax.set_xlim(0, max(values) * 1.2)
-    ax.set_title(f"GPT-2 small: {total:,} parameters", fontsize=10)
-    ax.tick_params(labelsize=8)
-    return save_figure(fig, path)
+                f"{parts[name]:,} ({share:.1%})" if share >= 0.001 else
+                f"{parts[name]:,} ({share:.3%})", va="center", fontsize=TICK_PT)
+    ax.set_xlim(0, max(values) * 1.35)
+    label_axes(ax, xlabel="millions of parameters", title=f"GPT-2 small: {total:,} parameters")
+    return fig

@@ -11,10 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from matplotlib.figure import Figure
 from torch import Tensor
 
 from glassgpt.attention import MultiHeadSelfAttention, PerHeadSelfAttention
-from glassgpt.experiments.figures import new_figure, save_figure
+from glassgpt.experiments.figures import LABEL_PT, label_axes, new_figure, save_figure
 from glassgpt.experiments.results import Check, ExperimentResult, Table
 
 TOLERANCE = 1e-12  # float64; the per-head loop reaches exactly 0
@@ -78,7 +79,7 @@ def run(out_dir: Path, seed: int = 0, quick: bool = False) -> ExperimentResult:
             table.add_row(reference, mask_name, d_out, d_weights)
     worst = max(v for per_mask in numbers.values() for pair in per_mask.values()
                 for v in pair if v is not None)
-    picture = draw_differences(numbers, out_dir / "parity.png")
+    picture = save_figure(differences_figure(numbers), out_dir / "parity.png")
     return ExperimentResult(
         name="parity", summary="one parallel module, three references, the same numbers",
         tables=[table], pictures=[picture], numbers=numbers,
@@ -86,10 +87,10 @@ def run(out_dir: Path, seed: int = 0, quick: bool = False) -> ExperimentResult:
                       worst <= TOLERANCE)])
 
 
-def draw_differences(numbers: dict[str, dict[str, list[float | None]]], path: Path) -> Path:
+def differences_figure(numbers: dict[str, dict[str, list[float | None]]]) -> Figure:
     """Bars of the output differences on a log scale (an exact 0 drawn at the floor)."""
     floor = 1e-18
-    fig = new_figure(6.4, 2.8)
+    fig = new_figure(6.4, 3.0)
     ax = fig.subplots()
     references = list(next(iter(numbers.values())))
     width = 0.38
@@ -99,10 +100,10 @@ def draw_differences(numbers: dict[str, dict[str, list[float | None]]], path: Pa
         ax.bar(positions, values, width=width, label=mask_name)
     ax.set_yscale("log")
     ax.set_ylim(floor / 2, 1e-6)
-    ax.axhline(TOLERANCE, color="gray", linestyle="--", linewidth=1, label="1e-12")
+    ax.axhline(TOLERANCE, color="gray", linestyle="--", linewidth=1, label="tolerance 1e-12")
     ax.set_xticks(range(len(references)))
-    ax.set_xticklabels([ref.split(" (")[0] for ref in references], fontsize=8)
-    ax.set_ylabel("max |Δ output| (0 at the floor)", fontsize=8)
-    ax.set_title("float64 parity of the parallel module", fontsize=10)
-    ax.legend(fontsize=8)
-    return save_figure(fig, path)
+    ax.set_xticklabels([ref.split(" (")[0] for ref in references])
+    label_axes(ax, xlabel="reference", ylabel="max |Δ output| (0 at the floor)",
+               title="float64 parity of the parallel module")
+    ax.legend(fontsize=LABEL_PT)
+    return fig

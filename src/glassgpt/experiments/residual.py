@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from glassgpt.block import TransformerBlock
-from glassgpt.experiments.figures import new_figure, save_figure
+from glassgpt.experiments.figures import LABEL_PT, label_axes, new_figure, save_figure
 from glassgpt.experiments.results import Check, ExperimentResult, Table
 from glassgpt.experiments.tasks import (
     accuracy_per_target,
@@ -129,7 +130,8 @@ def run(out_dir: Path, seed: int = 0, quick: bool = False) -> ExperimentResult:
         table.add_row(name, o.collapse_at_init, first, last, o.accuracy)
         numbers[name] = {"collapse_at_init": o.collapse_at_init, "loss_first": first,
                          "loss_last": last, "accuracy": o.accuracy, "losses": o.losses}
-    picture = draw_loss_curves(outcomes, math.log(s.vocab_size), out_dir / "residual_loss.png")
+    picture = save_figure(loss_curves_figure(outcomes, math.log(s.vocab_size)),
+                          out_dir / "residual_loss.png")
     return ExperimentResult(
         name="residual",
         summary=f"8-block stacks on 'output the token {OFFSET} back', seed {seed}",
@@ -156,14 +158,13 @@ def expected_outcomes(numbers: dict[str, dict], chance: float) -> list[Check]:
     return checks
 
 
-def draw_loss_curves(outcomes: dict[str, VariantOutcome], chance: float, path: Path) -> Path:
+def loss_curves_figure(outcomes: dict[str, VariantOutcome], chance: float) -> Figure:
     fig = new_figure(6.0, 3.2)
     ax = fig.subplots()
     for name, outcome in outcomes.items():
         ax.plot(range(1, len(outcome.losses) + 1), outcome.losses, label=name, linewidth=1.2)
     ax.axhline(chance, color="gray", linestyle="--", linewidth=1, label="chance (ln 10)")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("training loss")
-    ax.set_title("8 blocks on 'copy the token 3 back'", fontsize=10)
-    ax.legend(fontsize=8)
-    return save_figure(fig, path)
+    label_axes(ax, xlabel="training step", ylabel="training loss",
+               title=f"8 blocks on 'copy the token {OFFSET} back'")
+    ax.legend(fontsize=LABEL_PT)
+    return fig

@@ -11,14 +11,27 @@ import math
 from pathlib import Path
 
 import torch
+from matplotlib.figure import Figure
 from torch import Tensor
 
 from glassgpt.attention import MultiHeadSelfAttention, check_heads_divide_width
 from glassgpt.errors import ConfigError
-from glassgpt.experiments.figures import new_figure, save_figure
+from glassgpt.experiments.figures import (
+    SUPTITLE_PT,
+    grid_shape,
+    label_axes,
+    labelled_colorbar,
+    new_figure,
+    save_figure,
+    text_height,
+    wrap_title,
+)
 from glassgpt.experiments.results import Check, ExperimentResult, Table
 
 EXACT = 1e-6  # float32 walk vs module: the same operations in the same order
+PANEL_INCHES = 2.2
+MAX_COLUMNS = 4  # heads per row of the picture
+MAX_TICKS = 10  # a longer sequence labels every 2nd, 3rd, ... position
 
 
 def walk_attention(attn: MultiHeadSelfAttention, x: Tensor) -> tuple[list[tuple], Tensor, Tensor]:
@@ -79,7 +92,7 @@ def run(out_dir: Path, seed: int = 0, quick: bool = False, batch_size: int = 2,
     check_table = Table("the walk against the module", ["compared", "max |difference|"])
     for compared, diff in diffs.items():
         check_table.add_row(compared, diff)
-    picture = draw_head_weights(w_walk[0], out_dir / "shapes_weights.png")
+    picture = save_figure(head_weights_figure(w_walk[0]), out_dir / "shapes_weights.png")
     return ExperimentResult(
         name="shapes", summary="every step of multi-head attention with its tensor shape",
         tables=[table, check_table], pictures=[picture],
@@ -88,19 +101,26 @@ def run(out_dir: Path, seed: int = 0, quick: bool = False, batch_size: int = 2,
                       max(diffs.values()) <= EXACT)])
 
 
-def draw_head_weights(weights: Tensor, path: Path) -> Path:
-    """The (H, T, T) causal weights of the first sequence, one panel per head."""
+def head_weights_figure(weights: Tensor) -> Figure:
+    """The (H, T, T) causal weights of the first sequence, one panel per head (4 to a row)."""
     H, T, _ = weights.shape
-    fig = new_figure(1.7 * H + 0.8, 2.1)
-    axes = fig.subplots(1, H, squeeze=False)[0]
-    for h, ax in enumerate(axes):
+    rows, cols = grid_shape(H, MAX_COLUMNS)
+    width = PANEL_INCHES * cols + 1.4
+    title = wrap_title("attention weights of sequence 0, one panel per head: lower triangular "
+                       "(causal)", width)
+    fig = new_figure(width, (PANEL_INCHES + 0.9) * rows + 0.3 + text_height(title))
+    axes = fig.subplots(rows, cols, squeeze=False)
+    ticks = list(range(0, T, math.ceil(T / MAX_TICKS)))
+    for h, ax in enumerate(axes.flat):
+        if h >= H:
+            ax.axis("off")
+            continue
         image = ax.imshow(weights[h].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
-        ax.set_title(f"head {h}", fontsize=8)
-        ax.set_xticks(range(T))
-        ax.set_yticks(range(T))
-        ax.tick_params(labelsize=6)
-        ax.set_xlabel("key s", fontsize=7)
-    axes[0].set_ylabel("query t", fontsize=7)
-    fig.colorbar(image, ax=list(axes), shrink=0.8)
-    fig.suptitle("weights (B, H, T, T) of sequence 0: lower triangular (causal)", fontsize=9)
-    return save_figure(fig, path)
+        first_column = h % cols == 0
+        ax.set_xticks(ticks)
+        ax.set_yticks(ticks, ticks if first_column else [])  # queries labelled once per row
+        label_axes(ax, xlabel="key s", ylabel="query t" if first_column else "",
+                   title=f"head {h}")
+    labelled_colorbar(fig, image, axes, "attention weight", shrink=0.8 if rows > 1 else 1.0)
+    fig.suptitle(title, fontsize=SUPTITLE_PT)
+    return fig

@@ -2,7 +2,9 @@
 
 `[block] * L` repeats one module object L times, so every "layer" is the same weights: the model
 counts one block's parameters and an update to any layer is an update to all of them. `GPT`
-builds a fresh block per layer for this reason.
+builds a fresh block per layer for this reason. The state_dict hides the difference: it names
+each tensor by its path, so both stacks list L blocks' worth of entries; only counting the
+distinct tensors behind those names shows the sharing.
 Notation: C = width, L = layers.
 """
 
@@ -11,10 +13,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from torch import nn
 
 from glassgpt.block import TransformerBlock
-from glassgpt.experiments.figures import new_figure, save_figure
+from glassgpt.experiments.figures import (
+    LABEL_PT,
+    TICK_PT,
+    label_axes,
+    new_figure,
+    save_figure,
+)
 from glassgpt.experiments.results import Check, ExperimentResult, Table
 from glassgpt.model import count_parameters
 
@@ -40,24 +50,36 @@ def layers_changed_by_updating_first(stack: nn.ModuleList) -> list[bool]:
             for layer, old in zip(stack, before, strict=True)]
 
 
+def state_dict_counts(stack: nn.ModuleList) -> tuple[int, int]:
+    """(entries, distinct tensors) of the stack's state_dict.
+
+    A state_dict names every tensor by its path ("0.ln1.weight", "1.ln1.weight", ...), so the
+    shared stack lists its one block's tensors once per layer: L times the entries, one block's
+    worth of distinct tensors (entries that share memory).
+    """
+    state = stack.state_dict()
+    return len(state), len({tensor.data_ptr() for tensor in state.values()})
+
+
 def run(out_dir: Path, seed: int = 0, quick: bool = False) -> ExperimentResult:
     del quick  # already tiny
     per_block = count_parameters(TransformerBlock(WIDTH, HEADS))
     table = Table(f"{LAYERS} layers of TransformerBlock(C={WIDTH}, H={HEADS}); one block has "
                   f"{per_block:,} parameters",
-                  ["stack", "parameters", "distinct blocks", "state_dict tensors",
-                   "layers changed by updating layer 0"])
+                  ["stack", "parameters", "distinct blocks", "state_dict entries",
+                   "distinct tensors", "layers moved by updating layer 0"])
     numbers = {}
     for name, stack in build_stacks(seed).items():
         params = count_parameters(stack)
         distinct = len({id(layer) for layer in stack})
-        tensors = len(stack.state_dict())
+        entries, distinct_tensors = state_dict_counts(stack)
         changed = layers_changed_by_updating_first(stack)
-        table.add_row(name, params, distinct, tensors, sum(changed))
+        table.add_row(name, params, distinct, entries, distinct_tensors, sum(changed))
         numbers[name] = {"parameters": params, "distinct_blocks": distinct,
-                         "state_dict_tensors": tensors, "layers_changed": changed}
+                         "state_dict_entries": entries, "distinct_tensors": distinct_tensors,
+                         "layers_changed": changed}
     shared, independent = numbers.values()
-    picture = draw_counts(numbers, out_dir / "sharing.png")
+    picture = save_figure(counts_figure(numbers), out_dir / "sharing.png")
     return ExperimentResult(
         name="sharing", summary="[block] * L shares one block; a model needs L fresh ones",
         tables=[table], pictures=[picture], numbers={"per_block": per_block, **numbers},
@@ -70,26 +92,42 @@ def run(out_dir: Path, seed: int = 0, quick: bool = False) -> ExperimentResult:
                   all(shared["layers_changed"])),
             Check("updating layer 0 changes only layer 0 of the independent stack",
                   independent["layers_changed"] == [True] + [False] * (LAYERS - 1)),
+            Check(f"both state_dicts name {independent['state_dict_entries']} tensors, but the "
+                  f"shared one holds only {shared['distinct_tensors']} distinct ones: one "
+                  f"block's tensors under {LAYERS} names each",
+                  shared["state_dict_entries"] == independent["state_dict_entries"]
+                  == LAYERS * shared["distinct_tensors"]
+                  and independent["distinct_tensors"] == independent["state_dict_entries"]),
         ])
 
 
-def draw_counts(numbers: dict[str, dict], path: Path) -> Path:
-    fig = new_figure(6.4, 2.6)
+MOVED, UNCHANGED = "tab:orange", "lightgray"
+
+
+def counts_figure(numbers: dict[str, dict]) -> Figure:
+    """Left: parameters of each stack. Right: one square per layer, coloured if it moved."""
+    fig = new_figure(7.6, 3.2)
     left, right = fig.subplots(1, 2)
     names = list(numbers)
-    left.bar(range(len(names)), [numbers[n]["parameters"] / 1e3 for n in names],
-             color=["tab:red", "tab:blue"])
-    left.set_ylabel("thousands of parameters", fontsize=8)
-    left.set_title("parameters", fontsize=9)
-    for ax in (left, right):
-        ax.set_xticks(range(len(names)))
-        ax.set_xticklabels([n.split(" (")[0] for n in names], fontsize=7)
+    counts = [numbers[n]["parameters"] for n in names]
+    bars = left.bar(range(len(names)), [c / 1e3 for c in counts], color=["tab:red", "tab:blue"])
+    for bar, count in zip(bars, counts, strict=True):
+        left.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{count:,}",
+                  ha="center", va="bottom", fontsize=TICK_PT)
+    left.set_ylim(0, max(counts) / 1e3 * 1.15)
+    label_axes(left, ylabel="thousands of parameters", title="parameters")
     for i, name in enumerate(names):
         changed = numbers[name]["layers_changed"]
         right.scatter([i] * len(changed), range(len(changed)), s=160, marker="s",
-                      c=["tab:orange" if c else "lightgray" for c in changed])
-    right.set_ylabel("layer", fontsize=8)
+                      c=[MOVED if c else UNCHANGED for c in changed])
     right.set_yticks(range(LAYERS))
     right.set_xlim(-0.6, len(names) - 0.4)
-    right.set_title("layers moved by updating layer 0", fontsize=9)
-    return save_figure(fig, path)
+    right.set_ylim(-0.6, LAYERS - 0.4)
+    label_axes(right, ylabel="layer", title="layers moved by updating layer 0")
+    for ax in (left, right):
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels([n.split(" (")[0] for n in names])
+    squares = [Line2D([], [], marker="s", markersize=9, linestyle="", color=colour, label=label)
+               for colour, label in ((MOVED, "weights moved"), (UNCHANGED, "unchanged"))]
+    fig.legend(handles=squares, loc="outside right center", fontsize=LABEL_PT)
+    return fig
