@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from glassgpt import bench
+from glassgpt.cli import main
 from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError, GlassGPTError
 from glassgpt.model import GPT
@@ -221,10 +222,35 @@ def test_cli_writes_every_figure_as_json(tmp_path: Path):
 @pytest.mark.parametrize("argv, message", [
     (["bench", "--preset", "gpt5"], "unknown preset 'gpt5'"),
     (["bench", "generate", "--preset", "cpu-small"], "block_size=64"),
-    (["bench", "--threads", "0"], "--threads must be positive"),
+    (["bench", "--threads", "0"], "--threads must be between 1 and"),
+    (["bench", "--threads", "1000000"], "--threads must be between 1 and"),
+    (["bench", "--rounds", "0"], "--rounds must be positive, got 0"),
     (["bench", "train", "--dropout", "lots"], "--dropout must be a rate"),
+    (["bench", "--json", "."], "is a directory"),
 ])
-def test_cli_bad_input_is_one_line_and_exit_2(argv, message):
-    result = glassgpt(*argv)
-    assert result.returncode == 2
-    assert message in result.stderr and "Traceback" not in result.stderr
+def test_cli_bad_input_is_one_line_and_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cli_cuda_without_a_gpu_is_one_line(capsys):
+    assert main(["bench", "--device", "cuda", "--quick"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_quick_picks_one_preset_per_workload_and_device():
+    from glassgpt.cli.benchmark import QUICK_PRESETS
+
+    assert QUICK_PRESETS == {"cpu": ("cpu-small", "shakespeare-char"), "cuda": ("gpt2", "gpt2")}
+    assert bench.bench_train_config("shakespeare-char", None, on_gpu=True).batch_size == 64
+    assert bench.bench_train_config("shakespeare-char", None).batch_size == bench.MAX_TRAIN_BATCH
+
+
+def test_timing_waits_for_the_device_before_reading_the_clock(monkeypatch):
+    events: list[str] = []
+    monkeypatch.setattr(bench.measure.time, "perf_counter", lambda: events.append("clock") or 0)
+    bench.interleaved_times({"a": lambda: events.append("run")}, rounds=1, warmup=0,
+                            sync=lambda: events.append("sync"))
+    assert events == ["sync", "clock", "run", "sync", "clock"]

@@ -92,10 +92,10 @@ def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
     compiled variant, and `glassgpt eager` on the reference engine (the plain model), which
     shows what the engines add.
     """
-    model = bench_model(preset, dropout=0.0, **overrides).eval()
+    model = bench_model(preset, probes.device, dropout=0.0, **overrides).eval()
     check_decode_length(model.config, prompt_len, new_tokens)
     half = copy.deepcopy(model).to(torch.bfloat16) if bf16 else None
-    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len))
+    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=probes.device)
     hf_model = hf_twin(model) if against_hf else None
     # (contender, KV cache, dtype) -> model; the bf16 contenders decode from a bf16 copy.
     cached: dict[DecodeKey, nn.Module] = {(GLASSGPT, True, torch.float32): model,
@@ -111,10 +111,11 @@ def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
         cached[HF, True, torch.float32] = hf_model
         recomputing[HF, False, torch.float32] = hf_model
     # The bandwidth limit is probed alongside the cached decoders, which it is the limit of.
-    times = _time_decoders(cached, prompt, new_tokens, rounds, {probes.READ: probes.read})
+    times = _time_decoders(cached, prompt, new_tokens, rounds, probes.sync,
+                           {probes.READ: probes.read})
     bandwidth = probes.bandwidth(min(times.pop(probes.READ)))
     if uncached:
-        times |= _time_decoders(recomputing, prompt, new_tokens, uncached_rounds)
+        times |= _time_decoders(recomputing, prompt, new_tokens, uncached_rounds, probes.sync)
     seconds = {key: statistics.median(t) for key, t in times.items()}
     weight_bytes = decode_bytes_per_token(model)  # fp32
     results = []
@@ -128,7 +129,8 @@ def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
 
 
 def _time_decoders(models: dict[DecodeKey, nn.Module], prompt: Tensor, new_tokens: int,
-                   rounds: int, probes: dict[str, Callable[[], Any]] | None = None
+                   rounds: int, sync: Callable[[], Any],
+                   probes: dict[str, Callable[[], Any]] | None = None
                    ) -> dict[Any, list[float]]:
     """Seconds of each model's greedy decoding, and of each probe, in interleaved rounds."""
     def decoders(n: int) -> dict[Any, Callable[[], Any]]:
@@ -140,15 +142,16 @@ def _time_decoders(models: dict[DecodeKey, nn.Module], prompt: Tensor, new_token
     # A short run touches every path, and compiles the compiled step (once per process).
     for warm_up in decoders(min(4, new_tokens)).values():
         warm_up()
-    return interleaved_times({**decoders(new_tokens), **(probes or {})}, rounds, warmup=0)
+    return interleaved_times({**decoders(new_tokens), **(probes or {})}, rounds, warmup=0,
+                             sync=sync)
 
 
 @torch.no_grad()
 def bf16_cost(preset: str, prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS,
-              **overrides: Any) -> PrecisionCost:
+              device: torch.device | str = "cpu", **overrides: Any) -> PrecisionCost:
     """Teacher-force the fp32 greedy continuation through fp32 and bf16 copies and compare."""
-    model = bench_model(preset, dropout=0.0, **overrides).eval()
-    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len))
+    model = bench_model(preset, device, dropout=0.0, **overrides).eval()
+    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=device)
     tokens = generate(model, prompt, max_new_tokens=new_tokens, temperature=0.0)[:, :-1]  # (1,T)
     reference = model(tokens)[0].float()  # (1, T, V)
     approx = copy.deepcopy(model).to(torch.bfloat16)(tokens)[0].float()

@@ -32,10 +32,16 @@ Key = TypeVar("Key")
 # --- timing ---------------------------------------------------------------------------------
 
 def interleaved_times(contenders: dict[Key, Callable[[], Any]], rounds: int,
-                      warmup: int = 1) -> dict[Key, list[float]]:
-    """Seconds of every timed call of each contender, run in interleaved, rotating rounds."""
+                      warmup: int = 1, sync: Callable[[], Any] | None = None
+                      ) -> dict[Key, list[float]]:
+    """Seconds of every timed call of each contender, run in interleaved, rotating rounds.
+
+    `sync` waits for queued device work (`torch.cuda.synchronize` on a GPU, where a call
+    returns before its kernels finish); it runs before the clock starts and before it is read.
+    """
     if rounds <= 0:
         raise ConfigError(f"rounds must be positive, got {rounds}")
+    sync = sync or (lambda: None)
     names = list(contenders)
     for _ in range(warmup):
         for name in names:
@@ -43,16 +49,19 @@ def interleaved_times(contenders: dict[Key, Callable[[], Any]], rounds: int,
     seconds: dict[Key, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
+            sync()
             start = time.perf_counter()
             contenders[name]()
+            sync()
             seconds[name].append(time.perf_counter() - start)
     return seconds
 
 
 def interleaved_medians(contenders: dict[Key, Callable[[], Any]], rounds: int,
-                        warmup: int = 1) -> dict[Key, float]:
+                        warmup: int = 1, sync: Callable[[], Any] | None = None
+                        ) -> dict[Key, float]:
     """Median seconds per call of each contender, timed in interleaved, rotating rounds."""
-    times = interleaved_times(contenders, rounds, warmup)
+    times = interleaved_times(contenders, rounds, warmup, sync)
     return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
@@ -78,17 +87,32 @@ class LimitProbes:
     MATMUL, READ = "matmul peak probe", "read bandwidth probe"
     MATMUL_BF16 = "bf16 matmul peak probe"
 
-    def __init__(self, matmul_size: int = 2048, buffer_bytes: int = 256 * 2**20):
-        self.a = torch.randn(matmul_size, matmul_size)
-        self.b = torch.randn(matmul_size, matmul_size)
-        self.buffer = torch.ones(buffer_bytes // 4)
+    def __init__(self, matmul_size: int = 2048, buffer_bytes: int = 256 * 2**20,
+                 device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.a = torch.randn(matmul_size, matmul_size, device=self.device)
+        self.b = torch.randn(matmul_size, matmul_size, device=self.device)
+        self.buffer = torch.ones(buffer_bytes // 4, device=self.device)
+
+    @classmethod
+    def for_device(cls, device: torch.device | str) -> LimitProbes:
+        """Probes sized for the device: a GPU needs a far larger product to reach its peak,
+        and a buffer far larger than its caches."""
+        if torch.device(device).type == "cuda":
+            return cls(matmul_size=8192, buffer_bytes=2**30, device=device)
+        return cls(device=device)
+
+    def sync(self) -> None:
+        """Wait for the device (a GPU runs asynchronously) before the clock is read."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def matmul(self) -> Tensor:
         return self.a @ self.b
 
     def matmul_bf16(self) -> Tensor:
         """The peak that bf16 autocast training runs against: the same product in bfloat16."""
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
             return self.a @ self.b
 
     def read(self) -> Tensor:
@@ -103,7 +127,8 @@ class LimitProbes:
 
 def measure_limits(probes: LimitProbes, rounds: int = 7) -> MachineLimits:
     """The fp32 matmul peak and the memory read bandwidth, measured side by side."""
-    times = interleaved_times({probes.MATMUL: probes.matmul, probes.READ: probes.read}, rounds)
+    times = interleaved_times({probes.MATMUL: probes.matmul, probes.READ: probes.read}, rounds,
+                              sync=probes.sync)
     return MachineLimits(probes.flops(min(times[probes.MATMUL])),
                          probes.bandwidth(min(times[probes.READ])))
 
@@ -159,7 +184,7 @@ def hf_twin(model: GPT) -> nn.Module:
     return hf_model
 
 
-def bench_model(preset: str, **overrides: Any) -> GPT:
+def bench_model(preset: str, device: torch.device | str = "cpu", **overrides: Any) -> GPT:
     """A randomly initialised GPT of `preset`'s shape (seeded, so every run builds the same)."""
     torch.manual_seed(0)
-    return GPT(GPTConfig.from_preset(preset, **overrides))
+    return GPT(GPTConfig.from_preset(preset, **overrides)).to(device)

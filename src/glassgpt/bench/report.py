@@ -71,10 +71,21 @@ def speedups(report: BenchReport) -> list[Speedup]:
     return out
 
 
-def machine_info() -> dict[str, Any]:
+# Dense bf16 tensor-core peaks from NVIDIA's datasheets (FLOP/s), by a name fragment of the GPU.
+DATASHEET_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12,
+                        "A10": 125e12, "L4": 121e12, "4090": 165e12, "3090": 71e12}
+
+
+def machine_info(device: torch.device | str = "cpu") -> dict[str, Any]:
     info = {"cpu": _cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__,
-            "platform": platform.platform(), "load_before": _load_average()}
+            "platform": platform.platform(), "load_before": _load_average(),
+            "device": str(device)}
+    if torch.device(device).type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        info["gpu"] = name
+        info["datasheet_bf16_flops"] = next(
+            (peak for key, peak in DATASHEET_BF16_FLOPS.items() if key in name), None)
     try:
         import transformers
         info["transformers"] = transformers.__version__
@@ -117,13 +128,16 @@ class BenchReport:
 def run_benchmarks(workload: str, train_presets: list[str], decode_presets: list[str],
                    against_hf: bool = False, rounds: int | None = None,
                    new_tokens: int = NEW_TOKENS, compiled: bool = True, profile: bool = False,
-                   train_dropout: float | None = 0.0,
+                   train_dropout: float | None = 0.0, device: torch.device | str = "cpu",
                    progress: Callable[[str], None] = lambda _: None) -> BenchReport:
-    """Everything `glassgpt bench` measures; `workload` is train, generate or all.
+    """Everything `glassgpt bench` measures on `device`; `workload` is train, generate or all.
 
     Training runs without dropout by default, as nanoGPT's bench.py does: dropout's random
     masks cost time that no FLOP count includes. `train_dropout=None` keeps each preset's.
     """
+    device = torch.device(device)
+    if profile and device.type != "cpu":
+        raise ConfigError("--profile measures CPU operators; leave it out with --device cuda")
     if workload not in ("train", "generate", "all"):
         raise ConfigError(f"unknown workload {workload!r}; choose train, generate or all")
     for preset in {*train_presets, *decode_presets}:
@@ -132,8 +146,8 @@ def run_benchmarks(workload: str, train_presets: list[str], decode_presets: list
         for preset in decode_presets:
             check_decode_length(GPTConfig.from_preset(preset), PROMPT_LEN, new_tokens)
     progress("measuring the machine's matmul peak and read bandwidth")
-    probes = LimitProbes()
-    report = BenchReport(machine_info(), measure_limits(probes))
+    probes = LimitProbes.for_device(device)
+    report = BenchReport(machine_info(device), measure_limits(probes))
     if workload in ("train", "all"):
         for preset in train_presets:
             progress(f"training {preset}")
@@ -148,7 +162,7 @@ def run_benchmarks(workload: str, train_presets: list[str], decode_presets: list
             report.decode += bench_decoding(preset, probes, against_hf, compiled=compiled,
                                             rounds=rounds or 5, new_tokens=new_tokens,
                                             uncached_rounds=min(3, rounds or 5))
-            report.precision.append(bf16_cost(preset, new_tokens=new_tokens))
+            report.precision.append(bf16_cost(preset, new_tokens=new_tokens, device=device))
             if profile:
                 report.profile += profile_decode_step(preset)
                 if compiled:

@@ -46,10 +46,13 @@ class TrainSpeed:
     matmul_flops: float  # the peak of its dtype, probed in the same rounds
 
 
-def bench_train_config(preset: str, batch_size: int | None) -> TrainConfig:
-    """The preset's recipe with one micro-batch per step and a batch a CPU steps through fast."""
+def bench_train_config(preset: str, batch_size: int | None, on_gpu: bool = False
+                       ) -> TrainConfig:
+    """The preset's recipe with one micro-batch per step: the preset's batch on a GPU, and on
+    a CPU at most MAX_TRAIN_BATCH sequences, which it steps through in about a second."""
     recipe = load_preset(preset).get("train", {})
-    batch = batch_size or min(recipe.get("batch_size", MAX_TRAIN_BATCH), MAX_TRAIN_BATCH)
+    batch = recipe.get("batch_size", MAX_TRAIN_BATCH)
+    batch = batch_size or (batch if on_gpu else min(batch, MAX_TRAIN_BATCH))
     settings = {k: v for k, v in recipe.items() if k in {"lr", "beta2", "weight_decay",
                                                           "grad_clip"}}
     return TrainConfig(batch_size=batch, grad_accum=1, **settings)
@@ -69,15 +72,18 @@ TrainKey = tuple[str, str]  # (contender, dtype)
 def bench_training(preset: str, probes: LimitProbes, against_hf: bool = False,
                    compiled: bool = True, bf16: bool = True, rounds: int = 5,
                    batch_size: int | None = None, **overrides: Any) -> list[TrainSpeed]:
-    """Training tokens/s and MFU of each contender on the same random batch.
+    """Training tokens/s and MFU of each contender on the same random batch, on the probes'
+    device.
 
     The matmul peak that MFU divides by is probed in the same rounds as the contenders; the
     bf16 autocast contender (`train --dtype bfloat16`) is measured against a bf16 matmul's peak.
     """
-    model = bench_model(preset, **overrides)
-    config, train_cfg = model.config, bench_train_config(preset, batch_size)
+    device = probes.device
+    model = bench_model(preset, device, **overrides)
+    config = model.config
+    train_cfg = bench_train_config(preset, batch_size, on_gpu=device.type == "cuda")
     B, T = train_cfg.batch_size, config.block_size
-    data = torch.randint(0, config.vocab_size, (B, T + 1))
+    data = torch.randint(0, config.vocab_size, (B, T + 1), device=device)
     batch = (data[:, :-1], data[:, 1:])  # (B, T) inputs and next-token targets
     # Each contender trains its own copy from the same initial weights.
     contenders: dict[TrainKey | str, Callable[[], Any]] = {
@@ -93,7 +99,7 @@ def bench_training(preset: str, probes: LimitProbes, against_hf: bool = False,
         contenders[HF, FP32] = train_stepper(HFLanguageModel(hf_twin(model).train()), train_cfg,
                                         batch)
     contenders[probes.MATMUL] = probes.matmul
-    times = interleaved_times(contenders, rounds, warmup=2)
+    times = interleaved_times(contenders, rounds, warmup=2, sync=probes.sync)
     peaks = {FP32: probes.flops(min(times.pop(probes.MATMUL)))}
     if bf16:
         peaks[BF16] = probes.flops(min(times.pop(probes.MATMUL_BF16)))

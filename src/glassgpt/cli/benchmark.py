@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -15,9 +16,12 @@ from rich.table import Table
 
 from glassgpt import bench
 from glassgpt.errors import ConfigError
-from glassgpt.files import write_text_atomic
+from glassgpt.files import check_can_write_file, write_text_atomic
 
 WORKLOADS = ("train", "generate", "all")
+# --quick: (training preset, decoding preset) per device, 3 rounds.
+QUICK_PRESETS = {"cpu": ("cpu-small", "shakespeare-char"), "cuda": ("gpt2", "gpt2")}
+QUICK_ROUNDS = 3
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,27 +50,49 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", action="store_true",
                    help="also profile one training and one decoding step (torch.profiler)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where to measure (default: cpu)")
+    p.add_argument("--quick", action="store_true",
+                   help="one model shape per workload and fewer rounds: a few minutes "
+                   f"(presets: {QUICK_PRESETS['cpu']} on a CPU, {QUICK_PRESETS['cuda']} on CUDA)")
     p.set_defaults(handler=run_bench)
 
 
 def run_bench(args: argparse.Namespace) -> int:
     if args.threads is not None:
-        if args.threads <= 0:
-            raise ConfigError(f"--threads must be positive, got {args.threads}")
+        most = 4 * (os.cpu_count() or 1)  # more threads than that only thrash (or crash)
+        if not 0 < args.threads <= most:
+            raise ConfigError(f"--threads must be between 1 and {most} on this machine, "
+                              f"got {args.threads}")
         torch.set_num_threads(args.threads)
-    if args.json is not None and not args.json.parent.is_dir():
-        raise ConfigError(f"cannot write {args.json}: no directory {args.json.parent}")
+    if args.rounds is not None and args.rounds <= 0:
+        raise ConfigError(f"--rounds must be positive, got {args.rounds}")
+    if args.json is not None:
+        check_can_write_file(args.json, ConfigError)  # before minutes of measuring, not after
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for, but CUDA is not available here")
+    train_presets, decode_presets = _presets(args)
     err = Console(stderr=True)
     with err.status("benchmarking") as status:
         report = bench.run_benchmarks(
-            args.workload, args.preset or list(bench.TRAIN_PRESETS),
-            args.preset or list(bench.DECODE_PRESETS), against_hf=args.against == "hf",
-            rounds=args.rounds, new_tokens=args.new_tokens, compiled=not args.no_compile,
-            profile=args.profile, train_dropout=_dropout(args.dropout), progress=status.update)
+            args.workload, train_presets, decode_presets, against_hf=args.against == "hf",
+            rounds=args.rounds or (QUICK_ROUNDS if args.quick else None),
+            new_tokens=args.new_tokens, compiled=not args.no_compile, profile=args.profile,
+            train_dropout=_dropout(args.dropout), device=args.device, progress=status.update)
     print_report(report, Console())
     if args.json is not None:
         write_text_atomic(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
     return 0
+
+
+def _presets(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(training presets, decoding presets): --preset, else --quick's, else the defaults."""
+    if args.preset:
+        return args.preset, args.preset
+    if args.quick:
+        train, decode = QUICK_PRESETS[args.device]
+        return [train], [decode]
+    return list(bench.TRAIN_PRESETS), list(bench.DECODE_PRESETS)
 
 
 def _dropout(value: str) -> float | None:
@@ -84,14 +110,19 @@ def print_report(report: bench.BenchReport, console: Console) -> None:
     console.print(f"{m['cpu']}, {m['cores']} cores, {m['threads']} torch threads; "
                   f"torch {m['torch']}" + (f", transformers {m['transformers']}"
                                             if "transformers" in m else ""))
+    if "gpu" in m:
+        peak = m.get("datasheet_bf16_flops")
+        console.print(f"measuring on {m['gpu']}" + (f" (datasheet dense bf16 peak "
+                                                      f"{peak / 1e12:,.0f} TFLOP/s)" if peak
+                                                      else ""))
     if m.get("load_before") is not None:
         console.print(f"load average {m['load_before']:.2f} before the run, "
                       f"{m['load_after']:.2f} after")
-    console.print(f"at the start: fp32 matmul peak {limits.matmul_flops / 1e9:.1f} GFLOP/s, "
+    console.print(f"at the start: fp32 matmul peak {_flops(limits.matmul_flops)}, "
                   f"read bandwidth {limits.read_bandwidth / 1e9:.1f} GB/s (each table's are "
                   f"probed in its own rounds)")
     if report.train:
-        console.print(_train_table(report.train))
+        console.print(_train_table(report.train, m.get("datasheet_bf16_flops")))
     if report.decode:
         console.print(_decode_table(report.decode))
     if report.precision:
@@ -103,20 +134,30 @@ def print_report(report: bench.BenchReport, console: Console) -> None:
         console.print(_speedup_table(ratios))
 
 
-def _train_table(rows: list[bench.TrainSpeed]) -> Table:
+def _train_table(rows: list[bench.TrainSpeed], datasheet: float | None = None) -> Table:
     peaks = {(r.preset, r.dtype): r.matmul_flops for r in rows}
     table = Table(title="Training (one optimizer step per round; bfloat16 = autocast)",
                   caption="MFU against the matmul peak of its dtype, probed in the same rounds: "
-                  + ", ".join(f"{preset} {dtype} {peak / 1e9:.0f} GFLOP/s"
-                              for (preset, dtype), peak in peaks.items()))
-    for column in ("preset", "contender", "dtype", "batch x T", "dropout", "ms/step", "tokens/s",
-                   "MFU"):
+                  + ", ".join(f"{preset} {dtype} {_flops(peak)}"
+                              for (preset, dtype), peak in peaks.items())
+                  + (f"; datasheet: the GPU's dense bf16 peak, {_flops(datasheet)}"
+                     if datasheet else ""))
+    columns = ["preset", "contender", "dtype", "batch x T", "dropout", "ms/step", "tokens/s",
+               "MFU"] + (["MFU (datasheet)"] if datasheet else [])
+    for column in columns:
         table.add_column(column, justify="left" if column in ("preset", "contender") else "right")
     for r in rows:
-        table.add_row(r.preset, r.contender, r.dtype, f"{r.batch_size} x {r.seq_len}",
-                      f"{r.dropout:g}", f"{r.step_seconds * 1e3:.1f}", f"{r.tokens_per_s:,.0f}",
-                      f"{r.mfu:.0%}")
+        cells = [r.preset, r.contender, r.dtype, f"{r.batch_size} x {r.seq_len}",
+                 f"{r.dropout:g}", f"{r.step_seconds * 1e3:.1f}", f"{r.tokens_per_s:,.0f}",
+                 f"{r.mfu:.0%}"]
+        if datasheet:
+            cells.append(f"{r.tokens_per_s * r.flops_per_token / datasheet:.0%}")
+        table.add_row(*cells)
     return table
+
+
+def _flops(value: float) -> str:
+    return f"{value / 1e12:,.0f} TFLOP/s" if value >= 1e13 else f"{value / 1e9:,.0f} GFLOP/s"
 
 
 def _decode_table(rows: list[bench.DecodeSpeed]) -> Table:
