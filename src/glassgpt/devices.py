@@ -1,0 +1,171 @@
+"""The machine a run uses: which CPU features pay, and how many threads to use.
+
+Two measured facts drive this module (BENCHMARKS.md):
+  * A tiny model on a 2-core machine shared with other work runs ~6x slower with torch's default
+    threads than with one: each step waits for a thread that another process preempted. A fixed
+    count is wrong on some machine or other, so `ThreadTuner` times real steps at one thread and
+    at all cores, keeps the faster, and probes again when steps become several times slower.
+  * bf16 is 2-3x faster than fp32 on a CPU with bf16 matrix instructions (AVX512-BF16, AMX) and
+    about 13x slower on one without; `cpu_bf16_support` says which this one is.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+import torch
+
+from glassgpt.errors import ConfigError
+
+T = TypeVar("T")
+AUTO = "auto"
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 flags of bf16 matrix instructions in cpuinfo
+
+
+# --- bf16 on a CPU ---------------------------------------------------------------------------
+
+def cpu_bf16_support() -> bool:
+    """Whether this CPU has bf16 matrix instructions (AVX512-BF16 or AMX on x86, BF16 on Arm)."""
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)  # newer torch only
+    if probe is not None and probe():
+        return True
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    if amx is not None and amx():
+        return True
+    flags = _cpu_flags()
+    return any(flag in flags for flag in BF16_FLAGS) or "bf16" in flags  # "bf16": Arm's name
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features")):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def bf16_slowdown(size: int = 256, repeats: int = 5) -> float:
+    """How many times slower a bf16 matmul is than fp32 here (> 1: slower), measured now."""
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    seconds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y = a.to(dtype), b.to(dtype)
+        x @ y  # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            x @ y
+            times.append(time.perf_counter() - start)
+        seconds[dtype] = statistics.median(times)
+    return seconds[torch.bfloat16] / seconds[torch.float32]
+
+
+# --- threads ----------------------------------------------------------------------------------
+
+def parse_threads(value: str | int) -> int | str:
+    """`auto` or a positive thread count no larger than a few times the machine's cores."""
+    if value == AUTO:
+        return AUTO
+    try:
+        threads = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"threads must be a positive integer or auto, got {value!r:.40}") \
+            from None
+    most = 4 * (os.cpu_count() or 1)  # beyond that, threads only thrash (or crash OpenMP)
+    if not 0 < threads <= most:
+        raise ConfigError(f"threads must be between 1 and {most} on this machine, got {threads}")
+    return threads
+
+
+def user_chose_threads() -> bool:
+    """Whether OMP_NUM_THREADS is set: then `auto` keeps the count the user asked for."""
+    return bool(os.environ.get("OMP_NUM_THREADS"))
+
+
+class ThreadTuner:
+    """Keeps torch's CPU thread count at whichever of 1 and all cores runs the steps faster.
+
+    Feed it each step's duration (`step_done`, or wrap a loop with `tuned`). The first step is
+    a warm-up; then `probe_steps` steps run at each candidate count, and the faster count stays.
+    If later steps take `degrade_factor` times longer than the chosen count measured (another
+    process took a core, say), it probes again. The steps are the real work: nothing is wasted.
+    """
+
+    def __init__(self, candidates: tuple[int, ...] | None = None, probe_steps: int = 3,
+                 degrade_factor: float = 3.0, window: int = 5):
+        cores = os.cpu_count() or 1
+        self.candidates = candidates or tuple(sorted({1, cores}))
+        self.probe_steps, self.degrade_factor, self.window = probe_steps, degrade_factor, window
+        self.threads = torch.get_num_threads()
+        self.probes = 0  # how many times the candidates were measured
+        self.baseline: float | None = None  # seconds per step of the chosen count
+        self._warmed_up = False
+        self._plan: list[int] = []  # thread counts of the coming probe steps
+        self._timings: dict[int, list[float]] = {}
+        self._recent: list[float] = []
+        if len(self.candidates) > 1:
+            self._start_probe()
+
+    def _start_probe(self) -> None:
+        self._plan = [n for n in self.candidates for _ in range(self.probe_steps)]
+        self._timings = {n: [] for n in self.candidates}
+        self._recent = []
+
+    def _set(self, threads: int) -> None:
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        self.threads = threads
+
+    def before_step(self) -> None:
+        """Set the thread count the next step runs with."""
+        if self._plan and self._warmed_up:
+            self._set(self._plan[0])
+
+    def step_done(self, seconds: float) -> None:
+        """Record the step that just ran (after `before_step`)."""
+        if not self._warmed_up:
+            self._warmed_up = True
+            return
+        if self._plan:
+            self._timings[self._plan.pop(0)].append(seconds)
+            if not self._plan:
+                self._choose()
+            return
+        self._recent = (self._recent + [seconds])[-self.window:]
+        if (self.baseline is not None and len(self._recent) == self.window
+                and statistics.median(self._recent) > self.degrade_factor * self.baseline):
+            self._start_probe()
+
+    def _choose(self) -> None:
+        medians = {n: statistics.median(t) for n, t in self._timings.items() if t}
+        best = min(medians, key=medians.__getitem__)
+        self._set(best)
+        self.baseline = medians[best]
+        self.probes += 1
+
+    def tuned(self, steps: Iterable[T]) -> Iterator[T]:
+        """The items of `steps`, each timed and run with the thread count the tuner sets."""
+        iterator = iter(steps)
+        while True:
+            self.before_step()
+            start = time.perf_counter()
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+            self.step_done(time.perf_counter() - start)
+            yield item
+
+    def describe(self) -> str:
+        if len(self.candidates) == 1:
+            return f"{self.threads} thread{'s' if self.threads > 1 else ''}"
+        return (f"threads auto ({' or '.join(map(str, self.candidates))}, chosen by timing the "
+                f"first steps)")

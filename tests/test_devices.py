@@ -1,0 +1,88 @@
+"""Thread counts chosen by timing real steps; bf16 only where the CPU has the instructions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from glassgpt import devices
+from glassgpt.errors import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def run_steps(tuner: devices.ThreadTuner, seconds_at: dict[int, float], steps: int) -> list[int]:
+    """Drive the tuner with steps whose duration depends on the thread count they ran with."""
+    used = []
+    for _ in range(steps):
+        tuner.before_step()
+        used.append(torch.get_num_threads())
+        tuner.step_done(seconds_at[torch.get_num_threads()])
+    return used
+
+
+def test_the_faster_count_is_chosen_after_a_warm_up_and_one_probe_each():
+    tuner = devices.ThreadTuner(candidates=(1, 2), probe_steps=2)
+    used = run_steps(tuner, {1: 0.01, 2: 0.06}, steps=9)  # two threads collapse: 6x slower
+    assert used[1:5] == [1, 1, 2, 2]  # after the warm-up step: each candidate twice
+    assert used[5:] == [1, 1, 1, 1] and tuner.threads == 1 and tuner.probes == 1
+    assert tuner.baseline == 0.01
+
+
+def test_all_cores_are_kept_when_they_are_faster():
+    tuner = devices.ThreadTuner(candidates=(1, 2), probe_steps=2)
+    run_steps(tuner, {1: 0.02, 2: 0.011}, steps=8)
+    assert tuner.threads == 2 == torch.get_num_threads()
+
+
+def test_steps_that_become_several_times_slower_start_a_new_probe():
+    tuner = devices.ThreadTuner(candidates=(1, 2), probe_steps=1, degrade_factor=3.0, window=3)
+    run_steps(tuner, {1: 0.05, 2: 0.01}, steps=6)  # 2 threads win: the machine is idle
+    assert tuner.threads == 2 and tuner.probes == 1
+    used = run_steps(tuner, {1: 0.012, 2: 0.08}, steps=8)  # then other work takes a core
+    assert tuner.probes == 2 and tuner.threads == 1 and used[-1] == 1
+
+
+def test_tuned_loops_time_every_item_and_keep_them_in_order(monkeypatch):
+    clock = iter(range(100))
+    monkeypatch.setattr(devices.time, "perf_counter", lambda: next(clock))
+    tuner = devices.ThreadTuner(candidates=(1, 2), probe_steps=1)
+    assert list(tuner.tuned(iter("abcdef"))) == list("abcdef")
+    assert tuner.probes == 1
+
+
+def test_one_candidate_means_no_probing():
+    tuner = devices.ThreadTuner(candidates=(1,))
+    assert run_steps(tuner, {1: 0.1, torch.get_num_threads(): 0.1}, steps=3)
+    assert tuner.probes == 0
+
+
+@pytest.mark.parametrize(("value", "expected"), [("auto", "auto"), ("1", 1), (2, 2)])
+def test_thread_settings_parse(value, expected):
+    assert devices.parse_threads(value) == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "1000000", "many", "2.5"])
+def test_bad_thread_settings_are_config_errors(value):
+    with pytest.raises(ConfigError, match="threads must be"):
+        devices.parse_threads(value)
+
+
+def test_bf16_support_follows_the_cpu_flags(monkeypatch):
+    monkeypatch.setattr(devices.torch.cpu, "_is_avx512_bf16_supported", lambda: False,
+                        raising=False)
+    monkeypatch.setattr(devices.torch.cpu, "_is_amx_tile_supported", lambda: False,
+                        raising=False)
+    monkeypatch.setattr(devices, "_cpu_flags", lambda: {"avx2", "fma"})
+    assert not devices.cpu_bf16_support()
+    monkeypatch.setattr(devices, "_cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    assert devices.cpu_bf16_support()
+
+
+def test_bf16_slowdown_is_a_positive_ratio():
+    assert devices.bf16_slowdown(size=32, repeats=2) > 0
