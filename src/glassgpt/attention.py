@@ -168,7 +168,8 @@ class MultiHeadSelfAttention(nn.Module):
         """x (B, T, C) -> y (B, T, C), plus weights (B, H, T, S) when `return_attn`.
 
         `start_pos` (with a KV cache set up) means x holds positions start_pos.. of a sequence
-        whose earlier keys and values are already cached.
+        whose earlier keys and values are already cached. It is whatever the cache's `update`
+        takes: an int for `KVCache` (the CUDA engine's static cache also takes a tensor).
         """
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
