@@ -209,7 +209,7 @@ CASES: dict[str, Case] = {
         resume(), "iteration must be an integer >= 0, got -5",
         damage=edit_json("train_state.json", lambda s: s.update(iteration=-5))),
     "resume with malformed random states": Case(
-        resume(), "the saved random states are malformed",
+        resume(), "rng[0].python is not a random.getstate()",
         damage=edit_json("train_state.json", lambda s: s["rng"][0].update(python=[3, [1], None]))),
     "resume with a malformed sampler state": Case(
         resume(), "batch-sampler state is malformed", damage=shorten_sampler_state),

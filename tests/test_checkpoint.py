@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glassgpt import checkpoint
+from glassgpt import checkpoint, files
 from glassgpt.checkpoint import (
     TrainState,
     capture_rng_state,
@@ -175,7 +175,7 @@ def test_a_crash_before_the_commit_point_keeps_the_old_checkpoint(tmp_path, monk
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint, "write_text_atomic", crash)  # the journal write fails
+    monkeypatch.setattr(files, "write_text_atomic", crash)  # the journal write fails
     with pytest.raises(checkpoint.CheckpointError, match="disk full"):
         save_model(tmp_path, new, TOKENIZER)
     monkeypatch.undo()
@@ -196,9 +196,14 @@ def test_a_crash_after_the_commit_point_finishes_the_new_checkpoint(tmp_path, mo
         real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", crash_after_one_rename)
-    with pytest.raises(OSError):
+    with pytest.raises(CheckpointError, match="the next `train --resume` finishes"):
         save_model(tmp_path, new, TOKENIZER)
     monkeypatch.undo()
     assert (tmp_path / checkpoint.JOURNAL_FILE).exists()  # half renamed, journal present
-    assert same_weights(load_model(tmp_path)[0], new)
+    listing = sorted(p.name for p in tmp_path.iterdir())
+    assert same_weights(load_model(tmp_path)[0], new)  # a reader sees the new checkpoint...
+    assert sorted(p.name for p in tmp_path.iterdir()) == listing  # ...and changes nothing
+    checkpoint.recover_interrupted_commit(tmp_path)  # a writer finishes the commit
     assert not (tmp_path / checkpoint.JOURNAL_FILE).exists()
+    assert not list(tmp_path.glob("*.pending"))
+    assert same_weights(load_model(tmp_path)[0], new)

@@ -7,6 +7,7 @@ Every model and training setting gets a typed `--kebab-case` flag generated from
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -20,6 +21,7 @@ import torch
 
 from glassgpt import checkpoint as ckpt
 from glassgpt import distributed as ddp
+from glassgpt import files, rundir
 from glassgpt.config import GPTConfig, preset_names
 from glassgpt.data import (
     PreparedData,
@@ -29,8 +31,8 @@ from glassgpt.data import (
     sequential_batches,
     tinyshakespeare_path,
 )
-from glassgpt.errors import CheckpointError, ConfigError
-from glassgpt.metrics import METRICS_FILE, PLOT_FILE, RichReporter
+from glassgpt.errors import CheckpointError, CommandLineError, ConfigError
+from glassgpt.metrics import RichReporter
 from glassgpt.model import GPT, count_parameters
 from glassgpt.tokenizers import TOKENIZER_KINDS, Tokenizer
 from glassgpt.train import (
@@ -47,8 +49,6 @@ from glassgpt.train import (
 
 FLAG_TYPES = {"int": int, "float": float, "str": str}
 DATA_DECIDES = ("vocab_size",)  # set by the tokenizer of the data, never by a flag
-RUN_FILES = (ckpt.CONFIG_FILE, ckpt.MODEL_FILE, ckpt.TOKENIZER_FILE, ckpt.STATE_JSON_FILE,
-             ckpt.STATE_TENSORS_FILE, METRICS_FILE, PLOT_FILE)
 INTERRUPTED_EXIT_CODE = 130
 DEFAULT_PROMPT = "\n"
 
@@ -147,13 +147,16 @@ def _flags(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    """Every input is checked (out directory, data, config file, flags, model shape, the run
+    to start from) before the run directory changes; then, holding its lock, the old run is
+    replaced (or continued) and training starts."""
     model_flags, train_flags = _flags(args, "model"), _flags(args, "train")
     if args.resume:
         return _resume(args, model_flags, train_flags)
     if args.out is None and ddp.launched_by_torchrun():
         raise ConfigError("under torchrun, name the run directory with --out")
     run_dir = args.out or _fresh_run_dir()
-    _claim_run_dir(run_dir, args.force)
+    _check_out(run_dir, args.force, args.init_from)
     preset = args.preset or _preset_for_device(train_flags.get("device", "auto"))
     model_settings, cfg = resolve_configs(preset, args.config, model_flags, train_flags)
     GPTConfig.from_dict({**model_settings, "vocab_size": 1})  # bad sizes fail before any work
@@ -162,19 +165,34 @@ def run_train(args: argparse.Namespace) -> int:
         data = PreparedData(_data_dir(args.data, context))
         model = _initial_model(args.init_from, model_settings, model_flags, data, cfg.seed)
         trainer = Trainer(model, cfg, data, run_dir, RichReporter(), context)
-        if context.is_main:
-            start = (f"fine-tuning {args.init_from}" if args.init_from
-                     else f"training preset {preset}")
-            _say(f"{start} ({_describe(model)}) on {trainer.device}, data {data.dir}, "
-                 f"run directory {run_dir}")
-        return _finish(trainer.run(), run_dir, context)
+        with _writer(run_dir, context):
+            if context.is_main:
+                _replace_run(run_dir, args.force)
+                start = (f"fine-tuning {args.init_from}" if args.init_from
+                         else f"training preset {preset}")
+                _say(f"{start} ({_describe(model)}) on {trainer.device}, data {data.dir}, "
+                     f"run directory {run_dir}")
+            ddp.barrier(context)
+            return _finish(trainer.run(), run_dir, context)
+
+
+RESUME_TAKES_NO = {"config": "--config", "preset": "--preset", "init_from": "--init-from",
+                   "force": "--force"}
 
 
 def _resume(args: argparse.Namespace, model_flags: dict[str, Any],
             train_flags: dict[str, Any]) -> int:
     if args.out is None:
         raise ConfigError("--resume needs --out RUN_DIR, the run to continue")
+    given = [flag for name, flag in RESUME_TAKES_NO.items() if getattr(args, name)]
+    if given:
+        raise CommandLineError(f"--resume continues {args.out} with its own model and recipe; "
+                               f"{', '.join(given)} cannot go with it (change training settings "
+                               f"with their own flags, or start a new run with --init-from)")
+    files.check_unlocked(args.out, CheckpointError)  # a run in use: say so before reading it
+    validated = rundir.fingerprint(args.out)  # what is read next must be what is continued
     cfg, recorded_data = resume_settings(args.out, model_flags, train_flags)
+    files.check_can_make_dir(args.out, CheckpointError)  # read-only: say so before the work
     data_dir = args.data or recorded_data
     if data_dir is None:
         raise ConfigError(f"{args.out} records no data directory; pass --data")
@@ -184,15 +202,73 @@ def _resume(args: argparse.Namespace, model_flags: dict[str, Any],
         model = ckpt.load_model(args.out)[0].train()  # checks config.json against the weights
         check_same_tokenizer(data, args.out)
         trainer = Trainer(model, cfg, data, args.out, RichReporter(), context)
-        trainer.resume()
+        trainer.resume(weights=False)
         if trainer.state.iteration >= cfg.max_iters:
             _say(f"{args.out} has already trained {trainer.state.iteration} iterations; "
                  f"raise --max-iters to train further")
             return 0
-        if context.is_main:
-            _say(f"resuming {args.out} at iteration {trainer.state.iteration} of "
-                 f"{cfg.max_iters}")
-        return _finish(trainer.run(), args.out, context)
+        with _writer(args.out, context):
+            if context.is_main:
+                _recover(args.out, validated)
+                _say(f"resuming {args.out} at iteration {trainer.state.iteration} of "
+                     f"{cfg.max_iters}")
+            ddp.barrier(context)
+            return _finish(trainer.run(), args.out, context)
+
+
+@contextlib.contextmanager
+def _writer(run_dir: Path, context: ddp.DistContext) -> Iterator[None]:
+    """Rank 0 creates `run_dir` and holds its lock until training ends; other ranks write
+    nothing there."""
+    if not context.is_main:
+        yield
+        return
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CheckpointError(f"cannot create {run_dir} ({error})") from None
+    with files.locked_directory(run_dir, CheckpointError):
+        yield
+
+
+def _check_out(run_dir: Path, force: bool, init_from: Path | None) -> None:
+    """Refuse, before any work, an --out that cannot take this run; nothing changes here."""
+    files.check_can_make_dir(run_dir, CheckpointError)
+    if not run_dir.is_dir():
+        return
+    rundir.check_not_a_data_dir(run_dir)
+    files.check_unlocked(run_dir, CheckpointError)
+    if init_from is not None and init_from.is_dir() and run_dir.samefile(init_from):
+        raise CheckpointError(f"--init-from and --out both name {run_dir}; training would "
+                              f"replace the weights it starts from: give another --out")
+    present = rundir.own_files_present(run_dir)
+    if present and not force:
+        links = [name for name in present if files.entry_kind(run_dir / name) == "link"]
+        if links:
+            raise CheckpointError(f"{run_dir / links[0]} is a symbolic link; glassgpt never "
+                                  f"follows links in a run directory: remove it, or replace "
+                                  f"the run with --force")
+        raise CheckpointError(f"{run_dir} already holds a run ({', '.join(present[:3])}); "
+                              f"continue it with --resume or overwrite it with --force")
+    rundir.check_replaceable(run_dir)
+
+
+def _replace_run(run_dir: Path, force: bool) -> None:
+    """Under the lock: check again (another process may have written meanwhile), then remove
+    the old run's own files, links as links; the directory's other files stay."""
+    if rundir.own_files_present(run_dir) and not force:
+        raise CheckpointError(f"{run_dir} already holds a run; continue it with --resume or "
+                              f"overwrite it with --force")
+    rundir.remove_run(run_dir)
+
+
+def _recover(run_dir: Path, validated: dict) -> None:
+    """Under the lock: the run must be the one that was checked, then an interrupted commit
+    is finished (or its leftovers dropped) before training writes the next."""
+    if rundir.fingerprint(run_dir) != validated:
+        raise CheckpointError(f"{run_dir} changed while it was being checked (another glassgpt "
+                              f"process?); run the command again")
+    rundir.recover_interrupted_commit(run_dir)
 
 
 def _finish(result: TrainResult, run_dir: Path, context: ddp.DistContext) -> int:
@@ -208,24 +284,11 @@ def _finish(result: TrainResult, run_dir: Path, context: ddp.DistContext) -> int
 
 
 def _fresh_run_dir() -> Path:
+    """runs/<time>, a name no directory has yet (said when training starts)."""
     run_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     while run_dir.exists():
         run_dir = run_dir.with_name(run_dir.name + "-1")
-    _say(f"no --out given; this run goes to {run_dir}")
     return run_dir
-
-
-def _claim_run_dir(run_dir: Path, force: bool) -> None:
-    """Refuse to overwrite a run, unless --force: then remove its files (only those)."""
-    existing = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if not existing:
-        return
-    if not force:
-        raise CheckpointError(f"{run_dir} already holds a run; continue it with --resume or "
-                              f"overwrite it with --force")
-    if ddp.rank_from_env() == 0:  # under torchrun, one rank deletes
-        for name in existing:
-            (run_dir / name).unlink(missing_ok=True)
 
 
 def _preset_for_device(device: str) -> str:
