@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from glassgpt import checkpoint as ckpt
-from glassgpt import files
+from glassgpt import files, metrics
 from glassgpt.checkpoint import TrainState, load_model, load_train_state, save_checkpoint
 from glassgpt.cli import main
 from glassgpt.config import GPTConfig
@@ -284,3 +284,23 @@ def test_a_disk_error_while_saving_keeps_the_previous_checkpoint(fault, uninterr
     assert not list(run.glob("*.pending"))
     assert_bitwise_equal(tensors_of(run), weights)
     assert load_train_state(run).iteration == MAX_ITERS
+
+
+def test_a_full_disk_while_drawing_the_loss_curve_is_one_line(uninterrupted, tmp_path, capsys,
+                                                               monkeypatch):
+    """loss.png is written at each evaluation, before the checkpoint: a full disk there stops
+    the run with one line and keeps the last checkpoint."""
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)
+    before = checkpoint_hashes(run)
+
+    def no_space(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    monkeypatch.setattr(metrics, "write_bytes_atomic", no_space)
+    capsys.readouterr()
+    code = main(["train", "--resume", "--out", str(run), "--max-iters", str(MAX_ITERS + 1)])
+    stderr = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in stderr
+    (error,) = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert f"cannot write {run / 'loss.png'}" in error and "No space left on device" in error
+    assert checkpoint_hashes(run) == before

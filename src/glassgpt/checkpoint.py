@@ -139,13 +139,15 @@ def read_weights(path: Path, config: GPTConfig) -> dict[str, Tensor]:
         check_shapes(config, {name: info.shape for name, info in file.header.items()}, path)
         check_float_dtypes(file.header, path, CheckpointError)
         params = sum(math.prod(info.shape) for info in file.header.values())
-        check_fits_memory(file.nbytes + 4 * params, f"the model in {path}")  # file + float32
+        check_fits_memory(file.nbytes + 4 * params, f"the model in {path}")
         tensors = file.read_all()
     check_finite(tensors, path, CheckpointError)
     return tensors
 
 
 def check_fits_memory(needed: int, what: str) -> None:
+    """Refuse, before reading, tensors this machine cannot hold (`needed` bytes: for weights,
+    what is read plus the float32 model it is copied into)."""
     available = physical_memory()
     if available is not None and needed > available:
         raise CheckpointError(f"{what} needs {gib(needed)} of memory to load, more than this "

@@ -225,15 +225,19 @@ def remove_file(path: str | Path) -> None:
         os.unlink(path)
 
 
+KIND_PHRASES = {"file": "a file", "link": "a symbolic link", "directory": "a directory",
+                "other": "a socket, FIFO or device", "unreadable": "an entry that cannot be read"}
+
+
 def entry_kind(path: str | Path) -> str:
-    """What `path` itself is, a link not followed: 'missing', 'file', 'link', 'directory' or
-    'other' (a socket, a FIFO, a device)."""
+    """What `path` itself is, a link not followed: 'missing', 'file', 'link', 'directory',
+    'other' (a socket, a FIFO, a device) or 'unreadable' (lstat was refused)."""
     try:
         mode = os.lstat(path).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # NotADirectory: a part is a file
         return "missing"
-    except NotADirectoryError:  # a part of the path is a file
-        return "missing"
+    except OSError:
+        return "unreadable"
     if stat.S_ISLNK(mode):
         return "link"
     if stat.S_ISREG(mode):
@@ -248,8 +252,8 @@ def remove_file_or_link(path: str | Path, error: ErrorType) -> None:
     if kind == "missing":
         return
     if kind not in ("file", "link"):
-        raise error(f"{path} is a {kind}, where glassgpt keeps a file of its own; move it "
-                    f"away (glassgpt does not delete it)")
+        raise error(f"{path} is {KIND_PHRASES[kind]}, where glassgpt keeps a file of its own; "
+                    f"move it away (glassgpt does not delete it)")
     try:
         remove_file(path)
     except OSError as exc:

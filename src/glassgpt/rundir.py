@@ -125,11 +125,34 @@ def commit_files(run_dir: str | Path, contents: dict[str, bytes]) -> None:
                               f"`train --resume` finishes the move") from None
 
 
+def check_recoverable(run_dir: Path) -> None:
+    """Raise unless `recover_interrupted_commit` can do its work: what a journal names is a
+    regular file, and no own pending name is a directory. Checked before a writer takes the
+    lock, so that a refusal leaves the directory as it was."""
+    journal = read_journal(run_dir) or []
+    for name in CHECKPOINT_FILES:
+        pending = run_dir / (name + PENDING_SUFFIX)
+        kind = files.entry_kind(pending)
+        if name in journal and kind not in ("missing", "file"):
+            # glassgpt writes regular files only: this one was planted
+            raise CheckpointError(f"{pending} is {files.KIND_PHRASES[kind]}, not a file "
+                                  f"glassgpt wrote, and glassgpt never follows links in a run "
+                                  f"directory: remove it (and {run_dir / JOURNAL_FILE}) and "
+                                  f"resume again")
+        if kind not in ("missing", "file", "link"):
+            raise CheckpointError(f"{pending} is {files.KIND_PHRASES[kind]}, where glassgpt "
+                                  f"keeps a file of its own; move it away (glassgpt does not "
+                                  f"delete it)")
+
+
 def recover_interrupted_commit(run_dir: Path) -> None:
     """Finish a commit a crash cut short, then drop what an uncommitted one left behind.
 
-    Writers only, under the lock. Touches glassgpt's own names only.
+    Writers only, under the lock. Touches glassgpt's own names only; a planted link among
+    them is removed as a link (never followed), unless the journal names it: then nothing
+    happens and the user is told.
     """
+    check_recoverable(run_dir)
     journal = read_journal(run_dir)
     if journal is not None:
         _roll_forward(run_dir, journal)
@@ -143,14 +166,8 @@ def recover_interrupted_commit(run_dir: Path) -> None:
 def _roll_forward(run_dir: Path, names: list[str]) -> None:
     for name in names:
         pending = run_dir / (name + PENDING_SUFFIX)
-        kind = files.entry_kind(pending)
-        if kind == "missing":  # renamed before a crash
-            continue
-        if kind != "file":  # glassgpt writes regular files only: this one was planted
-            raise CheckpointError(f"{pending} is a {kind}, not a file glassgpt wrote; "
-                                  f"glassgpt never follows links in a run directory: remove "
-                                  f"it (and {run_dir / JOURNAL_FILE}) and resume again")
-        os.replace(pending, run_dir / name)
+        if files.entry_kind(pending) == "file":  # missing when renamed before a crash
+            os.replace(pending, run_dir / name)
     files.fsync_dir(run_dir)
     files.remove_file(run_dir / JOURNAL_FILE)
     files.fsync_dir(run_dir)
@@ -168,9 +185,9 @@ def check_replaceable(run_dir: Path) -> None:
     for name in own_files_present(run_dir):
         kind = files.entry_kind(run_dir / name)
         if kind not in ("file", "link"):
-            raise CheckpointError(f"{run_dir / name} is a {kind}; glassgpt keeps a file of its "
-                                  f"own under that name and never deletes a {kind}: move it "
-                                  f"away")
+            raise CheckpointError(f"{run_dir / name} is {files.KIND_PHRASES[kind]}, where "
+                                  f"glassgpt keeps a file of its own; move it away (glassgpt "
+                                  f"does not delete it)")
 
 
 def remove_run(run_dir: Path) -> None:

@@ -117,7 +117,7 @@ class SafetensorsFile:
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise self._fail(f"tensor {name!r:.80} needs exactly dtype, shape, data_offsets")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise self._fail(f"tensor {name!r:.80} has dtype {dtype!r:.20}; known: "
                              f"{sorted(DTYPES)}")
         if not isinstance(shape, list) or not all(_natural(d) for d in shape):

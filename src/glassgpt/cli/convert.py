@@ -3,7 +3,8 @@
     glassgpt convert --from-hf NAME_OR_DIR --out RUN_DIR   # hub name (e.g. gpt2) or local dir
     glassgpt convert RUN_DIR --to-hf OUT_DIR               # a save_pretrained directory
 
-Needs the optional extra `hf` (transformers).
+Exporting, and downloading a hub name, need the optional extra `hf` (transformers); importing a
+local directory needs nothing more, because glassgpt reads it itself (safetensors only).
 """
 
 from __future__ import annotations

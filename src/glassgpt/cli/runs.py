@@ -193,6 +193,7 @@ def _resume(args: argparse.Namespace, model_flags: dict[str, Any],
     validated = rundir.fingerprint(args.out)  # what is read next must be what is continued
     cfg, recorded_data = resume_settings(args.out, model_flags, train_flags)
     files.check_can_make_dir(args.out, CheckpointError)  # read-only: say so before the work
+    rundir.check_recoverable(args.out)
     data_dir = args.data or recorded_data
     if data_dir is None:
         raise ConfigError(f"{args.out} records no data directory; pass --data")
