@@ -196,6 +196,13 @@ def test_a_lock_that_cannot_be_taken_is_one_line(place, capsys, monkeypatch):
 
 # --- row 8: two writers, one run directory ---------------------------------------------------
 
+def wait_for(condition, process: subprocess.Popen, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+        time.sleep(0.02)
+
+
 def locked(run: Path) -> bool:
     try:
         files.check_unlocked(run, CheckpointError)
@@ -206,21 +213,21 @@ def locked(run: Path) -> bool:
 
 def test_a_second_writer_is_refused_with_one_line(place, data, shakespeare_path, capsys):
     run = place["run"]
+    (run / "metrics.jsonl").unlink()  # so that it appears once the first writer trains
     env = cli_environment(shakespeare_path, place["outside"] / "cache")
     first = subprocess.Popen([sys.executable, "-m", "glassgpt", "train", "--data", str(data),
                               "--out", str(run), "--force", *TINY, "--max-iters", "100000",
                               "--eval-interval", "100000"], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while not locked(run):
-            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()
-            time.sleep(0.02)
+        wait_for(lambda: locked(run) and (run / ".glassgpt.lock").read_text() == str(first.pid),
+                 first)
         for second in (["train", "--data", data, "--out", run, "--force", *TINY],
                        ["train", "--resume", "--out", run]):
             code, err = glassgpt(*second, capsys=capsys)
             assert code == 2
             assert f"in use by another glassgpt process (pid {first.pid})" in one_error_line(err)
+        wait_for(lambda: (run / "metrics.jsonl").exists(), first)  # the first one trains on
     finally:
         first.send_signal(signal.SIGINT)
         _, stderr = first.communicate(timeout=60)

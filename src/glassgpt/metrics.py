@@ -11,8 +11,9 @@ from __future__ import annotations
 import io
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from glassgpt.errors import CheckpointError
 from glassgpt.files import (
@@ -96,21 +97,26 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     if entry_kind(path) == "missing":
         return []
     fd = open_regular_file(path, CheckpointError)
-    records = []
     with os.fdopen(fd, "rb") as file:
         if os.fstat(fd).st_size > MAX_METRICS_BYTES:
             raise CheckpointError(f"{path} is larger than {MAX_METRICS_BYTES:,} bytes; move it "
                                   f"away to start a fresh log")
-        for line in file:
-            record = _record(line)
-            if record is not None:
-                records.append(record)
-    return records
+        records = [_record(line) for line in _bounded_lines(file)]
+    return [record for record in records if record is not None]
+
+
+def _bounded_lines(file: BinaryIO) -> Iterator[bytes]:
+    """The lines of `file`, each read at most MAX_LINE_BYTES at a time; a longer one (no log
+    line is) is skipped without ever being held whole."""
+    while line := file.readline(MAX_LINE_BYTES + 1):
+        if len(line) <= MAX_LINE_BYTES:
+            yield line
+            continue
+        while line and not line.endswith(b"\n"):  # the rest of the overlong line
+            line = file.readline(MAX_LINE_BYTES + 1)
 
 
 def _record(line: bytes) -> dict[str, Any] | None:
-    if len(line) > MAX_LINE_BYTES:
-        return None
     try:
         record = parse_json(line.decode("utf-8"), METRICS_FILE, CheckpointError)
     except (CheckpointError, UnicodeDecodeError):

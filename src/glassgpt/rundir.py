@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from glassgpt import files
@@ -173,7 +174,61 @@ def _roll_forward(run_dir: Path, names: list[str]) -> None:
     files.fsync_dir(run_dir)
 
 
-# --- replacing a run --------------------------------------------------------------------------
+# --- the one writer of a run -------------------------------------------------------------------
+
+@contextlib.contextmanager
+def writing(run_dir: Path) -> Iterator[None]:
+    """Create `run_dir` if needed and hold its lock while the block writes the run."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CheckpointError(f"cannot create {run_dir} ({error})") from None
+    with files.locked_directory(run_dir, CheckpointError):
+        yield
+
+
+def check_out_dir(run_dir: Path, force: bool, init_from: Path | None = None) -> None:
+    """Refuse, before any work and changing nothing, a directory that cannot take a new run:
+    a place no directory can be made, a data directory, a run in use, the run `init_from`
+    starts from, an existing run without `force`, a planted link without `force`, or a
+    directory under one of the run's own names."""
+    files.check_can_make_dir(run_dir, CheckpointError)
+    if not run_dir.is_dir():
+        return
+    check_not_a_data_dir(run_dir)
+    files.check_unlocked(run_dir, CheckpointError)
+    if init_from is not None and init_from.is_dir() and run_dir.samefile(init_from):
+        raise CheckpointError(f"--init-from and --out both name {run_dir}; training would "
+                              f"replace the weights it starts from: give another --out")
+    present = own_files_present(run_dir)
+    if present and not force:
+        links = [name for name in present if files.entry_kind(run_dir / name) == "link"]
+        if links:
+            raise CheckpointError(f"{run_dir / links[0]} is a symbolic link; glassgpt never "
+                                  f"follows links in a run directory: remove it, or replace "
+                                  f"the run with --force")
+        raise CheckpointError(f"{run_dir} already holds a run ({', '.join(present[:3])}); "
+                              f"continue it with --resume or overwrite it with --force")
+    check_replaceable(run_dir)
+
+
+def replace_run(run_dir: Path, force: bool) -> None:
+    """Under the lock: check again (another process may have written meanwhile), then remove
+    the old run's own files, links as links; the directory's other files stay."""
+    if own_files_present(run_dir) and not force:
+        raise CheckpointError(f"{run_dir} already holds a run; continue it with --resume or "
+                              f"overwrite it with --force")
+    _remove_run(run_dir)
+
+
+def continue_run(run_dir: Path, validated: dict[str, tuple[int, int, int] | None]) -> None:
+    """Under the lock: the run must be the one that was checked (its `fingerprint` then),
+    and an interrupted commit is finished (or its leftovers dropped) before the next."""
+    if fingerprint(run_dir) != validated:
+        raise CheckpointError(f"{run_dir} changed while it was being checked (another glassgpt "
+                              f"process?); run the command again")
+    recover_interrupted_commit(run_dir)
+
 
 def own_files_present(run_dir: Path) -> list[str]:
     """The run's own names that exist in `run_dir` (a link counts, even a dangling one)."""
@@ -181,7 +236,7 @@ def own_files_present(run_dir: Path) -> list[str]:
 
 
 def check_replaceable(run_dir: Path) -> None:
-    """Raise unless `remove_run` can remove every own file (none is a directory)."""
+    """Raise unless `replace_run` can remove every own file (none is a directory)."""
     for name in own_files_present(run_dir):
         kind = files.entry_kind(run_dir / name)
         if kind not in ("file", "link"):
@@ -190,8 +245,7 @@ def check_replaceable(run_dir: Path) -> None:
                                   f"does not delete it)")
 
 
-def remove_run(run_dir: Path) -> None:
-    """Remove the run's own files (links as links); everything else in `run_dir` stays."""
+def _remove_run(run_dir: Path) -> None:
     check_replaceable(run_dir)
     for name in own_files_present(run_dir):
         files.remove_file_or_link(run_dir / name, CheckpointError)

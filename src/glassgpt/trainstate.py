@@ -210,7 +210,7 @@ SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_
 def _checked_scaler(scaler: Any) -> dict[str, Any] | None:
     if scaler is None:
         return None
-    if not (isinstance(scaler, dict) and set(scaler) <= set(SCALER_KEYS)
+    if not (isinstance(scaler, dict) and set(scaler) == set(SCALER_KEYS)
             and all(_is_number(v) for v in scaler.values())):
         raise ValueError(f"scaler must be null or a table of {list(SCALER_KEYS)}")
     return scaler

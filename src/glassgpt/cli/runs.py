@@ -156,7 +156,7 @@ def run_train(args: argparse.Namespace) -> int:
     if args.out is None and ddp.launched_by_torchrun():
         raise ConfigError("under torchrun, name the run directory with --out")
     run_dir = args.out or _fresh_run_dir()
-    _check_out(run_dir, args.force, args.init_from)
+    rundir.check_out_dir(run_dir, args.force, args.init_from)
     preset = args.preset or _preset_for_device(train_flags.get("device", "auto"))
     model_settings, cfg = resolve_configs(preset, args.config, model_flags, train_flags)
     GPTConfig.from_dict({**model_settings, "vocab_size": 1})  # bad sizes fail before any work
@@ -167,7 +167,7 @@ def run_train(args: argparse.Namespace) -> int:
         trainer = Trainer(model, cfg, data, run_dir, RichReporter(), context)
         with _writer(run_dir, context):
             if context.is_main:
-                _replace_run(run_dir, args.force)
+                rundir.replace_run(run_dir, args.force)
                 start = (f"fine-tuning {args.init_from}" if args.init_from
                          else f"training preset {preset}")
                 _say(f"{start} ({_describe(model)}) on {trainer.device}, data {data.dir}, "
@@ -210,7 +210,7 @@ def _resume(args: argparse.Namespace, model_flags: dict[str, Any],
             return 0
         with _writer(args.out, context):
             if context.is_main:
-                _recover(args.out, validated)
+                rundir.continue_run(args.out, validated)
                 _say(f"resuming {args.out} at iteration {trainer.state.iteration} of "
                      f"{cfg.max_iters}")
             ddp.barrier(context)
@@ -219,57 +219,13 @@ def _resume(args: argparse.Namespace, model_flags: dict[str, Any],
 
 @contextlib.contextmanager
 def _writer(run_dir: Path, context: ddp.DistContext) -> Iterator[None]:
-    """Rank 0 creates `run_dir` and holds its lock until training ends; other ranks write
-    nothing there."""
+    """Rank 0 holds the run directory's lock until training ends; other ranks write nothing
+    there."""
     if not context.is_main:
         yield
         return
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise CheckpointError(f"cannot create {run_dir} ({error})") from None
-    with files.locked_directory(run_dir, CheckpointError):
+    with rundir.writing(run_dir):
         yield
-
-
-def _check_out(run_dir: Path, force: bool, init_from: Path | None) -> None:
-    """Refuse, before any work, an --out that cannot take this run; nothing changes here."""
-    files.check_can_make_dir(run_dir, CheckpointError)
-    if not run_dir.is_dir():
-        return
-    rundir.check_not_a_data_dir(run_dir)
-    files.check_unlocked(run_dir, CheckpointError)
-    if init_from is not None and init_from.is_dir() and run_dir.samefile(init_from):
-        raise CheckpointError(f"--init-from and --out both name {run_dir}; training would "
-                              f"replace the weights it starts from: give another --out")
-    present = rundir.own_files_present(run_dir)
-    if present and not force:
-        links = [name for name in present if files.entry_kind(run_dir / name) == "link"]
-        if links:
-            raise CheckpointError(f"{run_dir / links[0]} is a symbolic link; glassgpt never "
-                                  f"follows links in a run directory: remove it, or replace "
-                                  f"the run with --force")
-        raise CheckpointError(f"{run_dir} already holds a run ({', '.join(present[:3])}); "
-                              f"continue it with --resume or overwrite it with --force")
-    rundir.check_replaceable(run_dir)
-
-
-def _replace_run(run_dir: Path, force: bool) -> None:
-    """Under the lock: check again (another process may have written meanwhile), then remove
-    the old run's own files, links as links; the directory's other files stay."""
-    if rundir.own_files_present(run_dir) and not force:
-        raise CheckpointError(f"{run_dir} already holds a run; continue it with --resume or "
-                              f"overwrite it with --force")
-    rundir.remove_run(run_dir)
-
-
-def _recover(run_dir: Path, validated: dict) -> None:
-    """Under the lock: the run must be the one that was checked, then an interrupted commit
-    is finished (or its leftovers dropped) before training writes the next."""
-    if rundir.fingerprint(run_dir) != validated:
-        raise CheckpointError(f"{run_dir} changed while it was being checked (another glassgpt "
-                              f"process?); run the command again")
-    rundir.recover_interrupted_commit(run_dir)
 
 
 def _finish(result: TrainResult, run_dir: Path, context: ddp.DistContext) -> int:
