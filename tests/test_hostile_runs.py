@@ -164,16 +164,28 @@ def test_malformed_metrics_lines_are_dropped_when_resuming(place, capsys):
 
 # --- read-only places ------------------------------------------------------------------------
 
-def test_resuming_a_read_only_run_is_one_line(place, data, capsys, monkeypatch):
+READ_ONLY_COMMANDS = {
+    "train --resume": lambda p, data: (p["run"], ["train", "--resume", "--out", p["run"],
+                                                  "--max-iters", "3"]),
+    "train --force": lambda p, data: (p["run"], ["train", "--data", data, "--out", p["run"],
+                                                 "--force", *TINY]),
+    "convert --to-hf": lambda p, data: (p["outside"], ["convert", p["run"], "--to-hf",
+                                                       p["outside"] / "hf"]),
+}
+
+
+@pytest.mark.parametrize("command", READ_ONLY_COMMANDS)
+def test_a_read_only_place_is_one_line_before_any_work(command, place, data, capsys,
+                                                       monkeypatch):
     """`os.access` says what a read-only mount (or chmod, for a non-root user) would say."""
-    run = place["run"]
+    read_only, argv = READ_ONLY_COMMANDS[command](place, data)
     real_access = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if Path(path) == run
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if Path(path) == read_only
                         else real_access(path, mode, **kw))
-    before = snapshot(run, data)
-    code, err = glassgpt("train", "--resume", "--out", run, "--max-iters", "3", capsys=capsys)
+    before = snapshot(place["run"], place["outside"], data)
+    code, err = glassgpt(*argv, capsys=capsys)
     assert code == 2 and "is not writable" in one_error_line(err)
-    assert_unchanged(before, snapshot(run, data))
+    assert_unchanged(before, snapshot(place["run"], place["outside"], data))
 
 
 def test_a_lock_that_cannot_be_taken_is_one_line(place, capsys, monkeypatch):
