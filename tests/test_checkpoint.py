@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glassgpt import checkpoint
+from glassgpt import checkpoint, files
 from glassgpt.checkpoint import (
     TrainState,
     capture_rng_state,
@@ -23,9 +23,10 @@ from glassgpt.checkpoint import (
     save_model,
 )
 from glassgpt.config import GPTConfig
-from glassgpt.errors import CheckpointError
+from glassgpt.errors import CheckpointError, ConfigError
 from glassgpt.model import GPT
 from glassgpt.tokenizers import CharTokenizer
+from helpers_dirs import assert_unchanged, snapshot
 
 TOKENIZER = CharTokenizer.from_text("abcdefghij \n")
 
@@ -175,7 +176,7 @@ def test_a_crash_before_the_commit_point_keeps_the_old_checkpoint(tmp_path, monk
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(checkpoint, "write_text_atomic", crash)  # the journal write fails
+    monkeypatch.setattr(files, "write_text_atomic", crash)  # the journal write fails
     with pytest.raises(checkpoint.CheckpointError, match="disk full"):
         save_model(tmp_path, new, TOKENIZER)
     monkeypatch.undo()
@@ -196,9 +197,47 @@ def test_a_crash_after_the_commit_point_finishes_the_new_checkpoint(tmp_path, mo
         real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", crash_after_one_rename)
-    with pytest.raises(OSError):
+    with pytest.raises(CheckpointError, match="the next `train --resume` finishes"):
         save_model(tmp_path, new, TOKENIZER)
     monkeypatch.undo()
     assert (tmp_path / checkpoint.JOURNAL_FILE).exists()  # half renamed, journal present
-    assert same_weights(load_model(tmp_path)[0], new)
+    listing = sorted(p.name for p in tmp_path.iterdir())
+    assert same_weights(load_model(tmp_path)[0], new)  # a reader sees the new checkpoint...
+    assert sorted(p.name for p in tmp_path.iterdir()) == listing  # ...and changes nothing
+    checkpoint.recover_interrupted_commit(tmp_path)  # a writer finishes the commit
     assert not (tmp_path / checkpoint.JOURNAL_FILE).exists()
+    assert not list(tmp_path.glob("*.pending"))
+    assert same_weights(load_model(tmp_path)[0], new)
+
+
+@pytest.mark.parametrize(("device", "message"), [
+    ("banana", "unknown device 'banana'"),
+    ("meta", "cannot hold a model here"),
+    ("cuda:99", "this machine has"),
+])
+def test_a_device_that_cannot_hold_the_model_is_a_config_error(tmp_path, device, message):
+    save_model(tmp_path, tiny_model(), TOKENIZER)
+    with pytest.raises(ConfigError, match=message):
+        load_model(tmp_path, device=device)
+
+
+def test_loading_never_changes_a_run_directory(tmp_path):
+    """Stale pending files, a user's *.pending notes and a pending directory stay as they are."""
+    save_model(tmp_path, tiny_model(), TOKENIZER)
+    (tmp_path / "model.safetensors.pending").write_bytes(b"left by a crash")
+    (tmp_path / "notes.pending").write_text("mine")
+    (tmp_path / "x.pending").mkdir()
+    before = snapshot(tmp_path)
+    load_model(tmp_path)
+    assert_unchanged(before, snapshot(tmp_path))
+
+
+def test_a_best_val_loss_never_measured_round_trips(tmp_path):
+    """inf (no evaluation yet, e.g. a Ctrl-C before the first) is saved as null: JSON has no
+    Infinity, and the bounded reader refuses one."""
+    model = tiny_model()
+    state = trained_state(model)
+    state.best_val_loss = float("inf")
+    save_checkpoint(tmp_path, model, TOKENIZER, {}, None, state)
+    assert json.loads((tmp_path / "train_state.json").read_text())["best_val_loss"] is None
+    assert load_train_state(tmp_path).best_val_loss == float("inf")

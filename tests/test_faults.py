@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from glassgpt import checkpoint as ckpt
+from glassgpt import files, metrics
 from glassgpt.checkpoint import TrainState, load_model, load_train_state, save_checkpoint
 from glassgpt.cli import main
 from glassgpt.config import GPTConfig
@@ -175,16 +176,24 @@ def test_a_crash_at_any_point_of_a_checkpoint_write_keeps_one_whole_checkpoint(t
         except Crash:
             finished = False
         monkeypatch.undo()
+        on_disk = directory_hashes(run)
         loaded = load_train_state(run).iteration
         model, _ = load_model(run)
         expected = new if loaded == 2 else old
         assert loaded in (1, 2)
         assert_bitwise_equal(dict(model.state_dict()), dict(expected.state_dict()))
-        assert not list(run.glob("*.pending")) and not (run / ckpt.JOURNAL_FILE).exists()
+        assert directory_hashes(run) == on_disk  # reading changed nothing
+        ckpt.recover_interrupted_commit(run)  # what the next writer does first, under its lock
+        assert sorted(p.name for p in run.iterdir()) == sorted(ckpt.CHECKPOINT_FILES)
+        assert load_train_state(run).iteration == loaded
         if finished:
             break
         points += 1
     assert points >= 8  # pending writes, journal, renames: every one of them was cut
+
+
+def directory_hashes(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in directory.iterdir()}
 
 
 def tiny_model(seed: int) -> GPT:
@@ -239,19 +248,22 @@ def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(uninterrupte
 # --- disk errors ---------------------------------------------------------------------------
 
 def full_disk_for_pending_files(monkeypatch) -> None:
-    """ENOSPC when the checkpoint's files are written (the disk filled up)."""
-    def open_without_space(path, *args, **kwargs):
-        if str(path).endswith(ckpt.PENDING_SUFFIX):
+    """ENOSPC when the checkpoint's second file is written (the disk filled up mid-save)."""
+    real, opened = files.open_new_file, []
+
+    def open_without_space(path):
+        opened.append(path)
+        if len(opened) > 1 and str(path).endswith(ckpt.PENDING_SUFFIX):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        return open(path, *args, **kwargs)
-    monkeypatch.setattr(ckpt, "open", open_without_space, raising=False)
+        return real(path)
+    monkeypatch.setattr(files, "open_new_file", open_without_space)
 
 
 def read_only_at_the_commit(monkeypatch) -> None:
     """EROFS when the journal is written (the file system went read-only mid-save)."""
     def read_only(path, *args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
-    monkeypatch.setattr(ckpt, "write_text_atomic", read_only)
+    monkeypatch.setattr(files, "write_text_atomic", read_only)
 
 
 @pytest.mark.parametrize("fault", [full_disk_for_pending_files, read_only_at_the_commit])
@@ -272,3 +284,23 @@ def test_a_disk_error_while_saving_keeps_the_previous_checkpoint(fault, uninterr
     assert not list(run.glob("*.pending"))
     assert_bitwise_equal(tensors_of(run), weights)
     assert load_train_state(run).iteration == MAX_ITERS
+
+
+def test_a_full_disk_while_drawing_the_loss_curve_is_one_line(uninterrupted, tmp_path, capsys,
+                                                               monkeypatch):
+    """loss.png is written at each evaluation, before the checkpoint: a full disk there stops
+    the run with one line and keeps the last checkpoint."""
+    run = tmp_path / "run"
+    shutil.copytree(uninterrupted, run)
+    before = checkpoint_hashes(run)
+
+    def no_space(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    monkeypatch.setattr(metrics, "write_bytes_atomic", no_space)
+    capsys.readouterr()
+    code = main(["train", "--resume", "--out", str(run), "--max-iters", str(MAX_ITERS + 1)])
+    stderr = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in stderr
+    (error,) = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert f"cannot write {run / 'loss.png'}" in error and "No space left on device" in error
+    assert checkpoint_hashes(run) == before

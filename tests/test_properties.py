@@ -9,19 +9,32 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import random
+import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from glassgpt.checkpoint import load_model, read_run_config, save_model
+from glassgpt.checkpoint import (
+    TrainState,
+    capture_rng_state,
+    load_model,
+    load_train_state,
+    read_run_config,
+    restore_rng_state,
+    save_checkpoint,
+    save_model,
+)
 from glassgpt.config import GPTConfig
 from glassgpt.errors import GlassGPTError
 from glassgpt.model import GPT
 from glassgpt.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
-from glassgpt.train import TrainConfig
+from glassgpt.train import TrainConfig, adamw_state_shapes, load_adamw_state, make_optimizer
 
 FAST = settings(max_examples=80, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -130,3 +143,146 @@ def test_run_config_loading(run_dir, model, extra):
         (run / "config.json").write_text(json.dumps({**config, **extra}))
         returns_or_raises_our_error(read_run_config, run)
         returns_or_raises_our_error(load_model, run)
+
+
+# --- every loader of a run directory: a GlassGPTError or success, nothing else ---------------
+# The files of a resumable run are mutated (one JSON value replaced anywhere, a key dropped, a
+# safetensors header rewritten, bytes flipped or cut) and then everything `train --resume` does
+# with them runs: load the model, load and check the training state, hand it to AdamW and take
+# a step (an unchecked moment of the wrong shape made the fused step segfault).
+
+JSON_FILES = ["config.json", "train_state.json", "tokenizer.json", "checkpoint.journal"]
+# Fewer examples than FAST: each one loads a model and steps AdamW (3,000 ran clean once).
+RUN_FUZZ = settings(FAST, max_examples=40)
+TENSOR_FILES = ["model.safetensors", "train_state.safetensors"]
+replacements = (json_values | st.integers(-2**63, 2**63 - 1)
+                | st.sampled_from([-1, 0, 1, 3, 10**9, 2**40, "", "x", [], {}, None]))
+
+
+@st.composite
+def mutated(draw, value: object) -> object:
+    """`value` with one part replaced, or one key dropped, somewhere inside it."""
+    if isinstance(value, dict) and value and draw(st.integers(0, 3)):
+        key = draw(st.sampled_from(sorted(value)))
+        if not draw(st.integers(0, 5)):
+            return {k: v for k, v in value.items() if k != key}
+        return {**value, key: draw(mutated(value[key]))}
+    if isinstance(value, list) and value and draw(st.integers(0, 3)):
+        i = draw(st.integers(0, len(value) - 1))
+        return [*value[:i], draw(mutated(value[i])), *value[i + 1:]]
+    return draw(replacements)
+
+
+@pytest.fixture(scope="module")
+def resumable_run(tmp_path_factory) -> Path:
+    """A run a trainer could resume: weights, a stepped AdamW's state, random states."""
+    run = tmp_path_factory.mktemp("resumable")
+    model = GPT(GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    optimizer = make_optimizer(model, TrainConfig())
+    take_a_step(model, optimizer)
+    state = TrainState(iteration=1, best_val_loss=2.0, optimizer=optimizer.state_dict(),
+                       rng=[capture_rng_state(torch.Generator().get_state())])
+    save_checkpoint(run, model, CharTokenizer(list("abcdefgh")), TrainConfig().to_dict(), None,
+                    state)
+    (run / "checkpoint.journal").write_text("[]")  # an interrupted commit that named nothing
+    return run
+
+
+def take_a_step(model: GPT, optimizer: torch.optim.Optimizer) -> None:
+    x = torch.randint(0, model.config.vocab_size, (2, model.config.block_size))
+    model(x, x)[1].backward()
+    optimizer.step()
+
+
+def resume_everything(run: Path) -> None:
+    """What `train --resume` does with a run's files, short of training."""
+    model, _ = load_model(run)
+    optimizer = make_optimizer(model.train(), TrainConfig())
+    state = load_train_state(run, adamw_state_shapes(optimizer))
+    load_adamw_state(optimizer, state.optimizer, run)
+    for rng in state.rng:
+        restore_rng_state(rng)
+    take_a_step(model, optimizer)
+
+
+@contextlib.contextmanager
+def copy_of(run: Path):
+    """A scratch copy of the run; the global random states it may set are restored after."""
+    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    with tempfile.TemporaryDirectory() as scratch:
+        copy = Path(scratch) / "run"
+        shutil.copytree(run, copy)
+        try:
+            yield copy
+        finally:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+            torch.set_rng_state(saved[2])
+
+
+@RUN_FUZZ
+@given(data=st.data())
+def test_any_json_file_of_a_run_loads_or_raises_our_error(resumable_run, data):
+    name = data.draw(st.sampled_from(JSON_FILES))
+    original = json.loads((resumable_run / name).read_text())
+    with copy_of(resumable_run) as run:
+        (run / name).write_text(json.dumps(data.draw(mutated(original))))
+        returns_or_raises_our_error(resume_everything, run)
+
+
+def with_header(raw: bytes, header: object) -> bytes:
+    """A safetensors file's bytes with its JSON header replaced (data kept)."""
+    length = int.from_bytes(raw[:8], "little")
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + raw[8 + length:]
+
+
+@RUN_FUZZ
+@given(data=st.data())
+def test_any_safetensors_file_of_a_run_loads_or_raises_our_error(resumable_run, data):
+    name = data.draw(st.sampled_from(TENSOR_FILES))
+    raw = (resumable_run / name).read_bytes()
+    if data.draw(st.booleans()):
+        length = int.from_bytes(raw[:8], "little")
+        damaged = with_header(raw, data.draw(mutated(json.loads(raw[8:8 + length]))))
+    else:
+        flips = data.draw(st.lists(st.tuples(st.integers(0, len(raw) - 1),
+                                             st.integers(0, 255)), max_size=4))
+        damaged = bytearray(raw)
+        for position, byte in flips:
+            damaged[position] = byte
+        damaged = bytes(damaged[:data.draw(st.integers(0, len(raw)))])
+    with copy_of(resumable_run) as run:
+        (run / name).write_bytes(damaged)
+        returns_or_raises_our_error(resume_everything, run)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    """A save_pretrained-style directory of a tiny GPT-2, written without transformers."""
+    from safetensors.torch import save_file
+
+    from glassgpt.interop import weight_names
+
+    path = tmp_path_factory.mktemp("hf")
+    model = GPT(GPTConfig(vocab_size=8, block_size=8, n_layer=2, n_head=2, n_embd=8))
+    ours = model.state_dict()
+    save_file({theirs: (ours[name].t() if conv1d else ours[name]).contiguous()
+               for name, theirs, conv1d in weight_names(2, True)}, path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "vocab_size": 8, "n_positions": 8, "n_embd": 8, "n_layer": 2,
+         "n_head": 2, "activation_function": "gelu_new", "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+         "attn_pdrop": 0.0, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True}))
+    return path
+
+
+@RUN_FUZZ
+@given(data=st.data())
+def test_any_hf_config_imports_or_raises_our_error(hf_dir, data):
+    from glassgpt.interop import from_hf
+
+    original = json.loads((hf_dir / "config.json").read_text())
+    with tempfile.TemporaryDirectory() as scratch:
+        copy = shutil.copytree(hf_dir, Path(scratch) / "hf")
+        (copy / "config.json").write_text(json.dumps(data.draw(mutated(original))))
+        returns_or_raises_our_error(from_hf, copy)

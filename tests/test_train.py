@@ -13,15 +13,18 @@ from glassgpt import train as train_module
 from glassgpt.checkpoint import load_train_state
 from glassgpt.config import GPTConfig, load_preset
 from glassgpt.data import PreparedData, prepare
-from glassgpt.errors import ConfigError, DataError
+from glassgpt.errors import CheckpointError, ConfigError, DataError
+from glassgpt.memory import training_memory
 from glassgpt.metrics import read_metrics
-from glassgpt.model import GPT
+from glassgpt.model import GPT, count_parameters
 from glassgpt.train import (
     NonFiniteLossError,
     TrainConfig,
     Trainer,
+    adamw_state_shapes,
     build_model,
     estimate_loss,
+    load_adamw_state,
     lr_at,
     make_optimizer,
     model_for_finetuning,
@@ -232,3 +235,43 @@ def test_bf16_autocast_training_on_a_cpu_keeps_fp32_weights_and_follows_fp32(tmp
               for d in ("fp32", "bf16")]
     assert losses[0] != losses[1]  # bf16 really ran: its rounding shows
     assert losses[1] == pytest.approx(losses[0], rel=0.02)
+
+
+def test_training_memory_counts_16_bytes_a_parameter_and_one_micro_batch():
+    config = GPTConfig(vocab_size=50, **TINY)
+    parts = training_memory(config, batch_size=4, amp_dtype=None)
+    params = count_parameters(GPT(config))
+    assert parts["weights"] == parts["gradients"] == 4 * params
+    assert parts["AdamW moments"] == 8 * params
+    tokens = 4 * 16  # B * T
+    per_token = 2 * 20 * 16  # layers * floats per layer (in units of C) * C
+    assert parts["activations"] == tokens * per_token * 4 + tokens * 50 * 4 * 3  # + logits
+    assert training_memory(config, 4, torch.bfloat16)["activations"] < parts["activations"]
+
+
+def test_a_training_step_too_big_for_the_machine_is_refused_before_anything_is_allocated(
+        data, tmp_path):
+    model = build_model(TINY, data.vocab_size, seed=0)
+    with pytest.raises(ConfigError, match=r"training needs about .* batch_size=100000000"):
+        Trainer(model, TrainConfig(batch_size=100_000_000, device="cpu"), data, tmp_path / "r")
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("setting", ["lr", "min_lr", "weight_decay", "grad_clip"])
+def test_infinite_float_settings_are_refused(setting):
+    with pytest.raises(ConfigError, match=f"{setting} must be a finite number, got inf"):
+        TrainConfig(**{setting: math.inf})
+
+
+def test_optimizer_state_is_checked_before_adamw_sees_it(tmp_path, data):
+    trainer = run_tiny(data, tmp_path / "run", 2)
+    state = load_train_state(tmp_path / "run", adamw_state_shapes(trainer.optimizer))
+    optimizer = trainer.optimizer
+    groups = state.optimizer["param_groups"]
+    with pytest.raises(CheckpointError, match="parameter groups do not fit"):
+        load_adamw_state(optimizer, {**state.optimizer, "param_groups": groups[::-1]}, tmp_path)
+    extra = {i: {**values, "max_exp_avg_sq": values["exp_avg_sq"]}
+             for i, values in state.optimizer["state"].items()}
+    with pytest.raises(CheckpointError, match="AdamW keeps"):
+        load_adamw_state(optimizer, {**state.optimizer, "state": extra}, tmp_path)
+    load_adamw_state(optimizer, state.optimizer, tmp_path)  # the real one loads

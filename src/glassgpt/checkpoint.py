@@ -8,51 +8,64 @@ A run directory holds
     train_state.json          iteration, best val loss, the rest        } can be resumed
     metrics.jsonl, loss.png   written by the trainer
 Tensors live in safetensors and everything else in JSON: loading a run never unpickles anything.
-
-A checkpoint is several files, so it is committed like a tiny database transaction: every file is
-first written in full under a `.pending` name, then a journal naming them is written atomically,
-then each is renamed into place. A crash before the journal leaves the old checkpoint whole; a
-crash after it is finished (rolled forward) the next time the run is opened.
+Every file is read through glassgpt.files (no link followed, sizes and JSON bounded) and
+glassgpt.tensorfile (a safetensors header checked against config.json before any tensor is
+allocated); weights holding NaN or infinities are refused where they enter. How the files are
+committed, found while a commit is half done, and replaced is glassgpt.rundir's business:
+loading a run never changes it.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import json
-import os
-import random
-from dataclasses import dataclass, field
+import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save as save_safetensors_bytes
 from torch import Tensor, nn
 
+from glassgpt import files
 from glassgpt.config import GPTConfig
 from glassgpt.errors import CheckpointError, ConfigError, TokenizerError
-from glassgpt.files import fsync_dir, write_text_atomic
+from glassgpt.memory import gib, physical_memory
 from glassgpt.model import GPT
-from glassgpt.tokenizers import Tokenizer, tokenizer_from_json
 
-CONFIG_FILE = "config.json"
-MODEL_FILE = "model.safetensors"
-TOKENIZER_FILE = "tokenizer.json"
-STATE_TENSORS_FILE = "train_state.safetensors"
-STATE_JSON_FILE = "train_state.json"
-JOURNAL_FILE = "checkpoint.journal"
-PENDING_SUFFIX = ".pending"
+# The file names stay importable from here, where callers have always found them.
+from glassgpt.rundir import CHECKPOINT_FILES as CHECKPOINT_FILES
+from glassgpt.rundir import (
+    CONFIG_FILE,
+    MODEL_FILE,
+    STATE_JSON_FILE,
+    STATE_TENSORS_FILE,
+    TOKENIZER_FILE,
+    commit_files,
+    committed_paths,
+)
+from glassgpt.rundir import JOURNAL_FILE as JOURNAL_FILE
+from glassgpt.rundir import PENDING_SUFFIX as PENDING_SUFFIX
+from glassgpt.rundir import recover_interrupted_commit as recover_interrupted_commit
+from glassgpt.tensorfile import SafetensorsFile, check_finite, check_float_dtypes
+from glassgpt.tokenizers import Tokenizer, tokenizer_from_json
+from glassgpt.trainstate import (
+    STATE_KEYS,
+    TrainState,
+    check_state_header,
+    join_train_state,
+    split_train_state,
+)
+from glassgpt.trainstate import capture_rng_state as capture_rng_state
+from glassgpt.trainstate import restore_rng_state as restore_rng_state
+
 RUN_FORMAT = "glassgpt-run/1"
 CONFIG_KEYS = ("format", "model", "train", "data_dir", "tokenizer", "extra")
-STATE_KEYS = ("iteration", "best_val_loss", "optimizer", "rng", "scaler")
-CHECKPOINT_FILES = (CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, STATE_TENSORS_FILE, STATE_JSON_FILE)
 # Config, state and tokenizer files are small (GPT-2's tokenizer.json is 1.4 MB); a bigger one
 # is refused before it is read, so a hostile file cannot exhaust memory.
-MAX_JSON_BYTES = 64 * 2**20
+MAX_JSON_BYTES = files.MAX_JSON_BYTES
 PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".pkl", ".bin")
+DEVICE_TYPES = ("cpu", "cuda", "mps")
 
 
 # --- the model -----------------------------------------------------------------------------
@@ -77,27 +90,75 @@ def model_tensors(model: nn.Module) -> dict[str, Tensor]:
     return {name: tensor.detach().cpu().contiguous() for name, tensor in state.items()}
 
 
-def load_model_tensors(model: GPT, tensors: dict[str, Tensor], path: Path) -> None:
-    """Copy `tensors` into `model`, after checking names and shapes against its config."""
-    _check_tensor_shapes(model.config, model.state_dict(), tensors, path)
-    # strict=False only because a tied lm_head.weight is absent; it stays tied to tok_emb.
-    model.load_state_dict(tensors, strict=False)
+def expected_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor a run of `config` stores (a tied head once).
 
-
-def _check_tensor_shapes(config: GPTConfig, model_state: dict[str, Tensor],
-                         tensors: dict[str, Tensor], path: Path) -> None:
-    expected = {name: t.shape for name, t in model_state.items()}
+    Allocates nothing: one layer is built on the meta device and its names repeated, so even a
+    config asking for 10**5 layers costs only the dictionary. Callers bound n_layer first.
+    """
+    try:
+        with torch.device("meta"):
+            state = GPT(dataclasses.replace(config, n_layer=1)).state_dict()
+    except RuntimeError as error:  # sizes whose product overflows
+        raise CheckpointError(f"config.json asks for tensors too large to exist "
+                              f"({error})") from None
     if config.tie_weights:
-        expected.pop("lm_head.weight")  # the same tensor as tok_emb.weight, stored once
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
+        state.pop("lm_head.weight")  # the same tensor as tok_emb.weight, stored once
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, tensor in state.items():
+        if name.startswith("blocks.0."):
+            rest = name.removeprefix("blocks.0.")
+            shapes.update((f"blocks.{i}.{rest}", tuple(tensor.shape))
+                          for i in range(config.n_layer))
+        else:
+            shapes[name] = tuple(tensor.shape)
+    return shapes
+
+
+def check_shapes(config: GPTConfig, found: dict[str, tuple[int, ...]], path: Path) -> None:
+    """The tensors `found` (name -> shape) are exactly those `config` needs, before anything
+    is allocated: names first, then shapes."""
+    if config.n_layer > len(found):  # every layer has at least one tensor
+        raise CheckpointError(f"{path}: config.json asks for n_layer={config.n_layer}, but the "
+                              f"file holds only {len(found)} tensors")
+    expected = expected_shapes(config)
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
     if missing or unexpected:
         raise CheckpointError(f"{path}: tensors do not match config.json "
                               f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
     for name, shape in expected.items():
-        if tensors[name].shape != shape:
-            raise CheckpointError(f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}"
-                                  f", config.json needs {tuple(shape)}")
+        if found[name] != shape:
+            raise CheckpointError(f"{path}: tensor {name} has shape {found[name]}, "
+                                  f"config.json needs {shape}")
+
+
+def read_weights(path: Path, config: GPTConfig) -> dict[str, Tensor]:
+    """The tensors of a model file, checked against `config` before any is read."""
+    with SafetensorsFile(path, CheckpointError) as file:
+        check_shapes(config, {name: info.shape for name, info in file.header.items()}, path)
+        check_float_dtypes(file.header, path, CheckpointError)
+        params = sum(math.prod(info.shape) for info in file.header.values())
+        check_fits_memory(file.nbytes + 4 * params, f"the model in {path}")
+        tensors = file.read_all()
+    check_finite(tensors, path, CheckpointError)
+    return tensors
+
+
+def check_fits_memory(needed: int, what: str) -> None:
+    """Refuse, before reading, tensors this machine cannot hold (`needed` bytes: for weights,
+    what is read plus the float32 model it is copied into)."""
+    available = physical_memory()
+    if available is not None and needed > available:
+        raise CheckpointError(f"{what} needs {gib(needed)} of memory to load, more than this "
+                              f"machine's {gib(available)}")
+
+
+def load_model_tensors(model: GPT, tensors: dict[str, Tensor], path: Path) -> None:
+    """Copy `tensors` into `model`, after checking names and shapes against its config."""
+    check_shapes(model.config, {name: tuple(t.shape) for name, t in tensors.items()}, path)
+    # strict=False only because a tied lm_head.weight is absent; it stays tied to tok_emb.
+    model.load_state_dict(tensors, strict=False)
 
 
 # --- the run configuration -----------------------------------------------------------------
@@ -110,19 +171,25 @@ def run_config(model_config: GPTConfig, tokenizer: Tokenizer, train: dict | None
 
 def read_run_config(run_dir: str | Path) -> dict[str, Any]:
     """config.json of a run, checked for its keys and a valid model config."""
-    run_dir = check_run_dir(run_dir)
-    path = run_dir / CONFIG_FILE
-    config = _read_json(path)
+    return _read_config(run_paths(run_dir)[CONFIG_FILE])
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    config = files.read_json_object(path, CheckpointError, MAX_JSON_BYTES)
     unknown = sorted(set(config) - set(CONFIG_KEYS))
     if unknown or "model" not in config:
         raise CheckpointError(f"{path}: unknown keys {unknown} or no 'model' table; "
                               f"expected keys {list(CONFIG_KEYS)}")
-    try:
-        GPTConfig.from_dict(config["model"])
-    except ConfigError as error:
-        raise CheckpointError(f"{path}: {error}") from None
+    _model_config(config, path)
     _check_config_types(config, path)
     return config
+
+
+def _model_config(config: dict[str, Any], path: Path) -> GPTConfig:
+    try:
+        return GPTConfig.from_dict(config["model"])
+    except ConfigError as error:
+        raise CheckpointError(f"{path}: {error}") from None
 
 
 def _check_config_types(config: dict[str, Any], path: Path) -> None:
@@ -138,19 +205,26 @@ def _check_config_types(config: dict[str, Any], path: Path) -> None:
 
 
 def check_run_dir(run_dir: str | Path) -> Path:
-    """`run_dir` as a Path, after making sure it is a run directory (and finishing a commit)."""
+    """`run_dir` as a Path, after making sure it holds a checkpoint (nothing is changed)."""
+    run_paths(run_dir)
+    return Path(run_dir)
+
+
+def run_paths(run_dir: str | Path) -> dict[str, Path]:
+    """Where each file of the run's committed checkpoint is (see rundir.committed_paths),
+    after making sure `run_dir` holds one. Reads, never writes."""
     run_dir = Path(run_dir)
     if run_dir.is_file():
         raise CheckpointError(f"{run_dir} is a file, not a run directory (glassgpt reads "
                               f"safetensors + JSON run directories and never loads pickle/.pt)")
     if not run_dir.is_dir():
         raise CheckpointError(f"run directory not found: {run_dir}")
-    recover_interrupted_commit(run_dir)
-    if not (run_dir / CONFIG_FILE).is_file() or not (run_dir / MODEL_FILE).is_file():
+    paths = committed_paths(run_dir)
+    if any(files.entry_kind(paths[name]) == "missing" for name in (CONFIG_FILE, MODEL_FILE)):
         _refuse_pickles(run_dir)
         raise CheckpointError(f"{run_dir} holds no checkpoint (no {CONFIG_FILE} and "
                               f"{MODEL_FILE}); train first, or point at a run directory")
-    return run_dir
+    return paths
 
 
 def _refuse_pickles(run_dir: Path) -> None:
@@ -176,100 +250,59 @@ def save_model(run_dir: str | Path, model: nn.Module, tokenizer: Tokenizer,
 
 def load_model(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, Tokenizer]:
     """The model of a run directory, in eval mode on `device`, and its tokenizer."""
-    run_dir = check_run_dir(run_dir)
-    config = GPTConfig.from_dict(read_run_config(run_dir)["model"])
-    tokenizer = read_tokenizer(run_dir)
+    target = check_device(device)
+    paths = run_paths(run_dir)
+    config = _model_config(_read_config(paths[CONFIG_FILE]), paths[CONFIG_FILE])
+    tokenizer = _read_tokenizer(paths[TOKENIZER_FILE])
     if tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(f"{run_dir}: tokenizer has {tokenizer.vocab_size} tokens, more "
                               f"than the model's vocab_size={config.vocab_size}")
-    path = run_dir / MODEL_FILE
-    tensors = read_safetensors(path)
-    check_config_fits_tensors(config, tensors, path)
+    tensors = read_weights(paths[MODEL_FILE], config)
     model = GPT(config)
-    load_model_tensors(model, tensors, path)
-    return model.to(device).eval(), tokenizer
+    load_model_tensors(model, tensors, paths[MODEL_FILE])
+    return model.to(target).eval(), tokenizer
 
 
-def check_config_fits_tensors(config: GPTConfig, tensors: dict[str, Tensor], path: Path) -> None:
-    """Compare config.json with the weights before allocating anything: a config that asks for
-    a huge model (vocab_size=10**12, say) is refused instead of exhausting memory."""
-    if config.n_layer > len(tensors):  # every layer has at least one tensor
-        raise CheckpointError(f"{path}: config.json asks for n_layer={config.n_layer}, but the "
-                              f"file holds only {len(tensors)} tensors")
+def check_device(device: str | torch.device) -> torch.device:
+    """`device` as a torch.device this machine has, or a ConfigError naming it."""
     try:
-        with torch.device("meta"):  # shapes only, no memory
-            expected = GPT(config).state_dict()
-    except RuntimeError as error:  # sizes whose product overflows
-        raise CheckpointError(f"{path}: config.json asks for tensors too large to exist "
-                              f"({error})") from None
-    _check_tensor_shapes(config, expected, tensors, path)
+        target = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"unknown device {device!r:.40}; use cpu, cuda, cuda:N or "
+                          f"mps") from None
+    if target.type not in DEVICE_TYPES:
+        raise ConfigError(f"device {device!r:.40} cannot hold a model here; use cpu, cuda, "
+                          f"cuda:N or mps")
+    if target.type == "cuda" and not (torch.cuda.is_available() and (
+            target.index is None or target.index < torch.cuda.device_count())):
+        raise ConfigError(f"device {device!r:.40} was asked for, but this machine has "
+                          f"{torch.cuda.device_count()} CUDA devices")
+    if target.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device mps was asked for, but MPS is not available here")
+    return target
 
 
-def read_tokenizer(run_dir: Path) -> Tokenizer:
-    path = run_dir / TOKENIZER_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{path} is missing")
+def read_tokenizer(run_dir: str | Path) -> Tokenizer:
+    return _read_tokenizer(run_paths(run_dir)[TOKENIZER_FILE])
+
+
+def _read_tokenizer(path: Path) -> Tokenizer:
+    text = files.read_text(path, MAX_JSON_BYTES, CheckpointError)
+    files.parse_json(text, str(path), CheckpointError)  # bounded first: depth, numbers
     try:
-        return tokenizer_from_json(_read_small_text(path), source=str(path))
+        return tokenizer_from_json(text, source=str(path))
     except TokenizerError as error:
         raise CheckpointError(str(error)) from None
-    except UnicodeDecodeError as error:
-        raise CheckpointError(f"{path} is not UTF-8 text ({error})") from None
 
 
 # --- training state ------------------------------------------------------------------------
-
-@dataclass
-class TrainState:
-    """Everything besides the weights that exact resumption needs."""
-
-    iteration: int = 0
-    best_val_loss: float = float("inf")
-    optimizer: dict[str, Any] = field(default_factory=dict)  # torch optimizer state_dict
-    rng: list[dict[str, Any]] = field(default_factory=list)  # one capture_rng_state per rank
-    scaler: dict[str, Any] | None = None  # GradScaler state (fp16 on CUDA only)
-
-
-def capture_rng_state(sampler_state: Tensor) -> dict[str, Any]:
-    """Random states of python, numpy, torch (CPU and CUDA) and the batch sampler."""
-    _, keys, pos, has_gauss, cached = np.random.get_state()
-    version, mt, gauss = random.getstate()
-    return {"python": [version, list(mt), gauss],
-            "numpy": {"keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
-                      "cached_gaussian": float(cached)},
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "sampler": sampler_state}
-
-
-def restore_rng_state(rng: dict[str, Any]) -> Tensor:
-    """Set the global random states saved by `capture_rng_state`; returns the sampler's."""
-    try:
-        return _restore_rng_state(rng)
-    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as error:
-        raise CheckpointError(f"{STATE_JSON_FILE}: the saved random states are malformed "
-                              f"({error!r:.200})") from None
-
-
-def _restore_rng_state(rng: dict[str, Any]) -> Tensor:
-    version, mt, gauss = rng["python"]
-    random.setstate((version, tuple(mt), gauss))
-    numpy_state = rng["numpy"]
-    np.random.set_state(("MT19937", np.array(numpy_state["keys"], dtype=np.uint32),
-                         numpy_state["pos"], numpy_state["has_gauss"],
-                         numpy_state["cached_gaussian"]))
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return rng["sampler"]
-
 
 def save_checkpoint(run_dir: str | Path, model: nn.Module, tokenizer: Tokenizer,
                     train_config: dict, data_dir: str | None, state: TrainState) -> None:
     """Commit weights, config, tokenizer and training state together (all or nothing)."""
     model = unwrap_model(model)
     config = run_config(model.config, tokenizer, train=train_config, data_dir=data_dir)
-    tensors, state_json = _split_train_state(state)
+    tensors, state_json = split_train_state(state)
     commit_files(run_dir, {CONFIG_FILE: _json_bytes(config),
                            MODEL_FILE: _model_bytes(model),
                            TOKENIZER_FILE: tokenizer.to_json().encode("utf-8"),
@@ -278,173 +311,53 @@ def save_checkpoint(run_dir: str | Path, model: nn.Module, tokenizer: Tokenizer,
 
 
 def has_train_state(run_dir: str | Path) -> bool:
-    run_dir = Path(run_dir)
-    return (run_dir / STATE_JSON_FILE).is_file() and (run_dir / STATE_TENSORS_FILE).is_file()
+    return _has_train_state(committed_paths(run_dir))
 
 
-def load_train_state(run_dir: str | Path) -> TrainState:
-    run_dir = check_run_dir(run_dir)
-    if not has_train_state(run_dir):
+def _has_train_state(paths: dict[str, Path]) -> bool:
+    return all(files.entry_kind(paths[name]) != "missing"
+               for name in (STATE_JSON_FILE, STATE_TENSORS_FILE))
+
+
+def load_train_state(run_dir: str | Path,
+                     optimizer_shapes: dict[str, tuple[int, ...]] | None = None) -> TrainState:
+    """The training state of a run, checked before anything is allocated.
+
+    `optimizer_shapes` (tensor name -> shape, e.g. `optimizer.0.exp_avg`) is what the
+    optimizer that will take the state holds; given, the file must hold exactly those.
+    """
+    paths = run_paths(run_dir)
+    if not _has_train_state(paths):
         raise CheckpointError(f"{run_dir} has no training state ({STATE_JSON_FILE}, "
                               f"{STATE_TENSORS_FILE}); it can be sampled but not resumed "
                               f"(use `train --init-from {run_dir}` to fine-tune it)")
-    state_json = _read_json(run_dir / STATE_JSON_FILE)
+    json_path = paths[STATE_JSON_FILE]
+    state_json = files.read_json_object(json_path, CheckpointError, MAX_JSON_BYTES)
     unknown = sorted(set(state_json) - set(STATE_KEYS))
     if unknown:
-        raise CheckpointError(f"{run_dir / STATE_JSON_FILE}: unknown keys {unknown}")
-    tensors = read_safetensors(run_dir / STATE_TENSORS_FILE)
+        raise CheckpointError(f"{json_path}: unknown keys {unknown}")
+    with SafetensorsFile(paths[STATE_TENSORS_FILE], CheckpointError) as file:
+        check_state_header(file.header, optimizer_shapes, file.path)
+        check_fits_memory(file.nbytes, f"the training state in {file.path}")
+        tensors = file.read_all()
+    check_finite(tensors, file.path, CheckpointError)
     try:
-        return _join_train_state(state_json, tensors)
-    except (KeyError, TypeError, ValueError) as error:
-        raise CheckpointError(f"{run_dir / STATE_JSON_FILE}: malformed training state "
-                              f"({error!r})") from None
-
-
-def _split_train_state(state: TrainState) -> tuple[dict[str, Tensor], dict[str, Any]]:
-    """Tensors (for safetensors) and the rest (for JSON)."""
-    tensors: dict[str, Tensor] = {}
-    optimizer_scalars: dict[str, dict[str, Any]] = {}
-    for param_id, param_state in state.optimizer.get("state", {}).items():
-        for name, value in param_state.items():
-            if isinstance(value, Tensor):
-                tensors[f"optimizer.{param_id}.{name}"] = value.detach().cpu().contiguous()
-            else:
-                optimizer_scalars.setdefault(str(param_id), {})[name] = value
-    rng_json = []
-    for rank, rng in enumerate(state.rng):
-        tensors[f"rng.{rank}.torch"] = rng["torch"].cpu()
-        tensors[f"rng.{rank}.sampler"] = rng["sampler"].cpu()
-        for device, cuda_state in enumerate(rng["cuda"]):
-            tensors[f"rng.{rank}.cuda.{device}"] = cuda_state.cpu()
-        rng_json.append({"python": rng["python"], "numpy": rng["numpy"],
-                         "cuda_devices": len(rng["cuda"])})
-    state_json = {"iteration": state.iteration, "best_val_loss": state.best_val_loss,
-                  "optimizer": {"param_groups": state.optimizer.get("param_groups", []),
-                                "scalars": optimizer_scalars},
-                  "rng": rng_json, "scaler": state.scaler}
-    return tensors, state_json
-
-
-def _join_train_state(state_json: dict[str, Any], tensors: dict[str, Tensor]) -> TrainState:
-    optimizer_state: dict[int, dict[str, Any]] = {}
-    for param_id, values in state_json["optimizer"]["scalars"].items():
-        optimizer_state.setdefault(int(param_id), {}).update(values)
-    for key, tensor in tensors.items():
-        if key.startswith("optimizer."):
-            param_id, _, name = key.removeprefix("optimizer.").partition(".")
-            optimizer_state.setdefault(int(param_id), {})[name] = tensor
-    rng = []
-    for rank, saved in enumerate(state_json["rng"]):
-        cuda = [tensors[f"rng.{rank}.cuda.{d}"] for d in range(saved["cuda_devices"])]
-        rng.append({"python": saved["python"], "numpy": saved["numpy"], "cuda": cuda,
-                    "torch": tensors[f"rng.{rank}.torch"],
-                    "sampler": tensors[f"rng.{rank}.sampler"]})
-    # JSON turned tuples (AdamW's betas) into lists; give them back as torch made them.
-    groups = [{k: tuple(v) if k == "betas" else v for k, v in group.items()}
-              for group in state_json["optimizer"]["param_groups"]]
-    optimizer = {"state": optimizer_state, "param_groups": groups}
-    iteration = state_json["iteration"]
-    if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
-        raise ValueError(f"iteration must be an integer >= 0, got {iteration!r:.40}")
-    return TrainState(iteration=iteration,
-                      best_val_loss=float(state_json["best_val_loss"]),
-                      optimizer=optimizer, rng=rng, scaler=state_json.get("scaler"))
+        return join_train_state(state_json, tensors)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
+        raise CheckpointError(f"{json_path}: malformed training state ({error})") from None
 
 
 # --- files ---------------------------------------------------------------------------------
 
-def commit_files(run_dir: str | Path, files: dict[str, bytes]) -> None:
-    """Replace several files of `run_dir` so that a crash leaves all old or all new ones."""
-    run_dir = Path(run_dir)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        recover_interrupted_commit(run_dir)
-        for name, data in files.items():
-            with open(run_dir / (name + PENDING_SUFFIX), "wb") as file:
-                file.write(data)
-                file.flush()
-                os.fsync(file.fileno())
-        fsync_dir(run_dir)
-        # From here on the new checkpoint is the one: the journal is the commit point.
-        write_text_atomic(run_dir / JOURNAL_FILE, json.dumps(sorted(files)))
-    except OSError as error:  # a full disk, a read-only mount: nothing was committed
-        _drop_pending(run_dir)
-        raise CheckpointError(f"cannot save a checkpoint in {run_dir} ({error}); the previous "
-                              f"checkpoint there is kept") from None
-    _roll_forward(run_dir)
-
-
-def _drop_pending(run_dir: Path) -> None:
-    for pending in run_dir.glob("*" + PENDING_SUFFIX):
-        with contextlib.suppress(OSError):
-            pending.unlink()
-
-
-def recover_interrupted_commit(run_dir: Path) -> None:
-    """Finish a commit that a crash cut short, or drop pending files it never committed."""
-    if (run_dir / JOURNAL_FILE).is_file():
-        _roll_forward(run_dir)
-        return
-    for stale in run_dir.glob("*" + PENDING_SUFFIX):
-        stale.unlink(missing_ok=True)
-
-
-def _roll_forward(run_dir: Path) -> None:
-    journal = run_dir / JOURNAL_FILE
-    for name in _read_journal(journal):
-        pending = run_dir / (name + PENDING_SUFFIX)
-        if pending.exists():  # absent when renamed before a crash
-            os.replace(pending, run_dir / name)
-    fsync_dir(run_dir)
-    journal.unlink()
-    fsync_dir(run_dir)
-
-
-def _read_journal(journal: Path) -> list[str]:
-    try:
-        names = json.loads(_read_small_text(journal))
-    except ValueError as error:
-        raise CheckpointError(f"{journal} is not valid JSON: {error}") from None
-    if not isinstance(names, list) or not set(names) <= set(CHECKPOINT_FILES):
-        raise CheckpointError(f"{journal} may only name the checkpoint files "
-                              f"{list(CHECKPOINT_FILES)}, got {names!r:.200}")
-    return names
-
-
-def read_safetensors(path: Path) -> dict[str, Tensor]:
-    if not path.is_file():
-        raise CheckpointError(f"{path} is missing")
-    try:
-        return load_safetensors_bytes(path.read_bytes())
-    except (SafetensorError, ValueError, RuntimeError) as error:
-        raise CheckpointError(f"{path} is not a valid safetensors file (truncated, or not "
-                              f"safetensors; pickle/.pt files are never loaded): {error}") from None
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise CheckpointError(f"{path} is missing")
-    try:
-        data = json.loads(_read_small_text(path))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{path} is not valid JSON: {error}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} must hold a JSON object")
-    return data
-
-
-def _read_small_text(path: Path) -> str:
-    """A UTF-8 file of at most MAX_JSON_BYTES (checked before reading it)."""
-    size = path.stat().st_size
-    if size > MAX_JSON_BYTES:
-        raise CheckpointError(f"{path} is {size:,} bytes, more than the {MAX_JSON_BYTES:,} a "
-                              f"config, state or tokenizer file may hold")
-    return path.read_bytes().decode("utf-8")
-
-
 def _json_bytes(data: dict[str, Any]) -> bytes:
-    return (json.dumps(data, indent=2) + "\n").encode("utf-8")
+    try:
+        text = json.dumps(data, indent=2, allow_nan=False)  # a NaN written could not be read
+    except ValueError as error:
+        raise CheckpointError(f"cannot save a checkpoint: a setting is NaN or infinite "
+                              f"({error})") from None
+    return (text + "\n").encode("utf-8")
 
 
 def _model_bytes(model: nn.Module) -> bytes:
     return save_safetensors_bytes(model_tensors(model), metadata={"format": "pt"})
+

@@ -225,6 +225,41 @@ def remove_file(path: str | Path) -> None:
         os.unlink(path)
 
 
+KIND_PHRASES = {"file": "a file", "link": "a symbolic link", "directory": "a directory",
+                "other": "a socket, FIFO or device", "unreadable": "an entry that cannot be read"}
+
+
+def entry_kind(path: str | Path) -> str:
+    """What `path` itself is, a link not followed: 'missing', 'file', 'link', 'directory',
+    'other' (a socket, a FIFO, a device) or 'unreadable' (lstat was refused)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):  # NotADirectory: a part is a file
+        return "missing"
+    except OSError:
+        return "unreadable"
+    if stat.S_ISLNK(mode):
+        return "link"
+    if stat.S_ISREG(mode):
+        return "file"
+    return "directory" if stat.S_ISDIR(mode) else "other"
+
+
+def remove_file_or_link(path: str | Path, error: ErrorType) -> None:
+    """Remove a regular file or a link (the link itself); refuse anything else (a directory
+    is never deleted, it may hold what a user keeps); a missing path is fine."""
+    kind = entry_kind(path)
+    if kind == "missing":
+        return
+    if kind not in ("file", "link"):
+        raise error(f"{path} is {KIND_PHRASES[kind]}, where glassgpt keeps a file of its own; "
+                    f"move it away (glassgpt does not delete it)")
+    try:
+        remove_file(path)
+    except OSError as exc:
+        raise error(_describe_os_error(Path(path), exc)) from None
+
+
 def fsync_dir(directory: str | Path) -> None:
     """Make renames inside `directory` durable (a no-op where directories cannot be opened)."""
     try:
@@ -319,6 +354,31 @@ def locked_directory(directory: str | Path, error: ErrorType) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # closing releases the lock
+
+
+def check_unlocked(directory: str | Path, error: ErrorType) -> None:
+    """Raise `error` if another process holds `locked_directory(directory)` now.
+
+    Only looks: creates nothing, so a command can ask before it validates its inputs (and
+    leave the directory untouched when they are wrong), then take the lock itself.
+    """
+    lock_path = Path(directory) / LOCK_FILE
+    try:
+        fd = os.open(lock_path, os.O_RDONLY | _NO_FOLLOW | _CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError as exc:
+        raise error(_describe_os_error(lock_path, exc)) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "another process"
+            raise error(f"{directory} is in use by another glassgpt process (pid {holder}); "
+                        f"wait for it to finish") from None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _describe_os_error(path: Path, exc: OSError) -> str:

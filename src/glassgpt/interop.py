@@ -10,8 +10,12 @@ layout differ:
   * Checkpoints written by older `transformers` also hold `attn.bias` and `attn.masked_bias`: the
     causal mask and its fill value, stored as buffers. They are not weights and are skipped.
 
-`transformers` is the optional extra `hf` and is imported only inside the functions that need it,
-so the rest of glassgpt never pays for it.
+Reading a save_pretrained directory or a hub model is glassgpt.hf_files' job (glassgpt reads
+them itself: safetensors only, nothing unpickled, everything bounded); here the tensors it found
+are checked against the config, name by name and shape by shape, before any is read.
+
+`transformers` is the optional extra `hf` and is imported only inside the functions that need it
+(export), so the rest of glassgpt never pays for it.
 """
 
 from __future__ import annotations
@@ -24,19 +28,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import SafetensorError
 from torch import Tensor, nn
 
-from glassgpt.checkpoint import unwrap_model
+from glassgpt import files
+from glassgpt.checkpoint import expected_shapes, unwrap_model
 from glassgpt.config import GPTConfig
-from glassgpt.errors import CheckpointError, ConfigError, GlassGPTError
+from glassgpt.errors import CheckpointError, ConfigError
+from glassgpt.hf_files import INSTALL_HINT as INSTALL_HINT
+from glassgpt.hf_files import MASK_BUFFER_SUFFIXES, HFDirectory, StoredWeights, open_hf_source
+from glassgpt.hf_files import MissingExtraError as MissingExtraError
+from glassgpt.hf_files import load_hf_tokenizer as load_hf_tokenizer
 from glassgpt.model import GPT
+from glassgpt.tensorfile import check_finite
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
     from transformers import GPT2Config, GPT2LMHeadModel
-
-INSTALL_HINT = "pip install 'glassgpt[hf]'"
 
 # HF activation names that compute the same function as one of ours. "gelu_new" is GPT-2's own
 # (tanh approximation); "gelu_fast" is left out because it rounds sqrt(2/pi) to 10 digits.
@@ -71,15 +78,6 @@ _LAYER_NAMES = {
     "blocks.{i}.ffn.proj.weight": ("transformer.h.{i}.mlp.c_proj.weight", True),
     "blocks.{i}.ffn.proj.bias": ("transformer.h.{i}.mlp.c_proj.bias", False),
 }
-_MASK_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
-# Either file set is a complete GPT-2 style tokenizer in a save_pretrained directory.
-TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"))
-
-
-class MissingExtraError(GlassGPTError, ImportError):
-    """An optional dependency that a feature needs is not installed."""
-
-
 def _transformers() -> Any:
     """The `transformers` module, or a MissingExtraError that says how to install it."""
     try:
@@ -202,22 +200,77 @@ def hf_config_from_glassgpt(config: GPTConfig, bos_token_id: int | None = None,
 # --- weights --------------------------------------------------------------------------------
 
 
-def from_hf(source: GPT2LMHeadModel | str | os.PathLike[str],
+def from_hf(source: GPT2LMHeadModel | HFDirectory | str | os.PathLike[str],
             dropout: float | None = None) -> GPT:
     """A glassgpt GPT holding the weights of a HF GPT-2: a model, a local directory or a hub name.
 
-    The result has the dtype and device of the HF weights and starts in eval mode.
+    A directory (or a hub name, downloaded into the Hugging Face cache) is read by glassgpt,
+    never by `transformers` (see glassgpt.hf_files): weights from local `.safetensors` files
+    only, checked against config.json before any tensor is allocated; a pickled
+    `pytorch_model.bin` is never opened. The result has the dtype and device of the HF weights
+    and starts in eval mode.
     """
-    hf_model = source if not isinstance(source, str | os.PathLike) else load_hf_model(source)
-    config = config_from_hf(hf_model.config, dropout=dropout)
-    hf_weights = _without_mask_buffers(hf_model.state_dict())
-    names = list(weight_names(config.n_layer, config.tie_weights))
-    _check_same_names({theirs for _, theirs, _ in names}, set(hf_weights), "HF model")
+    if isinstance(source, str | os.PathLike):
+        source = open_hf_source(source)
+    if isinstance(source, HFDirectory):
+        config = config_from_hf(source.settings(), dropout=dropout)
+        with source.weights() as stored:
+            return _model_from_weights(config, _read_checked(config, stored))
+    config = config_from_hf(source.config, dropout=dropout)
+    hf_weights = _without_mask_buffers(source.state_dict())
+    _check_same_names({theirs for _, theirs, _ in weight_names(config.n_layer,
+                                                                config.tie_weights)},
+                      set(hf_weights), "HF model")
+    check_finite(hf_weights, "the HF model", CheckpointError)
+    return _model_from_weights(config, hf_weights)
+
+
+def _read_checked(config: GPTConfig, stored: StoredWeights) -> dict[str, Tensor]:
+    """The stored tensors `config` needs, under HF names, after checking names and shapes.
+
+    The number of layers is bounded by the tensors first: a config.json asking for 100,000
+    layers over the weights of two is named at once, never built.
+    """
+    found = stored.shapes
+    wte = "transformer.wte.weight"
+    head_for_wte = config.tie_weights and wte not in found and "lm_head.weight" in found
+    if head_for_wte:  # a tied matrix saved once, under the head's name
+        found[wte] = found.pop("lm_head.weight")
+    missing = []
+    for _, theirs, _ in weight_names(config.n_layer, config.tie_weights):
+        if theirs not in found:
+            missing.append(theirs)
+            if len(missing) == 5:
+                break
+    if missing:
+        raise CheckpointError(f"{stored.source}: tensors missing from the weights: {missing} "
+                              f"(config.json asks for n_layer={config.n_layer}; the files hold "
+                              f"{len(found):,} tensors, {len(_LAYER_NAMES)} per layer)")
+    ours = expected_shapes(config)
+    expected = {theirs: ours[our_name][::-1] if conv1d else ours[our_name]
+                for our_name, theirs, conv1d in weight_names(config.n_layer, config.tie_weights)}
+    unexpected = sorted(set(found) - set(expected) - {"lm_head.weight"})
+    if unexpected:
+        raise CheckpointError(f"{stored.source}: tensors a GPT-2 of this config.json does not "
+                              f"have: {unexpected[:5]}")
+    for name, shape in expected.items():
+        if found[name] != shape:
+            raise CheckpointError(f"{stored.source}: tensor {name} has shape {found[name]}, "
+                                  f"config.json needs {shape}")
+    if head_for_wte:
+        tensors = stored.read([n for n in expected if n != wte] + ["lm_head.weight"])
+        tensors[wte] = tensors.pop("lm_head.weight")
+        return tensors
+    return stored.read(list(expected))
+
+
+def _model_from_weights(config: GPTConfig, hf_weights: dict[str, Tensor]) -> GPT:
+    """A GPT of `config` holding `hf_weights` (HF names, Conv1D layout), checked already."""
     reference = hf_weights["transformer.wte.weight"]
     model = GPT(config).to(device=reference.device, dtype=reference.dtype)
     ours = model.state_dict()
     with torch.no_grad():
-        for our_name, their_name, conv1d in names:
+        for our_name, their_name, conv1d in weight_names(config.n_layer, config.tie_weights):
             _copy_weight(ours[our_name], hf_weights[their_name], conv1d, their_name)
     return model.eval()
 
@@ -252,7 +305,7 @@ def _copy_weight(dest: Tensor, src: Tensor, conv1d: bool, name: str) -> None:
 
 
 def _without_mask_buffers(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    return {name: t for name, t in state.items() if not name.endswith(_MASK_BUFFER_SUFFIXES)}
+    return {name: t for name, t in state.items() if not name.endswith(MASK_BUFFER_SUFFIXES)}
 
 
 def _check_same_names(expected: set[str], found: set[str], what: str) -> None:
@@ -264,60 +317,7 @@ def _check_same_names(expected: set[str], found: set[str], what: str) -> None:
                               f"unexpected {unexpected[:5]}")
 
 
-# --- files and the hub ----------------------------------------------------------------------
-
-
-def load_hf_model(name_or_dir: str | os.PathLike[str]) -> GPT2LMHeadModel:
-    """GPT2LMHeadModel.from_pretrained for a local directory or a hub name, with clear errors."""
-    transformers = _transformers()
-    source = _hf_source(name_or_dir)
-    try:
-        hf_config = transformers.AutoConfig.from_pretrained(source)
-    except (OSError, ValueError) as error:
-        raise CheckpointError(_load_failure(name_or_dir, error)) from error
-    config_from_hf(hf_config)  # reject what glassgpt cannot mirror before reading any weights
-    try:
-        # safetensors only: a pickled pytorch_model.bin from a stranger is never unpickled.
-        return transformers.GPT2LMHeadModel.from_pretrained(source, config=hf_config,
-                                                            use_safetensors=True)
-    except (OSError, ValueError, RuntimeError, SafetensorError) as error:
-        # RuntimeError: weights that do not fit the config; SafetensorError: a damaged file.
-        raise CheckpointError(_load_failure(name_or_dir, error)) from error
-
-
-def load_hf_tokenizer(name_or_dir: str | os.PathLike[str]) -> Tokenizer | None:
-    """The `tokenizers.Tokenizer` published with a HF model, or None when it has none."""
-    source = _hf_source(name_or_dir)
-    if Path(source).is_dir() and not any(all((Path(source) / name).is_file() for name in files)
-                                         for files in TOKENIZER_FILES):
-        return None
-    try:
-        hf_tokenizer = _transformers().AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError) as error:
-        raise CheckpointError(_load_failure(name_or_dir, error)) from error
-    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
-    # transformers builds an empty GPT-2 tokenizer when a hub repository holds no vocabulary.
-    if backend is None or backend.get_vocab_size(with_added_tokens=False) == 0:
-        return None
-    return backend
-
-
-def _hf_source(name_or_dir: str | os.PathLike[str]) -> str:
-    """A local directory as a path string; anything else is left to the hub as a model name."""
-    path = Path(name_or_dir).expanduser()
-    if path.exists() and not path.is_dir():
-        raise CheckpointError(f"{path} is a file; give a directory written by save_pretrained "
-                              f"or a Hugging Face hub name such as 'gpt2'")
-    return str(path) if path.is_dir() else str(name_or_dir)
-
-
-def _load_failure(name_or_dir: str | os.PathLike[str], error: Exception) -> str:
-    """One line saying what could not be loaded and why (HF's own message, first line)."""
-    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    if Path(name_or_dir).expanduser().is_dir():
-        return f"cannot load a Hugging Face GPT-2 from {name_or_dir}: {reason}"
-    return (f"cannot load {str(name_or_dir)!r} from the Hugging Face hub (offline, or not a hub "
-            f"model name? no local directory has that name either): {reason}")
+# --- writing a save_pretrained directory ---------------------------------------------------
 
 
 def save_hf(model: GPT | nn.Module, out_dir: str | os.PathLike[str],
@@ -328,20 +328,25 @@ def save_hf(model: GPT | nn.Module, out_dir: str | os.PathLike[str],
     model's bos/eos token so that HF's `generate` stops on it. The directory appears whole or not
     at all, and an existing non-empty directory is never overwritten.
     """
-    out = Path(out_dir).expanduser()
+    out = files.check_can_make_dir(Path(out_dir).expanduser(), CheckpointError)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out} already exists and is not an empty directory; "
                               f"choose a new one so nothing is overwritten")
     eos_id = tokenizer.token_to_id(eos_token) if tokenizer is not None and eos_token else None
     hf_model = to_hf(model, bos_token_id=eos_id, eos_token_id=eos_id)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as error:
+        raise CheckpointError(f"cannot create {out} ({error})") from None
     try:
         hf_model.save_pretrained(staging)  # safetensors by default
         if tokenizer is not None:
             _save_hf_tokenizer(tokenizer, staging, eos_token if eos_id is not None else None)
         _fsync_tree(staging)
         os.replace(staging, out)  # atomic; replaces `out` only when it is an empty directory
+    except OSError as error:  # a full disk, a directory that appeared meanwhile
+        raise CheckpointError(f"cannot write {out} ({error}); nothing was left there") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out

@@ -2,17 +2,28 @@
 
 The trainer calls a `Reporter` (a rich progress bar for the CLI, silence for a library user) and
 appends one JSON line per log step and per evaluation to metrics.jsonl; loss.png is drawn from
-that file, so the picture of a resumed run shows the whole run.
+that file, so the picture of a resumed run shows the whole run. Both files go through
+glassgpt.files: a link planted under either name is never followed.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
-from glassgpt.files import write_bytes_atomic, write_text_atomic
+from glassgpt.errors import CheckpointError
+from glassgpt.files import (
+    append_text,
+    entry_kind,
+    open_regular_file,
+    parse_json,
+    write_bytes_atomic,
+    write_text_atomic,
+)
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
@@ -66,28 +77,68 @@ class RichReporter:
         self.progress.stop()
 
 
+MAX_METRICS_BYTES = 2**30  # a million log lines; a bigger file is not the trainer's
+MAX_LINE_BYTES = 4096  # a record is ~100 bytes
+NUMBER_FIELDS = ("loss", "lr", "tokens_per_s", "train_loss", "val_loss")
+
+
 def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:
-    with open(run_dir / METRICS_FILE, "a", encoding="utf-8") as file:
-        file.write(json.dumps(record) + "\n")
+    """One JSON line more; a link planted as metrics.jsonl is refused, never followed."""
+    append_text(run_dir / METRICS_FILE, json.dumps(record) + "\n", CheckpointError)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl that are whole and well-formed.
+
+    A line cut short by a crash mid-append, or one a hand edited into nonsense (a string loss,
+    a 100k-deep list), is skipped: the run goes on without it.
+    """
     path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
+    if entry_kind(path) == "missing":
         return []
-    records = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut short by a crash mid-append: the run goes on without it
-    return [r for r in records if isinstance(r, dict) and isinstance(r.get("iter"), int)]
+    fd = open_regular_file(path, CheckpointError)
+    with os.fdopen(fd, "rb") as file:
+        if os.fstat(fd).st_size > MAX_METRICS_BYTES:
+            raise CheckpointError(f"{path} is larger than {MAX_METRICS_BYTES:,} bytes; move it "
+                                  f"away to start a fresh log")
+        records = [_record(line) for line in _bounded_lines(file)]
+    return [record for record in records if record is not None]
+
+
+def _bounded_lines(file: BinaryIO) -> Iterator[bytes]:
+    """The lines of `file`, each read at most MAX_LINE_BYTES at a time; a longer one (no log
+    line is) is skipped without ever being held whole."""
+    while line := file.readline(MAX_LINE_BYTES + 1):
+        if len(line) <= MAX_LINE_BYTES:
+            yield line
+            continue
+        while line and not line.endswith(b"\n"):  # the rest of the overlong line
+            line = file.readline(MAX_LINE_BYTES + 1)
+
+
+def _record(line: bytes) -> dict[str, Any] | None:
+    try:
+        record = parse_json(line.decode("utf-8"), METRICS_FILE, CheckpointError)
+    except (CheckpointError, UnicodeDecodeError):
+        return None
+    if not isinstance(record, dict) or not _is_int(record.get("iter")) or record["iter"] < 0:
+        return None
+    numbers_ok = all(isinstance(record[k], int | float) and not isinstance(record[k], bool)
+                     for k in NUMBER_FIELDS if k in record)
+    return record if numbers_ok else None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def truncate_metrics(run_dir: Path, iteration: int) -> None:
     """Drop lines logged after the checkpoint a run resumes from: they will be logged again."""
     kept = [r for r in read_metrics(run_dir) if r["iter"] <= iteration]
-    write_text_atomic(run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept))
+    try:
+        write_text_atomic(run_dir / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in kept))
+    except OSError as error:
+        raise CheckpointError(f"cannot rewrite {run_dir / METRICS_FILE} ({error})") from None
 
 
 def plot_losses(run_dir: Path) -> None:
@@ -109,4 +160,8 @@ def plot_losses(run_dir: Path) -> None:
     ax.legend()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
-    write_bytes_atomic(run_dir / PLOT_FILE, buffer.getvalue())
+    try:
+        write_bytes_atomic(run_dir / PLOT_FILE, buffer.getvalue())
+    except OSError as error:  # a full disk: one clear line, the last checkpoint is kept
+        raise CheckpointError(f"cannot write {run_dir / PLOT_FILE} ({error}); the last "
+                              f"checkpoint in {run_dir} is kept") from None

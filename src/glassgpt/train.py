@@ -13,11 +13,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import signal
 import threading
 import time
-import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +26,13 @@ from torch import Tensor, nn
 
 from glassgpt import checkpoint as ckpt
 from glassgpt import distributed as ddp
+from glassgpt import files
 from glassgpt.config import GPTConfig, check_field_types, load_preset, settings_from_dict
 from glassgpt.data import BatchSampler, PreparedData
-from glassgpt.errors import ConfigError, DataError, GlassGPTError
+from glassgpt.errors import CheckpointError, ConfigError, DataError, GlassGPTError
+from glassgpt.memory import check_model_fits_memory, check_training_fits_memory
 from glassgpt.metrics import Reporter, SilentReporter, append_metrics, plot_losses, truncate_metrics
-from glassgpt.model import GPT, count_parameters
+from glassgpt.model import GPT
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVAL_SEED_OFFSET = 1_000_003  # eval batches come from their own stream, apart from training's
@@ -74,6 +74,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
+        check_finite_settings(self)
         for name in ("max_iters", "batch_size", "grad_accum", "eval_interval", "eval_iters",
                      "log_interval"):
             if getattr(self, name) <= 0:
@@ -97,15 +98,22 @@ class TrainConfig:
         return settings_from_dict(cls, values, "training settings")
 
 
+def check_finite_settings(settings: Any) -> None:
+    """A float setting of a dataclass is finite: `--lr inf` or `--ln-eps inf` would train on
+    NaN, and JSON (config.json) cannot even hold the value."""
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{f.name} must be a finite number, got {value}")
+
+
 def read_config_file(path: str | Path) -> dict[str, dict[str, Any]]:
-    """A TOML file with optional [model] and [train] tables (the presets' layout)."""
+    """A TOML file with optional [model] and [train] tables (the presets' layout), read with
+    files.read_toml's bounds. The user named it: a link to it is followed, on purpose."""
     path = Path(path)
-    try:
-        tables = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{path} is not valid TOML: {error}") from None
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    tables = files.read_toml(path.resolve(), ConfigError)
     unknown = sorted(set(tables) - {"model", "train"})
     if unknown:
         raise ConfigError(f"{path}: unknown tables {unknown}; use [model] and [train]")
@@ -175,6 +183,47 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     fused = params[0].device.type in FUSED_ADAMW_DEVICES
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused,
                              foreach=None if fused else True)
+
+
+ADAMW_STATE = ("step", "exp_avg", "exp_avg_sq")
+
+
+def adamw_state_shapes(optimizer: torch.optim.Optimizer) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor AdamW keeps once it has stepped, named as a checkpoint
+    names them (`optimizer.<parameter index>.<name>`): a step count and two moments each."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for index, param in enumerate(params):
+        shapes[f"optimizer.{index}.step"] = ()
+        shapes[f"optimizer.{index}.exp_avg"] = tuple(param.shape)
+        shapes[f"optimizer.{index}.exp_avg_sq"] = tuple(param.shape)
+    return shapes
+
+
+def load_adamw_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any],
+                     source: Path) -> None:
+    """Give `optimizer` a checkpoint's state, checked first: the fused AdamW kernel reads
+    moments of the wrong shape out of bounds (a segfault), so nothing unchecked may reach it.
+
+    Names, shapes and dtypes of the tensors were checked as the file was read (against
+    `adamw_state_shapes`); here the groups must split the same parameters the same way, each
+    parameter's state must be exactly AdamW's, and each step count at least 1. The
+    hyperparameters are this run's settings: the checkpoint's own, unless a flag changed one.
+    """
+    fresh = optimizer.state_dict()["param_groups"]
+    if [group.get("params") for group in saved["param_groups"]] != \
+            [group["params"] for group in fresh]:
+        raise CheckpointError(f"{source}: the optimizer's parameter groups do not fit the "
+                              f"model")
+    for index, values in saved["state"].items():
+        if set(values) != set(ADAMW_STATE) or not all(isinstance(v, Tensor)
+                                                      for v in values.values()):
+            raise CheckpointError(f"{source}: the optimizer state of parameter {index} holds "
+                                  f"{sorted(values)}; AdamW keeps {list(ADAMW_STATE)}")
+        if not values["step"].item() >= 1:
+            raise CheckpointError(f"{source}: optimizer.{index}.step is "
+                                  f"{values['step'].item()}; a saved step count is at least 1")
+    optimizer.load_state_dict({"state": saved["state"], "param_groups": fresh})
 
 
 def lr_at(iteration: int, cfg: TrainConfig) -> float:
@@ -282,19 +331,23 @@ class TrainResult:
 
 
 class Trainer:
-    """Trains `model` on `data` into `run_dir`, checkpointing at every evaluation and the end."""
+    """Trains `model` on `data` into `run_dir`, checkpointing at every evaluation and the end.
+
+    Building a Trainer and `resume` only read: the run directory changes once `run` starts. A
+    caller that may race another writer holds `files.locked_directory(run_dir)` around `run`
+    (the CLI does, from its last check to the end of training).
+    """
 
     def __init__(self, model: GPT, cfg: TrainConfig, data: PreparedData, run_dir: str | Path,
                  reporter: Reporter | None = None, context: ddp.DistContext | None = None):
         self.cfg, self.data, self.run_dir = cfg, data, Path(run_dir)
         self.context = context or ddp.DistContext()
-        if self.context.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
         self.reporter = reporter if reporter is not None and self.context.is_main \
             else SilentReporter()
         self.device = resolve_device(cfg.device, self.context.local_rank)
         self.amp_dtype = autocast_dtype(cfg.dtype, self.device)
         data.check_block_size(model.config.block_size)
+        check_training_fits_memory(model.config, cfg.batch_size, self.amp_dtype, self.device)
         self.model = model.to(self.device)  # the plain model: saved, evaluated
         self.optimizer = make_optimizer(self.model, cfg)
         use_scaler = self.amp_dtype == torch.float16
@@ -306,6 +359,7 @@ class Trainer:
         self.sampler = self._sampler("train", cfg.seed + self.context.rank)
         torch.manual_seed(cfg.seed + self.context.rank)
         self.state = ckpt.TrainState()
+        self.resumed = False
         self.tokens_per_step = (cfg.batch_size * model.config.block_size * cfg.grad_accum
                                 * self.context.world_size)
 
@@ -313,16 +367,19 @@ class Trainer:
         return BatchSampler(self.data.splits[split], self.model.config.block_size,
                             self.cfg.batch_size, seed, self.device)
 
-    def resume(self) -> None:
-        """Continue from the checkpoint in run_dir: optimizer, step, RNG and sampler states."""
-        state = ckpt.load_train_state(self.run_dir)
-        path = self.run_dir / ckpt.MODEL_FILE
-        ckpt.load_model_tensors(self.model, ckpt.read_safetensors(path), path)
-        try:
-            self.optimizer.load_state_dict(state.optimizer)
-        except (ValueError, KeyError, RuntimeError) as error:
-            raise ckpt.CheckpointError(f"{self.run_dir}: optimizer state does not fit the "
-                                       f"model ({error})") from None
+    def resume(self, weights: bool = True) -> None:
+        """Continue from the checkpoint in run_dir: optimizer, step, RNG and sampler states,
+        and the weights unless the model already holds them (`weights=False`).
+
+        Everything is checked before the optimizer sees it (see load_adamw_state).
+        """
+        state = ckpt.load_train_state(self.run_dir, adamw_state_shapes(self.optimizer))
+        if weights:
+            path = ckpt.run_paths(self.run_dir)[ckpt.MODEL_FILE]
+            ckpt.load_model_tensors(self.model, ckpt.read_weights(path, self.model.config),
+                                    path)
+        load_adamw_state(self.optimizer, state.optimizer,
+                         self.run_dir / ckpt.STATE_TENSORS_FILE)
         if self.scaler is not None and state.scaler:
             self.scaler.load_state_dict(state.scaler)
         if len(state.rng) == self.context.world_size:
@@ -337,11 +394,22 @@ class Trainer:
             self.sampler = self._sampler("train", self.cfg.seed + self.context.rank
                                          + state.iteration)
         self.state = state
-        if self.context.is_main:
-            truncate_metrics(self.run_dir, state.iteration)
+        self.resumed = True
+
+    def _prepare_run_dir(self) -> None:
+        """Create the run directory; a resumed run drops metrics logged after its checkpoint
+        (they will be logged again)."""
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise CheckpointError(f"cannot create {self.run_dir} ({error})") from None
+        if self.resumed:
+            truncate_metrics(self.run_dir, self.state.iteration)
 
     def run(self) -> TrainResult:
         cfg, start = self.cfg, time.perf_counter()
+        if self.context.is_main:
+            self._prepare_run_dir()
         losses: dict[str, float] = {}
         self.reporter.start(cfg.max_iters, self.state.iteration)
         first_bad = torch.full((), -1, device=self.device)  # first step with a non-finite loss
@@ -450,7 +518,13 @@ def resume_settings(run_dir: str | Path, model_flags: dict[str, Any],
                           for k, v in sorted(changed.items()))
         raise ConfigError(f"cannot change model settings of a run when resuming: {asked}; "
                           f"start a new run with --init-from {run_dir}")
-    cfg = TrainConfig.from_dict({**(config["train"] or {}), **train_flags})
+    saved = config["train"] or {}
+    try:
+        TrainConfig.from_dict(saved)
+    except ConfigError as error:
+        raise CheckpointError(f"{Path(run_dir) / ckpt.CONFIG_FILE}: its 'train' table is not "
+                              f"valid: {error}") from None
+    cfg = TrainConfig.from_dict({**saved, **train_flags})
     data_dir = config.get("data_dir")
     return cfg, None if data_dir is None else Path(data_dir)
 
@@ -485,33 +559,7 @@ def model_for_finetuning(init_from: str | Path, data: PreparedData,
 def build_model(model_settings: dict[str, Any], vocab_size: int, seed: int) -> GPT:
     """A freshly initialised GPT; the vocabulary size comes from the data's tokenizer."""
     config = GPTConfig.from_dict({**model_settings, "vocab_size": vocab_size})
+    check_finite_settings(config)
     check_model_fits_memory(config)
     torch.manual_seed(seed)  # the same initial weights on every rank
     return GPT(config)
-
-
-def check_model_fits_memory(config: GPTConfig) -> None:
-    """Refuse, before allocating, a model whose weights alone exceed this machine's memory."""
-    try:
-        with torch.device("meta"):  # shapes only; one and two layers give the cost of a layer
-            one, two = (count_parameters(GPT(dataclasses.replace(config, n_layer=n)))
-                        for n in (1, 2))
-    except RuntimeError as error:  # sizes whose product overflows
-        raise ConfigError(f"n_embd={config.n_embd}, vocab_size={config.vocab_size}, block_size="
-                          f"{config.block_size} make tensors too large to exist "
-                          f"({error})") from None
-    params = one + (config.n_layer - 1) * (two - one)
-    needed, available = 4 * params, physical_memory()  # float32 weights
-    if available is not None and needed > available:
-        raise ConfigError(f"n_layer={config.n_layer}, n_embd={config.n_embd}, vocab_size="
-                          f"{config.vocab_size}, block_size={config.block_size} make "
-                          f"{params:,} parameters: {needed / 2**30:,.0f} GiB of weights alone, "
-                          f"more than this machine's {available / 2**30:,.0f} GiB of memory")
-
-
-def physical_memory() -> int | None:
-    """Bytes of RAM, where the OS tells (Linux, macOS); None elsewhere."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None

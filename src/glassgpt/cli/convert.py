@@ -3,7 +3,8 @@
     glassgpt convert --from-hf NAME_OR_DIR --out RUN_DIR   # hub name (e.g. gpt2) or local dir
     glassgpt convert RUN_DIR --to-hf OUT_DIR               # a save_pretrained directory
 
-Needs the optional extra `hf` (transformers).
+Exporting, and downloading a hub name, need the optional extra `hf` (transformers); importing a
+local directory needs nothing more, because glassgpt reads it itself (safetensors only).
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from glassgpt import interop
+from glassgpt import files, interop
 from glassgpt.checkpoint import load_model, save_model
 from glassgpt.errors import CheckpointError, CommandLineError
-from glassgpt.tokenizers import END_OF_TEXT, BPETokenizer, Tokenizer, load_tokenizer
+from glassgpt.hf_files import MAX_TOKENIZER_BYTES
+from glassgpt.tokenizers import END_OF_TEXT, BPETokenizer, Tokenizer, tokenizer_from_json
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -66,16 +68,24 @@ def _hide_hf_progress_bars() -> None:
 
 def import_from_hf(source: str, out: Path, tokenizer_file: str | None,
                    dropout: float | None) -> int:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    """Everything is read and checked first; `out` is created only when all of it is good."""
+    files.check_can_make_dir(out, CheckpointError)
+    if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out} already exists and is not empty; choose a new run "
                               f"directory so no run is overwritten")
+    directory = interop.open_hf_source(source)
     # Runs train in float32 whatever precision the weights were published in.
-    model = interop.from_hf(source, dropout=dropout).float()
-    tokenizer = _source_tokenizer(source, tokenizer_file)
+    model = interop.from_hf(directory, dropout=dropout).float()
+    tokenizer = _source_tokenizer(directory, tokenizer_file)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise CheckpointError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the "
                               f"model's vocab_size={model.config.vocab_size}")
-    save_model(out, model, tokenizer, extra={"converted_from": source})
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CheckpointError(f"cannot create {out} ({error})") from None
+    with files.locked_directory(out, CheckpointError):
+        save_model(out, model, tokenizer, extra={"converted_from": source})
     c = model.config
     print(f"wrote {out}: {c.n_layer} layers, {c.n_head} heads, width {c.n_embd}, context "
           f"{c.block_size}, vocabulary {c.vocab_size} ({tokenizer.kind} tokenizer of "
@@ -83,17 +93,27 @@ def import_from_hf(source: str, out: Path, tokenizer_file: str | None,
     return 0
 
 
-def _source_tokenizer(source: str, tokenizer_file: str | None) -> Tokenizer:
+def _source_tokenizer(directory: interop.HFDirectory, tokenizer_file: str | None) -> Tokenizer:
     if tokenizer_file is not None:
-        return load_tokenizer(tokenizer_file)
-    hf_tokenizer = interop.load_hf_tokenizer(source)
+        return _user_tokenizer(Path(tokenizer_file))
+    hf_tokenizer = interop.load_hf_tokenizer(directory)
     if hf_tokenizer is None:
-        raise CheckpointError(f"{source} has no tokenizer (tokenizer.json, or vocab.json and "
-                              f"merges.txt); pass one with --tokenizer FILE")
+        raise CheckpointError(f"{directory.name} has no tokenizer (tokenizer.json, or "
+                              f"vocab.json and merges.txt); pass one with --tokenizer FILE")
     return BPETokenizer(hf_tokenizer)
 
 
+def _user_tokenizer(path: Path) -> Tokenizer:
+    """--tokenizer FILE: a file the user named (a link to it is fine), read bounded."""
+    if not path.exists():
+        raise CheckpointError(f"tokenizer file not found: {path}")
+    text = files.read_text(path.resolve(), MAX_TOKENIZER_BYTES, CheckpointError)
+    files.parse_json(text, str(path), CheckpointError)
+    return tokenizer_from_json(text, source=str(path))
+
+
 def export_to_hf(run_dir: Path, out: Path) -> int:
+    files.check_can_make_dir(out, CheckpointError)  # before the work, not after it
     model, tokenizer = load_model(run_dir)
     if isinstance(tokenizer, BPETokenizer):
         interop.save_hf(model, out, tokenizer=tokenizer.tokenizer, eos_token=END_OF_TEXT)

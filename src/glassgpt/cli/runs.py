@@ -7,6 +7,7 @@ Every model and training setting gets a typed `--kebab-case` flag generated from
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -19,6 +20,7 @@ import torch
 
 from glassgpt import checkpoint as ckpt
 from glassgpt import distributed as ddp
+from glassgpt import files, rundir
 from glassgpt.config import GPTConfig, SamplingConfig, preset_names
 from glassgpt.data import (
     PreparedData,
@@ -28,9 +30,9 @@ from glassgpt.data import (
     sequential_batches,
     tinyshakespeare_path,
 )
-from glassgpt.errors import CheckpointError, ConfigError
+from glassgpt.errors import CheckpointError, CommandLineError, ConfigError
 from glassgpt.generate import encode_prompt, stream_text
-from glassgpt.metrics import METRICS_FILE, PLOT_FILE, RichReporter
+from glassgpt.metrics import RichReporter
 from glassgpt.model import GPT, count_parameters
 from glassgpt.tokenizers import TOKENIZER_KINDS
 from glassgpt.train import (
@@ -47,8 +49,6 @@ from glassgpt.train import (
 
 FLAG_TYPES = {"int": int, "float": float, "str": str}
 DATA_DECIDES = ("vocab_size",)  # set by the tokenizer of the data, never by a flag
-RUN_FILES = (ckpt.CONFIG_FILE, ckpt.MODEL_FILE, ckpt.TOKENIZER_FILE, ckpt.STATE_JSON_FILE,
-             ckpt.STATE_TENSORS_FILE, METRICS_FILE, PLOT_FILE)
 INTERRUPTED_EXIT_CODE = 130
 DEFAULT_PROMPT = "\n"
 
@@ -147,13 +147,16 @@ def _flags(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    """Every input is checked (out directory, data, config file, flags, model shape, the run
+    to start from) before the run directory changes; then, holding its lock, the old run is
+    replaced (or continued) and training starts."""
     model_flags, train_flags = _flags(args, "model"), _flags(args, "train")
     if args.resume:
         return _resume(args, model_flags, train_flags)
     if args.out is None and ddp.launched_by_torchrun():
         raise ConfigError("under torchrun, name the run directory with --out")
     run_dir = args.out or _fresh_run_dir()
-    _claim_run_dir(run_dir, args.force)
+    rundir.check_out_dir(run_dir, args.force, args.init_from)
     preset = args.preset or _preset_for_device(train_flags.get("device", "auto"))
     model_settings, cfg = resolve_configs(preset, args.config, model_flags, train_flags)
     GPTConfig.from_dict({**model_settings, "vocab_size": 1})  # bad sizes fail before any work
@@ -162,19 +165,35 @@ def run_train(args: argparse.Namespace) -> int:
         data = PreparedData(_data_dir(args.data, context))
         model = _initial_model(args.init_from, model_settings, model_flags, data, cfg.seed)
         trainer = Trainer(model, cfg, data, run_dir, RichReporter(), context)
-        if context.is_main:
-            start = (f"fine-tuning {args.init_from}" if args.init_from
-                     else f"training preset {preset}")
-            _say(f"{start} ({_describe(model)}) on {trainer.device}, data {data.dir}, "
-                 f"run directory {run_dir}")
-        return _finish(trainer.run(), run_dir, context)
+        with _writer(run_dir, context):
+            if context.is_main:
+                rundir.replace_run(run_dir, args.force)
+                start = (f"fine-tuning {args.init_from}" if args.init_from
+                         else f"training preset {preset}")
+                _say(f"{start} ({_describe(model)}) on {trainer.device}, data {data.dir}, "
+                     f"run directory {run_dir}")
+            ddp.barrier(context)
+            return _finish(trainer.run(), run_dir, context)
+
+
+RESUME_TAKES_NO = {"config": "--config", "preset": "--preset", "init_from": "--init-from",
+                   "force": "--force"}
 
 
 def _resume(args: argparse.Namespace, model_flags: dict[str, Any],
             train_flags: dict[str, Any]) -> int:
     if args.out is None:
         raise ConfigError("--resume needs --out RUN_DIR, the run to continue")
+    given = [flag for name, flag in RESUME_TAKES_NO.items() if getattr(args, name)]
+    if given:
+        raise CommandLineError(f"--resume continues {args.out} with its own model and recipe; "
+                               f"{', '.join(given)} cannot go with it (change training settings "
+                               f"with their own flags, or start a new run with --init-from)")
+    files.check_unlocked(args.out, CheckpointError)  # a run in use: say so before reading it
+    validated = rundir.fingerprint(args.out)  # what is read next must be what is continued
     cfg, recorded_data = resume_settings(args.out, model_flags, train_flags)
+    files.check_can_make_dir(args.out, CheckpointError)  # read-only: say so before the work
+    rundir.check_recoverable(args.out)
     data_dir = args.data or recorded_data
     if data_dir is None:
         raise ConfigError(f"{args.out} records no data directory; pass --data")
@@ -184,15 +203,29 @@ def _resume(args: argparse.Namespace, model_flags: dict[str, Any],
         model = ckpt.load_model(args.out)[0].train()  # checks config.json against the weights
         check_same_tokenizer(data, args.out)
         trainer = Trainer(model, cfg, data, args.out, RichReporter(), context)
-        trainer.resume()
+        trainer.resume(weights=False)
         if trainer.state.iteration >= cfg.max_iters:
             _say(f"{args.out} has already trained {trainer.state.iteration} iterations; "
                  f"raise --max-iters to train further")
             return 0
-        if context.is_main:
-            _say(f"resuming {args.out} at iteration {trainer.state.iteration} of "
-                 f"{cfg.max_iters}")
-        return _finish(trainer.run(), args.out, context)
+        with _writer(args.out, context):
+            if context.is_main:
+                rundir.continue_run(args.out, validated)
+                _say(f"resuming {args.out} at iteration {trainer.state.iteration} of "
+                     f"{cfg.max_iters}")
+            ddp.barrier(context)
+            return _finish(trainer.run(), args.out, context)
+
+
+@contextlib.contextmanager
+def _writer(run_dir: Path, context: ddp.DistContext) -> Iterator[None]:
+    """Rank 0 holds the run directory's lock until training ends; other ranks write nothing
+    there."""
+    if not context.is_main:
+        yield
+        return
+    with rundir.writing(run_dir):
+        yield
 
 
 def _finish(result: TrainResult, run_dir: Path, context: ddp.DistContext) -> int:
@@ -208,24 +241,11 @@ def _finish(result: TrainResult, run_dir: Path, context: ddp.DistContext) -> int
 
 
 def _fresh_run_dir() -> Path:
+    """runs/<time>, a name no directory has yet (said when training starts)."""
     run_dir = Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     while run_dir.exists():
         run_dir = run_dir.with_name(run_dir.name + "-1")
-    _say(f"no --out given; this run goes to {run_dir}")
     return run_dir
-
-
-def _claim_run_dir(run_dir: Path, force: bool) -> None:
-    """Refuse to overwrite a run, unless --force: then remove its files (only those)."""
-    existing = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if not existing:
-        return
-    if not force:
-        raise CheckpointError(f"{run_dir} already holds a run; continue it with --resume or "
-                              f"overwrite it with --force")
-    if ddp.rank_from_env() == 0:  # under torchrun, one rank deletes
-        for name in existing:
-            (run_dir / name).unlink(missing_ok=True)
 
 
 def _preset_for_device(device: str) -> str:
