@@ -19,7 +19,7 @@ import torch
 from glassgpt.checkpoint import save_model
 from glassgpt.cli import main
 from glassgpt.config import GPTConfig
-from glassgpt.data import PreparedData, datadir, prepare
+from glassgpt.data import PreparedData, datadir, pipeline, prepare
 from glassgpt.errors import DataError
 from glassgpt.model import GPT
 from glassgpt.tokenizers import BPETokenizer
@@ -30,9 +30,17 @@ OTHER_TEXT = "".join(f"All the world's a stage {i}, and all the men players.\n"
 
 
 def tree(root: Path) -> dict[str, str]:
-    """Every file under `root` (hidden ones too) -> sha256 of its bytes."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    """Every file under `root` (hidden ones too) -> sha256 of its bytes (of its size and time
+    for a huge one)."""
+    return {str(p.relative_to(root)): fingerprint(p) for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def fingerprint(path: Path) -> str:
+    stat = path.stat()
+    if stat.st_size > 2**26:
+        return f"{stat.st_size} bytes, modified {stat.st_mtime_ns}"
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @pytest.fixture()
@@ -224,3 +232,24 @@ def test_a_cache_that_is_a_file_is_one_error_for_the_default_training(place, mon
     torch.manual_seed(0)
     fails_cleanly(["train", "--max-iters", "1", "--out", place / "run"],
                   "the cache directory is unusable", place, capsys)
+
+
+def test_a_sparse_64_gib_text_is_refused_at_its_first_block(place, capsys):
+    """NUL bytes are valid UTF-8 but never text (a sparse file, UTF-16): refused at once."""
+    sparse = place / "sparse.txt"
+    with open(sparse, "wb") as file:
+        file.truncate(64 * 2**30)
+    fails_cleanly(["prepare", "--text", sparse, "--out", place / "new"],
+                  "sparse.txt holds a NUL byte (byte 0)", place, capsys)
+    (place / "utf16.txt").write_bytes("To be".encode("utf-16-le"))
+    fails_cleanly(["prepare", "--text", place / "utf16.txt", "--out", place / "new"],
+                  "(byte 1): binary data or UTF-16", place, capsys)
+
+
+def test_a_full_disk_is_one_error_and_keeps_the_old_data(place, monkeypatch, capsys):
+    def disk_full(self):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pipeline.IdWriter, "flush", disk_full)
+    fails_cleanly(["prepare", "--text", place / "other.txt", "--out", place / "data",
+                   "--force"], "No space left on device; nothing was changed", place, capsys)

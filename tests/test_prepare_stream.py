@@ -16,7 +16,7 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from glassgpt.cli import main
 from glassgpt.data import PreparedData, prepare
-from glassgpt.data.prepare import MIN_BUFFER_BYTES, text_pieces
+from glassgpt.data.pipeline import MIN_BUFFER_BYTES, text_pieces
 from glassgpt.tokenizers import BPETokenizer, CharTokenizer
 
 MiB = 2**20

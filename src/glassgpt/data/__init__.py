@@ -2,8 +2,8 @@
 
 - `corpus`: where text comes from (Tiny Shakespeare inside the package, the user's files and glob
   patterns), read in blocks.
-- `prepare`: a corpus -> a data directory, streamed in bounded memory, optionally across worker
-  processes, with the same ids as encoding the whole text at once.
+- `pipeline`: `prepare`, a corpus -> a data directory, streamed in bounded memory, optionally
+  across worker processes, with the same ids as encoding the whole text at once.
 - `datadir`: the directory's files, committed as a whole and read back memory-mapped.
 - `batches`: random training windows and sequential evaluation windows.
 """
@@ -29,7 +29,7 @@ from glassgpt.data.datadir import (
     is_prepared_from,
     sha256_of,
 )
-from glassgpt.data.prepare import (
+from glassgpt.data.pipeline import (
     DEFAULT_BUFFER_BYTES,
     default_data_dir,
     prepare,

@@ -192,14 +192,15 @@ class Corpus:
 
     @classmethod
     def from_paths(cls, paths: str | Path | Sequence[str | Path] | None) -> Corpus:
-        """Files and patterns (None: Tiny Shakespeare); every file is checked to exist."""
+        """Files and patterns (None: Tiny Shakespeare), checked before any work starts."""
         if paths is None:
             data, where = tinyshakespeare()
             return cls([], where, data)
         given = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
         files = find_text_files(given)
-        for path in files:
-            _open_text_file(path).close()
+        for path in given:  # a named file is checked now; a pattern only matches files
+            if os.path.lexists(Path(path).expanduser()):
+                _open_text_file(Path(path).expanduser()).close()
         source = str(files[0].resolve()) if len(given) == len(files) == 1 else \
             [str(p) for p in given]
         return cls(files, source)
@@ -248,6 +249,10 @@ def _decoded_blocks(name: str, stream: BinaryIO, block_bytes: int
             position = offset - held + error.start
             raise DataError(f"{name} is not UTF-8 text (byte {position}: "
                             f"{error.object[error.start:error.start + 1]!r})") from None
+        if "\x00" in text:  # valid UTF-8, but binary: a sparse file, or UTF-16 text
+            position = offset + len(text[:text.index("\x00")].encode("utf-8"))
+            raise DataError(f"{name} holds a NUL byte (byte {position}): binary data or "
+                            f"UTF-16, not UTF-8 text")
         offset += len(data)
         if text or data:
             yield text, data

@@ -105,22 +105,37 @@ def prepare(out_dir: str | Path, text_path: str | Path | Sequence[str | Path] | 
         _check_trainable(tokenizer, vocab_size)
     corpus = Corpus.from_paths(text_path)
     out = check_prepare_target(out_dir, force)
-    with DataDirWriter(out) as writer:
-        tok = given or fit_tokenizer(tokenizer, vocab_size, corpus, budget)
-        dtype = id_dtype(tok.vocab_size)
-        total = write_ids(writer.pending(TRAIN_FILE), corpus, tok, dtype, budget)
-        n_train = int(total * (1 - val_fraction))
-        if n_train < 2 or total - n_train < 2:
-            raise DataError(f"{corpus.name} is too short to split: {total} tokens")
-        move_tail(writer.pending(TRAIN_FILE), writer.pending(VAL_FILE), n_train * dtype.itemsize,
-                  budget.id_buffer_bytes)
-        meta = {"source": corpus.source, "sha256": corpus.sha256, "tokenizer": tok.kind,
-                "vocab_size": tok.vocab_size, "dtype": dtype.name, "train_tokens": n_train,
-                "val_tokens": total - n_train, "text_bytes": corpus.text_bytes,
-                "files": max(1, len(corpus.files))}
-        writer.write_pending(TOKENIZER_FILE, tok.to_json().encode("utf-8"))
-        writer.write_pending(META_FILE, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
-        writer.commit()
+    try:
+        with DataDirWriter(out) as writer:
+            meta = _write_files(writer, corpus, given, tokenizer, vocab_size, val_fraction,
+                                budget)
+            writer.commit()
+    except OSError as error:  # a full disk, a read-only place, a file that failed to read
+        where = error.filename or out
+        raise DataError(f"cannot prepare {out}: {where}: {error.strerror or error}; nothing "
+                        f"was changed") from None
+    return meta
+
+
+def _write_files(writer: DataDirWriter, corpus: Corpus, given: Tokenizer | None, kind: str,
+                 vocab_size: int | None, val_fraction: float, budget: Budget
+                 ) -> dict[str, Any]:
+    """Steps 1-3 into the writer's pending files; returns the metadata."""
+    tok = given or fit_tokenizer(kind, vocab_size, corpus, budget)
+    dtype = id_dtype(tok.vocab_size)
+    train_path = writer.pending(TRAIN_FILE)
+    total = write_ids(train_path, corpus, tok, dtype, budget)
+    n_train = int(total * (1 - val_fraction))
+    if n_train < 2 or total - n_train < 2:
+        raise DataError(f"{corpus.name} is too short to split: {total} tokens")
+    move_tail(train_path, writer.pending(VAL_FILE), n_train * dtype.itemsize,
+              budget.id_buffer_bytes)
+    meta = {"source": corpus.source, "sha256": corpus.sha256, "tokenizer": tok.kind,
+            "vocab_size": tok.vocab_size, "dtype": dtype.name, "train_tokens": n_train,
+            "val_tokens": total - n_train, "text_bytes": corpus.text_bytes,
+            "files": max(1, len(corpus.files))}
+    writer.write_pending(TOKENIZER_FILE, tok.to_json().encode("utf-8"))
+    writer.write_pending(META_FILE, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
     return meta
 
 
