@@ -80,8 +80,9 @@ def test_text_errors_name_the_path(tmp_path):
     with pytest.raises(DataError, match=f"{empty} is empty"):
         list(Corpus.from_paths(empty).blocks(1024))
     latin1 = tmp_path / "latin1.txt"
-    latin1.write_bytes("é".encode() * 5000 + "café".encode("latin-1"))
-    with pytest.raises(DataError, match=r"not UTF-8 text \(byte 10003: b'\\xe9'\)"):
+    # "x" first: block ends (every 4096 bytes) fall inside a two-byte "é".
+    latin1.write_bytes(b"x" + "é".encode() * 5000 + "café".encode("latin-1"))
+    with pytest.raises(DataError, match=r"not UTF-8 text \(byte 10004: b'\\xe9'\)"):
         list(Corpus.from_paths(latin1).blocks(4096))  # the error is in the third block
 
 

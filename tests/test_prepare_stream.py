@@ -15,8 +15,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from glassgpt.cli import main
-from glassgpt.data import PreparedData, prepare
+from glassgpt.data import PreparedData, pipeline, prepare
 from glassgpt.data.pipeline import MIN_BUFFER_BYTES, text_pieces
+from glassgpt.errors import DataError
 from glassgpt.tokenizers import BPETokenizer, CharTokenizer
 
 MiB = 2**20
@@ -197,3 +198,17 @@ def test_gpt2_style_vocab_and_merges_on_the_command_line(tmp_path, capsys):
     data = PreparedData(tmp_path / "data")
     assert data.meta["tokenizer"] == "bpe" and data.vocab_size == 260
     assert 258 in data.splits["train"]  # " the" is one token
+
+
+def test_a_tokenizer_that_never_splits_is_not_cut(bpe, monkeypatch):
+    """Without a pre-tokenizer a text is one word: no cut is safe, so a short text stays whole
+    and a long one is refused rather than tokenized differently."""
+    whole = BPETokenizer.train("hello world\n" * 50, 300)
+    whole.tokenizer.pre_tokenizer = None
+    text = "hello world\n" * 100
+    assert whole.safe_cut(text) is None and bpe.safe_cut(text) == len(text) - 7
+    blocks = [text[i:i + 100] for i in range(0, len(text), 100)]
+    assert list(text_pieces(blocks, whole.safe_cut, 50, "text")) == [text]
+    monkeypatch.setattr(pipeline, "MAX_UNCUT_CHARS", 500)
+    with pytest.raises(DataError, match="found no place to cut"):
+        list(text_pieces(blocks, whole.safe_cut, 50, "text"))

@@ -242,15 +242,16 @@ def _decoded_blocks(name: str, stream: BinaryIO, block_bytes: int
     offset = 0  # bytes of the file read before this block
     while True:
         data = stream.read(block_bytes)
+        # Where the text decoded now starts in the file: a character may have begun in the
+        # last block, its first bytes held by the decoder.
+        start = offset - len(decoder.getstate()[0])
         try:
             text = decoder.decode(data, final=not data)
         except UnicodeDecodeError as error:
-            held = len(error.object) - len(data)  # the start of a character from the last block
-            position = offset - held + error.start
-            raise DataError(f"{name} is not UTF-8 text (byte {position}: "
+            raise DataError(f"{name} is not UTF-8 text (byte {start + error.start}: "
                             f"{error.object[error.start:error.start + 1]!r})") from None
         if "\x00" in text:  # valid UTF-8, but binary: a sparse file, or UTF-16 text
-            position = offset + len(text[:text.index("\x00")].encode("utf-8"))
+            position = start + len(text[:text.index("\x00")].encode("utf-8"))
             raise DataError(f"{name} holds a NUL byte (byte {position}): binary data or "
                             f"UTF-16, not UTF-8 text")
         offset += len(data)

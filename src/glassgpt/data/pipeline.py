@@ -61,7 +61,7 @@ MIN_BUFFER_BYTES = 2**16
 MAX_WORKERS = 256
 # A piece is buffer / 256, within these bounds: encoding takes about 200 bytes per character of a
 # piece (the Hugging Face Encoding holds offsets, token strings, masks), so memory stays near
-# the buffer. Many small pieces cost nothing measurable.
+# the buffer. Small pieces are no slower: 4 KiB ones encoded faster than 256 KiB ones (measured).
 PIECE_FRACTION = 256
 MIN_PIECE_BYTES, MAX_PIECE_BYTES = 2**12, 2**18
 # Text with no safe cut may pile up to this many characters before it is an error.

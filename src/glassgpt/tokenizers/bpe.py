@@ -116,17 +116,26 @@ class BPETokenizer:
     def safe_cut(self, text: str) -> int | None:
         """The last place where `text` may be cut without changing its tokens, or None.
 
-        With GPT-2's pre-tokenizer pattern no pre-token spans a `CUT_CANDIDATE`: the one before
-        ends in a non-space, which no space-only alternative takes and the others stop at; the
-        one after starts afresh, as the pattern has no look-behind. A tokenizer from a file may
-        split differently, so each candidate is also checked by encoding its neighbourhood.
+        BPE merges only within a pre-token, so a cut between two pre-tokens changes nothing.
+        With GPT-2's pattern no pre-token spans a `CUT_CANDIDATE`: the one before ends in a
+        non-space, which no space-only alternative takes and the others stop at; the one after
+        starts afresh, as the pattern has no look-behind. A tokenizer from a file may split
+        otherwise, so each candidate is checked on its neighbourhood: the pre-tokenizer must
+        split there, and encoding the two sides apart must give the ids of encoding them as one.
         """
+        pre_tokenizer = self.tokenizer.pre_tokenizer
+        if pre_tokenizer is None:  # the whole text is one word: no place is safe
+            return None
         for tries, cut in enumerate(cut_candidates(text)):
             if tries == MAX_CUT_TRIES:
                 return None
             left = text[max(0, cut - CUT_CHECK_CHARS):cut]
             right = text[cut:cut + CUT_CHECK_CHARS]
-            if self.encode(left + right) == self.encode(left) + self.encode(right):
+            pieces = _rust_call("cannot pre-tokenize the text", pre_tokenizer.pre_tokenize_str,
+                                left + right)
+            splits_there = any(end == len(left) for _, (_, end) in pieces)
+            if splits_there and \
+                    self.encode(left + right) == self.encode(left) + self.encode(right):
                 return cut
         return None
 
