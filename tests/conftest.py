@@ -9,14 +9,17 @@ import matplotlib
 import pytest
 import torch
 
+from glassgpt.data import TINYSHAKESPEARE_ENV, packaged_tinyshakespeare
+
 matplotlib.use("Agg")
 # Tiny test models are overhead-bound: one thread is faster than two fighting over 2 cores, and
 # subprocesses started by the CLI tests inherit the same setting.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_SHAKESPEARE = REPO_ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+# The suite needs no corpus from outside: Tiny Shakespeare comes from the package. A copy named
+# in the developer's environment is ignored, so that every run tests the same thing.
+os.environ.pop(TINYSHAKESPEARE_ENV, None)
 
 
 @pytest.fixture(autouse=True)
@@ -25,11 +28,10 @@ def _seed_everything() -> None:
 
 
 @pytest.fixture(scope="session")
-def shakespeare_path() -> Path:
-    """The Tiny Shakespeare copy for tests: $GLASSGPT_TINYSHAKESPEARE or ../shared/data."""
-    path = Path(os.environ.get("GLASSGPT_TINYSHAKESPEARE", SHARED_SHAKESPEARE))
-    if not path.is_file():
-        pytest.fail(f"Tiny Shakespeare not found at {path}; set GLASSGPT_TINYSHAKESPEARE")
+def shakespeare_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny Shakespeare as a plain file, unpacked from the package's copy (sha256-checked)."""
+    path = tmp_path_factory.mktemp("corpus") / "tinyshakespeare.txt"
+    path.write_bytes(packaged_tinyshakespeare())
     return path
 
 
@@ -44,7 +46,7 @@ def small_text(tmp_path: Path) -> Path:
 
 def cli_environment(shakespeare_path: Path, cache: Path) -> dict[str, str]:
     """Environment for a `glassgpt` subprocess: the test corpus, and a private user cache."""
-    return {**os.environ, "GLASSGPT_TINYSHAKESPEARE": str(shakespeare_path.resolve()),
+    return {**os.environ, TINYSHAKESPEARE_ENV: str(shakespeare_path.resolve()),
             "XDG_CACHE_HOME": str(cache)}
 
 

@@ -2,22 +2,32 @@
 
 from __future__ import annotations
 
+import bz2
+import hashlib
 import json
-import urllib.request
+import os
+import socket
+from importlib import resources
 
 import numpy as np
 import pytest
 import torch
 
-from glassgpt import data
 from glassgpt.data import (
     TINYSHAKESPEARE_SHA256,
     BatchSampler,
+    Corpus,
     PreparedData,
+    cache_dir,
+    find_text_files,
     id_dtype,
+    is_prepared_from,
+    packaged_tinyshakespeare,
     prepare,
-    read_text,
+    prepared_tinyshakespeare,
     sequential_batches,
+    sha256_of,
+    tinyshakespeare,
     tinyshakespeare_path,
 )
 from glassgpt.errors import DataError
@@ -38,8 +48,11 @@ def test_prepare_writes_ids_tokenizer_and_meta(tmp_path, small_text):
     assert saved == meta
     assert meta["tokenizer"] == "char" and meta["vocab_size"] == len(set(text))
     assert meta["train_tokens"] == len(train) and meta["val_tokens"] == len(val)
-    assert meta["dtype"] == "uint16"
-    assert meta["sha256"] == data.sha256_of(small_text)
+    assert meta["dtype"] == "uint16" and meta["text_bytes"] == len(text.encode())
+    assert meta["sha256"] == sha256_of(small_text) and meta["source"] == str(small_text)
+    assert sorted(p.name for p in out.iterdir()) == [".glassgpt.lock", "meta.json",
+                                                     "tokenizer.json", "train.bin", "val.bin"]
+    assert is_prepared_from(out, small_text)
 
 
 def test_prepare_with_bpe(tmp_path, small_text):
@@ -55,18 +68,40 @@ def test_ids_are_uint32_only_when_the_vocabulary_needs_it():
     assert id_dtype(65537) == np.uint32
 
 
-def test_read_text_errors_name_the_path(tmp_path):
+def test_text_errors_name_the_path(tmp_path):
     with pytest.raises(DataError, match="not found"):
-        read_text(tmp_path / "missing.txt")
+        Corpus.from_paths(tmp_path / "missing.txt")
+    with pytest.raises(DataError, match="no text file matches"):
+        Corpus.from_paths(str(tmp_path / "*.md"))
+    with pytest.raises(DataError, match="is a directory"):
+        Corpus.from_paths(tmp_path)
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n", encoding="utf-8")
-    with pytest.raises(DataError, match="empty") as info:
-        read_text(empty)
-    assert str(empty) in str(info.value)
-    binary = tmp_path / "latin1.txt"
-    binary.write_bytes("café".encode("latin-1"))
-    with pytest.raises(DataError, match="not UTF-8"):
-        read_text(binary)
+    with pytest.raises(DataError, match=f"{empty} is empty"):
+        list(Corpus.from_paths(empty).blocks(1024))
+    latin1 = tmp_path / "latin1.txt"
+    # "x" first: block ends (every 4096 bytes) fall inside a two-byte "é".
+    latin1.write_bytes(b"x" + "é".encode() * 5000 + "café".encode("latin-1"))
+    with pytest.raises(DataError, match=r"not UTF-8 text \(byte 10004: b'\\xe9'\)"):
+        list(Corpus.from_paths(latin1).blocks(4096))  # the error is in the third block
+
+
+def test_a_fifo_is_refused_rather_than_read_forever(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(DataError, match="not a regular file"):
+        Corpus.from_paths(tmp_path / "fifo")
+
+
+def test_patterns_expand_sorted_and_each_file_counts_once(tmp_path):
+    for name in ("b.txt", "a.txt", "sub/c.txt"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(name, encoding="utf-8")
+    files = find_text_files([str(tmp_path / "*.txt"), tmp_path / "a.txt",
+                             str(tmp_path / "**" / "c.txt")])
+    assert [f.name for f in files] == ["a.txt", "b.txt", "c.txt"]
+    corpus = Corpus.from_paths([str(tmp_path / "*.txt"), str(tmp_path / "sub" / "*")])
+    assert "".join(corpus.blocks(2)) == "a.txtb.txtsub/c.txt"
+    assert corpus.sha256 == hashlib.sha256(b"a.txtb.txtsub/c.txt").hexdigest()
 
 
 def test_text_too_short_for_the_context(tmp_path):
@@ -83,52 +118,99 @@ def test_not_a_data_directory(tmp_path):
         PreparedData(tmp_path)
 
 
-def test_tinyshakespeare_from_the_environment(monkeypatch, shakespeare_path):
+# --- Tiny Shakespeare -----------------------------------------------------------------------
+
+@pytest.fixture()
+def offline(monkeypatch, tmp_path):
+    """No environment variable, an empty cache, and no network at all."""
+    monkeypatch.delenv("GLASSGPT_TINYSHAKESPEARE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("glassgpt tried to use the network")
+
+    monkeypatch.setattr(socket, "socket", no_network)
+    monkeypatch.setattr(socket, "create_connection", no_network)
+
+
+def test_the_packaged_copy_is_compressed_and_checked():
+    packed = resources.files("glassgpt").joinpath("corpora/tinyshakespeare.txt.bz2")
+    assert len(packed.read_bytes()) < 400_000
+    text = packaged_tinyshakespeare()
+    assert len(text) == 1_115_394
+    assert hashlib.sha256(text).hexdigest() == TINYSHAKESPEARE_SHA256
+
+
+def test_a_damaged_packaged_copy_is_an_error(monkeypatch, tmp_path):
+    fake = tmp_path / "glassgpt"
+    (fake / "corpora").mkdir(parents=True)
+    (fake / "corpora" / "tinyshakespeare.txt.bz2").write_bytes(bz2.compress(b"To be" * 10))
+    monkeypatch.setattr(resources, "files", lambda package: fake)
+    with pytest.raises(DataError, match="is not Tiny Shakespeare: sha256"):
+        packaged_tinyshakespeare()
+
+
+def test_offline_and_without_settings_the_package_provides_the_corpus(offline, tmp_path):
+    data, source = tinyshakespeare()
+    assert hashlib.sha256(data).hexdigest() == TINYSHAKESPEARE_SHA256
+    assert source.endswith("tinyshakespeare.txt.bz2")
+    meta = prepare(tmp_path / "data")  # no text: Tiny Shakespeare, character level
+    assert meta["train_tokens"] == 1_003_854 and meta["sha256"] == TINYSHAKESPEARE_SHA256
+    assert not (tmp_path / "cache").exists()  # reading it needs no cache at all
+    path = tinyshakespeare_path()  # a plain file, for callers that want one
+    assert path == tmp_path / "cache" / "glassgpt" / "tinyshakespeare.txt"
+    assert sha256_of(path) == TINYSHAKESPEARE_SHA256
+
+
+def test_the_environment_then_the_cache_win_over_the_package(offline, monkeypatch, tmp_path,
+                                                            shakespeare_path):
+    cached = tmp_path / "cache" / "glassgpt" / "tinyshakespeare.txt"
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(shakespeare_path.read_bytes())
+    assert tinyshakespeare()[1] == str(cached) and tinyshakespeare_path() == cached
     monkeypatch.setenv("GLASSGPT_TINYSHAKESPEARE", str(shakespeare_path))
+    assert tinyshakespeare()[1] == str(shakespeare_path)
     assert tinyshakespeare_path() == shakespeare_path
-    assert data.sha256_of(shakespeare_path) == TINYSHAKESPEARE_SHA256
 
 
-def test_tinyshakespeare_with_the_wrong_contents(monkeypatch, small_text):
+def test_a_copy_with_the_wrong_contents(offline, monkeypatch, tmp_path, small_text):
     monkeypatch.setenv("GLASSGPT_TINYSHAKESPEARE", str(small_text))
+    with pytest.raises(DataError, match="is not Tiny Shakespeare: 10,290 bytes"):
+        tinyshakespeare()
+    huge = tmp_path / "huge.txt"  # sparse: 64 GiB that cost no disk, never read
+    with open(huge, "wb") as file:
+        file.truncate(64 * 2**30)
+    monkeypatch.setenv("GLASSGPT_TINYSHAKESPEARE", str(huge))
+    with pytest.raises(DataError, match="68,719,476,736 bytes"):
+        tinyshakespeare_path()
+    same_size = tmp_path / "same_size.txt"
+    same_size.write_bytes(b"x" * 1_115_394)
+    monkeypatch.setenv("GLASSGPT_TINYSHAKESPEARE", str(same_size))
     with pytest.raises(DataError, match="sha256"):
-        tinyshakespeare_path()
+        tinyshakespeare()
 
 
-def test_offline_without_a_copy_says_how_to_provide_one(monkeypatch, tmp_path):
-    monkeypatch.delenv("GLASSGPT_TINYSHAKESPEARE", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-
-    def offline(*args, **kwargs):
-        raise OSError("network is unreachable")
-
-    monkeypatch.setattr(urllib.request, "urlopen", offline)
-    with pytest.raises(DataError, match="GLASSGPT_TINYSHAKESPEARE=PATH"):
-        tinyshakespeare_path()
+def test_a_cache_that_is_a_file_is_one_clear_error(offline, monkeypatch, tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    with pytest.raises(DataError, match="the cache directory is unusable"):
+        cache_dir()
+    with pytest.raises(DataError, match="cache directory is unusable"):
+        prepared_tinyshakespeare()
+    assert tinyshakespeare()[0]  # reading needs no cache
 
 
-def test_download_goes_to_the_cache_and_is_checked(monkeypatch, tmp_path, shakespeare_path):
-    monkeypatch.delenv("GLASSGPT_TINYSHAKESPEARE", raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    served = shakespeare_path.read_bytes()
+def test_the_default_data_directory_is_prepared_once_and_repaired(offline, tmp_path):
+    data_dir = prepared_tinyshakespeare()
+    assert data_dir == tmp_path / "cache" / "glassgpt" / "data" / "tinyshakespeare-char"
+    stamp = (data_dir / "train.bin").stat().st_mtime_ns
+    assert prepared_tinyshakespeare() == data_dir
+    assert (data_dir / "train.bin").stat().st_mtime_ns == stamp  # not prepared again
+    (data_dir / "val.bin").write_bytes(b"\x00")  # damaged: prepared again, not an error
+    assert PreparedData(prepared_tinyshakespeare()).meta["val_tokens"] == 111_540
 
-    class Response:
-        def __enter__(self):
-            return self
 
-        def __exit__(self, *exc):
-            return False
-
-        def read(self):
-            return served
-
-    monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: Response())
-    path = tinyshakespeare_path()
-    assert path == tmp_path / "glassgpt" / "tinyshakespeare.txt"
-    assert path.read_bytes() == served
-    monkeypatch.setattr(urllib.request, "urlopen", None)  # the cached copy needs no network
-    assert tinyshakespeare_path() == path
-
+# --- batches --------------------------------------------------------------------------------
 
 def test_batches_are_shifted_windows_of_the_ids():
     ids = np.arange(1000, dtype=np.uint16)

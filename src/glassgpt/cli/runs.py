@@ -24,18 +24,19 @@ from glassgpt import distributed as ddp
 from glassgpt import files, rundir
 from glassgpt.config import GPTConfig, SamplingConfig, preset_names
 from glassgpt.data import (
+    DEFAULT_BUFFER_BYTES,
     PreparedData,
     default_data_dir,
     is_prepared_from,
     prepare,
-    sequential_batches,
     tinyshakespeare_path,
 )
 from glassgpt.errors import CheckpointError, CommandLineError, ConfigError
+from glassgpt.evaluate import evaluate
 from glassgpt.generate import encode_prompt, stream_text
 from glassgpt.metrics import RichReporter
 from glassgpt.model import GPT, count_parameters
-from glassgpt.tokenizers import TOKENIZER_KINDS
+from glassgpt.tokenizers import DEFAULT_BPE_VOCAB, TOKENIZER_KINDS
 from glassgpt.train import (
     TrainConfig,
     Trainer,
@@ -65,24 +66,43 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _register_prepare(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("prepare", help="tokenize a text into a data directory",
-                              description="Tokenize a UTF-8 text (default: Tiny Shakespeare) "
-                              "into train/val token ids, a tokenizer and metadata.")
-    p.add_argument("--text", type=Path, help="UTF-8 text file (default: Tiny Shakespeare)")
+                              description="Tokenize UTF-8 text (default: Tiny Shakespeare) into "
+                              "train/val token ids, a tokenizer and metadata. Any number of "
+                              "files stream through in bounded memory.")
+    p.add_argument("--text", nargs="+", metavar="FILE",
+                   help="UTF-8 text files or quoted glob patterns ('owt/*.txt', "
+                   "'books/**/*.txt'), read in order as one text (default: Tiny Shakespeare)")
     p.add_argument("--tokenizer", choices=TOKENIZER_KINDS, default="char")
-    p.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size")
-    p.add_argument("--tokenizer-file", type=Path,
-                   help="reuse this tokenizer JSON (e.g. a run's, to fine-tune it)")
+    p.add_argument("--vocab-size", type=int, default=DEFAULT_BPE_VOCAB,
+                   help="BPE vocabulary size")
+    p.add_argument("--tokenizer-file", nargs="+", type=Path, metavar="FILE",
+                   help="reuse a tokenizer: a tokenizer JSON (a run's, to fine-tune it; a "
+                   "Hugging Face tokenizer.json), GPT-2's vocab.json and merges.txt, or a "
+                   "directory holding either")
     p.add_argument("--val-fraction", type=float, default=0.1)
     p.add_argument("--out", type=Path, required=True, help="data directory to write")
+    p.add_argument("--force", action="store_true", help="replace the prepared data in --out")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes that encode pieces of the text in parallel")
+    p.add_argument("--buffer-mb", type=float, default=DEFAULT_BUFFER_BYTES / 2**20,
+                   help="memory for text and ids in flight (default %(default)g)")
     p.set_defaults(handler=run_prepare)
 
 
 def run_prepare(args: argparse.Namespace) -> int:
     meta = prepare(args.out, args.text, args.tokenizer, args.vocab_size, args.val_fraction,
-                   args.tokenizer_file)
-    print(f"prepared {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens "
-          f"({meta['tokenizer']} tokenizer, vocab {meta['vocab_size']}) in {args.out}")
+                   args.tokenizer_file, force=args.force, workers=args.workers,
+                   buffer_bytes=_megabytes(args.buffer_mb))
+    files = f" from {meta['files']:,} files" if meta["files"] > 1 else ""
+    print(f"prepared {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens"
+          f"{files} ({meta['tokenizer']} tokenizer, vocab {meta['vocab_size']}) in {args.out}")
     return 0
+
+
+def _megabytes(value: float) -> int:
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"--buffer-mb must be a positive number, got {value}")
+    return int(min(value, 2.0**40) * 2**20)
 
 
 # --- train ---------------------------------------------------------------------------------
@@ -345,9 +365,9 @@ def run_sample(args: argparse.Namespace) -> int:
 # --- eval ----------------------------------------------------------------------------------
 
 def _register_eval(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("eval", help="loss and perplexity of a trained run",
-                              description="Loss and perplexity of RUN_DIR's model on "
-                              "non-overlapping windows of a split of its data.")
+    p = subparsers.add_parser("eval", help="loss, perplexity and bits per byte of a trained run",
+                              description="Loss, perplexity and bits per byte of RUN_DIR's "
+                              "model on non-overlapping windows of a split of its data.")
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     p.add_argument("--split", choices=("train", "val"), default="val")
     p.add_argument("--data", type=Path, help="data directory (default: the run's)")
@@ -370,24 +390,16 @@ def run_eval(args: argparse.Namespace) -> int:
     data = PreparedData(data_dir)
     check_same_tokenizer(data, args.run_dir)
     data.check_block_size(model.config.block_size)
-    loss, tokens = _mean_loss(model, data, args, device)
-    result = {"split": args.split, "loss": loss, "perplexity": math.exp(loss),
-              "tokens": tokens, "run_dir": str(args.run_dir)}
+    result = evaluate(model, data.splits[args.split], data.tokenizer, args.batch_size,
+                      args.max_batches, device)
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps({"split": args.split, "loss": result.loss,
+                          "perplexity": result.perplexity,
+                          "bits_per_byte": result.bits_per_byte, "tokens": result.tokens,
+                          "bytes": result.text_bytes, "run_dir": str(args.run_dir)},
+                         allow_nan=False))
     else:
-        print(f"{args.split} loss {loss:.4f}, perplexity {math.exp(loss):.2f} "
-              f"({tokens:,} tokens)")
+        print(f"{args.split} loss {result.loss:.4f}, perplexity {result.perplexity:.2f}, "
+              f"{result.bits_per_byte:.4f} bits per byte ({result.tokens:,} tokens, "
+              f"{result.text_bytes:,} bytes)")
     return 0
-
-
-@torch.no_grad()
-def _mean_loss(model: GPT, data: PreparedData, args: argparse.Namespace,
-               device: torch.device) -> tuple[float, int]:
-    total, tokens = 0.0, 0
-    for x, y in sequential_batches(data.splits[args.split], model.config.block_size,
-                                   args.batch_size, args.max_batches, device):
-        _, loss = model(x, y)
-        total += loss.item() * y.numel()
-        tokens += y.numel()
-    return total / tokens, tokens

@@ -1,0 +1,1 @@
+"""Corpora shipped with glassgpt, compressed: Tiny Shakespeare (public domain)."""

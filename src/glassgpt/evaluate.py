@@ -1,0 +1,69 @@
+"""How well a model predicts a split: loss, perplexity and bits per byte.
+
+Loss and perplexity depend on the tokenizer: a model with a bigger vocabulary spends more nats
+per token on fewer tokens. Bits per byte divide the same total by the text's UTF-8 bytes
+instead, so models with different tokenizers can be compared on one scale:
+
+    bits/byte = (mean loss in nats per token) * tokens / (ln 2 * bytes)
+
+For a character model on ASCII text (one byte per token) this is loss / ln 2.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from glassgpt.data import sequential_batches
+from glassgpt.errors import CheckpointError
+from glassgpt.model import GPT
+from glassgpt.tokenizers import Tokenizer
+
+MAX_LOSS = math.log(float(np.finfo(np.float64).max))  # above this, perplexity overflows
+
+
+def bits_per_byte(loss: float, tokens: int, text_bytes: int) -> float:
+    """Mean loss in nats per token -> bits per UTF-8 byte of the text those tokens make."""
+    if tokens <= 0 or text_bytes <= 0:
+        raise ValueError(f"bits per byte need tokens and bytes, got {tokens} and {text_bytes}")
+    return loss * tokens / (math.log(2) * text_bytes)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    loss: float  # mean cross-entropy in nats per token
+    tokens: int  # targets scored
+    text_bytes: int  # UTF-8 bytes of the text those targets stand for
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss)
+
+    @property
+    def bits_per_byte(self) -> float:
+        return bits_per_byte(self.loss, self.tokens, self.text_bytes)
+
+
+@torch.no_grad()
+def evaluate(model: GPT, ids: np.ndarray, tokenizer: Tokenizer, batch_size: int,
+             max_batches: int, device: torch.device | str = "cpu") -> Evaluation:
+    """Score `model` on non-overlapping windows from the start of `ids` (at most
+    batch_size * max_batches of them). A loss that is not a finite number (weights holding
+    NaN, say) is a CheckpointError: it has no meaningful perplexity or bits per byte."""
+    byte_lengths = torch.tensor(tokenizer.token_byte_lengths(), dtype=torch.long,
+                                device=device)  # (V,)
+    total, tokens, text_bytes = 0.0, 0, 0
+    for x, y in sequential_batches(ids, model.config.block_size, batch_size, max_batches,
+                                   device):
+        _, loss = model(x, y)  # mean over the (B, T) targets
+        total += loss.item() * y.numel()
+        tokens += y.numel()
+        text_bytes += int(byte_lengths[y].sum())
+    loss = total / tokens
+    if not math.isfinite(loss) or loss > MAX_LOSS:
+        raise CheckpointError(f"the model's loss is {loss}, not a usable number (do its weights "
+                              f"hold NaN or inf?)")
+    return Evaluation(loss, tokens, text_bytes)
