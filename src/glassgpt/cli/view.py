@@ -7,6 +7,7 @@ opens the socket (so a busy port is one clear error line) and serves until Ctrl+
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 from glassgpt.errors import CommandLineError
@@ -58,6 +59,9 @@ def run_view(args: argparse.Namespace) -> int:
     if allowed_hosts_for(args.host) == ("*",):
         print("note: listening on every network interface; anyone who can reach this machine "
               "can use the page", flush=True)
-    with sock:
+    with sock, contextlib.suppress(KeyboardInterrupt):
+        # uvicorn stops on Ctrl+C, then raises it again for the caller: here it is the way to
+        # stop the page, not an interruption.
         make_server(app).run(sockets=[sock])
+    print("glassgpt view: stopped", flush=True)
     return 0

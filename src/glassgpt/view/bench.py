@@ -191,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-chars", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=10, help="prompts to time")
     parser.add_argument("--sample-tokens", type=int, default=100)
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     text = read_text(tinyshakespeare_path())
     view = load_for_view(args.run_dir) if args.run_dir else random_shakespeare_char(text)
     # A token holds at least one character: a prompt of block_size characters always fits.

@@ -359,6 +359,17 @@ function renderPredictions() {
   for (const cell of document.querySelectorAll(`.lens-grid [data-pos="${p}"]`)) {
     cell.classList.add("selected");
   }
+  revealColumn(document.querySelector(`.lens-grid thead [data-pos="${p}"]`));
+}
+
+// Scroll the lens grid sideways (never the page) until the selected column is in view.
+function revealColumn(cell) {
+  if (!cell) return;
+  const box = $("lens-grid");
+  const view = box.getBoundingClientRect(), at = cell.getBoundingClientRect();
+  if (at.left < view.left + 100 || at.right > view.right) {
+    box.scrollLeft += at.left - view.left - box.clientWidth / 2;
+  }
 }
 
 function barOf(prob) {
