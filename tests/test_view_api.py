@@ -23,7 +23,7 @@ from glassgpt.metrics import read_metrics
 from glassgpt.model import count_parameters
 from glassgpt.view.inspector import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, RunView
 from glassgpt.view.requests import MAX_BODY_BYTES
-from glassgpt.view.server import create_app, load_for_view
+from glassgpt.view.server import allowed_hosts_for, create_app, load_for_view
 
 PROMPT = "to be or not"
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
@@ -237,8 +237,20 @@ def test_only_the_documented_endpoints_exist_and_none_takes_a_file(client):
 
 
 def test_a_page_of_another_site_is_refused_by_its_host_name(client):
-    answer = client.get("/api/card", headers={"Host": "attacker.example"})
+    answer = client.get("/api/card", headers={"Host": "attacker.example:8000"})
     assert answer.status_code == 400
+    assert answer.json()["error"].startswith("this server answers requests for")
+    for host in ("localhost:8000", "127.0.0.1", "[::1]:8000"):
+        assert client.get("/api/card", headers={"Host": host}).status_code == 200
+
+
+@pytest.mark.parametrize("host, allowed", [("127.0.0.1", ("127.0.0.1", "localhost", "::1")),
+                                           ("::1", ("127.0.0.1", "localhost", "::1")),
+                                           ("myhost", ("127.0.0.1", "localhost", "::1",
+                                                       "myhost")),
+                                           ("0.0.0.0", ("*",)), ("::", ("*",))])
+def test_the_host_names_answered_follow_the_address_listened_on(host, allowed):
+    assert allowed_hosts_for(host) == allowed
 
 
 # --- the command -----------------------------------------------------------------------------

@@ -125,7 +125,7 @@ def wait_for(driver, condition, what: str = "the page"):
     from selenium.webdriver.support.ui import WebDriverWait
 
     try:
-        return WebDriverWait(driver, WAIT_S).until(condition)
+        return WebDriverWait(driver, WAIT_S, poll_frequency=0.05).until(condition)
     except TimeoutException:
         pytest.fail(f"timed out waiting for {what}")
 
@@ -141,6 +141,17 @@ def text_of(driver, element_id: str) -> str:
 
 def chips(driver) -> list:
     return driver.find_elements("css selector", "#tokens .chip")
+
+
+def values(driver, selector: str, what: str = "textContent") -> list[str]:
+    """One property of every element that `selector` finds, read in one step (the page redraws
+    parts of itself as answers come in, which would leave element handles stale)."""
+    return driver.execute_script(f"return [...document.querySelectorAll('{selector}')]"
+                                 f".map((element) => element.{what})")
+
+
+def chip_values(driver, what: str) -> list[str]:
+    return values(driver, "#tokens .chip", what)
 
 
 def type_prompt(driver, text: str) -> None:
@@ -170,11 +181,9 @@ def test_typing_a_prompt_shows_its_tokens_with_ids(page, model_and_tokenizer):
     type_prompt(page, PROMPT)
     ids = tokenizer.encode(PROMPT)
     expected = [str(i) for i in ids]
-    wait_for(page, lambda d: [c.get_attribute("data-id") for c in chips(d)] == expected,
-             "the prompt's token chips")
-    first = chips(page)[2]  # the space, shown so it can be seen
-    assert first.text == "␣"
-    assert first.get_attribute("title") == f"position 2 · id {ids[2]}"
+    wait_for(page, lambda d: chip_values(d, "dataset.id") == expected, "the prompt's chips")
+    assert chip_values(page, "textContent")[:4] == ["t", "o", "␣", "b"]  # a space is seen
+    assert chip_values(page, "title")[2] == f"position 2 · id {ids[2]}"
     assert text_of(page, "prompt-status") == f"{len(ids)} of 16 tokens"
 
 
@@ -187,7 +196,7 @@ def test_an_unknown_character_is_an_error_in_the_page(page):
     assert error.text == "characters not in the tokenizer's vocabulary: 'é'"
     by_id(page, "prompt").send_keys(Keys.BACKSPACE)
     wait_for(page, lambda d: not error.is_displayed(), "the error to go away")
-    assert len(chips(page)) == len(PROMPT)
+    wait_for(page, lambda d: len(chip_values(d, "title")) == len(PROMPT), "the chips again")
 
 
 def test_switching_layer_and_head_redraws_the_attention(page):
@@ -196,8 +205,7 @@ def test_switching_layer_and_head_redraws_the_attention(page):
     maps = by_id(page, "attention")
     Select(by_id(page, "layer")).select_by_value("1")
     wait_for(page, lambda d: maps.get_attribute("data-layer") == "1", "layer 1's maps")
-    titles = [t.text for t in maps.find_elements("css selector", ".panel-title")]
-    assert titles == ["layer 1, head 0", "layer 1, head 1"]
+    assert values(page, "#attention .panel-title") == ["layer 1, head 0", "layer 1, head 1"]
     Select(by_id(page, "head")).select_by_value("1")
     wait_for(page, lambda d: maps.get_attribute("data-head") == "1", "head 1's map")
     canvases = maps.find_elements("css selector", "canvas")
@@ -212,22 +220,22 @@ def test_clicking_a_token_shows_it_in_every_layer_and_head(page):
     attends = by_id(page, "attends")
     wait_for(page, lambda d: attends.get_attribute("data-position") == "4", "token 4's heads")
     assert "'e' (position 4)" in text_of(page, "attends-title")
-    assert len(attends.find_elements("css selector", "td")) == 2 * 2  # layers x heads
-    assert "selected" in chips(page)[4].get_attribute("class")
+    assert len(values(page, "#attends td")) == 2 * 2  # layers x heads
+    assert "selected" in chip_values(page, "className")[4]
 
 
 def test_the_page_reads_out_the_models_probabilities(page, model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     top = next_token_top_k(model, torch.tensor([tokenizer.encode(PROMPT)]), 5)
     wait_for(page, lambda d: "position 4" in text_of(d, "next-title"), "position 4's top-k")
-    shown = [float(p.text) for p in page.find_elements("css selector", "#next-tokens .prob")]
+    shown = [float(p) for p in values(page, "#next-tokens .prob")]
     assert len(shown) == 5
     for value, expected in zip(shown, top.probs[0, 4].tolist(), strict=True):
         assert abs(value - expected) <= 1.1e-3
     best = tokenizer.decode([int(top.ids[0, 4, 0])]).replace(" ", "␣")
-    assert page.find_element("css selector", "#next-tokens .tok").text == best
-    lens_rows = page.find_elements("css selector", "#lens-grid tbody tr")
-    assert len(lens_rows) == 2 + 1 + 1  # output, layer 0, embeddings, the actual next token
+    assert values(page, "#next-tokens .tok")[0] == best
+    lens_rows = values(page, "#lens-grid tbody th")
+    assert lens_rows == ["layer 1 (output)", "layer 0", "embeddings", "actual next"]
 
 
 def test_a_sample_streams_into_the_page(page, model_and_tokenizer):

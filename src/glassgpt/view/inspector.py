@@ -115,8 +115,8 @@ class RunView:
         self.name = name or (run_dir.name if run_dir is not None else "model")
         self.device = model.lm_head.weight.device
         self.traces = TraceCache()
-        # Requests for one prompt often come together (the page asks for attention and
-        # predictions at once): the first computes, the others wait and find it cached.
+        # Callers on several threads asking about one prompt at once (the page asks for
+        # attention and predictions together): the first computes, the others find it cached.
         self._computing = threading.Lock()
         self._card: dict[str, Any] | None = None
 

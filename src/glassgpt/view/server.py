@@ -12,7 +12,8 @@
 A bad request gets a 4xx JSON `{"error": "one line"}`. The model runs off the event loop, on one
 thread of its own: requests queue for it instead of stalling the server, and PyTorch keeps one
 pool of compute threads (every thread that runs a parallel CPU op starts its own OpenMP pool,
-and several such pools on a small CPU fight over its cores: requests got ten times slower). The
+and several such pools on a small CPU fight over its cores: requests got several times
+slower). The
 server reads only the run directory it was started on: no request names a file.
 """
 
@@ -33,7 +34,6 @@ import torch
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
@@ -45,7 +45,7 @@ from glassgpt.errors import GlassGPTError
 from glassgpt.view import requests as req
 from glassgpt.view.inspector import RunView
 
-LOOPBACK_NAMES = ("127.0.0.1", "localhost")
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 # The page may load only what this server serves: no other site, no inline script.
 SECURITY_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:",
                     "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
@@ -78,8 +78,34 @@ def create_app(view: RunView, allowed_hosts: tuple[str, ...] = LOOPBACK_NAMES) -
         Mount("/static", StaticFiles(packages=[("glassgpt.view", "static")]), name="static"),
     ]
     handlers = {HTTPException: http_error, GlassGPTError: user_error, Exception: server_error}
-    middleware = [Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))]
+    middleware = [Middleware(HostCheck, allowed=allowed_hosts)]
     return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)
+
+
+def host_name(host_header: str) -> str:
+    """The name in a Host header, without its port: "[::1]:8000" -> "::1", "a:80" -> "a"."""
+    if host_header.startswith("["):
+        return host_header[1:].partition("]")[0]
+    return host_header.rpartition(":")[0] if ":" in host_header else host_header
+
+
+class HostCheck:
+    """Answer only requests whose Host is one of `allowed` ("*": any). A site that points its
+    own name at 127.0.0.1 (DNS rebinding) sends its name, not ours, and is refused."""
+
+    def __init__(self, app: Any, allowed: tuple[str, ...]):
+        self.app, self.allowed = app, {name.lower() for name in allowed}
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and "*" not in self.allowed:
+            headers = dict(scope["headers"])
+            name = host_name(headers.get(b"host", b"").decode("latin-1")).lower()
+            if name not in self.allowed:
+                response = error_response(f"this server answers requests for "
+                                          f"{', '.join(sorted(self.allowed))} only", 400)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def error_response(message: str, status: int) -> JSONResponse:

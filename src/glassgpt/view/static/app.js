@@ -128,12 +128,17 @@ function tokenName(i) { return `'${visible(state.tokens[i].text)}' (position ${i
 // --- attention maps --------------------------------------------------------------------------
 
 function fillLayerAndHead() {
-  const { n_layer: L, n_head: H } = state.card.model;
+  const m = state.card.model;
+  const { n_layer: L, n_head: H } = m;
   $("layer").replaceChildren(...Array.from({ length: L }, (_, l) =>
     el("option", { value: l }, `layer ${l}`)));
   $("head").replaceChildren(el("option", { value: "all" }, "all heads"),
     ...Array.from({ length: H }, (_, h) => el("option", { value: h }, `head ${h}`)));
-  $("head").value = "all";
+  // Every head at once is the default while a full context's maps stay small to send (about
+  // 200k weights for shakespeare-char); a GPT-2-sized model starts with one head.
+  const weights = H * m.block_size * (m.block_size + 1) / 2;
+  state.head = weights <= 400000 ? "all" : 0;
+  $("head").value = String(state.head);
 }
 
 async function loadAttention(generation) {
