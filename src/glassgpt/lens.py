@@ -52,7 +52,8 @@ def trace(model: GPT, idx: Tensor) -> Trace:
     was_training = model.training
     model.eval()
     try:
-        x = model.embed(idx, model.positions[:idx.shape[1]])  # (B, T, C)
+        positions = torch.arange(idx.shape[1], device=idx.device)  # (T,)
+        x = model.embed(idx, positions)  # (B, T, C)
         residuals, maps = [x], []
         for block in model.blocks:
             x, weights = block(x, return_attn=True)  # (B, T, C), (B, H, T, T)
