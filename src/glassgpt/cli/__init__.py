@@ -16,7 +16,7 @@ from glassgpt import __version__
 from glassgpt.errors import CommandLineError, GlassGPTError
 
 # Modules under glassgpt.cli that each add a group of subcommands.
-COMMAND_MODULES: list[str] = ["runs", "demos", "benchmark", "convert"]
+COMMAND_MODULES: list[str] = ["runs", "demos", "benchmark", "convert", "view"]
 
 
 class _Parser(argparse.ArgumentParser):

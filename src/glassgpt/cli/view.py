@@ -1,0 +1,67 @@
+"""`glassgpt view RUN_DIR`: serve a page that shows a trained run's insides in the browser.
+
+The page and its API live in `glassgpt.view`; this module parses the flags, loads the run,
+opens the socket (so a busy port is one clear error line) and serves until Ctrl+C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from pathlib import Path
+
+from glassgpt.errors import CommandLineError
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    view = subparsers.add_parser(
+        "view", help="look inside a trained run in the browser",
+        description="Start a local web page over a trained run: the prompt's tokens, attention "
+                    "per layer and head, next-token top-k and the logit lens at every position, "
+                    "streamed sampling, and the model card. Everything is served from this "
+                    "machine; nothing is fetched from the internet.")
+    view.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a trained run")
+    view.add_argument("--port", type=int, default=DEFAULT_PORT,
+                      help=f"port to listen on (default {DEFAULT_PORT}; 0 picks a free one)")
+    view.add_argument("--host", default=DEFAULT_HOST,
+                      help=f"address to listen on (default {DEFAULT_HOST}, this machine only; "
+                           f"0.0.0.0 makes the page reachable from the network)")
+    view.set_defaults(handler=run_view)
+
+
+def run_view(args: argparse.Namespace) -> int:
+    # Imported here: the other commands should not pay for the web framework's import.
+    from glassgpt.view.server import (
+        allowed_hosts_for,
+        create_app,
+        load_for_view,
+        make_server,
+        open_socket,
+        url_of,
+    )
+
+    if not 0 <= args.port <= 65535:
+        raise CommandLineError(f"--port must be between 0 and 65535, got {args.port}")
+    view = load_for_view(args.run_dir)
+    try:
+        sock = open_socket(args.host, args.port)
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise CommandLineError(f"cannot listen on {args.host}:{args.port} ({reason}); choose "
+                               f"another --port or --host") from None
+    app = create_app(view, allowed_hosts_for(args.host))
+    c = view.model.config
+    print(f"glassgpt view: {args.run_dir} ({c.n_layer} layers, {c.n_head} heads, context "
+          f"{c.block_size}) at {url_of(sock)}  (Ctrl+C stops it)", flush=True)
+    if allowed_hosts_for(args.host) == ("*",):
+        print("note: listening on every network interface; anyone who can reach this machine "
+              "can use the page", flush=True)
+    with sock, contextlib.suppress(KeyboardInterrupt):
+        # uvicorn stops on Ctrl+C, then raises it again for the caller: here it is the way to
+        # stop the page, not an interruption.
+        make_server(app).run(sockets=[sock])
+    print("glassgpt view: stopped", flush=True)
+    return 0

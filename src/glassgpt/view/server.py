@@ -1,0 +1,248 @@
+"""The web app of `glassgpt view`: one page and a JSON API over a `RunView` (Starlette).
+
+    GET  /                      the page (HTML, CSS and JS ship in this package: no CDN)
+    GET  /api/card              config, parameters by part, training curve, best val loss
+    POST /api/tokenize          {prompt}                      -> tokens (id, text)
+    POST /api/predictions       {prompt, k}                   -> top-k per layer and position
+    POST /api/attention         {prompt, layer, head|null}    -> one head, or every head
+    POST /api/attends           {prompt, position}            -> that token, every layer/head
+    POST /api/sample            {prompt, max_new_tokens, temperature, top_k, top_p, seed}
+                                -> server-sent events: token ..., then done (or error)
+
+A bad request gets a 4xx JSON `{"error": "one line"}`. The model runs off the event loop, on one
+thread of its own: requests queue for it instead of stalling the server, and PyTorch keeps one
+pool of compute threads (every thread that runs a parallel CPU op starts its own OpenMP pool,
+and several such pools on a small CPU fight over its cores: requests got several times
+slower). The
+server reads only the run directory it was started on: no request names a file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from importlib import resources
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from glassgpt.checkpoint import load_model
+from glassgpt.config import SamplingConfig
+from glassgpt.errors import GlassGPTError
+from glassgpt.view import requests as req
+from glassgpt.view.inspector import RunView
+
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+# The page may load only what this server serves: no other site, no inline script.
+SECURITY_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:",
+                    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
+log = logging.getLogger("glassgpt.view")
+T = TypeVar("T")
+
+
+def load_for_view(run_dir: str | Path, device: str | torch.device = "cpu") -> RunView:
+    """The run that `glassgpt view` shows. The one place that picks what is loaded: a choice
+    of checkpoint (best or last) belongs here."""
+    run_dir = Path(run_dir)
+    model, tokenizer = load_model(run_dir, device)
+    return RunView(model, tokenizer, run_dir)
+
+
+# --- the app -------------------------------------------------------------------------------
+
+def create_app(view: RunView, allowed_hosts: tuple[str, ...] = LOOPBACK_NAMES) -> Starlette:
+    """The Starlette app serving `view`. `allowed_hosts`: the Host names it answers (a page on
+    another site that rebinds its name to 127.0.0.1 is refused); ("*",) answers any."""
+    api = Api(view)
+    routes = [
+        Route("/", api.page),
+        Route("/api/card", api.card),
+        Route("/api/tokenize", api.tokenize, methods=["POST"]),
+        Route("/api/predictions", api.predictions, methods=["POST"]),
+        Route("/api/attention", api.attention, methods=["POST"]),
+        Route("/api/attends", api.attends, methods=["POST"]),
+        Route("/api/sample", api.sample, methods=["POST"]),
+        Mount("/static", StaticFiles(packages=[("glassgpt.view", "static")]), name="static"),
+    ]
+    handlers = {HTTPException: http_error, GlassGPTError: user_error, Exception: server_error}
+    middleware = [Middleware(HostCheck, allowed=allowed_hosts)]
+    return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)
+
+
+def host_name(host_header: str) -> str:
+    """The name in a Host header, without its port: "[::1]:8000" -> "::1", "a:80" -> "a"."""
+    if host_header.startswith("["):
+        return host_header[1:].partition("]")[0]
+    return host_header.rpartition(":")[0] if ":" in host_header else host_header
+
+
+class HostCheck:
+    """Answer only requests whose Host is one of `allowed` ("*": any). A site that points its
+    own name at 127.0.0.1 (DNS rebinding) sends its name, not ours, and is refused."""
+
+    def __init__(self, app: Any, allowed: tuple[str, ...]):
+        self.app, self.allowed = app, {name.lower() for name in allowed}
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and "*" not in self.allowed:
+            headers = dict(scope["headers"])
+            name = host_name(headers.get(b"host", b"").decode("latin-1")).lower()
+            if name not in self.allowed:
+                response = error_response(f"this server answers requests for "
+                                          f"{', '.join(sorted(self.allowed))} only", 400)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def error_response(message: str, status: int) -> JSONResponse:
+    return JSONResponse({"error": req.one_line(message)}, status_code=status)
+
+
+async def user_error(request: Request, error: Exception) -> Response:
+    return error_response(str(error), getattr(error, "status", 400))
+
+
+async def http_error(request: Request, error: Exception) -> Response:
+    assert isinstance(error, HTTPException)
+    message = {404: f"nothing at {request.url.path}",
+               405: f"{request.method} is not allowed on {request.url.path}"}
+    return error_response(message.get(error.status_code, error.detail), error.status_code)
+
+
+async def server_error(request: Request, error: Exception) -> Response:
+    log.exception("glassgpt view: error answering %s", request.url.path)
+    return error_response(f"internal error ({type(error).__name__}); see the server's log", 500)
+
+
+class Api:
+    """The endpoints: parse the request, run `RunView` on the model thread, answer JSON."""
+
+    def __init__(self, view: RunView):
+        self.view = view
+        self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glassgpt-model")
+        self.page_html = resources.files("glassgpt.view").joinpath("static/index.html") \
+            .read_text("utf-8")
+        # Decoding engines keep one KV cache on the model: one sample streams at a time, and
+        # the next waits for it (a page that stops a stream frees it within a token).
+        self.sampling = asyncio.Lock()
+
+    async def page(self, request: Request) -> Response:
+        return HTMLResponse(self.page_html, headers=SECURITY_HEADERS)
+
+    async def on_model_thread(self, function: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.model_thread, function,
+                                                                *args)
+
+    async def card(self, request: Request) -> Response:
+        return JSONResponse(await self.on_model_thread(self.view.card))
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self._answer(request, req.TOKENIZE, self.view.tokens)
+
+    async def predictions(self, request: Request) -> Response:
+        return await self._answer(request, req.PREDICTIONS, self.view.predictions)
+
+    async def attention(self, request: Request) -> Response:
+        return await self._answer(request, req.ATTENTION, self.view.attention)
+
+    async def attends(self, request: Request) -> Response:
+        return await self._answer(request, req.ATTENDS, self.view.attends)
+
+    async def _answer(self, request: Request, fields: dict[str, req.Field],
+                      compute: Callable[..., dict[str, Any]]) -> Response:
+        values = await read_fields(request, fields)
+        return JSONResponse(await self.on_model_thread(lambda: compute(**values)))
+
+    async def sample(self, request: Request) -> Response:
+        values = await read_fields(request, req.SAMPLE)
+        prompt = values.pop("prompt")
+        # Settings and prompt are checked here, so a mistake is a 400, not a broken stream.
+        sampling = SamplingConfig(**values)
+        pieces = await self.on_model_thread(self.view.sample, prompt, sampling)
+        return StreamingResponse(self._events(pieces), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store"})
+
+    async def _events(self, pieces: Iterator[str]) -> AsyncIterator[str]:
+        """Each piece of text as a `token` event, then `done` (or `error`)."""
+        done = object()
+        count, started = 0, time.perf_counter()
+        try:
+            async with self.sampling:
+                while (piece := await self.on_model_thread(next, pieces, done)) is not done:
+                    count += 1
+                    yield sse_event("token", {"text": piece})
+                yield sse_event("done", {"pieces": count,
+                                         "seconds": round(time.perf_counter() - started, 3)})
+        except GlassGPTError as error:
+            yield sse_event("error", {"error": req.one_line(error)})
+        finally:
+            # Ends decoding and frees the KV cache. On the model thread, after the step that may
+            # still be running there when a page that went away cancelled this stream.
+            self.model_thread.submit(pieces.close)  # type: ignore[attr-defined]
+
+
+async def read_fields(request: Request, fields: dict[str, req.Field]) -> dict[str, Any]:
+    body = await req.read_body(request.stream())
+    data = req.parse_json_object(body, request.headers.get("content-type"))
+    return req.take_fields(data, fields)
+
+
+def sse_event(name: str, data: dict[str, Any]) -> str:
+    """One server-sent event; JSON keeps any newline of the text inside one `data:` line."""
+    return f"event: {name}\ndata: {json.dumps(data)}\n\n"
+
+
+# --- serving -------------------------------------------------------------------------------
+
+def allowed_hosts_for(host: str) -> tuple[str, ...]:
+    """The Host names to answer when listening on `host`: any name when listening on every
+    interface (the user chose to be reachable), else the loopback names and `host` itself."""
+    if host in ("0.0.0.0", "::", ""):
+        return ("*",)
+    return tuple(dict.fromkeys((*LOOPBACK_NAMES, host)))
+
+
+def open_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (port 0: any free one). Raises OSError (in use,
+    no such address)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}/"
+
+
+def make_server(app: Starlette, log_level: str = "warning") -> Any:
+    """A uvicorn server for `app`; `server.run(sockets=[sock])` serves until Ctrl+C (or until
+    `server.should_exit` is set from another thread)."""
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=2)
+    return uvicorn.Server(config)

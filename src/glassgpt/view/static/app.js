@@ -1,0 +1,667 @@
+// glassgpt view: the page's script. Plain JavaScript, no build step, nothing fetched from
+// another site. Every number comes from the JSON API of the same server (see server.py).
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const ZOOMS = [4, 6, 8, 10, 12, 14, 18, 24]; // pixels per token in an attention map
+const LABEL_FONT = "12px ui-monospace, 'DejaVu Sans Mono', Menlo, monospace";
+const LABEL_PX = 14; // a row needs this much height for its label to be drawn
+const MAX_LABEL_PX = 90;
+
+const state = {
+  card: null,
+  tokens: [], // [{id, text}]
+  selected: null, // the position followed in every panel
+  layer: 0,
+  head: "all",
+  zoom: { one: ZOOMS.indexOf(14), all: null }, // null: fit the prompt
+  k: 5,
+  predictions: null,
+  attention: null,
+  generation: 0, // bumps on every prompt change; answers for older prompts are dropped
+  sampler: null, // AbortController of the running sample
+};
+
+// --- helpers ---------------------------------------------------------------------------------
+
+async function api(name, body) {
+  const response = await fetch(`/api/${name}`, {
+    method: body === undefined ? "GET" : "POST",
+    headers: body === undefined ? {} : { "Content-Type": "application/json" },
+    body: body === undefined ? undefined : JSON.stringify(body),
+  });
+  const data = await response.json().catch(() => ({}));
+  if (!response.ok) throw new Error(data.error || `the server answered ${response.status}`);
+  return data;
+}
+
+// Whitespace made visible, so a space or a newline token can be seen and clicked.
+function visible(text) {
+  if (text === "") return "∅";
+  return text.replace(/ /g, "␣").replace(/\n/g, "⏎").replace(/\t/g, "⇥");
+}
+
+function el(tag, props = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(props)) {
+    if (key === "class") node.className = value;
+    else if (key === "dataset") Object.assign(node.dataset, value);
+    // Through the CSSOM: the page's security policy refuses style="..." attributes.
+    else if (key === "style") Object.assign(node.style, value);
+    else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
+    else node.setAttribute(key, value);
+  }
+  for (const child of children) node.append(child);
+  return node;
+}
+
+function fmt(p) { return p.toFixed(3); }
+function integer(n) { return n.toLocaleString("en-US"); }
+
+// Light to dark blue: weight or probability 0..1 as a colour.
+function shade(w) {
+  const t = Math.max(0, Math.min(1, w));
+  const from = [247, 251, 255], to = [8, 48, 107];
+  const c = from.map((f, i) => Math.round(f + (to[i] - f) * Math.sqrt(t)));
+  return `rgb(${c[0]},${c[1]},${c[2]})`;
+}
+function inkOn(w) { return Math.sqrt(w) > 0.55 ? "#fff" : "#1d2430"; }
+
+function debounce(fn, ms) {
+  let timer = null;
+  return (...args) => { clearTimeout(timer); timer = setTimeout(() => fn(...args), ms); };
+}
+
+// --- the prompt and its tokens ---------------------------------------------------------------
+
+function showPromptError(message) {
+  const box = $("prompt-error");
+  box.textContent = message || "";
+  box.hidden = !message;
+  for (const id of ["attention-section", "predictions-section"]) {
+    $(id).classList.toggle("stale", Boolean(message));
+  }
+}
+
+async function promptChanged() {
+  const generation = ++state.generation;
+  const prompt = $("prompt").value;
+  try {
+    const answer = await api("tokenize", { prompt });
+    if (generation !== state.generation) return;
+    state.tokens = answer.tokens;
+    showPromptError("");
+    $("prompt-status").textContent =
+      `${answer.tokens.length} of ${answer.block_size} tokens`;
+    if (state.selected === null || state.selected >= state.tokens.length) {
+      state.selected = state.tokens.length - 1;
+    }
+    renderTokens();
+    await Promise.all([loadAttention(generation), loadPredictions(generation),
+      loadAttends(generation)]);
+  } catch (error) {
+    if (generation === state.generation) showPromptError(error.message);
+  }
+}
+
+function renderTokens() {
+  const box = $("tokens");
+  box.replaceChildren(...state.tokens.map((token, i) => el("span", {
+    class: "chip" + (i === state.selected ? " selected" : ""),
+    title: `position ${i} · id ${token.id}`,
+    dataset: { pos: i, id: token.id },
+    onclick: () => select(i),
+  }, visible(token.text))));
+}
+
+function select(position) {
+  if (position === state.selected || position < 0 || position >= state.tokens.length) return;
+  state.selected = position;
+  renderTokens();
+  renderAttention();
+  renderPredictions();
+  loadAttends(state.generation).catch((e) => showPromptError(e.message));
+}
+
+function tokenName(i) { return `'${visible(state.tokens[i].text)}' (position ${i})`; }
+
+// --- attention maps --------------------------------------------------------------------------
+
+function fillLayerAndHead() {
+  const m = state.card.model;
+  const { n_layer: L, n_head: H } = m;
+  $("layer").replaceChildren(...Array.from({ length: L }, (_, l) =>
+    el("option", { value: l }, `layer ${l}`)));
+  $("head").replaceChildren(el("option", { value: "all" }, "all heads"),
+    ...Array.from({ length: H }, (_, h) => el("option", { value: h }, `head ${h}`)));
+  // Every head at once is the default while a full context's maps stay small to send (about
+  // 200k weights for shakespeare-char); a GPT-2-sized model starts with one head.
+  const weights = H * m.block_size * (m.block_size + 1) / 2;
+  state.head = weights <= 400000 ? "all" : 0;
+  $("head").value = String(state.head);
+}
+
+async function loadAttention(generation) {
+  const body = { prompt: $("prompt").value, layer: state.layer,
+    head: state.head === "all" ? null : state.head };
+  const answer = await api("attention", body);
+  if (generation !== state.generation) return;
+  state.attention = answer;
+  renderAttention();
+}
+
+function cellSize() {
+  const mode = state.head === "all" ? "all" : "one";
+  if (state.zoom[mode] === null) {
+    // Two heads across the page; labels thin out instead of shrinking.
+    const across = ($("attention").clientWidth || 1100) / 2 - 80;
+    const fit = Math.floor(across / Math.max(1, state.tokens.length));
+    state.zoom[mode] = Math.max(0, ZOOMS.filter((z) => z <= Math.max(fit, ZOOMS[0])).length - 1);
+  }
+  return ZOOMS[state.zoom[mode]];
+}
+
+function zoom(step) {
+  const mode = state.head === "all" ? "all" : "one";
+  cellSize();
+  state.zoom[mode] = Math.max(0, Math.min(ZOOMS.length - 1, state.zoom[mode] + step));
+  renderAttention();
+}
+
+function renderAttention() {
+  const answer = state.attention;
+  const box = $("attention");
+  if (!answer || answer.weights[0].length !== state.tokens.length) return;
+  const cell = cellSize();
+  $("zoom-level").textContent = `${cell} px`;
+  const labels = state.tokens.map((t) => visible(t.text));
+  box.replaceChildren(...answer.heads.map((head, i) => {
+    const canvas = drawMap(answer.weights[i], labels, cell);
+    canvas.addEventListener("mousemove", (e) => hoverMap(e, canvas, answer, i));
+    canvas.addEventListener("mouseleave", () => { $("attention-readout").textContent = ""; });
+    canvas.addEventListener("click", (e) => {
+      const at = mapCell(e, canvas);
+      if (at) select(at.row);
+    });
+    return el("div", { class: "map-panel" },
+      el("p", { class: "panel-title" }, `layer ${answer.layer}, head ${head}`), canvas);
+  }));
+  box.dataset.layer = answer.layer;
+  box.dataset.head = answer.heads.length === 1 ? answer.heads[0] : "all";
+}
+
+// One attention map on a canvas: token labels left (queries) and on top (keys), a cell per
+// (query, key), the future greyed out, the selected row outlined.
+function drawMap(rows, labels, cell) {
+  const T = labels.length;
+  const canvas = document.createElement("canvas");
+  const ctx = canvas.getContext("2d");
+  ctx.font = LABEL_FONT;
+  const widest = Math.min(MAX_LABEL_PX, Math.max(...labels.map((s) => ctx.measureText(s).width)));
+  const upright = labels.every((s) => [...s].length === 1);
+  const left = Math.ceil(widest) + 10;
+  const top = upright ? 20 : Math.ceil(widest) + 10;
+  const width = left + T * cell + 4, height = top + T * cell + 4;
+  const ratio = window.devicePixelRatio || 1;
+  canvas.width = width * ratio;
+  canvas.height = height * ratio;
+  canvas.style.width = `${width}px`;
+  canvas.style.height = `${height}px`;
+  Object.assign(canvas.dataset, { left, top, cell, tokens: T });
+  ctx.scale(ratio, ratio);
+  ctx.fillStyle = "#eceef2";
+  ctx.fillRect(left, top, T * cell, T * cell);
+  for (let q = 0; q < T; q++) {
+    for (let k = 0; k <= q; k++) {
+      ctx.fillStyle = shade(rows[q][k]);
+      ctx.fillRect(left + k * cell, top + q * cell, cell, cell);
+    }
+  }
+  drawLabels(ctx, labels, { left, top, cell, upright });
+  if (state.selected !== null && state.selected < T) {
+    ctx.strokeStyle = "#d9480f";
+    ctx.lineWidth = 2;
+    ctx.strokeRect(left - 1, top + state.selected * cell, T * cell + 2, cell);
+  }
+  return canvas;
+}
+
+function drawLabels(ctx, labels, { left, top, cell, upright }) {
+  const step = Math.ceil(LABEL_PX / cell); // thin the labels out, never shrink them
+  ctx.font = LABEL_FONT;
+  ctx.fillStyle = "#1d2430";
+  ctx.textBaseline = "middle";
+  for (let i = 0; i < labels.length; i += step) {
+    const text = clip(ctx, labels[i]);
+    const mid = i * cell + cell / 2;
+    ctx.textAlign = "right";
+    ctx.fillText(text, left - 5, top + mid);
+    if (upright) {
+      ctx.textAlign = "center";
+      ctx.fillText(text, left + mid, top - 10);
+    } else {
+      ctx.save();
+      ctx.translate(left + mid, top - 5);
+      ctx.rotate(-Math.PI / 2);
+      ctx.textAlign = "left";
+      ctx.fillText(text, 0, 0);
+      ctx.restore();
+    }
+  }
+}
+
+function clip(ctx, text) {
+  if (ctx.measureText(text).width <= MAX_LABEL_PX) return text;
+  let cut = text;
+  while (cut.length > 1 && ctx.measureText(cut + "…").width > MAX_LABEL_PX) cut = cut.slice(0, -1);
+  return cut + "…";
+}
+
+function mapCell(event, canvas) {
+  const { left, top, cell, tokens } = canvas.dataset;
+  const box = canvas.getBoundingClientRect();
+  const col = Math.floor((event.clientX - box.left - left) / cell);
+  const row = Math.floor((event.clientY - box.top - top) / cell);
+  if (row < 0 || col < 0 || row >= +tokens || col >= +tokens) return null;
+  return { row, col };
+}
+
+function hoverMap(event, canvas, answer, i) {
+  const at = mapCell(event, canvas);
+  const readout = $("attention-readout");
+  if (!at) { readout.textContent = ""; return; }
+  const head = `layer ${answer.layer} head ${answer.heads[i]}`;
+  readout.textContent = at.col > at.row
+    ? `${head}: ${tokenName(at.row)} cannot see the later ${tokenName(at.col)}`
+    : `${head}: ${tokenName(at.row)} → ${tokenName(at.col)}: ` +
+      `${fmt(answer.weights[i][at.row][at.col])}`;
+}
+
+// --- what one token attends to, everywhere ---------------------------------------------------
+
+async function loadAttends(generation) {
+  if (state.selected === null) return;
+  const position = state.selected;
+  const answer = await api("attends", { prompt: $("prompt").value, position });
+  if (generation !== state.generation || position !== state.selected) return;
+  renderAttends(answer);
+}
+
+function renderAttends(answer) {
+  const p = answer.position;
+  $("attends-title").textContent =
+    `What ${tokenName(p)} attends to, in every layer and head (its three strongest keys)`;
+  const H = answer.weights[0].length;
+  const head = el("tr", {}, el("th", {}, ""),
+    ...Array.from({ length: H }, (_, h) => el("th", {}, `head ${h}`)));
+  const rows = answer.weights.map((heads, layer) => el("tr", {},
+    el("th", {}, `layer ${layer}`),
+    ...heads.map((weights) => el("td", {}, strip(weights), topKeys(weights)))));
+  $("attends").replaceChildren(el("table", { class: "attends" }, head, ...rows));
+  $("attends").dataset.position = p;
+}
+
+// A heat strip of one attention row: keys 0..p left to right.
+function strip(weights) {
+  const width = 176, height = 12;
+  const canvas = document.createElement("canvas");
+  const ratio = window.devicePixelRatio || 1;
+  canvas.width = width * ratio;
+  canvas.height = height * ratio;
+  canvas.style.width = `${width}px`;
+  canvas.style.height = `${height}px`;
+  const ctx = canvas.getContext("2d");
+  ctx.scale(ratio, ratio);
+  const step = width / weights.length;
+  weights.forEach((w, k) => {
+    ctx.fillStyle = shade(w);
+    ctx.fillRect(k * step, 0, Math.max(step, 1), height);
+  });
+  ctx.strokeStyle = "#d9dee6";
+  ctx.strokeRect(0.5, 0.5, width - 1, height - 1);
+  return canvas;
+}
+
+function topKeys(weights) {
+  const order = weights.map((w, k) => [w, k]).sort((a, b) => b[0] - a[0]).slice(0, 3);
+  const lines = order.map(([w, k]) =>
+    `${fmt(w)} ${visible(state.tokens[k].text).padEnd(2)} @${k}`);
+  return el("div", { class: "top" }, lines.join("\n"));
+}
+
+// --- predictions and the logit lens ----------------------------------------------------------
+
+async function loadPredictions(generation) {
+  const answer = await api("predictions", { prompt: $("prompt").value, k: state.k });
+  if (generation !== state.generation) return;
+  state.predictions = answer;
+  renderPredictions();
+  renderLensGrid();
+}
+
+function piece(id) { return visible(state.predictions.pieces[id]); }
+
+function renderPredictions() {
+  const P = state.predictions;
+  const p = state.selected;
+  if (!P || P.ids[0].length !== state.tokens.length || p === null) return;
+  const last = P.ids.length - 1;
+  $("next-title").textContent = `After ${tokenName(p)} the model predicts`;
+  $("next-tokens").replaceChildren(...P.ids[last][p].map((id, j) => {
+    const prob = P.probs[last][p][j];
+    return el("tr", {},
+      el("td", { class: "tok" }, piece(id)),
+      el("td", { class: "bar-cell" }, barOf(prob)),
+      el("td", { class: "num prob" }, fmt(prob)));
+  }));
+  $("lens-title").textContent = `Logit lens at position ${p}`;
+  $("lens-position").replaceChildren(...P.layers.map((name, l) => el("tr", {},
+    el("th", {}, l === last ? `${name} (output)` : name),
+    el("td", {}, ...P.ids[l][p].map((id, j) => lensToken(id, P.probs[l][p][j]))))));
+  for (const cell of document.querySelectorAll(".lens-grid .selected")) {
+    cell.classList.remove("selected");
+  }
+  for (const cell of document.querySelectorAll(`.lens-grid [data-pos="${p}"]`)) {
+    cell.classList.add("selected");
+  }
+  revealColumn(document.querySelector(`.lens-grid thead [data-pos="${p}"]`));
+}
+
+// Scroll the lens grid sideways (never the page) until the selected column is in view.
+function revealColumn(cell) {
+  if (!cell) return;
+  const box = $("lens-grid");
+  const view = box.getBoundingClientRect(), at = cell.getBoundingClientRect();
+  if (at.left < view.left + 100 || at.right > view.right) {
+    box.scrollLeft += at.left - view.left - box.clientWidth / 2;
+  }
+}
+
+function barOf(prob) {
+  return el("div", { class: "bar", style: { width: `${Math.max(0.5, prob * 100)}%` } });
+}
+
+function lensToken(id, prob) {
+  return el("span", { class: "lens-tok", title: fmt(prob),
+    style: { background: shade(prob), color: inkOn(prob) } }, `${piece(id)} ${fmt(prob)}`);
+}
+
+function renderLensGrid() {
+  const P = state.predictions;
+  const T = state.tokens.length;
+  const last = P.ids.length - 1;
+  const header = el("tr", {}, el("th", { class: "layer" }, "prompt"),
+    ...state.tokens.map((t, i) => el("th", { dataset: { pos: i }, title: `position ${i}`,
+      onclick: () => select(i) }, visible(t.text))));
+  const body = [];
+  for (let l = last; l >= 0; l--) {
+    const name = l === last ? `${P.layers[l]} (output)` : P.layers[l];
+    body.push(el("tr", {}, el("th", { class: "layer" }, name),
+      ...Array.from({ length: T }, (_, i) => lensCell(P, l, i))));
+  }
+  body.push(el("tr", { class: "actual" }, el("th", { class: "layer" }, "actual next"),
+    ...state.tokens.map((_, i) => el("td", { dataset: { pos: i } },
+      i + 1 < T ? visible(state.tokens[i + 1].text) : "?"))));
+  $("lens-grid").replaceChildren(el("table", { class: "lens-grid" },
+    el("thead", {}, header), el("tbody", {}, ...body)));
+  renderPredictions(); // re-marks the selected column
+}
+
+function lensCell(P, l, i) {
+  const id = P.ids[l][i][0];
+  const prob = P.probs[l][i][0];
+  const next = i + 1 < state.tokens.length ? state.tokens[i + 1].id : null;
+  const tops = P.ids[l][i].map((t, j) => `${piece(t)}  ${fmt(P.probs[l][i][j])}`).join("\n");
+  return el("td", {
+    class: id === next ? "hit" : "",
+    title: `${P.layers[l]}, position ${i}\n${tops}`,
+    style: { background: shade(prob), color: inkOn(prob) },
+    dataset: { pos: i },
+    onclick: () => select(i),
+  }, piece(id));
+}
+
+// --- sampling --------------------------------------------------------------------------------
+
+function numberOrNull(id) {
+  const text = $(id).value.trim();
+  return text === "" ? null : Number(text);
+}
+
+async function sample(event) {
+  event.preventDefault();
+  stopSampling();
+  const controller = new AbortController();
+  state.sampler = controller;
+  const output = $("sample-output");
+  const status = $("sample-status");
+  const prompt = $("prompt").value;
+  $("sample-prompt").textContent = prompt;
+  $("sample-text").textContent = "";
+  output.dataset.state = "streaming";
+  status.textContent = "sampling…";
+  setSampling(true);
+  const body = { prompt, max_new_tokens: numberOrNull("max-new-tokens"),
+    temperature: numberOrNull("temperature"), top_k: numberOrNull("sample-top-k"),
+    top_p: numberOrNull("top-p"), seed: numberOrNull("seed") };
+  for (const key of ["max_new_tokens", "temperature"]) if (body[key] === null) delete body[key];
+  try {
+    const response = await fetch("/api/sample", { method: "POST", signal: controller.signal,
+      headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
+    if (!response.ok) {
+      const data = await response.json().catch(() => ({}));
+      throw new Error(data.error || `the server answered ${response.status}`);
+    }
+    await readEvents(response, (name, data) => onSampleEvent(name, data));
+    if (output.dataset.state === "streaming") output.dataset.state = "done";
+  } catch (error) {
+    if (error.name === "AbortError") {
+      output.dataset.state = "stopped";
+      status.textContent = "stopped";
+    } else {
+      output.dataset.state = "error";
+      status.replaceChildren(el("span", { class: "error" }, error.message));
+    }
+  } finally {
+    if (state.sampler === controller) { state.sampler = null; setSampling(false); }
+  }
+}
+
+function onSampleEvent(name, data) {
+  const status = $("sample-status");
+  if (name === "token") {
+    $("sample-text").textContent += data.text;
+    const out = $("sample-output");
+    out.scrollTop = out.scrollHeight;
+  } else if (name === "done") {
+    $("sample-output").dataset.state = "done";
+    const rate = data.seconds > 0 ? ` (${Math.round(data.pieces / data.seconds)} per second)` : "";
+    status.textContent = `done: ${data.pieces} pieces in ${data.seconds.toFixed(2)} s${rate}`;
+  } else if (name === "error") {
+    $("sample-output").dataset.state = "error";
+    status.replaceChildren(el("span", { class: "error" }, data.error));
+  }
+}
+
+// Server-sent events from a fetch body: blocks of "event: NAME" and "data: JSON" lines.
+async function readEvents(response, handle) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      let name = "message", data = "";
+      for (const line of block.split("\n")) {
+        if (line.startsWith("event: ")) name = line.slice(7);
+        else if (line.startsWith("data: ")) data += line.slice(6);
+      }
+      handle(name, JSON.parse(data));
+    }
+  }
+}
+
+function stopSampling() {
+  if (state.sampler) state.sampler.abort();
+}
+
+function setSampling(running) {
+  $("sample-button").disabled = running;
+  $("stop-button").disabled = !running;
+}
+
+// --- the model card --------------------------------------------------------------------------
+
+async function loadCard() {
+  const card = await api("card");
+  state.card = card;
+  const m = card.model;
+  $("run-name").textContent = card.name;
+  $("run-summary").textContent = `${integer(card.parameters.total)} parameters · ${m.n_layer} ` +
+    `layers · ${m.n_head} heads · width ${m.n_embd} · context ${m.block_size} · ` +
+    `${card.tokenizer.kind} tokenizer, ${integer(card.tokenizer.vocab_size)} tokens` +
+    (card.training.best_val_loss === null ? ""
+      : ` · best val loss ${card.training.best_val_loss.toFixed(4)}`);
+  $("config-table").replaceChildren(...Object.entries(m).map(([key, value]) =>
+    el("tr", {}, el("td", {}, key), el("td", {}, String(value)))),
+  el("tr", {}, el("td", {}, "tokenizer"), el("td", {}, card.tokenizer.kind)));
+  renderParameters(card.parameters);
+  const settings = card.training.settings || {};
+  const shown = ["max_iters", "batch_size", "lr", "min_lr", "warmup_iters", "weight_decay",
+    "dropout", "grad_clip", "eval_interval", "device", "dtype", "seed"];
+  const rows = shown.filter((key) => key in settings).map((key) =>
+    el("tr", {}, el("td", {}, key), el("td", {}, String(settings[key]))));
+  $("train-table").replaceChildren(...(rows.length ? rows
+    : [el("tr", {}, el("td", {}, "no training settings recorded in this run"))]));
+  renderCurve(card.training);
+  fillLayerAndHead();
+}
+
+function renderParameters(parameters) {
+  const names = { embeddings: "embeddings (token + position)",
+    attention: "attention (qkv + proj)", ffn: "feed-forward (MLP)", layernorm: "LayerNorm",
+    lm_head: "LM head (untied)", other: "other" };
+  const rows = Object.entries(parameters.parts).filter(([, n]) => n > 0).map(([part, n]) => {
+    const share = n / parameters.total;
+    return el("tr", { dataset: { part } }, el("td", {}, names[part] || part),
+      el("td", { class: "num" }, integer(n)),
+      el("td", { class: "num" }, `${(100 * share).toFixed(1)}%`),
+      el("td", { class: "bar-cell" }, barOf(share)));
+  });
+  rows.push(el("tr", {}, el("td", {}, el("b", {}, "total")),
+    el("td", { class: "num" }, el("b", {}, integer(parameters.total))), el("td", {}, "")));
+  $("params-table").replaceChildren(...rows);
+  $("params-note").textContent = parameters.parts.lm_head === 0
+    ? "The LM head is the token embedding matrix (tied): counted once, with the embeddings."
+    : "";
+}
+
+// The training curve as SVG: the loss of each logged batch, and train/val loss at evaluations.
+function renderCurve(training) {
+  const box = $("curve");
+  const { train, eval: evals } = training;
+  if (!train.length && !evals.length) {
+    box.replaceChildren(el("p", { class: "hint" }, "this run has no metrics.jsonl"));
+    $("best-val").textContent = "";
+    return;
+  }
+  const W = 1100, H = 280, pad = { l: 56, r: 170, t: 12, b: 40 };
+  const points = [...train.map((p) => [p[0], p[1]]), ...evals.map((e) => [e[0], e[1]]),
+    ...evals.map((e) => [e[0], e[2]])];
+  const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
+  const x0 = 0, x1 = Math.max(...xs, 1);
+  const y0 = Math.min(...ys), y1 = Math.max(...ys);
+  const span = y1 - y0 || 1;
+  const X = (x) => pad.l + ((x - x0) / (x1 - x0)) * (W - pad.l - pad.r);
+  const Y = (y) => pad.t + (1 - (y - y0 + 0.05 * span) / (1.1 * span)) * (H - pad.t - pad.b);
+  const ns = "http://www.w3.org/2000/svg";
+  const svg = document.createElementNS(ns, "svg");
+  svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
+  svg.setAttribute("width", "100%");
+  const add = (tag, attrs, text) => {
+    const node = document.createElementNS(ns, tag);
+    for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+    if (text !== undefined) node.textContent = text;
+    svg.append(node);
+    return node;
+  };
+  for (const t of ticks(y0, y1, 5)) {
+    add("line", { x1: pad.l, x2: W - pad.r, y1: Y(t), y2: Y(t), stroke: "#e6e9ee" });
+    add("text", { x: pad.l - 6, y: Y(t) + 4, "text-anchor": "end" }, t.toFixed(2));
+  }
+  for (const t of ticks(x0, x1, 6)) {
+    add("text", { x: X(t), y: H - pad.b + 16, "text-anchor": "middle" }, integer(t));
+  }
+  add("text", { x: (pad.l + W - pad.r) / 2, y: H - 6, "text-anchor": "middle" }, "iteration");
+  add("text", { x: 14, y: (H - pad.b) / 2, transform: `rotate(-90 14 ${(H - pad.b) / 2})`,
+    "text-anchor": "middle" }, "cross-entropy loss");
+  const line = (pts, colour, width, dots) => {
+    if (!pts.length) return;
+    add("polyline", { points: pts.map(([x, y]) => `${X(x)},${Y(y)}`).join(" "), fill: "none",
+      stroke: colour, "stroke-width": width });
+    if (dots) for (const [x, y] of pts) add("circle", { cx: X(x), cy: Y(y), r: 3, fill: colour });
+  };
+  const series = [["train (batch)", "#9dbbe0", 1.2, false, train],
+    ["train (eval)", "#1f5fa8", 2, true, evals.map((e) => [e[0], e[1]])],
+    ["val (eval)", "#d9480f", 2, true, evals.map((e) => [e[0], e[2]])]];
+  series.forEach(([name, colour, width, dots, pts], i) => {
+    line(pts, colour, width, dots);
+    add("line", { x1: W - pad.r + 16, x2: W - pad.r + 40, y1: 22 + 20 * i, y2: 22 + 20 * i,
+      stroke: colour, "stroke-width": 3 });
+    add("text", { x: W - pad.r + 46, y: 26 + 20 * i }, name);
+  });
+  box.replaceChildren(svg);
+  const best = $("best-val");
+  if (training.best_val_loss === null) best.textContent = "no evaluation yet";
+  else {
+    best.replaceChildren("best val loss ", el("b", {}, training.best_val_loss.toFixed(4)),
+      ` at iteration ${integer(training.best_val_iter)} of ${integer(training.iterations)}`);
+  }
+}
+
+function ticks(low, high, count) {
+  const raw = (high - low) / count || 1;
+  const step = [1, 2, 2.5, 5, 10].map((m) => m * 10 ** Math.floor(Math.log10(raw)))
+    .find((s) => s >= raw);
+  const out = [];
+  for (let t = Math.ceil(low / step) * step; t <= high + 1e-9; t += step) out.push(t);
+  return out;
+}
+
+// --- start -----------------------------------------------------------------------------------
+
+async function start() {
+  $("prompt").addEventListener("input", debounce(promptChanged, 200));
+  $("layer").addEventListener("change", () => {
+    state.layer = Number($("layer").value);
+    loadAttention(state.generation).catch((e) => showPromptError(e.message));
+  });
+  $("head").addEventListener("change", () => {
+    state.head = $("head").value === "all" ? "all" : Number($("head").value);
+    loadAttention(state.generation).catch((e) => showPromptError(e.message));
+  });
+  $("zoom-in").addEventListener("click", () => zoom(1));
+  $("zoom-out").addEventListener("click", () => zoom(-1));
+  $("top-k").addEventListener("change", () => {
+    state.k = Number($("top-k").value);
+    loadPredictions(state.generation).catch((e) => showPromptError(e.message));
+  });
+  $("sample-form").addEventListener("submit", sample);
+  $("stop-button").addEventListener("click", stopSampling);
+  try {
+    await loadCard();
+  } catch (error) {
+    $("run-summary").textContent = `cannot load the model card: ${error.message}`;
+    return;
+  }
+  $("prompt").value = state.card.example_prompt;
+  await promptChanged();
+  document.body.dataset.ready = "true";
+}
+
+start();
