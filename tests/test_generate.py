@@ -106,9 +106,9 @@ def test_kv_cached_logits_equal_full_forward_position_by_position(attn_impl):
 def test_cache_feeds_one_token_per_step_until_the_window_is_full(model, use_cache):
     fed = []
     hook = model.register_forward_pre_hook(lambda module, args: fed.append(args[0].shape[1]))
-    try:
+    try:  # the eager engine: the model's own forward, which the hook watches
         generate(model, prompt(1, 3), max_new_tokens=2 * BLOCK, temperature=0.0,
-                 use_cache=use_cache)
+                 use_cache=use_cache, engine="eager")
     finally:
         hook.remove()
     # After the prompt, one call per new token but the last, when the sequence holds n tokens:
@@ -153,7 +153,8 @@ def test_stream_is_lazy(model):
     calls = []
     hook = model.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape))
     try:
-        stream = generate_stream(model, prompt(1, 2), max_new_tokens=5, temperature=0.0)
+        stream = generate_stream(model, prompt(1, 2), max_new_tokens=5, temperature=0.0,
+                                 engine="eager")
         assert calls == []  # nothing runs before the first token is asked for
         assert next(stream).shape == (1, 1)
         assert len(calls) == 1  # the prompt only: the next step waits for the next request

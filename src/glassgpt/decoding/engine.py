@@ -11,7 +11,8 @@ Faster engines never change the model a user passed in: they work on a *twin*, a
 tree that shares every weight tensor with the model (so it costs no memory and sees every update
 of the weights) but whose modules may be of speed-tuned subclasses. A model keeps its twin while
 its tensors stay the same (moving it to another device or dtype makes a new one), so a compiled
-step keeps serving one model from call to call.
+step keeps serving one model from call to call. (Hooks registered on the model after its twin
+was made do not run in the twin: decode with the eager engine to watch the model's own calls.)
 """
 
 from __future__ import annotations
