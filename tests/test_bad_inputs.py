@@ -72,8 +72,8 @@ def edit_model(**values: object) -> Callable[[Path], None]:
     return edit_json("config.json", lambda c: c["model"].update(values))
 
 
-def truncate_weights(run: Path) -> None:
-    path = run / "model.safetensors"
+def truncate_weights(run: Path, name: str = "model.safetensors") -> None:
+    path = run / name
     path.write_bytes(path.read_bytes()[:1000])
 
 
@@ -210,8 +210,10 @@ def data_with_bad_meta(w: Where) -> Path:
     return data
 
 
-def sample(*extra: str) -> Callable[[Where], list]:
-    return lambda w: ["sample", w.run, "--max-new-tokens", "3", "--device", "cpu", *extra]
+def sample(*extra: str, checkpoint: str = "last") -> Callable[[Where], list]:
+    """`sample` of the run; its last weights by default here, the file most rows damage."""
+    return lambda w: ["sample", w.run, "--max-new-tokens", "3", "--device", "cpu",
+                      "--checkpoint", checkpoint, *extra]
 
 
 def train(*extra: object) -> Callable[[Where], list]:
@@ -311,12 +313,12 @@ CASES: dict[str, Case] = {
         damage=edit_json("config.json", lambda c: c.update(train=[1, 2]))),
     "fine-tune with a new width": Case(
         lambda w: ["train", "--data", w.data, "--out", w.work / "ft", "--init-from", w.run,
-                   *TINY[:4], "--n-embd", "32"], "only --dropout may change"),
+                   *TINY[:4], "--n-embd", "32"], "only dropout may change"),
     "fine-tune on data of another tokenizer": Case(
         lambda w: ["train", "--data", w.bpe_data, "--out", w.work / "ft", "--init-from", w.run,
                    "--max-iters", "1"], "tokenizer differs"),
     # --- sampling
-    "prompt outside the vocabulary": Case(sample("--prompt", "Zebra{"), "'Z{'"),
+    "prompt outside the vocabulary": Case(sample("--prompt", "Zebra{"), "'Z', '{'"),
     "prompt longer than the context": Case(sample("--prompt", "to be " * 20),
                                            "the prompt has 120 tokens", succeeds=True),
     "top-p 0": Case(sample("--top-p", "0"), "top_p must be in (0, 1], got 0.0"),
@@ -344,6 +346,9 @@ CASES: dict[str, Case] = {
     "nanoGPT ckpt.pt run directory": Case(sample(), "ckpt.pt", damage=nanogpt_layout),
     "truncated model.safetensors": Case(sample(), "not a valid safetensors file",
                                         damage=truncate_weights),
+    "truncated best.safetensors (what sample reads by default)": Case(
+        sample(checkpoint="best"), "best.safetensors is not a valid safetensors file",
+        damage=lambda run: truncate_weights(run, "best.safetensors")),
     "tensor shapes that do not match the config": Case(
         sample(), "has shape (29, 16), config.json needs (29, 32)",
         damage=edit_model(n_embd=32)),
@@ -627,4 +632,4 @@ def test_loading_a_run_never_unpickles(setup, tmp_path, monkeypatch):
     run = shutil.copytree(setup.template, tmp_path / "run")
     pickle_as_weights(run)
     with pytest.raises(GlassGPTError, match="not a valid safetensors file"):
-        load_model(run)
+        load_model(run, checkpoint="last")

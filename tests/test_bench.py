@@ -15,10 +15,9 @@ import torch
 
 from glassgpt import bench
 from glassgpt.cli import main
-from glassgpt.config import GPTConfig
+from glassgpt.config import GPTConfig, TrainConfig
 from glassgpt.errors import ConfigError, GlassGPTError
 from glassgpt.model import GPT
-from glassgpt.train import TrainConfig
 
 # cpu-small shrunk further: every code path of the benchmark, in well under a second.
 TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=32)

@@ -13,10 +13,11 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import cli_environment
-from glassgpt.config import GPTConfig
+from glassgpt.config import GPTConfig, TrainConfig
 from glassgpt.data import prepare
 from glassgpt.model import GPT
-from glassgpt.train import TrainConfig, make_optimizer, train_step
+from glassgpt.optim import make_optimizer
+from glassgpt.train import train_step
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--batch-size", "2", "--eval-iters", "2", "--log-interval", "1"]
@@ -31,7 +32,9 @@ ONE_STEP = textwrap.dedent("""
     from glassgpt.checkpoint import model_tensors
     from glassgpt.config import GPTConfig
     from glassgpt.model import GPT
-    from glassgpt.train import TrainConfig, make_optimizer, train_step
+    from glassgpt.config import TrainConfig
+    from glassgpt.optim import make_optimizer
+    from glassgpt.train import train_step
 
     with ddp.distributed("cpu") as context:
         torch.manual_seed(0)

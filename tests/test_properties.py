@@ -30,11 +30,11 @@ from glassgpt.checkpoint import (
     save_checkpoint,
     save_model,
 )
-from glassgpt.config import GPTConfig
+from glassgpt.config import GPTConfig, TrainConfig
 from glassgpt.errors import GlassGPTError
 from glassgpt.model import GPT
+from glassgpt.optim import adamw_state_shapes, load_adamw_state, make_optimizer
 from glassgpt.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
-from glassgpt.train import TrainConfig, adamw_state_shapes, load_adamw_state, make_optimizer
 
 FAST = settings(max_examples=80, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])

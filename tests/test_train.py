@@ -9,29 +9,17 @@ import math
 import pytest
 import torch
 
-from glassgpt import train as train_module
 from glassgpt.checkpoint import load_train_state
-from glassgpt.config import GPTConfig, load_preset
-from glassgpt.data import PreparedData, prepare
+from glassgpt.config import GPTConfig, TrainConfig, load_preset
+from glassgpt.data import BatchSampler, PreparedData, prepare
+from glassgpt.devices import autocast_dtype
 from glassgpt.errors import CheckpointError, ConfigError, DataError
 from glassgpt.memory import training_memory
 from glassgpt.metrics import read_metrics
 from glassgpt.model import GPT, count_parameters
-from glassgpt.train import (
-    NonFiniteLossError,
-    TrainConfig,
-    Trainer,
-    adamw_state_shapes,
-    build_model,
-    estimate_loss,
-    load_adamw_state,
-    lr_at,
-    make_optimizer,
-    model_for_finetuning,
-    resolve_configs,
-    resume_settings,
-    train_step,
-)
+from glassgpt.optim import adamw_state_shapes, load_adamw_state, lr_at, make_optimizer
+from glassgpt.runs import build_model, model_for_finetuning, resolve_configs, resume_settings
+from glassgpt.train import NonFiniteLossError, Trainer, estimate_loss, train_step
 
 TINY = dict(block_size=16, n_layer=2, n_head=2, n_embd=16)
 
@@ -103,7 +91,7 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 def test_estimate_loss_uses_eval_mode_and_restores_it(data):
     model = tiny_gpt(data.vocab_size, dropout=0.5)
-    samplers = {s: train_module.BatchSampler(data.splits[s], 16, 4, seed=0)
+    samplers = {s: BatchSampler(data.splits[s], 16, 4, seed=0)
                 for s in ("train", "val")}
     seen = []
     model.register_forward_pre_hook(lambda module, args: seen.append(module.training))
@@ -192,7 +180,7 @@ def test_finetuning_keeps_the_weights_and_only_dropout_may_change(tmp_path, data
     assert model.training and model.config.dropout == 0.3
     for a, b in zip(model.parameters(), trainer.model.parameters(), strict=True):
         assert torch.equal(a, b.cpu())
-    with pytest.raises(ConfigError, match="only --dropout may change"):
+    with pytest.raises(ConfigError, match="only dropout may change"):
         model_for_finetuning(tmp_path / "run", data, {"n_layer": 3})
     prepare(tmp_path / "bpe", small_text, "bpe", 300)
     with pytest.raises(DataError, match="tokenizer differs"):
@@ -207,7 +195,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path, data, mon
         loss = real_step(*args, **kwargs)
         return loss * float("nan") if len(calls) == 6 else loss
 
-    monkeypatch.setattr(train_module, "train_step", step_that_diverges)
+    monkeypatch.setattr("glassgpt.train.train_step", step_that_diverges)
     with pytest.raises(NonFiniteLossError, match="at iteration 6"):
         run_tiny(data, tmp_path / "run", 8)
     assert load_train_state(tmp_path / "run").iteration == 4  # the evaluation at step 4
@@ -217,11 +205,11 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path, data, mon
 
 def test_autocast_dtype_on_a_cpu_is_opt_in_bf16():
     cpu = torch.device("cpu")
-    assert train_module.autocast_dtype("auto", cpu) is None  # full precision unless asked
-    assert train_module.autocast_dtype("float32", cpu) is None
-    assert train_module.autocast_dtype("bfloat16", cpu) is torch.bfloat16
+    assert autocast_dtype("auto", cpu) is None  # full precision unless asked
+    assert autocast_dtype("float32", cpu) is None
+    assert autocast_dtype("bfloat16", cpu) is torch.bfloat16
     with pytest.raises(ConfigError, match="float16 needs CUDA"):
-        train_module.autocast_dtype("float16", cpu)
+        autocast_dtype("float16", cpu)
 
 
 def test_bf16_autocast_training_on_a_cpu_keeps_fp32_weights_and_follows_fp32(tmp_path, data):

@@ -141,7 +141,7 @@ def test_the_model_card_has_config_parameters_and_the_training_curve(client, vie
     assert card["parameters"]["parts"] == parameter_counts(view.model)
     evals = [r for r in read_metrics(run_dir) if "val_loss" in r]
     assert card["training"]["best_val_loss"] == min(r["val_loss"] for r in evals)
-    assert [e[0] for e in card["training"]["eval"]] == [3, 6]
+    assert [e[0] for e in card["training"]["eval"]] == [0, 3, 6]
     assert len(card["training"]["train"]) == 6 and card["training"]["iterations"] == 6
     assert card["training"]["settings"]["max_iters"] == 6
     assert card["example_prompt"] == "To be, or not to"  # the first example that fits, cut
@@ -153,7 +153,7 @@ JSON = {"Content-Type": "application/json"}
 BAD_REQUESTS = {
     "empty prompt": ("/api/tokenize", {"prompt": ""}, 400, "the prompt is empty"),
     "unknown characters": ("/api/predictions", {"prompt": "to bé?"}, 400,
-                           "not in the tokenizer's vocabulary: '?é'"),
+                           "not in the tokenizer's vocabulary: '?', 'é'"),
     "prompt longer than the context": ("/api/attention", {"prompt": "t" * 17, "layer": 0}, 400,
                                        "17 tokens long; the model's context holds 16"),
     "huge prompt": ("/api/tokenize", {"prompt": "t" * (MAX_PROMPT_CHARS + 1)}, 400,

@@ -193,7 +193,7 @@ def test_an_unknown_character_is_an_error_in_the_page(page):
     by_id(page, "prompt").send_keys("é")
     error = by_id(page, "prompt-error")
     wait_for(page, lambda d: error.is_displayed(), "the error line")
-    assert error.text == "characters not in the tokenizer's vocabulary: 'é'"
+    assert error.text == "1 character not in the tokenizer's vocabulary: 'é'"
     by_id(page, "prompt").send_keys(Keys.BACKSPACE)
     wait_for(page, lambda d: not error.is_displayed(), "the error to go away")
     wait_for(page, lambda d: len(chip_values(d, "title")) == len(PROMPT), "the chips again")

@@ -2,7 +2,8 @@
 
 A run directory holds
     config.json               model config, training config, data directory, tokenizer kind
-    model.safetensors         weights of the unwrapped model (a tied matrix stored once)
+    model.safetensors         weights of the last checkpoint (a tied matrix stored once)
+    best.safetensors          weights of the evaluation with the lowest val loss so far
     tokenizer.json            the tokenizer the model was trained with
     train_state.safetensors   optimizer tensors and RNG states          } only for runs that
     train_state.json          iteration, best val loss, the rest        } can be resumed
@@ -28,14 +29,13 @@ from safetensors.torch import save as save_safetensors_bytes
 from torch import Tensor, nn
 
 from glassgpt import files
-from glassgpt.config import GPTConfig
+from glassgpt.config import GPTConfig, check_choice
+from glassgpt.distributed import unwrap_model
 from glassgpt.errors import CheckpointError, ConfigError, TokenizerError
 from glassgpt.memory import gib, physical_memory
 from glassgpt.model import GPT
-
-# The file names stay importable from here, where callers have always found them.
-from glassgpt.rundir import CHECKPOINT_FILES as CHECKPOINT_FILES
 from glassgpt.rundir import (
+    BEST_FILE,
     CONFIG_FILE,
     MODEL_FILE,
     STATE_JSON_FILE,
@@ -44,6 +44,9 @@ from glassgpt.rundir import (
     commit_files,
     committed_paths,
 )
+
+# The file names stay importable from here, where callers have always found them.
+from glassgpt.rundir import CHECKPOINT_FILES as CHECKPOINT_FILES
 from glassgpt.rundir import JOURNAL_FILE as JOURNAL_FILE
 from glassgpt.rundir import PENDING_SUFFIX as PENDING_SUFFIX
 from glassgpt.rundir import recover_interrupted_commit as recover_interrupted_commit
@@ -66,20 +69,10 @@ CONFIG_KEYS = ("format", "model", "train", "data_dir", "tokenizer", "extra")
 MAX_JSON_BYTES = files.MAX_JSON_BYTES
 PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".pkl", ".bin")
 DEVICE_TYPES = ("cpu", "cuda", "mps")
+CHECKPOINTS = ("best", "last")  # which weights of a run to load
 
 
 # --- the model -----------------------------------------------------------------------------
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The plain model inside DDP (`.module`) and `torch.compile` (`._orig_mod`) wrappers."""
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model
-
 
 def model_tensors(model: nn.Module) -> dict[str, Tensor]:
     """The weights to write: no wrapper prefixes, and a tied LM head stored once (as tok_emb)."""
@@ -176,6 +169,10 @@ def read_run_config(run_dir: str | Path) -> dict[str, Any]:
 
 def _read_config(path: Path) -> dict[str, Any]:
     config = files.read_json_object(path, CheckpointError, MAX_JSON_BYTES)
+    if "model_type" in config or "architectures" in config:
+        raise CheckpointError(f"{path.parent} is a Hugging Face model directory, not a glassgpt "
+                              f"run; import it with `glassgpt convert --from-hf {path.parent} "
+                              f"--out RUN_DIR`")
     unknown = sorted(set(config) - set(CONFIG_KEYS))
     if unknown or "model" not in config:
         raise CheckpointError(f"{path}: unknown keys {unknown} or no 'model' table; "
@@ -221,10 +218,19 @@ def run_paths(run_dir: str | Path) -> dict[str, Path]:
         raise CheckpointError(f"run directory not found: {run_dir}")
     paths = committed_paths(run_dir)
     if any(files.entry_kind(paths[name]) == "missing" for name in (CONFIG_FILE, MODEL_FILE)):
+        _refuse_data_dir(run_dir)
         _refuse_pickles(run_dir)
         raise CheckpointError(f"{run_dir} holds no checkpoint (no {CONFIG_FILE} and "
                               f"{MODEL_FILE}); train first, or point at a run directory")
     return paths
+
+
+def _refuse_data_dir(run_dir: Path) -> None:
+    """Name a prepared data directory for what it is: its train.bin is token ids, not weights."""
+    if files.entry_kind(run_dir / "meta.json") != "missing":
+        raise CheckpointError(f"{run_dir} is a data directory (token ids from `glassgpt "
+                              f"prepare`), not a run; train on it first: `glassgpt train "
+                              f"--data {run_dir} --out RUN_DIR`, then use RUN_DIR")
 
 
 def _refuse_pickles(run_dir: Path) -> None:
@@ -248,18 +254,64 @@ def save_model(run_dir: str | Path, model: nn.Module, tokenizer: Tokenizer,
                            TOKENIZER_FILE: tokenizer.to_json().encode("utf-8")})
 
 
-def load_model(run_dir: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, Tokenizer]:
-    """The model of a run directory, in eval mode on `device`, and its tokenizer."""
+def weights_file(run_dir: str | Path, checkpoint: str = "best") -> tuple[str, Path]:
+    """Which weights `checkpoint` ("best" or "last") of a run names, and where they are: the
+    best ones when the run kept them (a trained run does from its first evaluation on), else
+    the last (a converted run has only those)."""
+    check_choice("checkpoint", checkpoint, CHECKPOINTS)
+    paths = run_paths(run_dir)
+    if checkpoint == "best" and files.entry_kind(paths[BEST_FILE]) != "missing":
+        return "best", paths[BEST_FILE]
+    return "last", paths[MODEL_FILE]
+
+
+def describe_weights(run_dir: str | Path, checkpoint: str = "best") -> str:
+    """One line saying which weights `load_model(run_dir, checkpoint=...)` takes, e.g.
+    "the best weights (val loss 1.4642 at iteration 1750)"."""
+    used, _ = weights_file(run_dir, checkpoint)
+    state = _state_summary(run_dir)
+    if used == "best" and state.get("best_iteration") is not None:
+        return (f"the best weights (val loss {state['best_val_loss']:.4f} at iteration "
+                f"{state['best_iteration']})")
+    if used == "best":
+        return "the best weights"
+    iteration = state.get("iteration")
+    where = f" (iteration {iteration})" if isinstance(iteration, int) else ""
+    fallback = " (the run kept no best ones)" if checkpoint == "best" else ""
+    return f"the last weights{where}{fallback}"
+
+
+def _state_summary(run_dir: str | Path) -> dict[str, Any]:
+    """train_state.json's small fields when the run has them, for messages only."""
+    path = run_paths(run_dir)[STATE_JSON_FILE]
+    if files.entry_kind(path) == "missing":
+        return {}
+    try:
+        state = files.read_json_object(path, CheckpointError, MAX_JSON_BYTES)
+    except CheckpointError:
+        return {}
+    return {k: v for k, v in state.items() if k in ("iteration", "best_val_loss",
+                                                    "best_iteration")}
+
+
+def load_model(run_dir: str | Path, device: str | torch.device = "cpu",
+               checkpoint: str = "best") -> tuple[GPT, Tokenizer]:
+    """The model of a run directory, in eval mode on `device`, and its tokenizer.
+
+    `checkpoint` "best" takes the weights of the run's best evaluation where it kept them
+    (else the last), "last" the weights of its last checkpoint (`describe_weights` says which).
+    """
     target = check_device(device)
+    _, weights = weights_file(run_dir, checkpoint)
     paths = run_paths(run_dir)
     config = _model_config(_read_config(paths[CONFIG_FILE]), paths[CONFIG_FILE])
     tokenizer = _read_tokenizer(paths[TOKENIZER_FILE])
     if tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(f"{run_dir}: tokenizer has {tokenizer.vocab_size} tokens, more "
                               f"than the model's vocab_size={config.vocab_size}")
-    tensors = read_weights(paths[MODEL_FILE], config)
+    tensors = read_weights(weights, config)
     model = GPT(config)
-    load_model_tensors(model, tensors, paths[MODEL_FILE])
+    load_model_tensors(model, tensors, weights)
     return model.to(target).eval(), tokenizer
 
 
@@ -298,16 +350,21 @@ def _read_tokenizer(path: Path) -> Tokenizer:
 # --- training state ------------------------------------------------------------------------
 
 def save_checkpoint(run_dir: str | Path, model: nn.Module, tokenizer: Tokenizer,
-                    train_config: dict, data_dir: str | None, state: TrainState) -> None:
-    """Commit weights, config, tokenizer and training state together (all or nothing)."""
+                    train_config: dict, data_dir: str | None, state: TrainState,
+                    best: bool = False) -> None:
+    """Commit weights, config, tokenizer and training state together (all or nothing); with
+    `best`, these weights are also the run's best (best.safetensors), in the same commit."""
     model = unwrap_model(model)
     config = run_config(model.config, tokenizer, train=train_config, data_dir=data_dir)
     tensors, state_json = split_train_state(state)
-    commit_files(run_dir, {CONFIG_FILE: _json_bytes(config),
-                           MODEL_FILE: _model_bytes(model),
-                           TOKENIZER_FILE: tokenizer.to_json().encode("utf-8"),
-                           STATE_TENSORS_FILE: save_safetensors_bytes(tensors),
-                           STATE_JSON_FILE: _json_bytes(state_json)})
+    weights = _model_bytes(model)
+    contents = {CONFIG_FILE: _json_bytes(config), MODEL_FILE: weights,
+                TOKENIZER_FILE: tokenizer.to_json().encode("utf-8"),
+                STATE_TENSORS_FILE: save_safetensors_bytes(tensors),
+                STATE_JSON_FILE: _json_bytes(state_json)}
+    if best:
+        contents[BEST_FILE] = weights
+    commit_files(run_dir, contents)
 
 
 def has_train_state(run_dir: str | Path) -> bool:

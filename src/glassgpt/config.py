@@ -1,10 +1,11 @@
-"""`GPTConfig`: every setting that decides a model's shape, validated when it is built.
+"""The settings, each a dataclass validated when it is built: `GPTConfig` (a model's shape),
+`TrainConfig` (a training recipe) and `SamplingConfig` (how to continue a prompt).
 
 This module is a leaf (it imports only the errors): the names of the choices (activations,
 attention paths) and the checks of a setting live here once, and the modules that take the same
 settings directly (`MultiHeadSelfAttention`, `FeedForward`, ...) call these same checks.
-Named presets live as TOML files in `glassgpt/presets/`; each has a `[model]` table (read here)
-and a `[train]` table of recipe defaults (read by the trainer).
+Named presets live as TOML files in `glassgpt/presets/`; each has a `[model]` table and a
+`[train]` table of recipe defaults.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ PRESETS_PACKAGE = "glassgpt.presets"
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")  # exact GELU, GPT-2's tanh GELU, ReLU
 ATTENTION_IMPLS = ("fused", "explicit")
 ENGINES = ("auto", "eager", "cpu", "cuda-graph")  # decoding engines (glassgpt.decoding)
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # training precision (autocast)
 T = TypeVar("T")
 
 
@@ -91,6 +93,63 @@ class GPTConfig:
     def from_preset(cls, name: str, **overrides: Any) -> GPTConfig:
         """The `[model]` table of preset `name`, with `overrides` applied on top."""
         return cls.from_dict({**load_preset(name).get("model", {}), **overrides})
+
+
+def setting(default: Any, doc: str) -> Any:
+    """A dataclass field with a help text (shown by `glassgpt train --help`)."""
+    return dataclasses.field(default=default, metadata={"help": doc})
+
+
+@dataclass
+class TrainConfig:
+    """Every training setting. Defaults follow nanoGPT; presets' [train] tables override them."""
+
+    max_iters: int = setting(5000, "optimizer steps in total (a resumed run continues to it)")
+    batch_size: int = setting(12, "sequences per micro-batch, per rank")
+    grad_accum: int = setting(1, "micro-batches per optimizer step")
+    lr: float = setting(6e-4, "peak learning rate")
+    min_lr: float = setting(6e-5, "floor of the cosine decay")
+    warmup_iters: int = setting(100, "steps of linear warmup")
+    lr_decay_iters: int = setting(0, "step where the cosine decay ends (0: max_iters)")
+    decay_lr: bool = setting(True, "warmup and cosine decay (else a constant lr)")
+    weight_decay: float = setting(0.1, "AdamW weight decay of matrices and embeddings")
+    beta1: float = setting(0.9, "AdamW beta1")
+    beta2: float = setting(0.95, "AdamW beta2")
+    grad_clip: float = setting(1.0, "largest gradient norm (0: no clipping)")
+    eval_interval: int = setting(250, "evaluate and checkpoint every this many steps")
+    eval_iters: int = setting(20, "batches per split in an evaluation")
+    log_interval: int = setting(10, "steps between progress updates and metrics lines")
+    device: str = setting("auto", "auto, cpu, cuda, cuda:N or mps")
+    dtype: str = setting("auto", "autocast dtype: auto (bf16/fp16 on CUDA, float32 "
+                         "elsewhere), float32, bfloat16, float16")
+    compile: bool = setting(False, "torch.compile the model")
+    seed: int = setting(1337, "seed of initialisation, batches and dropout")
+    early_stop: int = setting(0, "stop after this many evaluations without a better val loss "
+                              "(0: never)")
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        for name in ("max_iters", "batch_size", "grad_accum", "eval_interval", "eval_iters",
+                     "log_interval"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip", "min_lr",
+                     "early_stop"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ConfigError(f"lr must be positive, got {self.lr}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        check_choice("dtype", self.dtype, DTYPES)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        return settings_from_dict(cls, values, "training settings")
 
 
 @dataclass(frozen=True)

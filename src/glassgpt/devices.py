@@ -1,4 +1,4 @@
-"""The machine a run uses: which CPU features pay, and how many threads to use.
+"""The machine a run uses: its device, the precision that pays there, and how many threads.
 
 Two measured facts drive this module (BENCHMARKS.md):
   * A tiny model on a 2-core machine shared with other work runs ~6x slower with torch's default
@@ -11,6 +11,7 @@ Two measured facts drive this module (BENCHMARKS.md):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -66,6 +67,59 @@ def bf16_slowdown(size: int = 256, repeats: int = 5) -> float:
             times.append(time.perf_counter() - start)
         seconds[dtype] = statistics.median(times)
     return seconds[torch.bfloat16] / seconds[torch.float32]
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """`auto` (this rank's GPU if there is one, else the CPU), or the device named, checked."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", local_rank)
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device cuda was asked for, but CUDA is not available here")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"{device} was asked for, but this machine has "
+                          f"{torch.cuda.device_count()} CUDA device(s); under torchrun use one "
+                          f"process per GPU, or --device cpu")
+    return device
+
+
+def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for `dtype` on `device`; None means plain float32."""
+    if dtype == "auto":
+        if device.type != "cuda":
+            # On a CPU bf16 is opt-in: it pays off only where the CPU has bf16 instructions
+            # (2.6x on shakespeare-char with AVX512-BF16, 1.2x on cpu-small: BENCHMARKS.md),
+            # and full precision keeps CPU runs comparable with the documented losses.
+            return None
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if dtype == "float16" and device.type != "cuda":
+        raise ConfigError(f"dtype float16 needs CUDA (it trains with a gradient scaler); "
+                          f"use bfloat16 or float32 on {device.type}")
+    return {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+
+
+def bf16_warning(device: torch.device) -> str | None:
+    """A one-line warning when bf16 was asked for on a CPU without bf16 matrix instructions,
+    with how much slower it measured here; None where bf16 is fine."""
+    if device.type != "cpu" or cpu_bf16_support():
+        return None
+    return (f"this CPU has no bf16 matrix instructions (avx512_bf16/amx_bf16): a bf16 matmul "
+            f"measured {bf16_slowdown():.1f}x slower than float32 here; use --dtype float32")
 
 
 # --- threads ----------------------------------------------------------------------------------

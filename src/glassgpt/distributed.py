@@ -69,6 +69,18 @@ def wrap_model(model: nn.Module, context: DistContext, device: torch.device) -> 
     return DistributedDataParallel(model, device_ids=device_ids)
 
 
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The plain model inside DDP (`.module`) and `torch.compile` (`._orig_mod`) wrappers:
+    what is saved and exported, never a wrapper with prefixed names."""
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
 def sync_gradients(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
     """Skip DDP's gradient all-reduce on the micro-steps before the last of an accumulation."""
     if sync or not isinstance(model, DistributedDataParallel):

@@ -12,12 +12,14 @@ For a character model on ASCII text (one byte per token) this is loss / ln 2.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from glassgpt.data import sequential_batches
+from glassgpt.devices import ThreadTuner
 from glassgpt.errors import CheckpointError
 from glassgpt.model import GPT
 from glassgpt.tokenizers import Tokenizer
@@ -37,6 +39,7 @@ class Evaluation:
     loss: float  # mean cross-entropy in nats per token
     tokens: int  # targets scored
     text_bytes: int  # UTF-8 bytes of the text those targets stand for
+    whole_split: bool = True  # False when the bound on batches left windows out
 
     @property
     def perplexity(self) -> float:
@@ -49,21 +52,31 @@ class Evaluation:
 
 @torch.no_grad()
 def evaluate(model: GPT, ids: np.ndarray, tokenizer: Tokenizer, batch_size: int,
-             max_batches: int, device: torch.device | str = "cpu") -> Evaluation:
+             max_batches: int, device: torch.device | str = "cpu",
+             tuner: ThreadTuner | None = None) -> Evaluation:
     """Score `model` on non-overlapping windows from the start of `ids` (at most
     batch_size * max_batches of them). A loss that is not a finite number (weights holding
-    NaN, say) is a CheckpointError: it has no meaningful perplexity or bits per byte."""
+    NaN, say) is a CheckpointError: it has no meaningful perplexity or bits per byte.
+    `tuner` times each batch to choose the CPU's thread count."""
     byte_lengths = torch.tensor(tokenizer.token_byte_lengths(), dtype=torch.long,
                                 device=device)  # (V,)
+    block_size = model.config.block_size
+    batches = sequential_batches(ids, block_size, batch_size, max_batches, device,
+                                 model.config.vocab_size)
     total, tokens, text_bytes = 0.0, 0, 0
-    for x, y in sequential_batches(ids, model.config.block_size, batch_size, max_batches,
-                                   device):
-        _, loss = model(x, y)  # mean over the (B, T) targets
+    for x, y in batches:
+        if tuner is not None:
+            tuner.before_step()
+        started = time.perf_counter()
+        _, loss = model(x, y, check_ids=False)  # mean over the (B, T) targets; ids checked
         total += loss.item() * y.numel()
+        if tuner is not None:
+            tuner.step_done(time.perf_counter() - started)
         tokens += y.numel()
         text_bytes += int(byte_lengths[y].sum())
     loss = total / tokens
+    whole = (len(ids) - 1) // block_size <= batch_size * max_batches
     if not math.isfinite(loss) or loss > MAX_LOSS:
         raise CheckpointError(f"the model's loss is {loss}, not a usable number (do its weights "
                               f"hold NaN or inf?)")
-    return Evaluation(loss, tokens, text_bytes)
+    return Evaluation(loss, tokens, text_bytes, whole)

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from glassgpt.config import SamplingConfig
 from glassgpt.decoding import EagerEngine, engine_for
+from glassgpt.devices import ThreadTuner
 from glassgpt.errors import InputError
 from glassgpt.model import check_token_ids
 from glassgpt.tokenizers import Tokenizer
@@ -201,13 +202,14 @@ def encode_prompt(tokenizer: Tokenizer, text: str, block_size: int,
 
 def stream_text(model: Any, tokenizer: Tokenizer, prompt: Tensor,
                 sampling: SamplingConfig | None = None, stop: str | None = None,
-                **settings: Any) -> Iterator[str]:
+                tuner: ThreadTuner | None = None, **settings: Any) -> Iterator[str]:
     """The continuation of prompt (1, T) as text, piece by piece as tokens are sampled.
 
     With `stop`, the text ends just before `stop` first appears (and decoding ends there).
+    `tuner` times each decoding step to choose the CPU's thread count.
     """
-    pieces = decode_incrementally(tokenizer, generate_stream(model, prompt, sampling,
-                                                             **settings))
+    tokens = generate_stream(model, prompt, sampling, **settings)
+    pieces = decode_incrementally(tokenizer, tuner.tuned(tokens) if tuner else tokens)
     return until_stop(pieces, stop) if stop else pieces
 
 

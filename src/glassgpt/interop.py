@@ -31,8 +31,9 @@ import torch
 from torch import Tensor, nn
 
 from glassgpt import files
-from glassgpt.checkpoint import expected_shapes, unwrap_model
+from glassgpt.checkpoint import expected_shapes
 from glassgpt.config import GPTConfig
+from glassgpt.distributed import unwrap_model
 from glassgpt.errors import CheckpointError, ConfigError
 from glassgpt.hf_files import INSTALL_HINT as INSTALL_HINT
 from glassgpt.hf_files import MASK_BUFFER_SUFFIXES, HFDirectory, StoredWeights, open_hf_source

@@ -29,13 +29,15 @@ from glassgpt.errors import CheckpointError
 from glassgpt.metrics import METRICS_FILE, PLOT_FILE
 
 CONFIG_FILE = "config.json"
-MODEL_FILE = "model.safetensors"
+MODEL_FILE = "model.safetensors"  # the weights of the last checkpoint (what --resume continues)
+BEST_FILE = "best.safetensors"  # the weights of the evaluation with the lowest val loss
 TOKENIZER_FILE = "tokenizer.json"
 STATE_TENSORS_FILE = "train_state.safetensors"
 STATE_JSON_FILE = "train_state.json"
 JOURNAL_FILE = "checkpoint.journal"
 PENDING_SUFFIX = ".pending"
-CHECKPOINT_FILES = (CONFIG_FILE, MODEL_FILE, TOKENIZER_FILE, STATE_TENSORS_FILE, STATE_JSON_FILE)
+CHECKPOINT_FILES = (CONFIG_FILE, MODEL_FILE, BEST_FILE, TOKENIZER_FILE, STATE_TENSORS_FILE,
+                    STATE_JSON_FILE)
 PENDING_FILES = tuple(name + PENDING_SUFFIX for name in CHECKPOINT_FILES)
 # What `train --force` replaces; anything else in the directory (notes, a README) is kept.
 RUN_FILES = (*CHECKPOINT_FILES, METRICS_FILE, PLOT_FILE, JOURNAL_FILE, *PENDING_FILES)

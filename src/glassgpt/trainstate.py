@@ -24,7 +24,7 @@ from glassgpt.errors import CheckpointError
 from glassgpt.rundir import STATE_JSON_FILE, STATE_TENSORS_FILE
 from glassgpt.tensorfile import TensorInfo, check_float_dtypes
 
-STATE_KEYS = ("iteration", "best_val_loss", "optimizer", "rng", "scaler")
+STATE_KEYS = ("iteration", "best_val_loss", "best_iteration", "optimizer", "rng", "scaler")
 
 
 @dataclass
@@ -33,6 +33,7 @@ class TrainState:
 
     iteration: int = 0
     best_val_loss: float = float("inf")
+    best_iteration: int | None = None  # where best_val_loss was measured (best.safetensors)
     optimizer: dict[str, Any] = field(default_factory=dict)  # torch optimizer state_dict
     rng: list[dict[str, Any]] = field(default_factory=list)  # one capture_rng_state per rank
     scaler: dict[str, Any] | None = None  # GradScaler state (fp16 on CUDA only)
@@ -125,6 +126,7 @@ def split_train_state(state: TrainState) -> tuple[dict[str, Tensor], dict[str, A
     best = state.best_val_loss
     state_json = {"iteration": state.iteration,
                   "best_val_loss": best if math.isfinite(best) else None,  # JSON has no inf
+                  "best_iteration": state.best_iteration,
                   "optimizer": {"param_groups": state.optimizer.get("param_groups", []),
                                 "scalars": optimizer_scalars},
                   "rng": rng_json, "scaler": state.scaler}
@@ -139,8 +141,14 @@ def join_train_state(state_json: dict[str, Any], tensors: dict[str, Tensor]) -> 
     best = state_json.get("best_val_loss")
     if best is not None and not _is_number(best):
         raise ValueError(f"best_val_loss must be a number or null, got {best!r:.40}")
+    best_iteration = state_json.get("best_iteration")
+    if best_iteration is not None and not (_is_int(best_iteration) and
+                                           0 <= best_iteration <= iteration):
+        raise ValueError(f"best_iteration must be an iteration up to {iteration} or null, got "
+                         f"{best_iteration!r:.40}")
     return TrainState(iteration=iteration,
                       best_val_loss=float("inf") if best is None else float(best),
+                      best_iteration=best_iteration,
                       optimizer=_join_optimizer(state_json["optimizer"], tensors),
                       rng=[_join_rng(rank, saved, tensors)
                            for rank, saved in enumerate(_list(state_json["rng"], "rng"))],

@@ -169,7 +169,9 @@ class HFLanguageModel(nn.Module):
         super().__init__()
         self.hf = hf_model
 
-    def forward(self, idx: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, idx: Tensor, targets: Tensor, check_ids: bool = True
+                ) -> tuple[Tensor, Tensor]:
+        """`check_ids` is glassgpt's (the trainer's batches are checked); HF checks nothing."""
         logits = self.hf(input_ids=idx).logits  # (B, T, V)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
         return logits, loss

@@ -26,9 +26,10 @@ from glassgpt.bench.measure import (
     matmul_parameters,
     train_flops_per_token,
 )
-from glassgpt.config import load_preset
+from glassgpt.config import TrainConfig, load_preset
 from glassgpt.model import GPT
-from glassgpt.train import TrainConfig, make_optimizer, train_step
+from glassgpt.optim import make_optimizer
+from glassgpt.train import train_step
 
 
 @dataclass

@@ -2,21 +2,24 @@
 
 Each command group lives in its own module with a `register(subparsers)` function that adds its
 subcommands and sets `handler` on them. `main` turns every `GlassGPTError` (a user mistake) into
-one line on stderr and exit code 2; `--debug` shows the traceback instead.
+one line on stderr and exit code 2; `--debug`, anywhere on the line, shows the traceback
+instead. A reader that closes the pipe (`glassgpt sample RUN | head`) ends the command quietly.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import os
 import sys
 from collections.abc import Sequence
 
 from glassgpt import __version__
+from glassgpt.cli import benchmark, convert, demos, prepare, sample, train, view
 from glassgpt.errors import CommandLineError, GlassGPTError
 
-# Modules under glassgpt.cli that each add a group of subcommands.
-COMMAND_MODULES: list[str] = ["runs", "demos", "benchmark", "convert", "view"]
+# The modules that each add a group of subcommands, in the order `--help` lists them.
+COMMAND_MODULES = (prepare, train, sample, demos, benchmark, convert, view)
+BROKEN_PIPE_EXIT_CODE = 141  # 128 + SIGPIPE, what a Unix tool killed by a closed pipe returns
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,14 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"glassgpt {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for name in COMMAND_MODULES:
-        importlib.import_module(f"glassgpt.cli.{name}").register(subparsers)
+    for module in COMMAND_MODULES:
+        module.register(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
+    argv = [arg for arg in argv if arg != "--debug"]  # a global flag, wherever it is given
     try:
         args = build_parser().parse_args(argv)
         if getattr(args, "handler", None) is None:
@@ -52,3 +56,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        _silence_stdout()
+        return BROKEN_PIPE_EXIT_CODE
+
+
+def _silence_stdout() -> None:
+    """After the reader left, point stdout at /dev/null, so that flushing it at exit does not
+    raise a second BrokenPipeError (Python's own advice for this case)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)

@@ -13,7 +13,8 @@ import argparse
 from pathlib import Path
 
 from glassgpt import files, interop
-from glassgpt.checkpoint import load_model, save_model
+from glassgpt.checkpoint import describe_weights, load_model, save_model
+from glassgpt.cli.common import add_checkpoint_flag, say
 from glassgpt.errors import CheckpointError, CommandLineError
 from glassgpt.hf_files import MAX_TOKENIZER_BYTES
 from glassgpt.tokenizers import END_OF_TEXT, BPETokenizer, Tokenizer, tokenizer_from_json
@@ -34,6 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--tokenizer", metavar="FILE",
                         help="tokenizer file for --from-hf when the model comes without one "
                              "(a tokenizer.json or a glassgpt tokenizer)")
+    add_checkpoint_flag(parser, "export with --to-hf")
     parser.add_argument("--dropout", type=float, default=None,
                         help="dropout of the imported model (default: the model's own)")
     parser.set_defaults(handler=run_convert)
@@ -54,7 +56,7 @@ def run_convert(args: argparse.Namespace) -> int:
         raise CommandLineError("convert: RUN_DIR and --to-hf go together")
     if args.tokenizer is not None or args.dropout is not None:
         raise CommandLineError("convert: --tokenizer and --dropout apply to --from-hf only")
-    return export_to_hf(Path(args.run_dir), Path(args.to_hf))
+    return export_to_hf(Path(args.run_dir), Path(args.to_hf), args.checkpoint)
 
 
 def _hide_hf_progress_bars() -> None:
@@ -112,9 +114,10 @@ def _user_tokenizer(path: Path) -> Tokenizer:
     return tokenizer_from_json(text, source=str(path))
 
 
-def export_to_hf(run_dir: Path, out: Path) -> int:
+def export_to_hf(run_dir: Path, out: Path, checkpoint: str = "best") -> int:
     files.check_can_make_dir(out, CheckpointError)  # before the work, not after it
-    model, tokenizer = load_model(run_dir)
+    model, tokenizer = load_model(run_dir, checkpoint=checkpoint)
+    say(f"exporting {describe_weights(run_dir, checkpoint)}")
     if isinstance(tokenizer, BPETokenizer):
         interop.save_hf(model, out, tokenizer=tokenizer.tokenizer, eos_token=END_OF_TEXT)
         print(f"wrote {out}: model and tokenizer (load with "

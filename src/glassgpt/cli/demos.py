@@ -12,13 +12,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table as RichTable
 
+from glassgpt.block import TransformerBlock
+from glassgpt.cli.common import add_checkpoint_flag, add_threads_flag, probe_threads, say
 from glassgpt.errors import CommandLineError
 from glassgpt.experiments import EXPERIMENTS, ExperimentResult, Table, run_experiment
-from glassgpt.files import write_text_atomic
+from glassgpt.files import check_can_write_file, write_text_atomic
 
 SHAPES_FLAGS = {"batch_size": "--batch-size", "seq_len": "--seq-len", "d_model": "--d-model",
                 "n_heads": "--n-heads"}
@@ -44,6 +47,7 @@ def add_demo_command(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--quick", action="store_true",
                       help="the reduced size the tests use (seconds instead of a minute)")
     demo.add_argument("--json", type=Path, metavar="FILE", help="also write the numbers as JSON")
+    add_threads_flag(demo)
     shapes = demo.add_argument_group("shapes only")
     shapes.add_argument("--batch-size", type=int, metavar="B", help="batch (default 2)")
     shapes.add_argument("--seq-len", type=int, metavar="T", help="positions (default 5)")
@@ -67,6 +71,8 @@ def add_attention_command(subparsers: argparse._SubParsersAction) -> None:
     attention.add_argument("--out", type=Path, required=True, metavar="FILE.png",
                            help="where to write the picture (split by layer or head for long "
                                 "prompts)")
+    add_checkpoint_flag(attention, "draw")
+    add_threads_flag(attention)
     attention.set_defaults(handler=run_attention)
 
 
@@ -83,12 +89,23 @@ def shapes_options(args: argparse.Namespace) -> dict[str, int]:
     return given
 
 
+def experiment_sized_work() -> None:
+    """A forward and backward pass of the size the experiments train (a few blocks of width
+    64 on batches of short sequences): what `--threads auto` times for a demo."""
+    block = TransformerBlock(64, 4)
+    block(torch.randn(16, 12, 64)).sum().backward()
+
+
 def run_demo(args: argparse.Namespace) -> int:
     options = shapes_options(args)
     if args.out.exists() and not args.out.is_dir():
         raise CommandLineError(f"--out {args.out} is a file; give a folder for the pictures")
     names = list(EXPERIMENTS) if args.name == "all" else [args.name]
+    if args.json is not None:
+        check_can_write_file(args.json, CommandLineError)  # before the run, not after it
+    threads = probe_threads(args.threads, experiment_sized_work)
     console = Console()
+    console.print(f"[dim]{threads}[/dim]")
     results = {}
     for name in names:
         started = time.perf_counter()
@@ -177,16 +194,18 @@ def drawn_panels(L: int, H: int, layer: int | None, head: int | None) -> str:
 
 
 def run_attention(args: argparse.Namespace) -> int:
-    from glassgpt.checkpoint import load_model
+    from glassgpt.checkpoint import describe_weights, load_model
     from glassgpt.experiments.attention_maps import draw_attention_maps, prompt_attention
 
     if args.out.is_dir():
         raise CommandLineError(f"--out {args.out} is a folder; give a file name such as maps.png")
-    model, tokenizer = load_model(args.run_dir)
+    model, tokenizer = load_model(args.run_dir, checkpoint=args.checkpoint)
+    threads = probe_threads(args.threads, lambda: prompt_attention(model, tokenizer, args.prompt))
     weights, labels = prompt_attention(model, tokenizer, args.prompt)  # (L, H, T, T)
     title = f"{args.run_dir.name}: attention for {args.prompt!r}"
     paths = draw_attention_maps(weights, labels, args.out, layer=args.layer, head=args.head,
                                 title=title if len(title) <= 100 else title[:99] + "…")
+    say(f"drew {describe_weights(args.run_dir, args.checkpoint)} ({threads})")
     L, H, T = weights.shape[:3]
     what = f"attention maps of {drawn_panels(L, H, args.layer, args.head)} over " \
            f"{plural(T, 'token')}"

@@ -10,6 +10,8 @@ import argparse
 import contextlib
 from pathlib import Path
 
+from glassgpt.checkpoint import describe_weights
+from glassgpt.cli.common import add_checkpoint_flag, add_threads_flag, probe_threads
 from glassgpt.errors import CommandLineError
 
 DEFAULT_HOST = "127.0.0.1"
@@ -29,6 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     view.add_argument("--host", default=DEFAULT_HOST,
                       help=f"address to listen on (default {DEFAULT_HOST}, this machine only; "
                            f"0.0.0.0 makes the page reachable from the network)")
+    add_checkpoint_flag(view, "show")
+    add_threads_flag(view)
     view.set_defaults(handler=run_view)
 
 
@@ -45,7 +49,9 @@ def run_view(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise CommandLineError(f"--port must be between 0 and 65535, got {args.port}")
-    view = load_for_view(args.run_dir)
+    view = load_for_view(args.run_dir, checkpoint=args.checkpoint)
+    threads = probe_threads(args.threads, lambda: view.model(view.model.positions[None, :64]
+                                                               % view.model.config.vocab_size))
     try:
         sock = open_socket(args.host, args.port)
     except OSError as error:
@@ -54,8 +60,9 @@ def run_view(args: argparse.Namespace) -> int:
                                f"another --port or --host") from None
     app = create_app(view, allowed_hosts_for(args.host))
     c = view.model.config
-    print(f"glassgpt view: {args.run_dir} ({c.n_layer} layers, {c.n_head} heads, context "
-          f"{c.block_size}) at {url_of(sock)}  (Ctrl+C stops it)", flush=True)
+    print(f"glassgpt view: {args.run_dir}, {describe_weights(args.run_dir, args.checkpoint)} "
+          f"({c.n_layer} layers, {c.n_head} heads, context {c.block_size}, {threads}) at "
+          f"{url_of(sock)}  (Ctrl+C stops it)", flush=True)
     if allowed_hosts_for(args.host) == ("*",):
         print("note: listening on every network interface; anyone who can reach this machine "
               "can use the page", flush=True)

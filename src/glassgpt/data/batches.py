@@ -23,10 +23,11 @@ class BatchSampler:
     """
 
     def __init__(self, ids: np.ndarray, block_size: int, batch_size: int, seed: int,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", vocab_size: int | None = None):
         if len(ids) <= block_size:
             raise DataError(f"{len(ids)} tokens are too few for block_size={block_size}")
         self.ids, self.block_size, self.batch_size = ids, block_size, batch_size
+        self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.generator = torch.Generator().manual_seed(seed)
         self.offsets = np.arange(block_size + 1)  # (T + 1,)
@@ -35,7 +36,9 @@ class BatchSampler:
         """x, y: (B, T) int64 on the sampler's device."""
         starts = torch.randint(len(self.ids) - self.block_size, (self.batch_size,),
                                generator=self.generator).numpy()
-        windows = torch.from_numpy(self.ids[starts[:, None] + self.offsets].astype(np.int64))
+        windows = self.ids[starts[:, None] + self.offsets]  # (B, T + 1), still on the host
+        check_window_ids(windows, self.vocab_size)
+        windows = torch.from_numpy(windows.astype(np.int64))
         if self.device.type == "cuda":
             windows = windows.pin_memory().to(self.device, non_blocking=True)
         else:
@@ -49,12 +52,22 @@ class BatchSampler:
         self.generator.set_state(state)
 
 
+def check_window_ids(windows: np.ndarray, vocab_size: int | None) -> None:
+    """Raise DataError for an id outside the vocabulary. Checked here, on the host, where it
+    costs a few microseconds: the model then need not read ids back from a GPU each step."""
+    if vocab_size is not None and windows.size and int(windows.max()) >= vocab_size:
+        raise DataError(f"the data holds token id {int(windows.max())}, outside the "
+                        f"vocabulary [0, {vocab_size}); prepare it again")
+
+
 def sequential_batches(ids: np.ndarray, block_size: int, batch_size: int, max_batches: int,
-                       device: str | torch.device = "cpu") -> Iterator[tuple[Tensor, Tensor]]:
+                       device: str | torch.device = "cpu", vocab_size: int | None = None
+                       ) -> Iterator[tuple[Tensor, Tensor]]:
     """Non-overlapping windows from the start of `ids`, for a deterministic evaluation."""
     n_windows = min((len(ids) - 1) // block_size, batch_size * max_batches)
     for first in range(0, n_windows, batch_size):
         starts = np.arange(first, min(first + batch_size, n_windows)) * block_size
-        windows = torch.from_numpy(ids[starts[:, None] + np.arange(block_size + 1)]
-                                   .astype(np.int64)).to(device)
+        windows = ids[starts[:, None] + np.arange(block_size + 1)]  # (B, T + 1)
+        check_window_ids(windows, vocab_size)
+        windows = torch.from_numpy(windows.astype(np.int64)).to(device)
         yield windows[:, :-1], windows[:, 1:]  # (B, T), (B, T)

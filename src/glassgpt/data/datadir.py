@@ -184,6 +184,11 @@ class PreparedData:
         if self.dir.is_dir():
             recover_interrupted_prepare(self.dir)
         if not self.dir.is_dir() or not os.path.lexists(meta_path):
+            if os.path.lexists(self.dir / "model.safetensors"):
+                raise DataError(f"{self.dir} is a run directory, not prepared data; give the "
+                                f"data directory it was trained on (its config.json names it "
+                                f"as data_dir), or prepare a text with `glassgpt prepare "
+                                f"--text FILE --out DATA_DIR`")
             raise DataError(f"{self.dir} is not a prepared data directory (no {META_FILE}); "
                             f"run `glassgpt prepare --out {self.dir}` first")
         self.meta = read_json_object(meta_path, DataError)

@@ -103,6 +103,10 @@ def prepare(out_dir: str | Path, text_path: str | Path | Sequence[str | Path] | 
     given = load_tokenizer_files(tokenizer_file) if tokenizer_file is not None else None
     if given is None:
         _check_trainable(tokenizer, vocab_size)
+    elif vocab_size is not None:
+        raise ConfigError(f"a vocabulary size ({vocab_size}) applies to a BPE tokenizer trained "
+                          f"here; the tokenizer file given has its own "
+                          f"({given.vocab_size} tokens)")
     corpus = Corpus.from_paths(text_path)
     out = check_prepare_target(out_dir, force)
     try:
@@ -153,6 +157,9 @@ def _checked_budget(val_fraction: float, workers: int, buffer_bytes: int) -> Bud
 def _check_trainable(kind: str, vocab_size: int | None) -> None:
     """Refuse a tokenizer that cannot be trained before reading any text."""
     check_tokenizer_kind(kind)
+    if kind == "char" and vocab_size is not None:
+        raise ConfigError(f"a vocabulary size ({vocab_size}) applies to BPE; a char tokenizer "
+                          f"has one id per distinct character of the text")
     if kind == "bpe":
         check_bpe_vocab_size(DEFAULT_BPE_VOCAB if vocab_size is None else vocab_size)
 

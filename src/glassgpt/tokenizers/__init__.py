@@ -10,7 +10,7 @@ Files are JSON (and merges.txt) only: loading one never runs code.
 from __future__ import annotations
 
 from glassgpt.errors import TokenizerError
-from glassgpt.tokenizers.base import END_OF_TEXT, TOKENIZER_KINDS, Tokenizer
+from glassgpt.tokenizers.base import END_OF_TEXT, TOKENIZER_KINDS, Tokenizer, same_tokenizer
 from glassgpt.tokenizers.bpe import (
     MAX_BPE_VOCAB,
     MIN_BPE_VOCAB,
@@ -38,6 +38,7 @@ __all__ = [
     "CharTokenizer",
     "Tokenizer",
     "check_bpe_vocab_size",
+    "same_tokenizer",
     "check_tokenizer_kind",
     "cut_candidates",
     "load_tokenizer",

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -53,3 +54,35 @@ def checked_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
     if bad:
         raise TokenizerError(f"token ids outside [0, {vocab_size}): {bad[:10]}")
     return ids
+
+
+# Texts that exercise what a tokenizer does: spaces and newlines, digits, punctuation, case,
+# characters outside ASCII; a char tokenizer encodes only the ones its vocabulary covers.
+PROBE_TEXTS = ("ROMEO:\nBut soft, what light through yonder window breaks?\n\n",
+               "  two  spaces,\ttabs\r\n and 1234567890 digits!",
+               "café naïve Ünïcödé — “quotes” 日本語 🙂", "The the THE tHe", "")
+# Parts of a Hugging Face tokenizer.json that decide what it does. (A post-processor that adds
+# nothing, as transformers writes one, and padding/truncation settings change no encoding.)
+BEHAVIOUR_KEYS = ("model", "normalizer", "pre_tokenizer", "decoder")
+
+
+def same_tokenizer(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether `a` and `b` do the same thing: same kind and vocabulary (and merges), and the
+    same ids for every probe text. Their JSON text may differ in what changes no encoding."""
+    if a.kind != b.kind or a.vocab_size != b.vocab_size:
+        return False
+    if _behaviour(a) != _behaviour(b):
+        return False
+    return all(_probe(a, text) == _probe(b, text) for text in PROBE_TEXTS)
+
+
+def _behaviour(tokenizer: Tokenizer) -> Any:
+    data = json.loads(tokenizer.to_json())
+    return {key: data.get(key) for key in BEHAVIOUR_KEYS} if "model" in data else data
+
+
+def _probe(tokenizer: Tokenizer, text: str) -> list[int] | None:
+    try:
+        return tokenizer.encode(text)
+    except TokenizerError:  # a character the vocabulary lacks: the same for both or not
+        return None

@@ -65,8 +65,10 @@ class CharTokenizer:
 
     def _unknown(self, chars: set[str]) -> TokenizerError:
         unknown = sorted(chars - self.stoi.keys())
-        return TokenizerError(f"characters not in the tokenizer's vocabulary: "
-                              f"{''.join(unknown[:20])!r}")
+        shown = ", ".join(repr(c) for c in unknown[:20])
+        more = f" and {len(unknown) - 20} more" if len(unknown) > 20 else ""
+        return TokenizerError(f"{len(unknown)} character{'s' if len(unknown) > 1 else ''} "
+                              f"not in the tokenizer's vocabulary: {shown}{more}")
 
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(self.chars[i] for i in checked_ids(ids, self.vocab_size))

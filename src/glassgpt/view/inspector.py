@@ -252,7 +252,8 @@ class RunView:
         steps = [[r["iter"], r["loss"]] for r in records if _is_number(r.get("loss"))]
         evals = [[r["iter"], r["train_loss"], r["val_loss"]] for r in records
                  if _is_number(r.get("train_loss")) and _is_number(r.get("val_loss"))]
-        best = min(evals, key=lambda e: e[2], default=None)
+        # The run keeps best weights from its first evaluation after step 0 on.
+        best = min((e for e in evals if e[0] > 0), key=lambda e: e[2], default=None)
         return {"settings": self._train_settings(),
                 "iterations": max((r["iter"] for r in records), default=None),
                 "best_val_loss": best[2] if best else None,

@@ -53,11 +53,11 @@ log = logging.getLogger("glassgpt.view")
 T = TypeVar("T")
 
 
-def load_for_view(run_dir: str | Path, device: str | torch.device = "cpu") -> RunView:
-    """The run that `glassgpt view` shows. The one place that picks what is loaded: a choice
-    of checkpoint (best or last) belongs here."""
+def load_for_view(run_dir: str | Path, device: str | torch.device = "cpu",
+                  checkpoint: str = "best") -> RunView:
+    """The run that `glassgpt view` shows: its best weights by default, or its last."""
     run_dir = Path(run_dir)
-    model, tokenizer = load_model(run_dir, device)
+    model, tokenizer = load_model(run_dir, device, checkpoint=checkpoint)
     return RunView(model, tokenizer, run_dir)
 
 

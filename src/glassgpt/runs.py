@@ -1,0 +1,189 @@
+"""Setting up runs, as a library: everything `glassgpt train`, `sample` and `eval` decide before
+the work starts, printing nothing.
+
+  * settings: a preset, then a TOML file (`--config`), then flags (`resolve_configs`);
+  * the model to train: fresh (`build_model`), or a run's weights to fine-tune
+    (`model_for_finetuning`), or a run to continue (`resume_settings`);
+  * the data: a prepared directory, or Tiny Shakespeare prepared once into the cache
+    (`training_data`), whose tokenizer must do what the run's does (`check_same_tokenizer`);
+  * evaluating a run on a split of its data (`evaluate_run`).
+Run directories themselves (claiming, replacing, locking) are `glassgpt.rundir`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from glassgpt import checkpoint as ckpt
+from glassgpt import distributed as ddp
+from glassgpt import files
+from glassgpt.config import GPTConfig, TrainConfig, load_preset
+from glassgpt.data import PreparedData, default_data_dir, prepared_tinyshakespeare
+from glassgpt.devices import ThreadTuner, resolve_device
+from glassgpt.errors import CheckpointError, ConfigError, DataError
+from glassgpt.evaluate import Evaluation, evaluate
+from glassgpt.memory import check_model_fits_memory
+from glassgpt.model import GPT
+from glassgpt.tokenizers import same_tokenizer
+
+CONFIG_TABLES = ("model", "train")
+
+
+# --- settings --------------------------------------------------------------------------------
+
+def read_config_file(path: str | Path) -> dict[str, dict[str, Any]]:
+    """A TOML file with optional [model] and [train] tables (the presets' layout), read with
+    files.read_toml's bounds. The user named it: a link to it is followed, on purpose."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    tables = files.read_toml(path.resolve(), ConfigError)
+    unknown = sorted(set(tables) - set(CONFIG_TABLES))
+    if unknown:
+        raise ConfigError(f"{path}: unknown tables {unknown}; use [model] and [train]")
+    for name, table in tables.items():
+        if not isinstance(table, dict):  # `model = 5`, or `[[model]]` (an array of tables)
+            raise ConfigError(f"{path}: {name} must be a [{name}] table of settings, got "
+                              f"{table!r:.60}")
+    return tables
+
+
+def resolve_configs(preset: str, config_file: str | Path | None, model_flags: dict[str, Any],
+                    train_flags: dict[str, Any]) -> tuple[dict[str, Any], TrainConfig]:
+    """Settings in order of precedence: flags > --config file > preset > defaults."""
+    tables = load_preset(preset)
+    model = {**tables.get("model", {}), **model_overrides(config_file, model_flags)}
+    from_file = read_config_file(config_file) if config_file else {}
+    train = {**tables.get("train", {}), **from_file.get("train", {}), **train_flags}
+    return model, TrainConfig.from_dict(train)
+
+
+def model_overrides(config_file: str | Path | None, model_flags: dict[str, Any]
+                    ) -> dict[str, Any]:
+    """The model settings a user asked for: the config file's [model] table, then flags."""
+    from_file = read_config_file(config_file) if config_file else {}
+    return {**from_file.get("model", {}), **model_flags}
+
+
+def preset_for_device(device: str) -> str:
+    """The default recipe: `shakespeare-char` where a GPU trains it in minutes, else the
+    `cpu-small` model that a CPU trains in a few minutes."""
+    return "shakespeare-char" if resolve_device(device).type == "cuda" else "cpu-small"
+
+
+def fresh_run_dir(parent: Path = Path("runs")) -> Path:
+    """runs/<time>, a name no directory has yet."""
+    run_dir = parent / time.strftime("%Y%m%d-%H%M%S")
+    while run_dir.exists():
+        run_dir = run_dir.with_name(run_dir.name + "-1")
+    return run_dir
+
+
+# --- the model and its data ------------------------------------------------------------------
+
+def training_data(data_dir: Path | None, context: ddp.DistContext) -> PreparedData:
+    """`data_dir`, or Tiny Shakespeare prepared once (character level) into the cache: by rank
+    0, while the other ranks wait, so that no two processes write it."""
+    if data_dir is not None:
+        return PreparedData(data_dir)
+    if context.is_main:
+        prepared_tinyshakespeare()
+    ddp.barrier(context)
+    return PreparedData(default_data_dir())
+
+
+def build_model(model_settings: dict[str, Any], vocab_size: int, seed: int) -> GPT:
+    """A freshly initialised GPT; the vocabulary size comes from the data's tokenizer."""
+    config = GPTConfig.from_dict({**model_settings, "vocab_size": vocab_size})
+    check_model_fits_memory(config)
+    torch.manual_seed(seed)  # the same initial weights on every rank
+    return GPT(config)
+
+
+def check_same_tokenizer(data: PreparedData, run_dir: str | Path) -> None:
+    """Refuse data prepared with a tokenizer that does something else than the run's: the ids
+    would mean nothing. Tokenizers are compared by what they do (vocabulary, merges, probe
+    encodings), so a copy that another tool rewrote (transformers adds a no-op post-processor)
+    is still the same one."""
+    if not same_tokenizer(data.tokenizer, ckpt.read_tokenizer(Path(run_dir))):
+        raise DataError(f"the data's tokenizer differs from the one of {run_dir}; prepare the "
+                        f"text with --tokenizer-file {Path(run_dir) / ckpt.TOKENIZER_FILE}")
+
+
+def model_for_finetuning(init_from: str | Path, data: PreparedData,
+                         model_settings: dict[str, Any], checkpoint: str = "best") -> GPT:
+    """The model of run `init_from` (its best weights by default), in train mode, to train
+    further on `data`.
+
+    Its shape is fixed by its weights; only `dropout` among `model_settings` (a config file's
+    [model] table and flags, see `model_overrides`) may differ.
+    """
+    unknown = sorted(set(model_settings) - {f.name for f in dataclasses.fields(GPTConfig)})
+    if unknown:
+        raise ConfigError(f"unknown model config keys {unknown}")
+    model, _ = ckpt.load_model(init_from, checkpoint=checkpoint)
+    check_same_tokenizer(data, init_from)
+    changed = {k for k, v in model_settings.items() if k != "dropout"
+               and getattr(model.config, k) != v}
+    if changed:
+        raise ConfigError(f"--init-from {init_from}: its model settings are fixed; only "
+                          f"dropout may change (got {sorted(changed)})")
+    if "dropout" in model_settings:
+        fresh = GPT(dataclasses.replace(model.config, dropout=model_settings["dropout"]))
+        fresh.load_state_dict(model.state_dict())
+        model = fresh
+    return model.train()
+
+
+def resume_settings(run_dir: str | Path, model_flags: dict[str, Any],
+                    train_flags: dict[str, Any]) -> tuple[TrainConfig, Path | None]:
+    """The training settings to continue the run in `run_dir` with, and its data directory
+    (None when the run records none).
+
+    Training settings may change (`train_flags` override the run's); model settings may not.
+    """
+    config = ckpt.read_run_config(run_dir)
+    if not ckpt.has_train_state(run_dir):
+        ckpt.load_train_state(run_dir)  # raises the error that explains what to do
+    changed = {k: v for k, v in model_flags.items() if config["model"].get(k) != v}
+    if changed:
+        asked = ", ".join(f"{k}={v} (the run has {config['model'].get(k)})"
+                          for k, v in sorted(changed.items()))
+        raise ConfigError(f"cannot change model settings of a run when resuming: {asked}; "
+                          f"start a new run with --init-from {run_dir}")
+    saved = config["train"] or {}
+    try:
+        TrainConfig.from_dict(saved)
+    except ConfigError as error:
+        raise CheckpointError(f"{Path(run_dir) / ckpt.CONFIG_FILE}: its 'train' table is not "
+                              f"valid: {error}") from None
+    cfg = TrainConfig.from_dict({**saved, **train_flags})
+    data_dir = config.get("data_dir")
+    return cfg, None if data_dir is None else Path(data_dir)
+
+
+# --- evaluating a run -------------------------------------------------------------------------
+
+def evaluate_run(run_dir: str | Path, split: str = "val", data_dir: str | Path | None = None,
+                 batch_size: int = 32, max_batches: int = 200,
+                 device: torch.device | str = "cpu", checkpoint: str = "best",
+                 tuner: ThreadTuner | None = None) -> Evaluation:
+    """Loss, perplexity and bits per byte of a run's model on non-overlapping windows of a
+    split of its data (or of `data_dir`, prepared with the same tokenizer)."""
+    if batch_size <= 0 or max_batches <= 0:
+        raise ConfigError(f"batch size and max batches must be positive, got {batch_size} "
+                          f"and {max_batches}")
+    model, _ = ckpt.load_model(run_dir, device, checkpoint=checkpoint)
+    data_dir = data_dir or ckpt.read_run_config(run_dir).get("data_dir")
+    if data_dir is None:
+        raise ConfigError(f"{run_dir} records no data directory; pass --data")
+    data = PreparedData(data_dir)
+    check_same_tokenizer(data, run_dir)
+    data.check_block_size(model.config.block_size)
+    return evaluate(model, data.splits[split], data.tokenizer, batch_size, max_batches, device,
+                    tuner)
