@@ -131,3 +131,63 @@ def test_import_never_overwrites_an_existing_run(tmp_path: Path, hf_dir: Path, c
     assert main(["convert", "--from-hf", str(hf_dir), "--out", str(run)]) == 2
     assert "already exists" in capsys.readouterr().err
     assert (run / "notes.txt").read_text() == "keep me"
+
+
+@pytest.fixture()
+def bpe_run_and_data(tmp_path: Path, small_text: Path) -> tuple[Path, Path]:
+    """A BPE data directory and a run (random weights) that uses its tokenizer."""
+    from glassgpt.data import PreparedData, prepare
+
+    prepare(tmp_path / "data", small_text, "bpe", 300)
+    data = PreparedData(tmp_path / "data")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=data.vocab_size, block_size=16, n_layer=1, n_head=2,
+                          n_embd=16))
+    save_model(tmp_path / "run", model, data.tokenizer)
+    return tmp_path / "run", tmp_path / "data"
+
+
+def test_an_export_reads_like_the_users_files_and_knows_its_context(bpe_run_and_data, tmp_path,
+                                                                     capsys) -> None:
+    run, _ = bpe_run_and_data
+    old_umask = os.umask(0o022)
+    try:
+        assert main(["convert", str(run), "--to-hf", str(tmp_path / "hf")]) == 0
+    finally:
+        os.umask(old_umask)
+    out = tmp_path / "hf"
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == \
+        {p.name: 0o644 for p in out.iterdir()}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer.model_max_length == 16  # block_size, not ~1e30
+
+
+def test_an_export_is_replaced_only_when_asked_and_only_an_export(bpe_run_and_data, tmp_path,
+                                                                 capsys) -> None:
+    run, _ = bpe_run_and_data
+    out = tmp_path / "hf"
+    assert main(["convert", str(run), "--to-hf", str(out)]) == 0
+    assert main(["convert", str(run), "--to-hf", str(out)]) == 2
+    assert "--force" in capsys.readouterr().err
+    assert main(["convert", str(run), "--to-hf", str(out), "--force"]) == 0
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "mine.txt").write_text("keep")
+    assert main(["convert", str(run), "--to-hf", str(notes), "--force"]) == 2
+    assert "does not hold a Hugging Face export" in capsys.readouterr().err
+    assert (notes / "mine.txt").read_text() == "keep"
+
+
+def test_a_round_trip_through_hf_evaluates_on_the_original_data(bpe_run_and_data, tmp_path,
+                                                                capsys) -> None:
+    """transformers rewrites tokenizer.json (a no-op post-processor); the tokenizer still does
+    what the data's does, so `eval --data ORIGINAL` accepts the imported run."""
+    run, data = bpe_run_and_data
+    assert main(["convert", str(run), "--to-hf", str(tmp_path / "hf")]) == 0
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out",
+                 str(tmp_path / "back")]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "back"), "--data", str(data), "--max-batches", "1",
+                 "--batch-size", "2", "--threads", "1"]) == 0
+    assert "bits per byte" in capsys.readouterr().out

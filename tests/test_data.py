@@ -240,3 +240,20 @@ def test_sequential_batches_cover_non_overlapping_windows():
     xs = torch.cat([x for x, _ in batches])
     assert xs.shape == (10, 10) and torch.equal(xs.flatten(), torch.arange(100))
     assert len(list(sequential_batches(ids, 10, 3, max_batches=2))) == 2
+
+
+def test_batches_with_an_id_outside_the_vocabulary_are_refused_on_the_host():
+    """The batch sampler checks each batch's ids before they go to the device, so the model
+    never has to read them back."""
+    import numpy as np
+
+    from glassgpt.data import BatchSampler, sequential_batches
+    from glassgpt.errors import DataError
+
+    ids = np.array([0, 1, 2, 3, 9, 1, 2, 3] * 4, dtype=np.uint16)
+    with pytest.raises(DataError, match="token id 9, outside the vocabulary \\[0, 5\\)"):
+        for _ in range(20):
+            BatchSampler(ids, 4, 4, seed=0, vocab_size=5).next_batch()
+    with pytest.raises(DataError, match="token id 9"):
+        list(sequential_batches(ids, 4, 2, 10, vocab_size=5))
+    assert BatchSampler(ids, 4, 4, seed=0, vocab_size=10).next_batch()[0].shape == (4, 4)

@@ -233,3 +233,24 @@ def test_token_byte_lengths_add_up_to_the_text_bytes(bpe_tok):
 def test_tokenizer_from_json_is_bounded_like_every_file():
     with pytest.raises(TokenizerError, match="does not fit in 64 bits"):
         tokenizer_from_json('{"kind": "char", "chars": ["a"], "x": ' + "9" * 30 + "}")
+
+
+def test_tokenizers_are_compared_by_what_they_do_not_by_their_json():
+    """A tokenizer.json that another tool rewrote (transformers adds a ByteLevel
+    post-processor that changes no encoding) is the same tokenizer; another vocabulary is not."""
+    import json as json_module
+
+    from glassgpt.tokenizers import BPETokenizer, CharTokenizer, same_tokenizer
+
+    text = "To be or not to be, that is the question.\n" * 30
+    bpe = BPETokenizer.train(text, 300)
+    data = json_module.loads(bpe.to_json())
+    data["post_processor"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets":
+                              False, "use_regex": True}
+    rewritten = BPETokenizer.from_json(json_module.dumps(data))
+    assert rewritten.to_json() != bpe.to_json()
+    assert same_tokenizer(bpe, rewritten)
+    assert not same_tokenizer(bpe, BPETokenizer.train(text, 280))
+    assert same_tokenizer(CharTokenizer(list("abc")), CharTokenizer(list("abc")))
+    assert not same_tokenizer(CharTokenizer(list("abc")), CharTokenizer(list("abd")))
+    assert not same_tokenizer(CharTokenizer(list("abc")), bpe)

@@ -322,17 +322,22 @@ def _check_same_names(expected: set[str], found: set[str], what: str) -> None:
 
 
 def save_hf(model: GPT | nn.Module, out_dir: str | os.PathLike[str],
-            tokenizer: Tokenizer | None = None, eos_token: str | None = None) -> Path:
+            tokenizer: Tokenizer | None = None, eos_token: str | None = None,
+            overwrite: bool = False) -> Path:
     """Write `model` (and a `tokenizers` tokenizer, if given) as a `save_pretrained` directory.
 
-    The weights go to model.safetensors. `eos_token`, when the tokenizer knows it, becomes the
-    model's bos/eos token so that HF's `generate` stops on it. The directory appears whole or not
-    at all, and an existing non-empty directory is never overwritten.
+    The weights go to model.safetensors; the tokenizer's `model_max_length` is the model's
+    `block_size` (transformers' `generate` then refuses a prompt the positions cannot hold,
+    where it would otherwise crash past them). `eos_token`, when the tokenizer knows it, becomes
+    the model's bos/eos token so that HF's `generate` stops on it. The directory appears whole
+    or not at all, with the permissions of the user's other files. An existing non-empty
+    directory is replaced only with `overwrite`, and only if it holds an earlier export.
     """
     out = files.check_can_make_dir(Path(out_dir).expanduser(), CheckpointError)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"{out} already exists and is not an empty directory; "
-                              f"choose a new one so nothing is overwritten")
+    replacing = out.exists() and (not out.is_dir() or any(out.iterdir()))
+    if replacing:
+        _check_replaceable_export(out, overwrite)
+    model = unwrap_model(model)
     eos_id = tokenizer.token_to_id(eos_token) if tokenizer is not None and eos_token else None
     hf_model = to_hf(model, bos_token_id=eos_id, eos_token_id=eos_id)
     try:
@@ -343,9 +348,11 @@ def save_hf(model: GPT | nn.Module, out_dir: str | os.PathLike[str],
     try:
         hf_model.save_pretrained(staging)  # safetensors by default
         if tokenizer is not None:
-            _save_hf_tokenizer(tokenizer, staging, eos_token if eos_id is not None else None)
+            _save_hf_tokenizer(tokenizer, staging, eos_token if eos_id is not None else None,
+                               model.config.block_size)
+        _usual_permissions(staging)
         _fsync_tree(staging)
-        os.replace(staging, out)  # atomic; replaces `out` only when it is an empty directory
+        _move_into_place(staging, out, replacing)
     except OSError as error:  # a full disk, a directory that appeared meanwhile
         raise CheckpointError(f"cannot write {out} ({error}); nothing was left there") from None
     finally:
@@ -353,9 +360,47 @@ def save_hf(model: GPT | nn.Module, out_dir: str | os.PathLike[str],
     return out
 
 
-def _save_hf_tokenizer(tokenizer: Tokenizer, out_dir: Path, eos_token: str | None) -> None:
+def _check_replaceable_export(out: Path, overwrite: bool) -> None:
+    """Replace a directory only when asked, and only one that holds an earlier export."""
+    if not overwrite:
+        raise CheckpointError(f"{out} already exists and is not an empty directory; choose a "
+                              f"new one, or replace an earlier export with overwrite=True "
+                              f"(--force)")
+    config = out / "config.json"
+    if not out.is_dir() or files.entry_kind(config) != "file" or \
+            '"model_type"' not in files.read_text(config, 2**20, CheckpointError):
+        raise CheckpointError(f"{out} does not hold a Hugging Face export (no config.json with "
+                              f"a model_type); it is not replaced")
+
+
+def _move_into_place(staging: Path, out: Path, replacing: bool) -> None:
+    """Rename the finished directory to `out`; an earlier export there goes only once the new
+    one is complete, so a crash leaves one whole export."""
+    if not replacing:
+        os.replace(staging, out)  # atomic; replaces `out` only when it is an empty directory
+        return
+    old = out.with_name(f".{out.name}.replaced")
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(out, old)
+    os.rename(staging, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _usual_permissions(directory: Path) -> None:
+    """mkdtemp makes a private directory (0700) and transformers writes some files 0600; the
+    export should read like any directory the user writes (their umask decides)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.iterdir():
+        path.chmod(0o666 & ~umask)
+
+
+def _save_hf_tokenizer(tokenizer: Tokenizer, out_dir: Path, eos_token: str | None,
+                       max_length: int) -> None:
     special = {"bos_token": eos_token, "eos_token": eos_token} if eos_token else {}
-    wrapped = _transformers().PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special)
+    wrapped = _transformers().PreTrainedTokenizerFast(tokenizer_object=tokenizer,
+                                                      model_max_length=max_length, **special)
     wrapped.save_pretrained(out_dir)
 
 

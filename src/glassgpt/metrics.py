@@ -141,6 +141,14 @@ def truncate_metrics(run_dir: Path, iteration: int) -> None:
         raise CheckpointError(f"cannot rewrite {run_dir / METRICS_FILE} ({error})") from None
 
 
+def best_evaluation(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The evaluation with the lowest val loss after step 0 (whose weights a run keeps as its
+    best), or None before there is one."""
+    evals = [r for r in records if "val_loss" in r and r["iter"] > 0
+             and isinstance(r["val_loss"], float | int)]
+    return min(evals, key=lambda r: r["val_loss"], default=None)
+
+
 def plot_losses(run_dir: Path) -> None:
     """loss.png: training loss per log line and train/val loss per evaluation."""
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure state
@@ -155,6 +163,11 @@ def plot_losses(run_dir: Path) -> None:
     for split in ("train", "val"):
         ax.plot([r["iter"] for r in evals], [r[f"{split}_loss"] for r in evals], marker="o",
                 label=f"{split} (eval)")
+    best = best_evaluation(records)
+    if best is not None:  # the weights best.safetensors holds
+        ax.plot([best["iter"]], [best["val_loss"]], marker="*", markersize=14, color="black",
+                linestyle="none", label=f"best val {best['val_loss']:.4f} (iteration "
+                                        f"{best['iter']})")
     ax.set(xlabel="iteration", ylabel="cross-entropy loss", title=run_dir.name)
     ax.grid(alpha=0.3)
     ax.legend()

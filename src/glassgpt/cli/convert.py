@@ -36,6 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="tokenizer file for --from-hf when the model comes without one "
                              "(a tokenizer.json or a glassgpt tokenizer)")
     add_checkpoint_flag(parser, "export with --to-hf")
+    parser.add_argument("--force", action="store_true",
+                        help="with --to-hf, replace an earlier export in OUT_DIR")
     parser.add_argument("--dropout", type=float, default=None,
                         help="dropout of the imported model (default: the model's own)")
     parser.set_defaults(handler=run_convert)
@@ -51,12 +53,15 @@ def run_convert(args: argparse.Namespace) -> int:
     if importing:
         if args.from_hf is None or args.out is None:
             raise CommandLineError("convert: --from-hf and --out go together")
+        if args.force:
+            raise CommandLineError("convert: --force applies to --to-hf only (an import "
+                                   "never replaces a run)")
         return import_from_hf(args.from_hf, Path(args.out), args.tokenizer, args.dropout)
     if args.run_dir is None or args.to_hf is None:
         raise CommandLineError("convert: RUN_DIR and --to-hf go together")
     if args.tokenizer is not None or args.dropout is not None:
         raise CommandLineError("convert: --tokenizer and --dropout apply to --from-hf only")
-    return export_to_hf(Path(args.run_dir), Path(args.to_hf), args.checkpoint)
+    return export_to_hf(Path(args.run_dir), Path(args.to_hf), args.checkpoint, args.force)
 
 
 def _hide_hf_progress_bars() -> None:
@@ -114,16 +119,18 @@ def _user_tokenizer(path: Path) -> Tokenizer:
     return tokenizer_from_json(text, source=str(path))
 
 
-def export_to_hf(run_dir: Path, out: Path, checkpoint: str = "best") -> int:
+def export_to_hf(run_dir: Path, out: Path, checkpoint: str = "best", force: bool = False
+                 ) -> int:
     files.check_can_make_dir(out, CheckpointError)  # before the work, not after it
     model, tokenizer = load_model(run_dir, checkpoint=checkpoint)
     say(f"exporting {describe_weights(run_dir, checkpoint)}")
     if isinstance(tokenizer, BPETokenizer):
-        interop.save_hf(model, out, tokenizer=tokenizer.tokenizer, eos_token=END_OF_TEXT)
+        interop.save_hf(model, out, tokenizer=tokenizer.tokenizer, eos_token=END_OF_TEXT,
+                        overwrite=force)
         print(f"wrote {out}: model and tokenizer (load with "
               f"transformers.AutoModelForCausalLM / AutoTokenizer.from_pretrained)")
     else:
-        interop.save_hf(model, out)
+        interop.save_hf(model, out, overwrite=force)
         print(f"wrote {out}: model only; its {tokenizer.kind} tokenizer has no Hugging Face "
               f"equivalent, encode text with `glassgpt.tokenizers.load_tokenizer("
               f"'{run_dir / 'tokenizer.json'}')`")
