@@ -270,3 +270,71 @@ def test_bad_input_is_one_line_and_no_traceback(case, data_dir, run_dir, env, tm
     assert "Traceback" not in stderr
     assert len(stderr.strip().splitlines()) == 1, stderr
     assert message in stderr
+
+
+# --- what a new user trips over --------------------------------------------------------------
+
+def test_debug_is_a_global_flag_wherever_it_is_given(run_dir, capsys):
+    capsys.readouterr()
+    assert main(["sample", str(run_dir), "--max-new-tokens", "2", "--debug"]) == 0
+    with pytest.raises(Exception, match="run directory not found"):  # the traceback, asked for
+        main(["sample", str(run_dir / "nope"), "--debug"])
+
+
+def test_a_closed_pipe_ends_sampling_quietly(run_dir, env):
+    process = subprocess.Popen([sys.executable, "-m", "glassgpt", "sample", str(run_dir),
+                                "--stream", "--max-new-tokens", "400", "--threads", "1"],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.read(5)  # like `| head -c 5`: read a little, then go away
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 141  # what `yes | head` reports: killed by SIGPIPE
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr
+
+
+@pytest.mark.parametrize(("command", "message"), [
+    (lambda run, data: ["sample", data], "is a data directory (token ids from `glassgpt "
+                                         "prepare`), not a run; train on it first"),
+    (lambda run, data: ["train", "--data", run, "--out", run.parent / "new", *TINY],
+     "is a run directory, not prepared data"),
+    (lambda run, data: ["prepare", "--out", run.parent / "x", "--tokenizer", "char",
+                        "--vocab-size", "300"], "a vocabulary size (300) applies to BPE"),
+])
+def test_a_wrong_kind_of_directory_or_setting_is_named_for_what_it_is(command, message, run_dir,
+                                                                      data_dir, capsys):
+    capsys.readouterr()
+    assert main([str(a) for a in command(run_dir, data_dir)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_hugging_face_directory_points_to_convert(tmp_path, capsys):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "gpt2", "n_embd": 16}')
+    (hf / "model.safetensors").write_bytes(b"")
+    capsys.readouterr()
+    assert main(["eval", str(hf)]) == 2
+    assert "is a Hugging Face model directory, not a glassgpt run; import it with " \
+           "`glassgpt convert --from-hf" in capsys.readouterr().err
+
+
+def test_eval_says_when_the_bound_leaves_part_of_the_split_out(run_dir, capsys):
+    capsys.readouterr()
+    assert main(["eval", str(run_dir), "--split", "train", "--max-batches", "1",
+                 "--batch-size", "2", "--threads", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "(a part: raise --max-batches for all of it)" in captured.out
+    assert "evaluated the best weights" in captured.err
+
+
+@pytest.mark.parametrize(("command", "defaults"), [
+    ("sample", ["(default: 500)", "(default: 0.8)", "(default: 200)", "(default: 1337)"]),
+    ("eval", ["(default: 32)", "(default: 200)", "(default: val)"]),
+    ("prepare", ["(default 1024; BPE only)", "(default: 0.1)"]),
+])
+def test_help_shows_the_defaults(command, defaults, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(d in text for d in defaults), text

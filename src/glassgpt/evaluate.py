@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,16 +55,19 @@ class Evaluation:
 @torch.no_grad()
 def evaluate(model: GPT, ids: np.ndarray, tokenizer: Tokenizer, batch_size: int,
              max_batches: int, device: torch.device | str = "cpu",
-             tuner: ThreadTuner | None = None) -> Evaluation:
+             tuner: ThreadTuner | None = None,
+             progress: Callable[[int, int], Any] | None = None) -> Evaluation:
     """Score `model` on non-overlapping windows from the start of `ids` (at most
     batch_size * max_batches of them). A loss that is not a finite number (weights holding
     NaN, say) is a CheckpointError: it has no meaningful perplexity or bits per byte.
-    `tuner` times each batch to choose the CPU's thread count."""
+    `tuner` times each batch to choose the CPU's thread count; `progress(windows done, windows
+    in all)` is called after each batch."""
     byte_lengths = torch.tensor(tokenizer.token_byte_lengths(), dtype=torch.long,
                                 device=device)  # (V,)
     block_size = model.config.block_size
     batches = sequential_batches(ids, block_size, batch_size, max_batches, device,
                                  model.config.vocab_size)
+    windows = min((len(ids) - 1) // block_size, batch_size * max_batches)
     total, tokens, text_bytes = 0.0, 0, 0
     for x, y in batches:
         if tuner is not None:
@@ -74,6 +79,8 @@ def evaluate(model: GPT, ids: np.ndarray, tokenizer: Tokenizer, batch_size: int,
             tuner.step_done(time.perf_counter() - started)
         tokens += y.numel()
         text_bytes += int(byte_lengths[y].sum())
+        if progress is not None:
+            progress(tokens // block_size, windows)
     loss = total / tokens
     whole = (len(ids) - 1) // block_size <= batch_size * max_batches
     if not math.isfinite(loss) or loss > MAX_LOSS:

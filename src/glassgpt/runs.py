@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -172,7 +173,8 @@ def resume_settings(run_dir: str | Path, model_flags: dict[str, Any],
 def evaluate_run(run_dir: str | Path, split: str = "val", data_dir: str | Path | None = None,
                  batch_size: int = 32, max_batches: int = 200,
                  device: torch.device | str = "cpu", checkpoint: str = "best",
-                 tuner: ThreadTuner | None = None) -> Evaluation:
+                 tuner: ThreadTuner | None = None,
+                 progress: Callable[[int, int], Any] | None = None) -> Evaluation:
     """Loss, perplexity and bits per byte of a run's model on non-overlapping windows of a
     split of its data (or of `data_dir`, prepared with the same tokenizer)."""
     if batch_size <= 0 or max_batches <= 0:
@@ -186,4 +188,4 @@ def evaluate_run(run_dir: str | Path, split: str = "val", data_dir: str | Path |
     check_same_tokenizer(data, run_dir)
     data.check_block_size(model.config.block_size)
     return evaluate(model, data.splits[split], data.tokenizer, batch_size, max_batches, device,
-                    tuner)
+                    tuner, progress)

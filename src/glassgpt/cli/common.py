@@ -15,6 +15,15 @@ from glassgpt import devices
 DEFAULT_PROMPT = "\n"
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows each flag's default, except where there is none to show (None, off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def say(message: str) -> None:
     """A line for the user that is not the command's output (stderr, so pipes stay clean)."""
     print(message, file=sys.stderr, flush=True)

@@ -6,6 +6,7 @@ import argparse
 import math
 from pathlib import Path
 
+from glassgpt.cli.common import DefaultsHelpFormatter
 from glassgpt.data import DEFAULT_BUFFER_BYTES, prepare
 from glassgpt.errors import ConfigError
 from glassgpt.tokenizers import DEFAULT_BPE_VOCAB, TOKENIZER_KINDS
@@ -14,7 +15,7 @@ from glassgpt.tokenizers import DEFAULT_BPE_VOCAB, TOKENIZER_KINDS
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "prepare", help="tokenize a text into a data directory",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
         description="Tokenize UTF-8 text (default: Tiny Shakespeare, shipped with glassgpt) into "
         "train/val token ids, a tokenizer and metadata. Any number of files stream through in "
         "bounded memory.")

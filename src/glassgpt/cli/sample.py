@@ -7,11 +7,14 @@ import json
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
 from glassgpt import checkpoint as ckpt
 from glassgpt import runs
 from glassgpt.cli.common import (
     DEFAULT_PROMPT,
+    DefaultsHelpFormatter,
     add_checkpoint_flag,
     add_threads_flag,
     say,
@@ -35,10 +38,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _register_sample(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("sample", help="generate text from a trained run",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                              formatter_class=DefaultsHelpFormatter,
                               description="Continue a prompt with the model of RUN_DIR.")
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT,
+                   help="text to continue (default: a newline)")
     p.add_argument("--max-new-tokens", type=int, default=500, help="tokens to sample")
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
     p.add_argument("--top-k", type=int, default=200, help="sample among the k likeliest")
@@ -95,12 +99,12 @@ def run_sample(args: argparse.Namespace) -> int:
 
 def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("eval", help="loss, perplexity and bits per byte of a trained run",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                              formatter_class=DefaultsHelpFormatter,
                               description="Loss, perplexity and bits per byte of RUN_DIR's "
                               "model on non-overlapping windows of a split of its data, up to "
                               "--batch-size x --max-batches windows.")
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
-    p.add_argument("--split", choices=("train", "val"), default="val")
+    p.add_argument("--split", choices=("train", "val"), default="val", help="which part of the data")
     p.add_argument("--data", type=Path, help="data directory (default: the run's)")
     p.add_argument("--batch-size", type=int, default=32, help="windows per batch")
     p.add_argument("--max-batches", type=int, default=200, help="upper bound on the work")
@@ -114,8 +118,13 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
 def run_eval(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     tuner = thread_tuner(args.threads, device)
-    result = runs.evaluate_run(args.run_dir, args.split, args.data, args.batch_size,
-                               args.max_batches, device, args.checkpoint, tuner)
+    with Progress("[bold]eval", BarColumn(), MofNCompleteColumn(), "windows",
+                  TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("eval", total=None)
+        result = runs.evaluate_run(args.run_dir, args.split, args.data, args.batch_size,
+                                   args.max_batches, device, args.checkpoint, tuner,
+                                   progress=lambda done, total: bar.update(task, completed=done,
+                                                                           total=total))
     if not args.json:
         say(f"evaluated {ckpt.describe_weights(args.run_dir, args.checkpoint)}")
     covered = "" if result.whole_split else " (a part: raise --max-batches for all of it)"
