@@ -104,7 +104,8 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
                               "model on non-overlapping windows of a split of its data, up to "
                               "--batch-size x --max-batches windows.")
     p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
-    p.add_argument("--split", choices=("train", "val"), default="val", help="which part of the data")
+    p.add_argument("--split", choices=("train", "val"), default="val",
+                   help="which part of the data")
     p.add_argument("--data", type=Path, help="data directory (default: the run's)")
     p.add_argument("--batch-size", type=int, default=32, help="windows per batch")
     p.add_argument("--max-batches", type=int, default=200, help="upper bound on the work")
