@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from glassgpt import files
 from glassgpt.config import GPTConfig, check_choice
+from glassgpt.devices import resolve_device
 from glassgpt.distributed import unwrap_model
 from glassgpt.errors import CheckpointError, ConfigError, TokenizerError
 from glassgpt.memory import gib, physical_memory
@@ -68,7 +69,6 @@ CONFIG_KEYS = ("format", "model", "train", "data_dir", "tokenizer", "extra")
 # is refused before it is read, so a hostile file cannot exhaust memory.
 MAX_JSON_BYTES = files.MAX_JSON_BYTES
 PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".pkl", ".bin")
-DEVICE_TYPES = ("cpu", "cuda", "mps")
 CHECKPOINTS = ("best", "last")  # which weights of a run to load
 
 
@@ -301,7 +301,7 @@ def load_model(run_dir: str | Path, device: str | torch.device = "cpu",
     `checkpoint` "best" takes the weights of the run's best evaluation where it kept them
     (else the last), "last" the weights of its last checkpoint (`describe_weights` says which).
     """
-    target = check_device(device)
+    target = resolve_device(str(device))
     _, weights = weights_file(run_dir, checkpoint)
     paths = run_paths(run_dir)
     config = _model_config(_read_config(paths[CONFIG_FILE]), paths[CONFIG_FILE])
@@ -313,25 +313,6 @@ def load_model(run_dir: str | Path, device: str | torch.device = "cpu",
     model = GPT(config)
     load_model_tensors(model, tensors, weights)
     return model.to(target).eval(), tokenizer
-
-
-def check_device(device: str | torch.device) -> torch.device:
-    """`device` as a torch.device this machine has, or a ConfigError naming it."""
-    try:
-        target = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ConfigError(f"unknown device {device!r:.40}; use cpu, cuda, cuda:N or "
-                          f"mps") from None
-    if target.type not in DEVICE_TYPES:
-        raise ConfigError(f"device {device!r:.40} cannot hold a model here; use cpu, cuda, "
-                          f"cuda:N or mps")
-    if target.type == "cuda" and not (torch.cuda.is_available() and (
-            target.index is None or target.index < torch.cuda.device_count())):
-        raise ConfigError(f"device {device!r:.40} was asked for, but this machine has "
-                          f"{torch.cuda.device_count()} CUDA devices")
-    if target.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError("device mps was asked for, but MPS is not available here")
-    return target
 
 
 def read_tokenizer(run_dir: str | Path) -> Tokenizer:

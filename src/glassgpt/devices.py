@@ -24,6 +24,7 @@ from glassgpt.errors import ConfigError
 
 T = TypeVar("T")
 AUTO = "auto"
+DEVICE_TYPES = ("cpu", "cuda", "mps")  # where glassgpt trains and samples
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 flags of bf16 matrix instructions in cpuinfo
 
 
@@ -73,12 +74,19 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """`auto` (this rank's GPU if there is one, else the CPU), or the device named, checked."""
     if name == "auto":
         if torch.cuda.is_available():
-            return torch.device("cuda", local_rank)
-        return torch.device("cpu")
+            name = "cuda"
+        else:
+            return torch.device("cpu")
     try:
         device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps") from None
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"unknown device {name!r:.40}; use auto, cpu, cuda, cuda:N or "
+                          f"mps") from None
+    if device.type not in DEVICE_TYPES:
+        raise ConfigError(f"device {name!r:.40} cannot train or sample here; use auto, cpu, "
+                          f"cuda, cuda:N or mps")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device mps was asked for, but MPS is not available here")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device cuda was asked for, but CUDA is not available here")
     if device.type == "cuda" and device.index is None:

@@ -35,6 +35,21 @@ def check_token_ids(idx: Tensor, vocab_size: int) -> None:
                          f"[0, {vocab_size})")
 
 
+def check_targets(targets: Tensor, idx: Tensor, vocab_size: int, check_ids: bool) -> None:
+    """Targets are next-token ids shaped like idx, or -1 where no loss is wanted."""
+    if targets.shape != idx.shape:
+        raise InputError(f"targets must have the shape of the token ids {tuple(idx.shape)}, "
+                         f"got {tuple(targets.shape)}")
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or \
+            targets.dtype == torch.bool:
+        raise InputError(f"targets must be integers, got dtype {targets.dtype}")
+    if check_ids and targets.numel():
+        low, high = (int(v) for v in torch.aminmax(targets))
+        if low < -1 or high >= vocab_size:
+            raise InputError(f"target {low if low < -1 else high} is outside the vocabulary "
+                             f"[0, {vocab_size}) (or -1 to skip a position)")
+
+
 def count_parameters(module: nn.Module) -> int:
     """Trainable parameters of `module`, each counted once (a tied weight is one tensor)."""
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
@@ -126,6 +141,7 @@ class GPT(nn.Module):
         if targets is None:
             logits = self.lm_head(x[:, -1:] if last_only else x)  # (B, 1 or T, V)
             return logits, None
+        check_targets(targets, idx, self.config.vocab_size, check_ids)
         logits = self.lm_head(x)  # (B, T, V)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
                                ignore_index=-1)

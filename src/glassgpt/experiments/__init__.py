@@ -37,6 +37,8 @@ def run_experiment(name: str, out_dir: Path, seed: int = 0, quick: bool = False,
     """Run experiment `name`, writing its pictures under `out_dir`."""
     if name not in EXPERIMENTS:
         raise ConfigError(f"unknown experiment {name!r}; choose one of {list(EXPERIMENTS)}")
+    if not 0 <= seed < 2**63:
+        raise ConfigError(f"seed must be in [0, 2**63), got {seed:.3g}")
     unknown = sorted(set(options) - set(OPTIONS.get(name, ())))
     if unknown:
         raise ConfigError(f"experiment {name!r} takes no option(s) {unknown}; its options: "

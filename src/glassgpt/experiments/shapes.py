@@ -67,6 +67,19 @@ def walk_attention(attn: MultiHeadSelfAttention, x: Tensor) -> tuple[list[tuple]
     return steps, y, weights
 
 
+MAX_WALK_ELEMENTS = 2**27  # 512 MiB of float32: far beyond a table anyone reads
+
+
+def check_walk_fits(B: int, T: int, C: int, H: int) -> None:
+    """Refuse sizes whose tensors would not fit (the scores are B*H*T*T numbers) before any is
+    allocated: the walk is for reading shapes, not for benchmarking memory."""
+    largest = max(B * H * T * T, B * T * 3 * C)
+    if largest > MAX_WALK_ELEMENTS:
+        raise ConfigError(f"B={B}, T={T}, C={C}, H={H} make tensors of {largest:,} numbers, "
+                          f"more than the {MAX_WALK_ELEMENTS:,} this walk allows; try smaller "
+                          f"sizes (the shapes are the point)")
+
+
 def run(out_dir: Path, seed: int = 0, quick: bool = False, batch_size: int = 2,
         seq_len: int = 5, d_model: int = 16, n_heads: int = 4) -> ExperimentResult:
     del quick  # already tiny
@@ -74,6 +87,7 @@ def run(out_dir: Path, seed: int = 0, quick: bool = False, batch_size: int = 2,
         raise ConfigError(f"batch size and sequence length must be positive, got "
                           f"B={batch_size}, T={seq_len}")
     check_heads_divide_width(d_model, n_heads)
+    check_walk_fits(batch_size, seq_len, d_model, n_heads)
     torch.manual_seed(seed)
     attn = MultiHeadSelfAttention(d_model, n_heads, causal=True).eval()
     x = torch.randn(batch_size, seq_len, d_model)

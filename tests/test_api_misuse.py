@@ -1,0 +1,93 @@
+"""Careless calls of the Python API and the command line: each is a `glassgpt.errors` exception
+(one line from the CLI) naming the value, never a torch or Python error from deep inside."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from glassgpt.cli import main
+from glassgpt.config import GPTConfig
+from glassgpt.devices import resolve_device
+from glassgpt.errors import ConfigError, GlassGPTError, InputError
+from glassgpt.generate import generate, sample_next_token
+from glassgpt.model import GPT
+
+V = 13
+
+
+@pytest.fixture(scope="module")
+def model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=V, block_size=8, n_layer=1, n_head=2, n_embd=8)).eval()
+
+
+IDX = torch.tensor([[1, 2, 3]])
+CALLS: dict[str, tuple[Callable[[GPT], object], type[GlassGPTError], str]] = {
+    "float ids": (lambda m: m(IDX.float()), InputError, "must be integers"),
+    "bool ids": (lambda m: m(IDX.bool()), InputError, "must be integers"),
+    "targets of another shape": (lambda m: m(IDX, IDX[:, :2]), InputError,
+                                 r"shape of the token ids \(1, 3\)"),
+    "targets outside the vocabulary": (lambda m: m(IDX, IDX + V), InputError, "target 16"),
+    "float targets": (lambda m: m(IDX, IDX.float()), InputError, "targets must be integers"),
+    "temperature='hot'": (lambda m: generate(m, IDX, temperature="hot"), InputError,
+                          "temperature must be float"),
+    "temperature nan": (lambda m: generate(m, IDX, temperature=float("nan")), InputError,
+                        "finite"),
+    "top_k=0.5": (lambda m: generate(m, IDX, top_k=0.5), InputError, "top_k must be int"),
+    "max_new_tokens=2.5": (lambda m: generate(m, IDX, max_new_tokens=2.5), InputError,
+                           "max_new_tokens must be int"),
+    "seed 2**64": (lambda m: generate(m, IDX, seed=2**64), InputError, "too large"),
+    "an unknown setting": (lambda m: generate(m, IDX, temprature=0.5), InputError,
+                           r"unknown sampling settings \['temprature'\]"),
+    "a positional max_new_tokens": (lambda m: generate(m, IDX, 5), InputError,
+                                    "give settings by name"),
+    "an unknown engine": (lambda m: generate(m, IDX, engine="warp"), InputError,
+                          "unknown decoding engine 'warp'"),
+}
+
+
+@pytest.mark.parametrize("case", CALLS)
+def test_a_careless_call_is_a_glassgpt_error(model, case):
+    call, error, message = CALLS[case]
+    with pytest.raises(error, match=message):
+        call(model)
+
+
+def test_a_tiny_temperature_samples_the_top_token_instead_of_failing():
+    logits = torch.tensor([[0.0, 5.0, 1.0]])
+    for temperature in (1e-45, 1e-30, 1e-8):
+        assert sample_next_token(logits, temperature=temperature).item() == 1
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("meta", "cannot train or sample here"), ("xla", "unknown device|cannot train"),
+    ("banana", "unknown device 'banana'"), ("cuda:7", "CUDA|cuda"),
+])
+def test_a_device_this_machine_lacks_is_a_config_error(name, message):
+    if name == "cuda:7" and torch.cuda.device_count() > 7:
+        pytest.fail("this test expects fewer than 8 GPUs")
+    with pytest.raises(ConfigError, match=message):
+        resolve_device(name)
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--n-embd", str(2**70)],
+    ["train", "--batch-size", str(2**64)],
+    ["train", "--seed", str(2**64)],
+    ["sample", "nowhere", "--seed", str(2**64)],
+    ["train", "--device", "meta"],
+    ["train", "--lr", "nan"],
+    ["demo", "shapes", "--seed", str(2**64)],
+    ["demo", "shapes", "--seq-len", "100000"],
+    ["demo", "shapes", "--d-model", str(10**23)],
+])
+def test_numbers_out_of_reach_on_the_command_line_are_one_line(argv, capsys, tmp_path,
+                                                               monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
