@@ -286,3 +286,34 @@ def test_any_hf_config_imports_or_raises_our_error(hf_dir, data):
         copy = shutil.copytree(hf_dir, Path(scratch) / "hf")
         (copy / "config.json").write_text(json.dumps(data.draw(mutated(original))))
         returns_or_raises_our_error(from_hf, copy)
+
+
+TOML_PIECES = st.sampled_from(["[model]\n", "[train]\n", "[[model]]\n", "model = 5\n",
+                               "train = 'x'\n", "n_layer = 2\n", "n_embd = 1e400\n",
+                               "lr = nan\n", "dropout = 0.5\n", "a = [[[[1]]]]\n", "max_iters = ",
+                               "99999999999999999999999\n", "= broken\n", "\x00", "é = 1\n"])
+
+
+@FAST
+@given(pieces=st.lists(TOML_PIECES, max_size=8), tail=st.text(max_size=20))
+def test_any_config_file_reads_or_raises_our_error(tmp_path_factory, pieces, tail):
+    """`train --config FILE`: any text is a settings table or one GlassGPTError, also once the
+    settings meet the preset (wrong types, tables where values belong, numbers out of reach)."""
+    from glassgpt.runs import read_config_file, resolve_configs
+
+    path = tmp_path_factory.mktemp("toml") / "recipe.toml"
+    path.write_text("".join(pieces) + tail, encoding="utf-8", errors="surrogatepass")
+    returns_or_raises_our_error(read_config_file, path)
+    returns_or_raises_our_error(
+        lambda: GPTConfig.from_dict({**resolve_configs("cpu-small", path, {}, {})[0],
+                                     "vocab_size": 65}))
+
+
+@FAST
+@given(values=st.dictionaries(st.sampled_from(["max_new_tokens", "temperature", "top_k", "top_p",
+                                               "seed", "stop_token", "use_cache", "compiled",
+                                               "engine"]), json_values, max_size=4))
+def test_any_sampling_settings_are_valid_or_our_error(values):
+    from glassgpt.config import SamplingConfig
+
+    returns_or_raises_our_error(lambda: SamplingConfig(**values))
