@@ -253,3 +253,26 @@ def test_timing_waits_for_the_device_before_reading_the_clock(monkeypatch):
     bench.interleaved_times({"a": lambda: events.append("run")}, rounds=1, warmup=0,
                             sync=lambda: events.append("sync"))
     assert events == ["sync", "clock", "run", "sync", "clock"]
+
+
+def test_thread_settings_are_timed_side_by_side_and_auto_chooses(monkeypatch):
+    monkeypatch.setattr("glassgpt.devices.os.cpu_count", lambda: 2)
+    monkeypatch.setattr("glassgpt.bench.threads.os.cpu_count", lambda: 2)
+    rows = bench.bench_threads("cpu-small", steps=8, rounds=1, load=False, batch_size=1)
+    assert [r.setting for r in rows] == ["torch default", "1", "2", "auto"]
+    assert all(r.tokens_per_s > 0 and r.step_seconds > 0 for r in rows)
+    assert rows[-1].threads_used in (1, 2)  # the tuner probed (1 warm-up + 3 + 3) and chose
+
+
+def test_the_competing_load_is_a_process_that_ends_with_the_block(monkeypatch):
+    started = []
+    real_popen = bench.threads.subprocess.Popen
+
+    def popen(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(bench.threads.subprocess, "Popen", popen)
+    with bench.competing_load():
+        assert started[0].poll() is None  # spinning
+    assert started[0].poll() is not None  # gone

@@ -46,6 +46,7 @@ from glassgpt.bench.measure import (
 )
 from glassgpt.bench.profiles import OpShare, profile_decode_step, profile_train_step, top_ops
 from glassgpt.bench.report import BenchReport, Speedup, machine_info, run_benchmarks, speedups
+from glassgpt.bench.threads import ThreadSpeed, bench_threads, competing_load
 from glassgpt.bench.training import (
     TrainSpeed,
     bench_train_config,
@@ -62,5 +63,5 @@ __all__ = [
     "check_decode_length", "decode_bytes_per_token", "eager_and_compiled_losses", "hf_twin",
     "interleaved_medians", "interleaved_times", "machine_info", "matmul_parameters",
     "measure_limits", "profile_decode_step", "profile_train_step", "run_benchmarks", "speedups",
-    "top_ops", "train_flops_per_token",
+    "top_ops", "train_flops_per_token", "ThreadSpeed", "bench_threads", "competing_load",
 ]

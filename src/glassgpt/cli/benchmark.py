@@ -6,6 +6,7 @@ All measuring lives in `glassgpt.bench`; this module parses flags, prints tables
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -18,7 +19,7 @@ from glassgpt import bench
 from glassgpt.errors import ConfigError
 from glassgpt.files import check_can_write_file, write_text_atomic
 
-WORKLOADS = ("train", "generate", "all")
+WORKLOADS = ("train", "generate", "all", "threads")
 # --quick: (training preset, decoding preset) per device, 3 rounds.
 QUICK_PRESETS = {"cpu": ("cpu-small", "shakespeare-char"), "cuda": ("gpt2", "gpt2")}
 QUICK_ROUNDS = 3
@@ -50,6 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", action="store_true",
                    help="also profile one training and one decoding step (torch.profiler)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    p.add_argument("--no-load", action="store_true",
+                   help="bench threads: measure without the competing process")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where to measure (default: cpu)")
     p.add_argument("--quick", action="store_true",
@@ -71,6 +74,8 @@ def run_bench(args: argparse.Namespace) -> int:
         check_can_write_file(args.json, ConfigError)  # before minutes of measuring, not after
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for, but CUDA is not available here")
+    if args.workload == "threads":
+        return _bench_threads(args)
     train_presets, decode_presets = _presets(args)
     err = Console(stderr=True)
     with err.status("benchmarking") as status:
@@ -82,6 +87,28 @@ def run_bench(args: argparse.Namespace) -> int:
     print_report(report, Console())
     if args.json is not None:
         write_text_atomic(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
+    return 0
+
+
+def _bench_threads(args: argparse.Namespace) -> int:
+    """`bench threads`: training tokens/s per thread setting beside a process spinning on one
+    core (the busy machine `--threads auto` is for)."""
+    preset = (args.preset or ["cpu-small"])[0]
+    with Console(stderr=True).status(f"training {preset} under each thread setting"):
+        rows = bench.bench_threads(preset, rounds=args.rounds or 3, load=not args.no_load)
+    best_fixed = max(r.tokens_per_s for r in rows if r.setting not in ("auto",))
+    table = Table(title=f"Training {preset} with a second process spinning on one core"
+                  if not args.no_load else f"Training {preset}, no competing load",
+                  caption=f"{bench.machine_info()['cpu']}, {os.cpu_count()} cores")
+    for column in ("setting", "threads used", "tokens/s", "ms/step", "of best fixed"):
+        table.add_column(column, justify="left" if column == "setting" else "right")
+    for r in rows:
+        table.add_row(r.setting, str(r.threads_used), f"{r.tokens_per_s:,.0f}",
+                      f"{r.step_seconds * 1e3:.1f}", f"{r.tokens_per_s / best_fixed:.0%}")
+    Console().print(table)
+    if args.json is not None:
+        write_text_atomic(args.json, json.dumps([dataclasses.asdict(r) for r in rows],
+                                                indent=2) + "\n")
     return 0
 
 
