@@ -18,6 +18,7 @@ loading a run never changes it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -284,14 +285,11 @@ def describe_weights(run_dir: str | Path, checkpoint: str = "best") -> str:
 def _state_summary(run_dir: str | Path) -> dict[str, Any]:
     """train_state.json's small fields when the run has them, for messages only."""
     path = run_paths(run_dir)[STATE_JSON_FILE]
-    if files.entry_kind(path) == "missing":
-        return {}
-    try:
-        state = files.read_json_object(path, CheckpointError, MAX_JSON_BYTES)
-    except CheckpointError:
-        return {}
-    return {k: v for k, v in state.items() if k in ("iteration", "best_val_loss",
-                                                    "best_iteration")}
+    with contextlib.suppress(CheckpointError):
+        if files.entry_kind(path) != "missing":
+            state = files.read_json_object(path, CheckpointError, MAX_JSON_BYTES)
+            return {k: state.get(k) for k in ("iteration", "best_val_loss", "best_iteration")}
+    return {}
 
 
 def load_model(run_dir: str | Path, device: str | torch.device = "cpu",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -295,3 +296,52 @@ def _built(build: Callable[[], Any], path: Path) -> Any:
     except Exception as error:  # the tokenizers library raises plain Exceptions
         raise CheckpointError(f"{path} is not a tokenizer glassgpt can use: "
                               f"{str(error)[:200]}") from None
+
+
+# --- writing an export ------------------------------------------------------------------------
+
+def check_replaceable_export(out: Path, overwrite: bool) -> None:
+    """Replace a directory only when asked, and only one that holds an earlier export."""
+    if not overwrite:
+        raise CheckpointError(f"{out} already exists and is not an empty directory; choose a "
+                              f"new one, or replace an earlier export with overwrite=True "
+                              f"(--force)")
+    config = out / "config.json"
+    if not out.is_dir() or files.entry_kind(config) != "file" or \
+            '"model_type"' not in files.read_text(config, 2**20, CheckpointError):
+        raise CheckpointError(f"{out} does not hold a Hugging Face export (no config.json with "
+                              f"a model_type); it is not replaced")
+
+
+def move_into_place(staging: Path, out: Path, replacing: bool) -> None:
+    """Rename the finished directory to `out`; an earlier export there goes only once the new
+    one is complete, so a crash leaves one whole export."""
+    if not replacing:
+        os.replace(staging, out)  # atomic; replaces `out` only when it is an empty directory
+        return
+    old = out.with_name(f".{out.name}.replaced")
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(out, old)
+    os.rename(staging, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def usual_permissions(directory: Path) -> None:
+    """mkdtemp makes a private directory (0700) and transformers writes some files 0600; the
+    export should read like any directory the user writes (their umask decides)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.iterdir():
+        path.chmod(0o666 & ~umask)
+
+
+def fsync_tree(directory: Path) -> None:
+    for path in directory.iterdir():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -36,7 +36,16 @@ from glassgpt.config import GPTConfig
 from glassgpt.distributed import unwrap_model
 from glassgpt.errors import CheckpointError, ConfigError
 from glassgpt.hf_files import INSTALL_HINT as INSTALL_HINT
-from glassgpt.hf_files import MASK_BUFFER_SUFFIXES, HFDirectory, StoredWeights, open_hf_source
+from glassgpt.hf_files import (
+    MASK_BUFFER_SUFFIXES,
+    HFDirectory,
+    StoredWeights,
+    check_replaceable_export,
+    fsync_tree,
+    move_into_place,
+    open_hf_source,
+    usual_permissions,
+)
 from glassgpt.hf_files import MissingExtraError as MissingExtraError
 from glassgpt.hf_files import load_hf_tokenizer as load_hf_tokenizer
 from glassgpt.model import GPT
@@ -336,7 +345,7 @@ def save_hf(model: GPT | nn.Module, out_dir: str | os.PathLike[str],
     out = files.check_can_make_dir(Path(out_dir).expanduser(), CheckpointError)
     replacing = out.exists() and (not out.is_dir() or any(out.iterdir()))
     if replacing:
-        _check_replaceable_export(out, overwrite)
+        check_replaceable_export(out, overwrite)
     model = unwrap_model(model)
     eos_id = tokenizer.token_to_id(eos_token) if tokenizer is not None and eos_token else None
     hf_model = to_hf(model, bos_token_id=eos_id, eos_token_id=eos_id)
@@ -350,50 +359,14 @@ def save_hf(model: GPT | nn.Module, out_dir: str | os.PathLike[str],
         if tokenizer is not None:
             _save_hf_tokenizer(tokenizer, staging, eos_token if eos_id is not None else None,
                                model.config.block_size)
-        _usual_permissions(staging)
-        _fsync_tree(staging)
-        _move_into_place(staging, out, replacing)
+        usual_permissions(staging)
+        fsync_tree(staging)
+        move_into_place(staging, out, replacing)
     except OSError as error:  # a full disk, a directory that appeared meanwhile
         raise CheckpointError(f"cannot write {out} ({error}); nothing was left there") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
-
-
-def _check_replaceable_export(out: Path, overwrite: bool) -> None:
-    """Replace a directory only when asked, and only one that holds an earlier export."""
-    if not overwrite:
-        raise CheckpointError(f"{out} already exists and is not an empty directory; choose a "
-                              f"new one, or replace an earlier export with overwrite=True "
-                              f"(--force)")
-    config = out / "config.json"
-    if not out.is_dir() or files.entry_kind(config) != "file" or \
-            '"model_type"' not in files.read_text(config, 2**20, CheckpointError):
-        raise CheckpointError(f"{out} does not hold a Hugging Face export (no config.json with "
-                              f"a model_type); it is not replaced")
-
-
-def _move_into_place(staging: Path, out: Path, replacing: bool) -> None:
-    """Rename the finished directory to `out`; an earlier export there goes only once the new
-    one is complete, so a crash leaves one whole export."""
-    if not replacing:
-        os.replace(staging, out)  # atomic; replaces `out` only when it is an empty directory
-        return
-    old = out.with_name(f".{out.name}.replaced")
-    shutil.rmtree(old, ignore_errors=True)
-    os.rename(out, old)
-    os.rename(staging, out)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _usual_permissions(directory: Path) -> None:
-    """mkdtemp makes a private directory (0700) and transformers writes some files 0600; the
-    export should read like any directory the user writes (their umask decides)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    for path in directory.iterdir():
-        path.chmod(0o666 & ~umask)
 
 
 def _save_hf_tokenizer(tokenizer: Tokenizer, out_dir: Path, eos_token: str | None,
@@ -402,14 +375,3 @@ def _save_hf_tokenizer(tokenizer: Tokenizer, out_dir: Path, eos_token: str | Non
     wrapped = _transformers().PreTrainedTokenizerFast(tokenizer_object=tokenizer,
                                                       model_max_length=max_length, **special)
     wrapped.save_pretrained(out_dir)
-
-
-def _fsync_tree(directory: Path) -> None:
-    for path in directory.iterdir():
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
