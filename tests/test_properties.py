@@ -43,9 +43,11 @@ FAST = settings(max_examples=80, deadline=None,
 # cannot encode.
 unicode_text = st.text(st.characters(blacklist_categories=("Cs",)))
 
-# What json.loads can return.
+# What json.loads can return. (No subnormal floats: a compiled kernel of an older torch may have
+# set flush-to-zero for the whole process, and hypothesis refuses to draw them then.)
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
+    st.none() | st.booleans() | st.integers() | st.floats(allow_subnormal=False)
+    | st.text(max_size=10),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
                                                                 max_size=4),
     max_leaves=12)
