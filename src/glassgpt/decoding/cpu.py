@@ -114,28 +114,14 @@ def _fusable(module: nn.Module) -> type[nn.Module] | None:
 
 
 class CPUEngine(EagerEngine):
-    """Eager decoding with every one-row product spread over the threads.
-
-    `input_major=True` gives the twin its own copies of the float32 weights laid out (in, out)
-    in memory (same shape and values): BLAS then streams a one-row product as a sum of scaled
-    rows instead of one dot product per output (BENCHMARKS.md measures both layouts).
+    """Eager decoding with every one-row product spread over the threads. (Weights stay in
+    PyTorch's own layout: an input-major copy measured no faster with torch 2.13, BENCHMARKS.md.)
     """
 
     name = "cpu"
 
-    def __init__(self, model: Any, input_major: bool = False):
+    def __init__(self, model: Any):
         super().__init__(twin(model, _threaded))
-        if input_major:
-            _lay_out_input_major(self.model)
-
-
-def _lay_out_input_major(model: nn.Module) -> None:
-    """Replace each float32 ThreadedLinear weight by an (in, out)-major copy of it."""
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, ThreadedLinear) and module.weight.dtype == torch.float32:
-                copy = module.weight.t().contiguous().t()  # (out, in) view of (in, out) memory
-                module.weight = nn.Parameter(copy, requires_grad=False)
 
 
 class CompiledCPUEngine(EagerEngine):
