@@ -52,7 +52,7 @@ from glassgpt.rundir import CHECKPOINT_FILES as CHECKPOINT_FILES
 from glassgpt.rundir import JOURNAL_FILE as JOURNAL_FILE
 from glassgpt.rundir import PENDING_SUFFIX as PENDING_SUFFIX
 from glassgpt.rundir import recover_interrupted_commit as recover_interrupted_commit
-from glassgpt.tensorfile import SafetensorsFile, check_finite, check_float_dtypes
+from glassgpt.tensorfile import SafetensorsFile, check_each_shape, check_finite, check_float_dtypes
 from glassgpt.tokenizers import Tokenizer, tokenizer_from_json
 from glassgpt.trainstate import (
     STATE_KEYS,
@@ -121,10 +121,7 @@ def check_shapes(config: GPTConfig, found: dict[str, tuple[int, ...]], path: Pat
     if missing or unexpected:
         raise CheckpointError(f"{path}: tensors do not match config.json "
                               f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
-    for name, shape in expected.items():
-        if found[name] != shape:
-            raise CheckpointError(f"{path}: tensor {name} has shape {found[name]}, "
-                                  f"config.json needs {shape}")
+    check_each_shape(found, expected, path)
 
 
 def read_weights(path: Path, config: GPTConfig) -> dict[str, Tensor]:

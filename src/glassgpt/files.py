@@ -343,17 +343,22 @@ def locked_directory(directory: str | Path, error: ErrorType) -> Iterator[None]:
     except OSError as exc:
         raise error(_describe_os_error(lock_path, exc)) from None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "another process"
-            raise error(f"{directory} is in use by another glassgpt process (pid {holder}); "
-                        f"wait for it to finish") from None
+        _take_lock(fd, directory, error)
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode("ascii"), 0)
         yield
     finally:
         os.close(fd)  # closing releases the lock
+
+
+def _take_lock(fd: int, directory: str | Path, error: ErrorType) -> None:
+    """flock `fd` at once, or raise `error` naming the process that holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "another process"
+        raise error(f"{directory} is in use by another glassgpt process (pid {holder}); "
+                    f"wait for it to finish") from None
 
 
 def check_unlocked(directory: str | Path, error: ErrorType) -> None:
@@ -370,12 +375,7 @@ def check_unlocked(directory: str | Path, error: ErrorType) -> None:
     except OSError as exc:
         raise error(_describe_os_error(lock_path, exc)) from None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "another process"
-            raise error(f"{directory} is in use by another glassgpt process (pid {holder}); "
-                        f"wait for it to finish") from None
+        _take_lock(fd, directory, error)
         fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)

@@ -49,7 +49,7 @@ from glassgpt.hf_files import (
 from glassgpt.hf_files import MissingExtraError as MissingExtraError
 from glassgpt.hf_files import load_hf_tokenizer as load_hf_tokenizer
 from glassgpt.model import GPT
-from glassgpt.tensorfile import check_finite
+from glassgpt.tensorfile import check_each_shape, check_finite
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -263,10 +263,7 @@ def _read_checked(config: GPTConfig, stored: StoredWeights) -> dict[str, Tensor]
     if unexpected:
         raise CheckpointError(f"{stored.source}: tensors a GPT-2 of this config.json does not "
                               f"have: {unexpected[:5]}")
-    for name, shape in expected.items():
-        if found[name] != shape:
-            raise CheckpointError(f"{stored.source}: tensor {name} has shape {found[name]}, "
-                                  f"config.json needs {shape}")
+    check_each_shape(found, expected, stored.source)
     if head_for_wte:
         tensors = stored.read([n for n in expected if n != wte] + ["lm_head.weight"])
         tensors[wte] = tensors.pop("lm_head.weight")

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from glassgpt import files
+from glassgpt.errors import CheckpointError
 from glassgpt.files import ErrorType
 
 # safetensors dtype names -> torch dtypes (the ones glassgpt may meet; others are refused).
@@ -191,3 +192,12 @@ def check_float_dtypes(header: dict[str, TensorInfo], source: str | Path,
         if info.dtype not in FLOAT_DTYPES:
             raise error(f"{source}: tensor {name} has dtype {info.dtype}; weights are floating "
                         f"point ({', '.join(FLOAT_DTYPES)})")
+
+
+def check_each_shape(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]],
+                     source: object) -> None:
+    """Each tensor of `expected` has its shape in `found` (names already matched)."""
+    for name, shape in expected.items():
+        if found[name] != shape:
+            raise CheckpointError(f"{source}: tensor {name} has shape {found[name]}, "
+                                  f"config.json needs {shape}")
