@@ -136,14 +136,15 @@ def test_threads_auto_times_the_first_steps_and_uses_the_faster(data, tmp_path, 
     monkeypatch.setattr(devices.ThreadTuner, "_choose", spy)
     before = torch.get_num_threads()
     try:
-        code, _, err = run_main(capsys, "train", "--data", data, "--out", tmp_path / "run",
-                                "--max-iters", "12", "--eval-interval", "12", *SHAPE,
-                                "--threads", "auto")
+        code, out, err = run_main(capsys, "train", "--data", data, "--out", tmp_path / "run",
+                                  "--max-iters", "12", "--eval-interval", "12", *SHAPE,
+                                  "--threads", "auto")
         used = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
     assert code == 0
     assert "threads auto (1 or 2, chosen by timing the first steps)" in err
+    assert f"on {used} CPU thread" in out and "(chosen by timing)" in out
     (threads, timings), = chosen
     assert set(timings) == {1, 2} and all(len(t) == 3 for t in timings.values())
     fastest = min(timings, key=lambda n: sorted(timings[n])[1])

@@ -26,7 +26,7 @@ from glassgpt.cli.common import (
 )
 from glassgpt.config import GPTConfig, TrainConfig, preset_names
 from glassgpt.data import PreparedData
-from glassgpt.devices import resolve_device
+from glassgpt.devices import ThreadTuner, resolve_device
 from glassgpt.errors import CheckpointError, CommandLineError, ConfigError
 from glassgpt.metrics import RichReporter
 from glassgpt.model import GPT, count_parameters
@@ -128,7 +128,7 @@ def run_train(args: argparse.Namespace) -> int:
                          if args.init_from else f"training preset {preset}")
                 _announce(f"{start} ({_describe(model)})", trainer, data, run_dir, args)
             ddp.barrier(context)
-            return _finish(trainer.run(), run_dir, context)
+            return _finish(trainer.run(), run_dir, context, trainer.threads)
 
 
 def _resume(args: argparse.Namespace, model_flags: dict[str, Any],
@@ -167,7 +167,7 @@ def _resume(args: argparse.Namespace, model_flags: dict[str, Any],
                 _announce(f"resuming at iteration {trainer.state.iteration} of "
                           f"{cfg.max_iters}", trainer, data, args.out, args)
             ddp.barrier(context)
-            return _finish(trainer.run(), args.out, context)
+            return _finish(trainer.run(), args.out, context, trainer.threads)
 
 
 def trainer_device(cfg: TrainConfig, context: ddp.DistContext) -> Any:
@@ -204,7 +204,8 @@ def _writer(run_dir: Path, context: ddp.DistContext) -> Iterator[None]:
         yield
 
 
-def _finish(result: TrainResult, run_dir: Path, context: ddp.DistContext) -> int:
+def _finish(result: TrainResult, run_dir: Path, context: ddp.DistContext,
+            threads: ThreadTuner | None = None) -> int:
     if not context.is_main:
         return INTERRUPTED_EXIT_CODE if result.interrupted else 0
     if result.interrupted:
@@ -217,6 +218,9 @@ def _finish(result: TrainResult, run_dir: Path, context: ddp.DistContext) -> int
     stopped = " (early stop: no better val loss lately)" if result.early_stopped else ""
     best = (f"; best val loss {result.best_val_loss:.4f} at iteration {result.best_iteration}"
             if result.best_iteration is not None else "")
+    if threads is not None and threads.probes:
+        span += f" on {threads.threads} CPU thread{'s' if threads.threads > 1 else ''} " \
+                f"(chosen by timing)"
     print(f"trained {span} in {result.seconds:.1f} s{stopped}: train loss "
           f"{result.train_loss:.4f}, val loss {result.val_loss:.4f}{best}; run saved in "
           f"{run_dir}")
