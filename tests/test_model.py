@@ -262,19 +262,6 @@ def test_ids_checked_where_they_entered_are_not_read_back(monkeypatch):
         model(idx)  # a direct call checks (on a GPU, a sync; said in the docstring)
 
 
-def test_a_compiled_training_step_is_one_graph():
-    """What the trainer compiles is one graph: nothing in forward breaks it (no thread counts,
-    no ids read back); fullgraph=True would fail otherwise."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=16))
-    idx, targets = torch.randint(0, 29, (2, 8)), torch.randint(0, 29, (2, 8))
-    eager_logits, _ = model(idx, targets)
-    logits, loss = torch.compile(model, fullgraph=True)(idx, targets, check_ids=False)
-    torch.testing.assert_close(logits, eager_logits, rtol=1e-5, atol=1e-5)
-    loss.backward()
-    assert all(p.grad is not None for p in model.parameters())
-
-
 def test_token_ids_must_be_two_dimensional():
     with pytest.raises(InputError, match=r"got shape \(5,\)"):
         tiny_gpt()(torch.zeros(5, dtype=torch.long))

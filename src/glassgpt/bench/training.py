@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,9 +117,13 @@ def bench_training(preset: str, probes: LimitProbes, against_hf: bool = False,
 
 def eager_and_compiled_losses(model: GPT, batch: tuple[Tensor, Tensor], steps: int,
                            train_cfg: TrainConfig) -> tuple[list[float], list[float]]:
-    """Losses of `steps` optimizer steps, eager and compiled, from the same initial weights."""
+    """Losses of `steps` optimizer steps, eager and compiled, from the same initial weights.
+
+    The model is compiled with `fullgraph=True`, as one graph a step: anything in its forward
+    that broke the graph (a thread count asked, ids read back) would fail here.
+    """
     losses = []
-    for wrap in (lambda m: m, torch.compile):
+    for wrap in (lambda m: m, functools.partial(torch.compile, fullgraph=True)):
         step = train_stepper(wrap(copy.deepcopy(model)), train_cfg, batch)
         losses.append([float(step()) for _ in range(steps)])
     return losses[0], losses[1]
