@@ -152,8 +152,7 @@ def test_threads_auto_times_the_first_steps_and_uses_the_faster(data, tmp_path, 
 
 
 def test_omp_num_threads_set_by_the_user_wins_over_auto(monkeypatch):
-    from glassgpt.cli.common import thread_tuner
-
+    thread_tuner = devices.tuner_for
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert thread_tuner("auto", torch.device("cpu")) is None
     monkeypatch.delenv("OMP_NUM_THREADS")

@@ -213,6 +213,14 @@ class ThreadTuner:
         self.baseline = medians[best]
         self.probes += 1
 
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Run one step (the block) with the thread count the tuner sets, and time it."""
+        self.before_step()
+        started = time.perf_counter()
+        yield
+        self.step_done(time.perf_counter() - started)
+
     def tuned(self, steps: Iterable[T]) -> Iterator[T]:
         """The items of `steps`, each timed and run with the thread count the tuner sets."""
         iterator = iter(steps)
@@ -231,3 +239,23 @@ class ThreadTuner:
             return f"{self.threads} thread{'s' if self.threads > 1 else ''}"
         return (f"threads auto ({' or '.join(map(str, self.candidates))}, chosen by timing the "
                 f"first steps)")
+
+
+def tuner_for(setting: int | str, device: torch.device) -> ThreadTuner | None:
+    """Apply a `--threads` setting on a CPU: a count is set now; `auto` gives a tuner that
+    times the caller's own steps. None where there is nothing to tune (a GPU, one core, a
+    user's OMP_NUM_THREADS)."""
+    if device.type != "cpu":
+        return None
+    if setting != AUTO:
+        torch.set_num_threads(int(setting))
+        return None
+    if user_chose_threads():
+        return None
+    tuner = ThreadTuner()
+    return tuner if len(tuner.candidates) > 1 else None
+
+
+def timed(tuner: ThreadTuner | None) -> contextlib.AbstractContextManager:
+    """`tuner.step()`, or nothing to time when there is no tuner."""
+    return tuner.step() if tuner is not None else contextlib.nullcontext()

@@ -12,7 +12,6 @@ For a character model on ASCII text (one byte per token) this is loss / ln 2.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 
 from glassgpt.data import sequential_batches
-from glassgpt.devices import ThreadTuner
+from glassgpt.devices import ThreadTuner, timed
 from glassgpt.errors import CheckpointError
 from glassgpt.model import GPT
 from glassgpt.tokenizers import Tokenizer
@@ -70,13 +69,9 @@ def evaluate(model: GPT, ids: np.ndarray, tokenizer: Tokenizer, batch_size: int,
     windows = min((len(ids) - 1) // block_size, batch_size * max_batches)
     total, tokens, text_bytes = 0.0, 0, 0
     for x, y in batches:
-        if tuner is not None:
-            tuner.before_step()
-        started = time.perf_counter()
-        _, loss = model(x, y, check_ids=False)  # mean over the (B, T) targets; ids checked
-        total += loss.item() * y.numel()
-        if tuner is not None:
-            tuner.step_done(time.perf_counter() - started)
+        with timed(tuner):
+            _, loss = model(x, y, check_ids=False)  # mean over the (B, T) targets; ids checked
+            total += loss.item() * y.numel()
         tokens += y.numel()
         text_bytes += int(byte_lengths[y].sum())
         if progress is not None:

@@ -58,8 +58,8 @@ def resolve_configs(preset: str, config_file: str | Path | None, model_flags: di
                     train_flags: dict[str, Any]) -> tuple[dict[str, Any], TrainConfig]:
     """Settings in order of precedence: flags > --config file > preset > defaults."""
     tables = load_preset(preset)
-    model = {**tables.get("model", {}), **model_overrides(config_file, model_flags)}
     from_file = read_config_file(config_file) if config_file else {}
+    model = {**tables.get("model", {}), **from_file.get("model", {}), **model_flags}
     train = {**tables.get("train", {}), **from_file.get("train", {}), **train_flags}
     return model, TrainConfig.from_dict(train)
 

@@ -27,7 +27,7 @@ from glassgpt import checkpoint as ckpt
 from glassgpt import distributed as ddp
 from glassgpt.config import TrainConfig
 from glassgpt.data import BatchSampler, PreparedData
-from glassgpt.devices import ThreadTuner, autocast, autocast_dtype, resolve_device
+from glassgpt.devices import autocast, autocast_dtype, resolve_device, timed, tuner_for
 from glassgpt.errors import CheckpointError, GlassGPTError
 from glassgpt.memory import check_training_fits_memory
 from glassgpt.metrics import Reporter, SilentReporter, append_metrics, plot_losses, truncate_metrics
@@ -142,19 +142,20 @@ class Trainer:
     `run` starts. A caller that may race another writer holds `files.locked_directory(run_dir)`
     around `run` (the CLI does, from its last check to the end of training).
 
-    `threads` ("auto" or a count) is the CPU's thread count: "auto" times the first steps at
-    one thread and at all cores and keeps the faster (`devices.ThreadTuner`).
+    `threads` ("auto" or a count, on a CPU) is the thread count: "auto" times the first steps
+    at one thread and at all cores and keeps the faster (`devices.ThreadTuner`); None leaves
+    torch's setting alone.
     """
 
     def __init__(self, model: GPT, cfg: TrainConfig, data: PreparedData, run_dir: str | Path,
                  reporter: Reporter | None = None, context: ddp.DistContext | None = None,
-                 threads: ThreadTuner | None = None):
+                 threads: int | str | None = None):
         self.cfg, self.data, self.run_dir = cfg, data, Path(run_dir)
         self.context = context or ddp.DistContext()
         self.reporter = reporter if reporter is not None and self.context.is_main \
             else SilentReporter()
-        self.threads = threads
         self.device = resolve_device(cfg.device, self.context.local_rank)
+        self.threads = None if threads is None else tuner_for(threads, self.device)
         self.amp_dtype = autocast_dtype(cfg.dtype, self.device)
         data.check_block_size(model.config.block_size)
         check_training_fits_memory(model.config, cfg.batch_size, self.amp_dtype, self.device)
@@ -260,15 +261,9 @@ class Trainer:
     def _step(self) -> Tensor:
         """One optimizer step, timed for the thread tuner on a CPU (where a step's host time is
         its real time: nothing runs asynchronously)."""
-        if self.threads is None:
+        with timed(self.threads):
             return train_step(self.train_model, self.optimizer, self.sampler.next_batch,
                               self.cfg, self.scaler, self.amp_dtype)
-        self.threads.before_step()
-        started = time.perf_counter()
-        loss = train_step(self.train_model, self.optimizer, self.sampler.next_batch, self.cfg,
-                          self.scaler, self.amp_dtype)
-        self.threads.step_done(time.perf_counter() - started)
-        return loss
 
     def _no_longer_improving(self, it: int) -> bool:
         """With `early_stop` N, whether N evaluations in a row found no better val loss."""

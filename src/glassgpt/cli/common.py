@@ -43,25 +43,10 @@ def add_checkpoint_flag(parser: argparse.ArgumentParser, what: str = "use") -> N
                         f"(default) or the last checkpoint's")
 
 
-def thread_tuner(setting: int | str, device: torch.device) -> devices.ThreadTuner | None:
-    """Apply --threads on a CPU: a count is set now; `auto` gives a tuner that times the
-    command's own steps. None where there is nothing to tune (a GPU, one core, a user's
-    OMP_NUM_THREADS)."""
-    if device.type != "cpu":
-        return None
-    if setting != devices.AUTO:
-        torch.set_num_threads(int(setting))
-        return None
-    if devices.user_chose_threads():
-        return None
-    tuner = devices.ThreadTuner()
-    return tuner if len(tuner.candidates) > 1 else None
-
-
 def probe_threads(setting: int | str, work: Callable[[], Any]) -> str:
     """--threads for a command without a loop of its own to time (a demo, one picture):
     `auto` times `work` at each candidate count and keeps the faster. Returns what was used."""
-    tuner = thread_tuner(setting, torch.device("cpu"))
+    tuner = devices.tuner_for(setting, torch.device("cpu"))
     if tuner is not None:
         steps = 1 + tuner.probe_steps * len(tuner.candidates)  # a warm-up, then each count
         for _ in tuner.tuned(work() for _ in range(steps)):

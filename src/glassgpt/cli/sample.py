@@ -18,11 +18,10 @@ from glassgpt.cli.common import (
     add_checkpoint_flag,
     add_threads_flag,
     say,
-    thread_tuner,
     warn_about_bf16,
 )
 from glassgpt.config import SamplingConfig
-from glassgpt.devices import resolve_device
+from glassgpt.devices import resolve_device, tuner_for
 from glassgpt.errors import ConfigError
 from glassgpt.generate import encode_prompt, stream_text
 
@@ -69,7 +68,7 @@ def run_sample(args: argparse.Namespace) -> int:
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                               compiled=args.compile)
-    tuner = thread_tuner(args.threads, device)
+    tuner = tuner_for(args.threads, device)
     model, tokenizer = ckpt.load_model(args.run_dir, device, checkpoint=args.checkpoint)
     block_size = model.config.block_size
     prompt, length = encode_prompt(tokenizer, args.prompt or DEFAULT_PROMPT, block_size, device)
@@ -118,7 +117,7 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
 
 def run_eval(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
-    tuner = thread_tuner(args.threads, device)
+    tuner = tuner_for(args.threads, device)
     with Progress("[bold]eval", BarColumn(), MofNCompleteColumn(), "windows",
                   TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("eval", total=None)

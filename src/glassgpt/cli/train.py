@@ -21,7 +21,6 @@ from glassgpt.cli.common import (
     add_threads_flag,
     describe_threads,
     say,
-    thread_tuner,
     warn_about_bf16,
 )
 from glassgpt.config import GPTConfig, TrainConfig, preset_names
@@ -119,7 +118,7 @@ def run_train(args: argparse.Namespace) -> int:
         data = runs.training_data(args.data, context)
         model = _initial_model(args, model_settings, model_flags, data, cfg.seed)
         trainer = Trainer(model, cfg, data, run_dir, RichReporter(), context,
-                          thread_tuner(args.threads, trainer_device(cfg, context)))
+                          threads=args.threads)
         with _writer(run_dir, context):
             if context.is_main:
                 rundir.replace_run(run_dir, args.force)
@@ -155,7 +154,7 @@ def _resume(args: argparse.Namespace, model_flags: dict[str, Any],
         model = ckpt.load_model(args.out, checkpoint="last")[0].train()
         runs.check_same_tokenizer(data, args.out)
         trainer = Trainer(model, cfg, data, args.out, RichReporter(), context,
-                          thread_tuner(args.threads, trainer_device(cfg, context)))
+                          threads=args.threads)
         trainer.resume(weights=False)
         if trainer.state.iteration >= cfg.max_iters:
             say(f"{args.out} has already trained {trainer.state.iteration} iterations; "
@@ -168,10 +167,6 @@ def _resume(args: argparse.Namespace, model_flags: dict[str, Any],
                           f"{cfg.max_iters}", trainer, data, args.out, args)
             ddp.barrier(context)
             return _finish(trainer.run(), args.out, context, trainer.threads)
-
-
-def trainer_device(cfg: TrainConfig, context: ddp.DistContext) -> Any:
-    return resolve_device(cfg.device, context.local_rank)
 
 
 def _initial_model(args: argparse.Namespace, model_settings: dict[str, Any],

@@ -35,7 +35,7 @@ from glassgpt.decoding.engine import EagerEngine, one_token_logits, twin
 # consumer; for a LayerNorm feeding a one-row product that means normalising the row again for
 # every output feature. A low threshold makes inductor store such a row once (510-575 -> 850-890
 # tokens/s on shakespeare-char, BENCHMARKS.md).
-CPU_STEP_OPTIONS = {"realize_cpu_opcount_threshold": 10}  # used where torch knows it
+CPU_STEP_OPTIONS = {"realize_cpu_opcount_threshold": 10}  # passed only if known to torch
 
 
 class ThreadedLinear(nn.Linear):
