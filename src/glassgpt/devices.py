@@ -236,9 +236,15 @@ class ThreadTuner:
 
     def describe(self) -> str:
         if len(self.candidates) == 1:
-            return f"{self.threads} thread{'s' if self.threads > 1 else ''}"
+            return cpu_threads(self.threads)
         return (f"threads auto ({' or '.join(map(str, self.candidates))}, chosen by timing the "
                 f"first steps)")
+
+
+def cpu_threads(count: int | None = None) -> str:
+    """"1 CPU thread", "2 CPU threads": `count`, or the number torch uses now."""
+    count = torch.get_num_threads() if count is None else count
+    return f"{count} CPU thread{'s' if count > 1 else ''}"
 
 
 def tuner_for(setting: int | str, device: torch.device) -> ThreadTuner | None:

@@ -51,17 +51,12 @@ def probe_threads(setting: int | str, work: Callable[[], Any]) -> str:
         steps = 1 + tuner.probe_steps * len(tuner.candidates)  # a warm-up, then each count
         for _ in tuner.tuned(work() for _ in range(steps)):
             pass
-    return threads_in_use()
-
-
-def threads_in_use() -> str:
-    threads = torch.get_num_threads()
-    return f"{threads} CPU thread{'s' if threads > 1 else ''}"
+    return devices.cpu_threads()
 
 
 def describe_threads(tuner: devices.ThreadTuner | None) -> str:
     """For a start line: the fixed count, or how auto will choose."""
-    return tuner.describe() if tuner is not None else threads_in_use()
+    return tuner.describe() if tuner is not None else devices.cpu_threads()
 
 
 def warn_about_bf16(dtype: str, device: torch.device) -> None:

@@ -25,7 +25,7 @@ from glassgpt.cli.common import (
 )
 from glassgpt.config import GPTConfig, TrainConfig, preset_names
 from glassgpt.data import PreparedData
-from glassgpt.devices import ThreadTuner, resolve_device
+from glassgpt.devices import ThreadTuner, cpu_threads, resolve_device
 from glassgpt.errors import CheckpointError, CommandLineError, ConfigError
 from glassgpt.metrics import RichReporter
 from glassgpt.model import GPT, count_parameters
@@ -214,8 +214,7 @@ def _finish(result: TrainResult, run_dir: Path, context: ddp.DistContext,
     best = (f"; best val loss {result.best_val_loss:.4f} at iteration {result.best_iteration}"
             if result.best_iteration is not None else "")
     if threads is not None and threads.probes:
-        span += f" on {threads.threads} CPU thread{'s' if threads.threads > 1 else ''} " \
-                f"(chosen by timing)"
+        span += f" on {cpu_threads(threads.threads)} (chosen by timing)"
     print(f"trained {span} in {result.seconds:.1f} s{stopped}: train loss "
           f"{result.train_loss:.4f}, val loss {result.val_loss:.4f}{best}; run saved in "
           f"{run_dir}")

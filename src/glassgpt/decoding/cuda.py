@@ -19,6 +19,7 @@ device, that the static step gives exactly the eager tokens.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,13 @@ def static_step(model: Any, token: Tensor, pos: Tensor, key_positions: Tensor) -
     return model.lm_head(model.ln_f(x))[:, -1]  # (B, 1, V) -> (B, V)
 
 
+@functools.cache
+def compiled_static_step() -> Callable[..., Tensor]:
+    """`static_step` through torch.compile, built once per process and shared by every engine
+    (dynamo keeps one graph per model shape and dtype)."""
+    return torch.compile(static_step, fullgraph=True)
+
+
 class CUDAGraphEngine(EagerEngine):
     """Prefill eagerly; then every step is one replay of a captured CUDA graph.
 
@@ -66,8 +74,7 @@ class CUDAGraphEngine(EagerEngine):
     def __init__(self, model: Any, compiled: bool = False, capture: bool = True):
         super().__init__(model)
         self.capture = capture
-        self.run: Callable[..., Tensor] = (torch.compile(static_step, fullgraph=True)
-                                           if compiled else static_step)
+        self.run: Callable[..., Tensor] = compiled_static_step() if compiled else static_step
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def start(self, batch_size: int, max_len: int) -> None:
