@@ -8,12 +8,14 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from glassgpt.attention import MultiHeadSelfAttention
+from glassgpt.block import TransformerBlock
 from glassgpt.cli import main
 from glassgpt.config import GPTConfig
 from glassgpt.devices import resolve_device
 from glassgpt.errors import ConfigError, GlassGPTError, InputError
 from glassgpt.generate import generate, sample_next_token
-from glassgpt.model import GPT
+from glassgpt.model import GPT, TransformerLM
 
 V = 13
 
@@ -46,6 +48,18 @@ CALLS: dict[str, tuple[Callable[[GPT], object], type[GlassGPTError], str]] = {
                                     "give settings by name"),
     "an unknown engine": (lambda m: generate(m, IDX, engine="warp"), InputError,
                           "unknown decoding engine 'warp'"),
+}
+
+
+CALLS |= {
+    "a nested list of ids": (lambda m: m([[1, 2]]), InputError, "torch tensor of integers"),
+    "a numpy array of ids": (lambda m: m(IDX.numpy()), InputError, "got ndarray"),
+    "uint8 ids": (lambda m: m(IDX.to(torch.uint8)), InputError, "dtype torch.uint8"),
+    "ids on the meta device": (lambda m: m(IDX.to("meta")), InputError, "meta device"),
+    "int16 ids": (lambda m: m(IDX.to(torch.int16)), InputError, "dtype torch.int16"),
+    "uint8 targets": (lambda m: m(IDX, IDX.to(torch.uint8)), InputError,
+                      "targets must be integers"),
+    "int32 targets": (lambda m: m(IDX, IDX.int()), InputError, "targets must be integers"),
 }
 
 
@@ -91,3 +105,53 @@ def test_numbers_out_of_reach_on_the_command_line_are_one_line(argv, capsys, tmp
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+
+
+# --- the glass's own modules (issue 19's API rows) ----------------------------------------
+
+@pytest.mark.parametrize("module", [
+    lambda: MultiHeadSelfAttention(8, 2), lambda: TransformerBlock(8, 2)])
+@pytest.mark.parametrize(("x", "message"), [
+    (torch.randn(2, 3, 6), r"shape \(B, T, C=8\), got \(2, 3, 6\)"),  # width
+    (torch.randn(3, 8), r"shape \(B, T, C=8\), got \(3, 8\)"),  # rank
+    (torch.randn(2, 3, 8, dtype=torch.float64), "x is torch.float64 but its weights are "
+     "torch.float32"),
+    (torch.ones(2, 3, 8, dtype=torch.long), "floating-point x, got dtype torch.int64"),
+    ([[0.0] * 8], "takes a tensor"),
+])
+def test_a_wrong_input_to_attention_or_a_block_is_an_input_error_naming_it(module, x, message):
+    with pytest.raises(InputError, match=message):
+        module()(x)
+
+
+def test_a_block_under_autocast_takes_the_precision_autocast_chose():
+    block = TransformerBlock(8, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert block(torch.randn(1, 3, 8).to(torch.bfloat16)).shape == (1, 3, 8)
+
+
+@pytest.mark.parametrize("d_model", [8.0, True, "8", 2**40])
+@pytest.mark.parametrize("build", [
+    lambda d: MultiHeadSelfAttention(d, 2), lambda d: TransformerBlock(d, 2),
+    lambda d: TransformerLM(11, d, 2, 1, 8)])
+def test_a_width_that_is_not_a_sane_int_is_a_config_error(d_model, build):
+    with pytest.raises(ConfigError, match="d_model|n_embd"):
+        build(d_model)
+
+
+@pytest.mark.parametrize("config", [{"n_layer": 1}, None])
+def test_gpt_takes_a_gptconfig_only(config):
+    with pytest.raises(ConfigError, match="GPT takes a GPTConfig"):
+        GPT(config)
+
+
+def test_a_config_field_changed_after_construction_is_checked():
+    config = GPTConfig(vocab_size=V, block_size=8, n_layer=1, n_head=2, n_embd=8)
+    with pytest.raises(ConfigError, match="n_layer must be positive, got -3"):
+        config.n_layer = -3
+    assert config.n_layer == 1
+
+
+def test_targets_that_are_all_minus_one_give_loss_zero_not_nan(model):
+    logits, loss = model(IDX, torch.full_like(IDX, -1))
+    assert loss.item() == 0.0 and logits.shape == (1, 3, V)

@@ -268,7 +268,7 @@ CASES: dict[str, Case] = {
     "width not divisible by heads": Case(train("--n-embd", "30", "--n-head", "4"),
                                          "d_model=30 is not divisible by n_heads=4"),
     "huge model": Case(train("--n-embd", "1048576", "--n-head", "1", "--n-layer", "64"),
-                       "parameters"),
+                       "d_model=1048576 is too large"),
     "context longer than the text": Case(train("--block-size", "5000"),
                                          "too short for block_size=5000"),
     "config file that is not TOML": Case(
@@ -366,7 +366,7 @@ CASES: dict[str, Case] = {
                                                  damage=edit_model(vocab_size=10**12)),
     "config.json asking for a 10**9 context": Case(sample(), "needs (1000000000, 16)",
                                                    damage=edit_model(block_size=10**9)),
-    "config.json asking for a huge width": Case(sample(), "too large to exist",
+    "config.json asking for a huge width": Case(sample(), "d_model=4294967296 is too large",
                                                 damage=edit_model(n_embd=2**32, n_head=1)),
     "tokenizer.json that is not JSON": Case(
         sample(), "tokenizer.json is not UTF-8 text",
@@ -451,11 +451,14 @@ CASES: dict[str, Case] = {
         resume(), "a saved step count is at least 1",
         damage=edit_tensors("train_state.safetensors", lambda t: t["optimizer.0.step"].zero_())),
     # --- flags that cannot work together, or cannot fit
-    "resume with --config": Case(resume("--config", lambda w: write(w.work / "c.toml", "")),
-                                 "--config cannot go with it"),
-    "resume with --preset": Case(resume("--preset", "cpu-small"), "--preset cannot go with it"),
+    # A resume may repeat the run's settings; one that differs is refused.
+    "resume with a --config that changes the model": Case(
+        resume("--config", lambda w: write(w.work / "c.toml", "[model]\nn_layer = 3\n")),
+        "cannot change model settings of a run when resuming: n_layer=3 (the run has 1)"),
+    "resume with another --preset": Case(resume("--preset", "cpu-small"),
+                                         "cannot change model settings of a run when resuming"),
     "resume with --init-from": Case(resume("--init-from", lambda w: w.run),
-                                    "--init-from cannot go with it"),
+                                    "differs from the run's (it was not fine-tuned)"),
     "a batch of ten million sequences": Case(train("--batch-size", "10000000"),
                                              "training needs about"),
     "--out that is a file": Case(

@@ -12,13 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glassgpt import checkpoint, files
+from glassgpt import checkpoint, files, layout, rundir
 from glassgpt.checkpoint import (
     TrainState,
-    capture_rng_state,
     load_model,
     load_train_state,
-    restore_rng_state,
     save_checkpoint,
     save_model,
 )
@@ -26,6 +24,7 @@ from glassgpt.config import GPTConfig
 from glassgpt.errors import CheckpointError, ConfigError
 from glassgpt.model import GPT
 from glassgpt.tokenizers import CharTokenizer
+from glassgpt.trainstate import capture_rng_state, restore_rng_state
 from helpers_dirs import assert_unchanged, snapshot
 
 TOKENIZER = CharTokenizer.from_text("abcdefghij \n")
@@ -200,12 +199,12 @@ def test_a_crash_after_the_commit_point_finishes_the_new_checkpoint(tmp_path, mo
     with pytest.raises(CheckpointError, match="the next `train --resume` finishes"):
         save_model(tmp_path, new, TOKENIZER)
     monkeypatch.undo()
-    assert (tmp_path / checkpoint.JOURNAL_FILE).exists()  # half renamed, journal present
+    assert (tmp_path / layout.RUN_JOURNAL).exists()  # half renamed, journal present
     listing = sorted(p.name for p in tmp_path.iterdir())
     assert same_weights(load_model(tmp_path)[0], new)  # a reader sees the new checkpoint...
     assert sorted(p.name for p in tmp_path.iterdir()) == listing  # ...and changes nothing
-    checkpoint.recover_interrupted_commit(tmp_path)  # a writer finishes the commit
-    assert not (tmp_path / checkpoint.JOURNAL_FILE).exists()
+    rundir.recover_interrupted_commit(tmp_path)  # a writer finishes the commit
+    assert not (tmp_path / layout.RUN_JOURNAL).exists()
     assert not list(tmp_path.glob("*.pending"))
     assert same_weights(load_model(tmp_path)[0], new)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -191,3 +192,81 @@ def test_a_round_trip_through_hf_evaluates_on_the_original_data(bpe_run_and_data
     assert main(["eval", str(tmp_path / "back"), "--data", str(data), "--max-batches", "1",
                  "--batch-size", "2", "--threads", "1"]) == 0
     assert "bits per byte" in capsys.readouterr().out
+
+
+def test_a_tokenizer_smaller_than_the_vocabulary_is_refused(tmp_path: Path, hf_dir: Path,
+                                                            capsys) -> None:
+    """sample would draw ids the tokenizer cannot decode, halfway through a sample."""
+    small = tmp_path / "small-tokenizer.json"
+    small.write_text(CharTokenizer.from_text("abcdefghij").to_json(), encoding="utf-8")
+    vocab = transformers.GPT2Config.from_pretrained(hf_dir).vocab_size
+    run = tmp_path / "run"
+    assert main(["convert", "--from-hf", str(hf_dir), "--out", str(run), "--tokenizer",
+                 str(small)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"the tokenizer has 10 tokens but the model's vocab_size is {vocab}" in line
+    assert not run.exists()
+
+
+def full_disk_in_the_run(monkeypatch) -> None:
+    """ENOSPC at the second file of the run (the weights are written, the disk is full)."""
+    from glassgpt import files
+
+    real, opened = files.open_new_file, []
+
+    def open_without_space(path):
+        opened.append(path)
+        if len(opened) > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real(path)
+    monkeypatch.setattr(files, "open_new_file", open_without_space)
+
+
+def full_disk_in_the_export(monkeypatch) -> None:
+    """ENOSPC after transformers wrote part of the export."""
+    def save_without_space(self, directory, *args, **kwargs):
+        (Path(directory) / "config.json").write_text("{}")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", save_without_space)
+
+
+@pytest.mark.parametrize("direction", ["--from-hf", "--to-hf"])
+def test_a_full_disk_leaves_no_half_made_directory(direction: str, tmp_path: Path, hf_dir: Path,
+                                                   capsys, monkeypatch) -> None:
+    place = tmp_path / "place"
+    place.mkdir()
+    if direction == "--from-hf":
+        full_disk_in_the_run(monkeypatch)
+        args = ["convert", "--from-hf", str(hf_dir), "--out", str(place / "new")]
+    else:
+        run = tmp_path / "run"
+        assert main(["convert", "--from-hf", str(hf_dir), "--out", str(run)]) == 0
+        full_disk_in_the_export(monkeypatch)
+        args = ["convert", str(run), "--to-hf", str(place / "new")]
+    capsys.readouterr()
+    assert main(args) == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert line == f"error: cannot write {place / 'new'} (No space left on device); nothing " \
+                   f"was left there"
+    assert list(place.iterdir()) == []  # no run, no export, no staging directory, no lock
+
+
+def test_a_models_padding_ids_get_names_so_every_id_decodes(tmp_path: Path, small_text: Path,
+                                                            capsys) -> None:
+    """Qwen3's embedding has 267 rows more than its tokenizer has tokens; here 5 more."""
+    tokenizer = BPETokenizer.train(small_text.read_text(encoding="utf-8"), 300)
+    vocab = tokenizer.vocab_size + 5
+    config = transformers.GPT2Config(vocab_size=vocab, n_positions=8, n_embd=16, n_layer=1,
+                                     n_head=2, bos_token_id=None, eos_token_id=None)
+    source = tmp_path / "hf-source"
+    transformers.GPT2LMHeadModel(config).save_pretrained(source)
+    tokenizer.save(source / "tokenizer.json")
+    assert main(["convert", "--from-hf", str(source), "--out", str(tmp_path / "run")]) == 0
+    assert "the 5 ids past the tokenizer (padding) decode as <|unused:ID|>" in \
+        capsys.readouterr().err
+    _, imported = load_model(tmp_path / "run")
+    assert imported.vocab_size == vocab
+    last, first = vocab - 1, vocab - 5
+    assert imported.decode([last, first]) == f"<|unused:{last}|><|unused:{first}|>"
+    text = "To be or not to be"
+    assert imported.encode(text) == tokenizer.encode(text)  # the real tokens are unchanged

@@ -53,7 +53,8 @@ def test_demo_all_quick_runs_every_experiment_and_sums_up(tmp_path: Path, capsys
     assert code == 0, out[-2000:] + err
     data = json.loads((tmp_path / "all.json").read_text())
     assert list(data["experiments"]) == ["shapes", "parity", "multihead", "layernorm", "params",
-                                         "residual", "dropout", "sharing"]
+                                         "residual", "dropout", "sharing", "positions", "norms",
+                                         "mlps", "kvheads", "qknorm"]
     assert data["seed"] == 1 and data["quick"] is True
     for name, result in data["experiments"].items():
         assert result["checks"] and all(c["holds"] for c in result["checks"]), name
@@ -63,7 +64,7 @@ def test_demo_all_quick_runs_every_experiment_and_sums_up(tmp_path: Path, capsys
     assert params["gpt2_small_total"] == 124_439_808
     assert "124,439,808" in out
     assert "[block] * L" in out  # printed as written, not eaten as rich markup
-    assert out.rstrip().endswith("8/8 experiments showed what they claim")
+    assert out.rstrip().endswith("13/13 experiments showed what they claim")
 
 
 def test_demo_all_summary_names_what_was_not_shown(tmp_path: Path, capsys,
@@ -75,7 +76,7 @@ def test_demo_all_summary_names_what_was_not_shown(tmp_path: Path, capsys,
     monkeypatch.setattr(demos, "run_experiment", fake_experiment)
     code, out, _ = glassgpt(capsys, "demo", "all", "--out", str(tmp_path))
     assert code == 1
-    assert f"7/{len(EXPERIMENTS)} experiments showed what they claim" in out
+    assert f"{len(EXPERIMENTS) - 1}/{len(EXPERIMENTS)} experiments showed what they claim" in out
     assert "expected outcome not shown by: residual" in out
 
 
@@ -151,7 +152,9 @@ def test_attention_splits_a_long_prompt_per_layer(tiny_run: Path, tmp_path: Path
 @pytest.mark.parametrize(("args", "message"), [
     (["--prompt", "to be", "--layer", "2"], "layer 2 does not exist: the model has layers 0..1"),
     (["--prompt", "to be", "--head", "4"], "head 4 does not exist: the model has heads 0..3"),
-    (["--prompt", "zebra"], "not in the tokenizer's vocabulary"),
+    (["--prompt", "zebra"], "not in the tokenizer's vocabulary: 'z'; a character tokenizer "
+                            "knows only the characters of the text it was made from: remove "
+                            "these, or prepare the data with --tokenizer bpe"),
     (["--prompt", "to be " * 11], "longer than block_size=64"),
 ])
 def test_attention_bad_input_is_one_line_and_exit_2(tiny_run: Path, tmp_path: Path, capsys,
@@ -169,3 +172,48 @@ def test_attention_missing_run_dir_is_a_clear_error(tmp_path: Path, capsys) -> N
                             "--out", str(tmp_path / "x.png"))
     assert code == 2
     assert "nowhere" in err and "Traceback" not in err
+
+
+def test_attention_writes_beside_the_demos_pictures_by_default(tiny_run: Path, tmp_path: Path,
+                                                               capsys, monkeypatch) -> None:
+    """`demo` has a default --out; `attention` had none and refused to run without one."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = glassgpt(capsys, "attention", str(tiny_run), "--prompt", "to be")
+    assert code == 0, err
+    assert out.endswith(f"written to {Path('demo_out') / 'attention.png'}\n")
+    assert (tmp_path / "demo_out" / "attention.png").read_bytes()[:8] == PNG_MAGIC
+
+
+# --- tables in a file or a pipe -----------------------------------------------------------
+
+def wide_report():
+    from glassgpt import bench
+
+    speeds = [bench.TrainSpeed(f"preset-with-a-long-name-{i}", "glassgpt-compiled", "bfloat16",
+                               12, 64, 0.0, 0.123456, 123456.7, 1.2e6, 0.4321, 1e12)
+              for i in range(2)]
+    return bench.BenchReport({"cpu": "a CPU", "cores": 2, "threads": 2, "torch": "2"},
+                             bench.MachineLimits(1e12, 1e10), train=speeds)
+
+
+def test_tables_in_a_file_or_a_pipe_are_not_cut_at_80_columns(capsys, monkeypatch) -> None:
+    """`glassgpt bench > out.txt`: rich assumed 80 columns off a terminal and folded cells."""
+    from glassgpt.cli.benchmark import print_report
+    from glassgpt.cli.common import output_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    print_report(wide_report(), output_console())
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("│ preset-with-a-long-name-0")]
+    assert len(rows) == 1 and len(rows[0]) > 80, out  # the whole row on one line
+    assert "glassgpt-compiled" in rows[0] and "123,457" in rows[0]
+    monkeypatch.setenv("COLUMNS", "60")  # a width the user asked for is kept
+    assert output_console().width == 60
+
+
+def test_a_demo_in_a_pipe_keeps_its_rule_short(capsys, monkeypatch) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)
+    console = demos.output_console()
+    demos.print_result(console, ExperimentResult(name="x", summary="y"), 0.1)
+    rule = capsys.readouterr().out.splitlines()[0]
+    assert len(rule) == demos.RULE_WIDTH

@@ -28,9 +28,29 @@ def test_every_shipped_preset_parses_and_builds(name):
     assert config.to_dict() == {**GPTConfig().to_dict(), **preset["model"]}
     with torch.device("meta"):  # shapes only, even for GPT-2 XL
         model = GPT(config)
-    C, L = config.n_embd, config.n_layer
-    expected = (config.vocab_size + config.block_size) * C + L * (12 * C**2 + 13 * C) + 2 * C
-    assert count_parameters(model) == expected
+    assert count_parameters(model) == expected_parameters(config)
+
+
+def expected_parameters(c: GPTConfig) -> int:
+    """The parameter count of a config, by hand. GPT-2's shape gives
+    (V + block_size) * C + L * (12C^2 + 13C) + 2C."""
+    C, F, kv = c.n_embd, c.hidden_width, c.kv_heads * c.head_dim
+    norm = C * (2 if c.norm == "layernorm" and c.bias else 1)
+    attention = C * (C + 2 * kv) + C * C + (C + 2 * kv + C) * c.bias + 2 * c.head_dim * c.qk_norm
+    if c.activation == "swiglu":
+        mlp = 3 * C * F + (2 * F + C) * c.bias
+    else:
+        mlp = 2 * C * F + (F + C) * c.bias
+    embeddings = c.vocab_size * C * (1 if c.tie_weights else 2)
+    positions = c.block_size * C if c.position == "learned" else 0
+    return embeddings + positions + c.n_layer * (attention + 2 * norm + mlp) + norm
+
+
+def test_the_hand_count_is_gpt2s_formula_for_gpt2():
+    c = GPTConfig()
+    C, L = c.n_embd, c.n_layer
+    assert expected_parameters(c) == (c.vocab_size + c.block_size) * C + L * (12 * C**2 + 13 * C) \
+        + 2 * C == 124_439_808
 
 
 @pytest.mark.parametrize("name, shape", [
@@ -74,8 +94,8 @@ def test_defaults_are_gpt2_small():
 
 
 def test_an_int_is_accepted_where_a_float_is_expected():
-    config = GPTConfig.from_dict({"dropout": 0, "ln_eps": 1})
-    assert isinstance(config.dropout, float) and config.ln_eps == 1.0
+    config = GPTConfig.from_dict({"dropout": 0, "norm_eps": 1})
+    assert isinstance(config.dropout, float) and config.norm_eps == 1.0
 
 
 # --- errors --------------------------------------------------------------------------------
@@ -137,5 +157,5 @@ def test_dropout_must_be_a_probability_below_one(dropout):
 
 @pytest.mark.parametrize("eps", [0.0, -1e-5])
 def test_layernorm_eps_must_be_positive(eps):
-    with pytest.raises(ConfigError, match=rf"ln_eps must be positive, got {eps}"):
-        GPTConfig(ln_eps=eps)
+    with pytest.raises(ConfigError, match=rf"norm_eps must be positive, got {eps}"):
+        GPTConfig(norm_eps=eps)

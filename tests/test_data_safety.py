@@ -16,11 +16,13 @@ import numpy as np
 import pytest
 import torch
 
+from glassgpt import commit
 from glassgpt.checkpoint import save_model
 from glassgpt.cli import main
 from glassgpt.config import GPTConfig
-from glassgpt.data import PreparedData, datadir, pipeline, prepare
+from glassgpt.data import PreparedData, pipeline, prepare
 from glassgpt.errors import DataError
+from glassgpt.layout import DATA
 from glassgpt.model import GPT
 from glassgpt.tokenizers import BPETokenizer
 
@@ -96,7 +98,8 @@ def test_a_crash_leaves_the_old_data_or_the_new_never_a_mix(place, monkeypatch,
                                                             renames_before_crash):
     """Crash a re-prepare before its commit point (None: while writing the journal) or after
     it, with 0..3 of the 4 files renamed: the next reader sees the old data whole, or the new
-    data whole (finishing the commit), never old metadata beside new ids."""
+    data whole, never old metadata beside new ids; reading changes nothing, and the next writer
+    finishes the commit."""
     old = tree(place / "data")
     reference = place / "reference"
     prepare(reference, place / "other.txt")
@@ -115,19 +118,22 @@ def test_a_crash_leaves_the_old_data_or_the_new_never_a_mix(place, monkeypatch,
         real_replace(src, dst)
 
     if renames_before_crash is None:
-        monkeypatch.setattr(datadir, "write_text_atomic", crash_at_journal)
+        monkeypatch.setattr(commit.files, "write_text_atomic", crash_at_journal)
     else:
-        monkeypatch.setattr(datadir.os, "replace", crash_after_renames)
+        monkeypatch.setattr(commit.os, "replace", crash_after_renames)
     with pytest.raises(Crash):
         prepare(place / "data", place / "other.txt", force=True)
     monkeypatch.undo()
-    data = PreparedData(place / "data")  # recovers first
+    crashed = tree(place / "data")
+    data = PreparedData(place / "data")  # through the journal: reads, never writes
     ids = np.concatenate([data.splits["train"], data.splits["val"]]).tolist()
+    assert tree(place / "data") == crashed
     if renames_before_crash is None:
         assert data.tokenizer.decode(ids) == TEXT
         assert tree(place / "data") == old
     else:
         assert data.tokenizer.decode(ids) == OTHER_TEXT
+        commit.recover(place / "data", DATA, DataError)  # what the next writer does first
         assert {k: v for k, v in tree(place / "data").items() if k != ".glassgpt.lock"} == \
             {k: v for k, v in tree(reference).items() if k != ".glassgpt.lock"}
 

@@ -194,6 +194,54 @@ def test_the_static_step_of_the_cuda_engine_gives_exactly_the_eager_tokens(
     assert torch.equal(static, eager_tokens(variant, idx, new, **SAMPLING[kind]))
 
 
+# The modern switches (docs/modern.md): rotary positions at every decoding offset, grouped and
+# multi-query KV caches, QK-norm, the gated and squared MLPs, RMSNorm and a soft-capped head.
+MODERN_VARIANTS = {
+    "rope, GQA 4->2, qk_norm, swiglu, rmsnorm, softcap": dict(
+        n_head=4, n_kv_head=2, position="rope", qk_norm=True, activation="swiglu",
+        mlp_hidden=48, norm="rmsnorm", bias=False, logit_softcap=3.0),
+    "rope, MQA 4->1, relu2, untied": dict(n_head=4, n_kv_head=1, position="rope",
+                                          activation="relu2", tie_weights=False),
+    "no positions, rmsnorm with biases": dict(position="none", norm="rmsnorm"),
+}
+
+
+# (variant, sampling, shape, compile too): compiling is the slow part, so one compiled case
+# holds every switch but multi-query (which only repeats K/V more times than GQA). PAST_BLOCK
+# runs a few tokens past block_size, where the window slides (rotary positions restart at 0).
+PAST_BLOCK = (1, 4, BLOCK + 4)
+MODERN_CASES = [
+    ("rope, GQA 4->2, qk_norm, swiglu, rmsnorm, softcap", "greedy", SHAPES[0], True),
+    ("rope, GQA 4->2, qk_norm, swiglu, rmsnorm, softcap", "top_k+top_p", SHAPES[1], False),
+    ("rope, GQA 4->2, qk_norm, swiglu, rmsnorm, softcap", "greedy", PAST_BLOCK, False),
+    ("rope, MQA 4->1, relu2, untied", "top_k+top_p", SHAPES[0], False),
+    ("rope, MQA 4->1, relu2, untied", "greedy", PAST_BLOCK, False),
+    ("no positions, rmsnorm with biases", "greedy", SHAPES[1], False),
+]
+
+
+@pytest.mark.parametrize(("name", "kind", "shape", "compiled"), MODERN_CASES)
+def test_every_engine_gives_exactly_the_eager_tokens_for_the_modern_switches(
+        name, kind, shape, compiled, monkeypatch):
+    model, (B, T, new), sampling = tiny_gpt(**MODERN_VARIANTS[name]), shape, SAMPLING[kind]
+    idx = prompt(B, T)
+    expected = eager_tokens(model, idx, new, **sampling)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the threaded one-row path runs only with two threads or more
+    try:
+        threaded = generate(model, idx, max_new_tokens=new, engine="cpu", **sampling)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(threaded, expected)
+    if compiled:
+        assert torch.equal(generate(model, idx, max_new_tokens=new, compiled=True, **sampling),
+                           expected)
+    monkeypatch.setattr("glassgpt.generate.engine_for", lambda model, name, compiled:
+                        StaticStepEngine(model) if name == "cuda-graph" else EagerEngine(model))
+    static = generate(model, idx, max_new_tokens=new, engine="cuda-graph", **sampling)
+    assert torch.equal(static, expected)
+
+
 def test_compiled_logits_match_eager_step_by_step():
     model = tiny_gpt(seed=1)
     idx = prompt(1, 6)

@@ -42,7 +42,7 @@ ONE_STEP = textwrap.dedent("""
         x, y = torch.load(sys.argv[1], weights_only=True)
         # Rank r takes rows 2r and 2r+1, as two micro-batches of one row each.
         rows = [(x[i:i + 1], y[i:i + 1]) for i in (2 * context.rank, 2 * context.rank + 1)]
-        cfg = TrainConfig(grad_accum=2, lr=1e-2)
+        cfg = TrainConfig(grad_accum=2, lr=1e-2, optimizer=sys.argv[3], muon_lr=1e-3)
         wrapped = ddp.wrap_model(model, context, torch.device("cpu"))
         batches = iter(rows)
         loss = train_step(wrapped, make_optimizer(model, cfg), lambda: next(batches), cfg)
@@ -65,16 +65,18 @@ def env(shakespeare_path, tmp_path) -> dict[str, str]:
     return {**cli_environment(shakespeare_path, tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
 
 
-def test_two_ranks_take_the_same_step_as_one_process_with_both_batches(tmp_path, env):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_two_ranks_take_the_same_step_as_one_process_with_both_batches(tmp_path, env,
+                                                                        optimizer):
     x = torch.randint(0, 20, (4, 8))
     y = torch.randint(0, 20, (4, 8))
     torch.save((x, y), tmp_path / "batch.pt")
     (tmp_path / "one_step.py").write_text(ONE_STEP)
     torchrun(tmp_path / "one_step.py", tmp_path / "batch.pt", tmp_path / "ddp.safetensors",
-             env=env)
+             optimizer, env=env)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=20, block_size=8, n_layer=2, n_head=2, n_embd=16))
-    cfg = TrainConfig(grad_accum=1, lr=1e-2)
+    cfg = TrainConfig(grad_accum=1, lr=1e-2, optimizer=optimizer, muon_lr=1e-3)
     loss = train_step(model, make_optimizer(model, cfg), lambda: (x, y), cfg)
     ddp_result = load_file(tmp_path / "ddp.safetensors")
     assert abs(ddp_result.pop("loss").item() - loss.item()) < 1e-5

@@ -169,4 +169,5 @@ def test_unknown_experiment_and_option_are_config_errors(tmp_path: Path) -> None
     with pytest.raises(ConfigError, match="takes no option"):
         run_experiment("params", tmp_path, d_model=32)
     assert list(EXPERIMENTS) == ["shapes", "parity", "multihead", "layernorm", "params",
-                                 "residual", "dropout", "sharing"]
+                                 "residual", "dropout", "sharing", "positions", "norms", "mlps",
+                                 "kvheads", "qknorm"]

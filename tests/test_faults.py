@@ -22,8 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glassgpt import checkpoint as ckpt
-from glassgpt import files, metrics
+from glassgpt import files, layout, metrics, rundir
 from glassgpt.checkpoint import TrainState, load_model, load_train_state, save_checkpoint
 from glassgpt.cli import main
 from glassgpt.config import GPTConfig
@@ -46,20 +45,20 @@ def glassgpt_process(*args: object, env: dict[str, str]) -> subprocess.Popen:
 
 def checkpoint_hashes(run: Path) -> dict[str, str]:
     return {name: hashlib.sha256((run / name).read_bytes()).hexdigest()
-            for name in ckpt.CHECKPOINT_FILES if (run / name).is_file()}
+            for name in layout.CHECKPOINT_FILES if (run / name).is_file()}
 
 
 def saved_iteration(run: Path) -> int:
     """The iteration of the committed checkpoint, or -1 while there is none (read-only)."""
     try:
-        return json.loads((run / ckpt.STATE_JSON_FILE).read_text())["iteration"]
+        return json.loads((run / layout.STATE_JSON_FILE).read_text())["iteration"]
     except (FileNotFoundError, json.JSONDecodeError):
         return -1
 
 
 def tensors_of(run: Path) -> dict[str, torch.Tensor]:
-    return {**load_file(run / ckpt.MODEL_FILE),
-            **{f"state.{k}": v for k, v in load_file(run / ckpt.STATE_TENSORS_FILE).items()}}
+    return {**load_file(run / layout.MODEL_FILE),
+            **{f"state.{k}": v for k, v in load_file(run / layout.STATE_TENSORS_FILE).items()}}
 
 
 def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -117,7 +116,7 @@ def kill_in_a_checkpoint_write(process: subprocess.Popen, run: Path) -> bool:
 
 
 def write_under_way(run: Path) -> bool:
-    return any(run.glob("*" + ckpt.PENDING_SUFFIX)) or (run / ckpt.JOURNAL_FILE).exists()
+    return any(run.glob("*" + layout.PENDING_SUFFIX)) or (run / layout.RUN_JOURNAL).exists()
 
 
 def test_kill_9_at_random_moments_loses_nothing(data, uninterrupted, env, tmp_path):
@@ -183,8 +182,8 @@ def test_a_crash_at_any_point_of_a_checkpoint_write_keeps_one_whole_checkpoint(t
         assert loaded in (1, 2)
         assert_bitwise_equal(dict(model.state_dict()), dict(expected.state_dict()))
         assert directory_hashes(run) == on_disk  # reading changed nothing
-        ckpt.recover_interrupted_commit(run)  # what the next writer does first, under its lock
-        written = set(ckpt.CHECKPOINT_FILES) - {ckpt.BEST_FILE}  # these saves keep no best
+        rundir.recover_interrupted_commit(run)  # what the next writer does first, under its lock
+        written = set(layout.CHECKPOINT_FILES) - {layout.BEST_FILE}  # these saves keep no best
         assert sorted(p.name for p in run.iterdir()) == sorted(written)
         assert load_train_state(run).iteration == loaded
         if finished:
@@ -217,7 +216,7 @@ def test_a_stop_signal_saves_a_checkpoint_and_exits_cleanly(stop, data, env, tmp
     deadline = time.monotonic() + 120
     while not (run / "metrics.jsonl").is_file() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert saved_iteration(run) == -1  # nothing saved yet: the signal must save it
+    assert saved_iteration(run) == 0  # only the checkpoint at step 0: the signal saves the next
     process.send_signal(stop)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 130, stderr
@@ -233,10 +232,12 @@ def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(uninterrupte
                                                                      capsys):
     run = tmp_path / "run"
     shutil.copytree(uninterrupted, run)
+    config = json.loads((run / layout.CONFIG_FILE).read_text())
+    config["train"]["lr"] = 1e30  # a recipe a resume may not change: the run's own, edited
+    (run / layout.CONFIG_FILE).write_text(json.dumps(config))
     before = checkpoint_hashes(run)
     capsys.readouterr()
-    code = main(["train", "--resume", "--out", str(run), "--max-iters", str(MAX_ITERS + 5),
-                 "--lr", "1e30"])
+    code = main(["train", "--resume", "--out", str(run), "--max-iters", str(MAX_ITERS + 5)])
     stderr = capsys.readouterr().err
     assert code != 0 and "Traceback" not in stderr
     (error,) = [line for line in stderr.splitlines() if line.startswith("error:")]
@@ -254,7 +255,7 @@ def full_disk_for_pending_files(monkeypatch) -> None:
 
     def open_without_space(path):
         opened.append(path)
-        if len(opened) > 1 and str(path).endswith(ckpt.PENDING_SUFFIX):
+        if len(opened) > 1 and str(path).endswith(layout.PENDING_SUFFIX):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         return real(path)
     monkeypatch.setattr(files, "open_new_file", open_without_space)
@@ -289,11 +290,10 @@ def test_a_disk_error_while_saving_keeps_the_previous_checkpoint(fault, uninterr
 
 def test_a_full_disk_while_drawing_the_loss_curve_is_one_line(uninterrupted, tmp_path, capsys,
                                                                monkeypatch):
-    """loss.png is written at each evaluation, before the checkpoint: a full disk there stops
-    the run with one line and keeps the last checkpoint."""
+    """loss.png is drawn after each evaluation's checkpoint: a full disk there stops the run
+    with one line, and the checkpoint just committed is whole."""
     run = tmp_path / "run"
     shutil.copytree(uninterrupted, run)
-    before = checkpoint_hashes(run)
 
     def no_space(path, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
@@ -304,4 +304,5 @@ def test_a_full_disk_while_drawing_the_loss_curve_is_one_line(uninterrupted, tmp
     assert code == 2 and "Traceback" not in stderr
     (error,) = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert f"cannot write {run / 'loss.png'}" in error and "No space left on device" in error
-    assert checkpoint_hashes(run) == before
+    assert load_train_state(run).iteration == MAX_ITERS + 1
+    load_model(run)

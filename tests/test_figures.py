@@ -14,9 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
 import pytest
 import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 from matplotlib.text import Text
 from matplotlib.transforms import Bbox
 
@@ -24,10 +27,15 @@ from glassgpt.experiments import (
     EXPERIMENTS,
     attention_maps,
     dropout,
+    kvheads,
     layernorm,
+    mlps,
     multihead,
+    norms,
     params,
     parity,
+    positions,
+    qknorm,
     residual,
     shapes,
     sharing,
@@ -146,6 +154,34 @@ def attention_pages(L: int, H: int, labels: list[str], layer: int | None = None,
     return [page_figure(weights, labels, page, title) for page in pages]
 
 
+def curve(start: float, end: float, points: int = 11) -> list[float]:
+    return [end + (start - end) * 0.6 ** i for i in range(points)]
+
+
+STEPS = list(range(0, 1001, 100))
+POSITION_NUMBERS = {"block_size": 64, "long_length": 128, **{
+    p: {"val_steps": STEPS, "val_curve": curve(4.2, 2.0 + 0.05 * i),
+        "long_loss_per_position": None if p == "learned" else curve(2.6, 2.0, 128)}
+    for i, p in enumerate(positions.VARIANTS)}}
+NORM_NUMBERS = {"seeds": [0, 1, 2], "counts": {
+    "layernorm": norms.count_operations(norms.ManualLayerNorm(8), 8),
+    "rmsnorm": norms.count_operations(norms.RMSNorm(8), 8)}, **{
+    n: {"val_steps": STEPS, "val_curves": [curve(4.2, 2.03 + 0.01 * s) for s in range(3)]}
+    for n in norms.VARIANTS}}
+MLP_NUMBERS = {a: {"val_steps": STEPS, "val_curves": [curve(4.2, 2.1), curve(4.1, 2.2)],
+                   "mlp_parameters": 18_432, "mlp_hidden": h}
+               for a, h in zip(mlps.VARIANTS, (192, 128, 192), strict=True)}
+KV_NUMBERS = {"kv_heads": [4, 2, 1], **{
+    str(kv): {"cache_bytes_per_token": 512 * kv, "tokens_per_second": 900.0 + kv,
+              "val_loss": 2.03 + 0.01 / kv} for kv in (4, 2, 1)}}
+QK_NUMBERS = {"lr": 0.03, **{
+    name: {"logit_steps": list(range(0, 1001, 25)),
+           "largest_logits": [0.1 + (561.0 if i == 0 else 13.0) * min(1.0, s / 300)
+                              for s in range(0, 1001, 25)],
+           "val_steps": STEPS, "val_curve": curve(4.2, 1.9 + 0.3 * (1 - i))}
+    for i, name in enumerate(qknorm.VARIANTS.values())}}
+
+
 # Every figure-drawing function, keyed by the experiment (or command) it belongs to.
 FIGURES: dict[str, dict[str, Callable[[], list[Figure]]]] = {
     "shapes": {
@@ -164,6 +200,11 @@ FIGURES: dict[str, dict[str, Callable[[], list[Figure]]]] = {
     "dropout": {"eval and train": lambda: [dropout.weights_figure(
         torch.stack([causal_weights(T=6), 2 * causal_weights(T=6, seed=1)]))]},
     "sharing": {"two stacks": lambda: [sharing.counts_figure(SHARING_NUMBERS)]},
+    "positions": {"three": lambda: [positions.positions_figure(POSITION_NUMBERS)]},
+    "norms": {"two norms": lambda: [norms.norms_figure(NORM_NUMBERS)]},
+    "mlps": {"three MLPs": lambda: [mlps.mlps_figure(MLP_NUMBERS)]},
+    "kvheads": {"4, 2, 1": lambda: [kvheads.kvheads_figure(KV_NUMBERS)]},
+    "qknorm": {"with and without": lambda: [qknorm.qknorm_figure(QK_NUMBERS)]},
     "attention": {
         "2 layers x 2 heads, 12 chars": lambda: attention_pages(2, 2, char_labels(12)),
         "cpu-small, 27 chars, one grid": lambda: attention_pages(4, 4, char_labels(27)),
@@ -179,7 +220,7 @@ FIGURES: dict[str, dict[str, Callable[[], list[Figure]]]] = {
 }
 CASES = [pytest.param(name, draw, id=f"{name}: {case}")
          for name, cases in FIGURES.items() for case, draw in cases.items()]
-ATTENTION_TITLES = {"query (looking)", "key (attended to)", "attention weight"}
+ATTENTION_TITLES = {"query (looking)", "key (attended to)"}
 
 
 @pytest.mark.parametrize(("name", "draw"), CASES)
@@ -196,7 +237,7 @@ def test_every_text_is_on_the_canvas_and_readable(name: str,
 def test_every_experiment_and_every_figure_function_is_covered() -> None:
     assert set(FIGURES) == {*EXPERIMENTS, "attention"}
     modules = [shapes, parity, multihead, layernorm, params, residual, dropout, sharing,
-               attention_maps]
+               positions, norms, mlps, kvheads, qknorm, attention_maps]
     figure_functions = {f"{module.__name__}.{name}" for module in modules
                         for name, function in inspect.getmembers(module, inspect.isfunction)
                         if function.__module__ == module.__name__
@@ -210,6 +251,11 @@ def test_every_experiment_and_every_figure_function_is_covered() -> None:
         "glassgpt.experiments.residual.loss_curves_figure",
         "glassgpt.experiments.dropout.weights_figure",
         "glassgpt.experiments.sharing.counts_figure",
+        "glassgpt.experiments.positions.positions_figure",
+        "glassgpt.experiments.norms.norms_figure",
+        "glassgpt.experiments.mlps.mlps_figure",
+        "glassgpt.experiments.kvheads.kvheads_figure",
+        "glassgpt.experiments.qknorm.qknorm_figure",
         "glassgpt.experiments.attention_maps.page_figure",
     }
 
@@ -228,6 +274,52 @@ def test_the_checker_sees_text_off_the_canvas_tiny_labels_and_a_bare_colour_bar(
     assert "'token0' and 'token1' overlap" in found
     assert "has no label" in found
     assert "without an axis title" in found
+
+
+def rendered(fig: Figure) -> np.ndarray:
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3]  # (height, width, 3)
+
+
+@pytest.mark.parametrize("draw", [
+    lambda w: shapes.head_weights_figure(w[None]),
+    lambda w: dropout.weights_figure(torch.stack([w, w])),
+    lambda w: multihead.head_maps_figure({1: w[None, None]}),
+    lambda w: attention_maps.page_figure(w[None, None], char_labels(6),
+                                         Page([(0, 0)], 1)),
+], ids=["shapes", "dropout", "multihead", "attention"])
+def test_masked_cells_are_hatched_never_the_colour_of_a_zero_weight(draw) -> None:
+    weights = torch.tril(torch.ones(6, 6))
+    weights[:, 0] = 0.0  # a real weight of 0 in every row, beside the masked future
+    weights = weights / weights.sum(-1, keepdim=True).clamp_min(1)
+    fig = draw(weights)
+    ax = next(ax for ax in fig.axes if ax.images)
+    image = ax.images[0]
+    assert image.get_array().mask[0, 5] and not image.get_array().mask[5, 0]
+    assert any(isinstance(p, Rectangle) and p.get_hatch() for p in ax.patches)
+    colorbar_labels = [a.get_ylabel() for a in fig.axes if a not in (ax,)]
+    assert any("hatched: masked" in label for label in colorbar_labels)
+    # On the canvas: the masked corner holds two colours (hatching), the zero weight one.
+    pixels = rendered(fig)
+    to_pixel = ax.transData.transform
+    height = pixels.shape[0]
+
+    def colours(row: int, col: int) -> int:
+        (x0, y0), (x1, y1) = to_pixel((col - 0.4, row - 0.4)), to_pixel((col + 0.4, row + 0.4))
+        xs, ys = sorted((int(x0), int(x1))), sorted((height - int(y0), height - int(y1)))
+        patch = pixels[ys[0]:ys[1], xs[0]:xs[1]].reshape(-1, 3)
+        return len({tuple(p) for p in patch})
+
+    assert colours(0, 5) >= 2 and colours(5, 0) == 1
+
+
+def test_the_multihead_panels_say_which_offset_each_head_looks_at() -> None:
+    T = 6
+    maps = {2: torch.stack([torch.eye(T).roll(o, dims=0).tril() for o in (1, 2)])[None]}
+    fig = multihead.head_maps_figure(maps)  # (sequences, H, T, T): head h looks h + 1 back
+    titles = [ax.get_title() for ax in fig.axes if ax.images]
+    assert titles == ["2 heads: head 0\nlooks 1 back", "2 heads: head 1\nlooks 2 back"]
 
 
 def test_layernorm_zero_bars_are_written_out() -> None:

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from glassgpt.config import GPTConfig
-from glassgpt.errors import InputError
+from glassgpt.errors import InputError, ModelError
 from glassgpt.generate import (
     generate,
     generate_stream,
@@ -334,3 +334,69 @@ def test_empty_or_flat_prompt_is_an_error(model):
 def test_prompt_token_outside_the_vocabulary_is_an_error(model):
     with pytest.raises(InputError, match=rf"token id {V} "):
         generate(model, torch.tensor([[1, V]]), max_new_tokens=3)
+
+
+# --- temperatures and nuclei below float32's range; damaged models (issue 19) ---------------
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-46, 1e-39])
+def test_a_temperature_too_small_for_float32_is_greedy(model, temperature):
+    """1e-46 is 0 in float32: dividing by it made NaN and torch's multinomial failed."""
+    idx = prompt(2, 3)
+    greedy = generate(model, idx, max_new_tokens=6, temperature=0.0)
+    assert torch.equal(generate(model, idx, max_new_tokens=6, temperature=temperature, seed=0),
+                       greedy)
+
+
+def test_a_top_p_too_small_for_float32_keeps_the_top_token(model):
+    """p = 1e-300 compares as 0 in float32, which dropped every token (NaN, then a crash)."""
+    logits = torch.tensor([[0.0, 5.0, 1.0]])
+    assert keep_top_p(logits, 1e-300).isinf().tolist() == [[True, False, True]]
+    idx = prompt(2, 3)
+    greedy = generate(model, idx, max_new_tokens=6, temperature=0.0)
+    assert torch.equal(generate(model, idx, max_new_tokens=6, top_p=1e-300, seed=0), greedy)
+
+
+def damaged(model: GPT, name: str, row: int) -> GPT:
+    """A copy of model whose parameter `name` holds NaN in one row."""
+    copy = GPT(model.config).eval()
+    copy.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        copy.get_parameter(name)[row] = float("nan")
+    return copy
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=0.0), dict(temperature=1.0, seed=0),
+                                      dict(top_k=3, top_p=0.5, seed=0)])
+@pytest.mark.parametrize("where", ["the prompt's step", "a later step"])
+def test_logits_that_are_not_finite_are_a_model_error(model, settings, where):
+    """Greedy returned tokens from NaN logits and sampling raised torch's RuntimeError. A NaN
+    in position 6's embedding appears only at a later step, which is checked at the end."""
+    broken = damaged(model, "tok_emb.weight", 0) if where == "the prompt's step" else \
+        damaged(model, "pos_emb.weight", 6)
+    with pytest.raises(ModelError, match="the model's logits are not finite"):
+        generate(broken, prompt(2, 3), max_new_tokens=6, **settings)
+    with pytest.raises(ModelError, match="not finite"):
+        sample_next_token(torch.tensor([[0.0, float("nan")]]),
+                          **{k: v for k, v in settings.items() if k != "seed"})
+
+
+def test_a_stream_that_is_closed_early_never_raises_for_later_steps(model):
+    broken = damaged(model, "pos_emb.weight", 6)
+    stream = generate_stream(broken, prompt(1, 3), max_new_tokens=6, temperature=0.0)
+    assert next(stream).shape == (1, 1)
+    stream.close()  # the consumer stopped before position 6: nothing to report
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda m: generate(object(), prompt(1, 2)), ModelError,
+     "generate needs a glassgpt GPT model, got object"),
+    (lambda m: generate(nn.Linear(2, 2), prompt(1, 2)), ModelError, "got Linear"),
+    (lambda m: generate(m, [[1, 2]]), InputError, "must be a tensor of token ids"),
+    (lambda m: generate(m, prompt(1, 2), stop_token=V), InputError,
+     rf"stop_token {V} is outside the vocabulary \[0, {V}\)"),
+    (lambda m: next(generate_stream(m, prompt(1, 2), stop_token=10**6)), InputError,
+     "stop_token 1000000"),
+])
+def test_what_generate_cannot_use_is_refused_before_any_work(model, call, error, message):
+    with pytest.raises(error, match=message):
+        call(model)

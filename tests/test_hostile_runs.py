@@ -359,7 +359,7 @@ HF_ROWS = {
                                                    "n_layer=3; the files hold"),
     "vocab_size 1e30": (edit_hf_config(vocab_size=1e30), "vocab_size must be an integer"),
     "n_embd '32'": (edit_hf_config(n_embd="32"), "n_embd must be an integer, got '32'"),
-    "layer_norm_epsilon -1": (edit_hf_config(layer_norm_epsilon=-1), "ln_eps must be positive"),
+    "layer_norm_epsilon -1": (edit_hf_config(layer_norm_epsilon=-1), "norm_eps must be positive"),
     "tie_word_embeddings 'yes'": (edit_hf_config(tie_word_embeddings="yes"), "true or false"),
     "config.json nested 100,000 deep": (lambda hf: (hf / "config.json").write_text(DEEP),
                                         "nested too deeply"),

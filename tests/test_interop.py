@@ -42,7 +42,7 @@ HF_SHAPES = [
 GLASSGPT_SHAPES = [
     dict(vocab_size=97, block_size=16, n_layer=2, n_head=4, n_embd=32),
     dict(vocab_size=1001, block_size=10, n_layer=3, n_head=2, n_embd=40, activation="gelu",
-         ln_eps=1e-6, tie_weights=False),
+         norm_eps=1e-6, tie_weights=False),
     dict(vocab_size=65, block_size=12, n_layer=1, n_head=4, n_embd=16, activation="relu"),
 ]
 
@@ -144,7 +144,7 @@ def test_import_takes_hf_settings() -> None:
                            tie_word_embeddings=False)
     config = config_from_hf(hf_config)
     assert config == GPTConfig(vocab_size=1001, block_size=12, n_layer=3, n_head=6, n_embd=48,
-                               dropout=0.2, ln_eps=1e-6, activation="gelu_tanh",
+                               dropout=0.2, norm_eps=1e-6, activation="gelu_tanh",
                                tie_weights=False)
 
 
@@ -170,8 +170,8 @@ def test_differing_dropouts_import_when_one_is_chosen() -> None:
 
 
 def test_import_rejects_other_model_types() -> None:
-    with pytest.raises(ConfigError, match="llama"):
-        config_from_hf(SimpleNamespace(model_type="llama"))
+    with pytest.raises(ConfigError, match="mistral"):
+        config_from_hf(SimpleNamespace(model_type="mistral"))
 
 
 def test_import_rejects_a_damaged_weights_file(tmp_path) -> None:
@@ -187,7 +187,7 @@ def test_import_rejects_a_file_and_a_directory_without_a_model(tmp_path) -> None
     file.write_bytes(b"not a model")
     with pytest.raises(CheckpointError, match="is a file"):
         from_hf(file)
-    with pytest.raises(CheckpointError, match="cannot load a Hugging Face GPT-2"):
+    with pytest.raises(CheckpointError, match="cannot load a Hugging Face model"):
         from_hf(tmp_path)
 
 

@@ -22,11 +22,9 @@ from hypothesis import strategies as st
 
 from glassgpt.checkpoint import (
     TrainState,
-    capture_rng_state,
     load_model,
     load_train_state,
     read_run_config,
-    restore_rng_state,
     save_checkpoint,
     save_model,
 )
@@ -35,6 +33,7 @@ from glassgpt.errors import GlassGPTError
 from glassgpt.model import GPT
 from glassgpt.optim import adamw_state_shapes, load_adamw_state, make_optimizer
 from glassgpt.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
+from glassgpt.trainstate import capture_rng_state, restore_rng_state
 
 FAST = settings(max_examples=80, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -319,3 +318,21 @@ def test_any_sampling_settings_are_valid_or_our_error(values):
     from glassgpt.config import SamplingConfig
 
     returns_or_raises_our_error(lambda: SamplingConfig(**values))
+
+
+@FAST
+@given(temperature=st.one_of(st.just(0.0), st.floats(min_value=0.0, max_value=1e300,
+                                                     exclude_min=True)),
+       top_p=st.one_of(st.none(), st.floats(min_value=0.0, max_value=1.0, exclude_min=True)),
+       top_k=st.one_of(st.none(), st.integers(min_value=1, max_value=2**40)),
+       logits=st.lists(st.floats(min_value=-1e4, max_value=1e4), min_size=1, max_size=6))
+def test_any_valid_sampling_settings_pick_a_token(temperature, top_p, top_k, logits):
+    """Every setting SamplingConfig takes samples a token id from finite logits: a temperature
+    or nucleus below float32's range (1e-300) made NaN and crashed torch's multinomial."""
+    from glassgpt.generate import sample_next_token
+
+    row = torch.tensor([logits])  # (1, V)
+    token = sample_next_token(row, temperature, top_k, top_p, torch.Generator().manual_seed(0))
+    assert token.shape == (1, 1) and 0 <= int(token) < len(logits)
+    if temperature < 1e-38:  # greedy in effect (a huge one may tie the scaled logits instead)
+        assert row[0, int(token)] == row.max()

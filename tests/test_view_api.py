@@ -6,7 +6,10 @@ bad request gets a 4xx JSON with a one-line `error`, never a 500.
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import json
+import logging
 import socket
 from pathlib import Path
 
@@ -16,12 +19,26 @@ from starlette.testclient import TestClient
 
 from glassgpt.checkpoint import load_model
 from glassgpt.cli import build_parser, main
-from glassgpt.config import SamplingConfig
+from glassgpt.config import GPTConfig, SamplingConfig
+from glassgpt.data import PreparedData
 from glassgpt.generate import encode_prompt, stream_text
-from glassgpt.lens import attention_maps, next_token_top_k, parameter_counts
+from glassgpt.lens import (
+    attention_maps,
+    attention_scores,
+    head_steps,
+    lens_top_k,
+    next_token_top_k,
+    parameter_counts,
+    read_out,
+    sampling_distribution,
+    trace,
+)
 from glassgpt.metrics import read_metrics
-from glassgpt.model import count_parameters
-from glassgpt.view.inspector import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, RunView
+from glassgpt.model import GPT, count_parameters
+from glassgpt.tokenizers import CharTokenizer, train_tokenizer
+from glassgpt.view import bench
+from glassgpt.view.inspector import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, RunView, pooled
+from glassgpt.view.pieces import piece_text, readable_bytes
 from glassgpt.view.requests import MAX_BODY_BYTES
 from glassgpt.view.server import allowed_hosts_for, create_app, load_for_view
 
@@ -121,6 +138,145 @@ def test_attends_shows_one_token_in_every_layer_and_head(client, view):
     torch.testing.assert_close(weights, maps[:, :, 4, :5].double(), rtol=0, atol=5e-5)
 
 
+def test_inside_one_head_has_the_models_own_numbers(client, view):
+    body = {"prompt": PROMPT, "layer": 1, "head": 1, "position": 6}
+    answer = client.post("/api/head", json=body).json()
+    steps = {step["name"]: step for step in answer["steps"]}
+    assert list(steps) == ["residual", "normed", "q", "keys", "scores", "mask", "weights",
+                           "values", "mixed", "w_o", "contribution"]
+    idx = ids_of(view, PROMPT)
+    mine = head_steps(view.model, idx, 1, 1, 6)  # the library, from the module's weights
+    C, d = view.model.config.n_embd, mine.q.shape[0]
+    assert steps["residual"]["shape"] == [C] and steps["q"]["shape"] == [d]
+    assert steps["keys"]["shape"] == [7, d] and steps["w_o"]["shape"] == [d, C]
+    for name in ("residual", "normed", "q", "mixed", "contribution"):
+        torch.testing.assert_close(torch.tensor(steps[name]["values"]), getattr(mine, name),
+                                   rtol=0, atol=5e-5)
+    torch.testing.assert_close(torch.tensor(steps["keys"]["values"]), mine.keys[:7], rtol=0,
+                               atol=5e-5)
+    # The softmax row is the model's own attention map (its forward, not this computation).
+    maps = attention_maps(view.model, idx)[:, 0]  # (L, H, T, T)
+    torch.testing.assert_close(torch.tensor(steps["weights"]["values"]),
+                               maps[1, 1, 6, :7].float(), rtol=0, atol=5e-5)
+    assert steps["mask"]["values"] == [t <= 6 for t in range(len(PROMPT))]
+    for step in answer["steps"]:
+        assert step["source"]["file"] in ("attention.py", "block.py") and step["source"]["line"]
+    assert steps["scores"]["source"]["function"] == "explicit_attention"
+    assert answer["kv_head"] == 1 and answer["kv_heads"] == 2
+
+
+def test_scores_are_before_the_softmax_and_say_their_scale(client, view):
+    body = {"prompt": PROMPT, "layer": 0, "head": 1, "kind": "scores"}
+    answer = client.post("/api/attention", json=body).json()
+    seen = trace(view.model, ids_of(view, PROMPT))
+    scores = attention_scores(view.model, seen.residuals, 0)[0, 1]  # (T, T)
+    rows = answer["weights"][0]
+    for i, row in enumerate(rows):
+        torch.testing.assert_close(torch.tensor(row), scores[i, :i + 1], rtol=0, atol=5e-5)
+    flat = [v for row in rows for v in row]
+    assert answer["scale"] == {"min": min(flat), "max": max(flat)}
+    assert answer["kind"] == "scores" and answer["kv_heads"] == [1]
+    weights = client.post("/api/attention", json={**body, "kind": "weights"}).json()
+    assert weights["scale"] == {"min": 0.0, "max": 1.0}
+
+
+def test_the_overview_holds_every_layer_and_head(client, view):
+    answer = client.post("/api/overview", json={"prompt": PROMPT}).json()
+    maps = attention_maps(view.model, ids_of(view, PROMPT))[:, 0]  # (L, H, T, T)
+    assert answer["cells"] == len(PROMPT) and not answer["pooled"]
+    for layer in range(2):
+        for head in range(2):
+            for i, row in enumerate(answer["weights"][layer][head]):
+                torch.testing.assert_close(torch.tensor(row), maps[layer, head, i, :i + 1],
+                                           rtol=0, atol=5e-5)
+    # A long prompt's thumbnails average blocks of cells; each row still sums to 1.
+    long_maps = torch.softmax(torch.randn(2, 100, 100), -1).tril()
+    small = pooled(long_maps / long_maps.sum(-1, keepdim=True), 48)
+    assert small.shape == (2, 48, 48)
+    torch.testing.assert_close(small.sum(-1), torch.ones(2, 48))
+
+
+def test_ablation_is_a_model_whose_head_rows_of_w_o_were_zeroed_by_hand(client, view):
+    body = {"prompt": PROMPT, "k": 3, "heads": [[0, 1]]}
+    answer = client.post("/api/ablate", json=body).json()
+    assert answer["ablation"] == {"heads": [[0, 1]], "attention": [], "mlp": []}
+    intact = client.post("/api/predictions", json={"prompt": PROMPT, "k": 3}).json()
+    assert answer["intact"]["ids"] == intact["ids"]
+    by_hand = copy.deepcopy(view.model)
+    d = by_hand.config.n_embd // by_hand.config.n_head
+    with torch.no_grad():
+        by_hand.blocks[0].attn.proj.weight[:, d:2 * d] = 0.0  # head 1's inputs to W_O
+    idx = ids_of(view, PROMPT)
+    lens = lens_top_k(by_hand, trace(by_hand, idx).residuals, 3)  # (L + 1, 1, T, 3)
+    assert answer["ablated"]["ids"] == lens.ids[:, 0].tolist()
+    torch.testing.assert_close(torch.tensor(answer["ablated"]["probs"]), lens.probs[:, 0],
+                               rtol=0, atol=5e-5)
+    with torch.no_grad():
+        _, loss = by_hand(idx[:, :-1], idx[:, 1:])
+        _, intact_loss = view.model(idx[:, :-1], idx[:, 1:])
+    assert answer["ablated"]["loss"] == pytest.approx(loss.item(), abs=1e-5)
+    assert answer["intact"]["loss"] == pytest.approx(intact_loss.item(), abs=1e-5)
+    assert answer["ablated"]["probs"] != answer["intact"]["probs"]
+    # The view's model is left intact.
+    assert client.post("/api/predictions", json={"prompt": PROMPT, "k": 3}).json() == intact
+    both = client.post("/api/ablate", json={"prompt": PROMPT, "attention": [0, 1],
+                                            "mlp": [0, 1]}).json()
+    assert both["ablated"]["loss"] != both["intact"]["loss"]
+
+
+def test_the_next_token_bars_follow_temperature_and_top_k(client, view):
+    body = {"prompt": PROMPT, "k": 5, "temperature": 0.5, "top_k": 2}
+    answer = client.post("/api/predictions", json=body).json()
+    logits = read_out(view.model, trace(view.model, ids_of(view, PROMPT)).residuals[-1])[0]
+    drawn = sampling_distribution(logits, 0.5, 2)  # (T, V)
+    probs = torch.tensor(answer["sampling"]["probs"])  # (T, 5)
+    torch.testing.assert_close(probs, drawn.topk(5).values, rtol=0, atol=5e-5)
+    assert (probs[:, 2:] == 0).all() and torch.allclose(probs.sum(-1), torch.ones(len(PROMPT)))
+    greedy = client.post("/api/predictions", json={**body, "temperature": 0}).json()
+    assert all(row[0] == 1.0 for row in greedy["sampling"]["probs"])
+    assert [row[0] for row in greedy["sampling"]["ids"]] == [row[0] for row in greedy["ids"][-1]]
+    plain = client.post("/api/predictions", json={"prompt": PROMPT, "k": 5}).json()
+    torch.testing.assert_close(torch.tensor(plain["sampling"]["probs"]),
+                               torch.tensor(plain["probs"][-1]), rtol=0, atol=1e-4)
+
+
+def test_byte_level_pieces_are_readable_escapes_never_replacement_characters():
+    assert readable_bytes("é".encode()) == "é"
+    assert readable_bytes(b"\xe2\x82") == "<0xE2><0x82>"
+    assert readable_bytes(b"a\xe2\x82\xacb\xff") == "a€b<0xFF>"
+    text = "".join(f"naïve café € {i} ☃ 日本語\n" for i in range(40))
+    tokenizer = train_tokenizer("bpe", text, 300)
+    pieces = [piece_text(tokenizer, i) for i in range(tokenizer.vocab_size)]
+    assert not any("\ufffd" in piece for piece in pieces)
+    assert any(piece.startswith("<0xE") for piece in pieces)  # a lead byte on its own
+    for i, piece in enumerate(pieces):  # whole pieces are shown as the text they are
+        if "<0x" not in piece:
+            assert piece == tokenizer.decode([i])
+
+
+def test_a_modern_model_with_shared_kv_heads_is_seen_through_the_same_way():
+    tokenizer = CharTokenizer.from_text("abcdefgh ")
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=tokenizer.vocab_size, block_size=12, n_layer=2, n_head=4,
+                       n_embd=16, position="rope", norm="rmsnorm", activation="swiglu",
+                       n_kv_head=2, qk_norm=True, bias=False)
+    view = RunView(GPT(config), tokenizer)
+    prompt = "abc fed hag"
+    inside = view.head(prompt, layer=1, head=3, position=10)
+    assert (inside["kv_head"], inside["kv_heads"]) == (1, 2)  # heads 2 and 3 share K/V head 1
+    maps = attention_maps(view.model, ids_of(view, prompt))[:, 0]  # (L, H, T, T)
+    weights = next(s for s in inside["steps"] if s["name"] == "weights")["values"]
+    torch.testing.assert_close(torch.tensor(weights), maps[1, 3, 10], rtol=0, atol=5e-5)
+    assert view.attention(prompt, 0)["kv_heads"] == [0, 0, 1, 1]
+    assert view.card()["parameters"]["parts"]["norm"] == (2 * 2 + 1) * 16
+    ablated = view.ablate(prompt, heads=[[1, 2], [1, 3]])
+    assert ablated["ablated"]["loss"] != ablated["intact"]["loss"]
+
+
+def test_the_view_bench_imports_and_reads_its_text():
+    assert bench.shakespeare_text().startswith("First Citizen")
+
+
 def test_sample_streams_the_same_text_as_glassgpt_sample(client, view):
     settings = {"max_new_tokens": 12, "temperature": 0.8, "top_k": 5, "seed": 3}
     with client.stream("POST", "/api/sample", json={"prompt": PROMPT, **settings}) as answer:
@@ -144,7 +300,12 @@ def test_the_model_card_has_config_parameters_and_the_training_curve(client, vie
     assert [e[0] for e in card["training"]["eval"]] == [0, 3, 6]
     assert len(card["training"]["train"]) == 6 and card["training"]["iterations"] == 6
     assert card["training"]["settings"]["max_iters"] == 6
-    assert card["example_prompt"] == "To be, or not to"  # the first example that fits, cut
+    # The run's own validation text (its first line, cut at a word within the context).
+    val_text = view.tokenizer.decode(PreparedData(run_dir.parent / "data").splits["val"]
+                                     .tolist())
+    assert card["example_prompt"] and card["example_prompt"] in val_text
+    assert len(view.tokenizer.encode(card["example_prompt"])) <= 16
+    assert RunView(view.model, view.tokenizer).example_prompt() == "To be, or not to"
 
 
 # --- bad requests --------------------------------------------------------------------------
@@ -189,6 +350,28 @@ BAD_REQUESTS = {
     "unknown field, say a file path": ("/api/tokenize", {"prompt": "to", "path": "/etc/passwd"},
                                        400, "unknown field 'path'"),
     "not an object": ("/api/tokenize", ["to"], 400, "must be a JSON object, got list"),
+    "attention of an unknown kind": ("/api/attention", {"prompt": "to", "layer": 0,
+                                                        "kind": "logits"}, 400,
+                                     "kind must be one of weights, scores"),
+    "inside a head that does not exist": ("/api/head", {"prompt": "to", "layer": 0, "head": 2,
+                                                        "position": 0}, 400,
+                                          "head 2 does not exist"),
+    "inside at a position past the prompt": ("/api/head", {"prompt": "to", "layer": 0,
+                                                           "head": 0, "position": 2}, 400,
+                                             "position 2 does not exist"),
+    "ablate a layer that does not exist": ("/api/ablate", {"prompt": "to", "mlp": [2]}, 400,
+                                           "layer 2 does not exist"),
+    "ablate a head that is not a pair": ("/api/ablate", {"prompt": "to", "heads": [[0]]}, 400,
+                                         "each of heads must be [layer, head]"),
+    "ablate a layer given as text": ("/api/ablate", {"prompt": "to", "attention": ["0"]}, 400,
+                                     "a layer must be an integer"),
+    "ablate heads given as an object": ("/api/ablate", {"prompt": "to", "heads": {"0": 1}},
+                                        400, "heads must be a list"),
+    "negative temperature for the bars": ("/api/predictions", {"prompt": "to",
+                                                               "temperature": -0.5}, 400,
+                                          "temperature must be 0 or more"),
+    "top_k of zero for the bars": ("/api/predictions", {"prompt": "to", "top_k": 0}, 400,
+                                   "top_k must be at least 1"),
 }
 
 
@@ -233,15 +416,78 @@ def test_wrong_paths_and_methods_get_json_errors(client):
 def test_only_the_documented_endpoints_exist_and_none_takes_a_file(client):
     paths = {route.path for route in client.app.routes}
     assert paths == {"/", "/api/card", "/api/tokenize", "/api/predictions", "/api/attention",
-                     "/api/attends", "/api/sample", "/static"}
+                     "/api/overview", "/api/attends", "/api/head", "/api/ablate", "/api/sample",
+                     "/static"}
 
 
 def test_a_page_of_another_site_is_refused_by_its_host_name(client):
-    answer = client.get("/api/card", headers={"Host": "attacker.example:8000"})
-    assert answer.status_code == 400
-    assert answer.json()["error"].startswith("this server answers requests for")
-    for host in ("localhost:8000", "127.0.0.1", "[::1]:8000"):
+    for host in ("attacker.example:8000", "127.0.0.1:evil", "[::1]evil.example",
+                 "127.0.0.1:", "localhost:80:80", "[::1]:8o", ""):
+        answer = client.get("/api/card", headers={"Host": host})
+        assert answer.status_code == 400, host
+        assert answer.json()["error"].startswith("this server answers requests for")
+    for host in ("localhost:8000", "127.0.0.1", "[::1]:8000", "LOCALHOST"):
         assert client.get("/api/card", headers={"Host": host}).status_code == 200
+
+
+def test_a_post_from_another_sites_page_is_refused_by_its_origin(client):
+    body = {"prompt": PROMPT}
+    for origin in ("http://attacker.example", "null", "http://127.0.0.1:9999",
+                   "https://127.0.0.1", "http://127.0.0.1.evil.example"):
+        answer = client.post("/api/tokenize", json=body, headers={"Origin": origin})
+        assert answer.status_code == 403, origin
+        assert "from its own page only" in answer.json()["error"]
+    # The page's own requests name this server; tools that send no Origin are answered.
+    assert client.post("/api/tokenize", json=body,
+                       headers={"Origin": "http://127.0.0.1"}).status_code == 200
+    assert client.post("/api/tokenize", json=body).status_code == 200
+    assert client.get("/api/card", headers={"Origin": "http://attacker.example"}) \
+        .status_code == 200  # a GET changes nothing, and the browser keeps its answer
+
+
+def test_a_client_that_leaves_mid_request_logs_no_traceback(view, caplog):
+    app = create_app(view)
+    sent = []
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/api/tokenize",
+             "raw_path": b"/api/tokenize", "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(app(scope, receive, send))
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING]
+    assert sent[0]["status"] == 400
+
+
+def test_every_failure_inside_a_stream_becomes_an_error_event(client, view, monkeypatch,
+                                                              caplog):
+    def broken(prompt, sampling):
+        yield "a"
+        raise RuntimeError("the engine fell over\nin two lines")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(view, "sample", broken)
+        with caplog.at_level(logging.DEBUG, logger="glassgpt.view"), \
+                client.stream("POST", "/api/sample", json={"prompt": "to"}) as answer:
+            lines = list(answer.iter_lines())
+    events = [line[7:] for line in lines if line.startswith("event: ")]
+    assert events == ["token", "error"]
+    error = json.loads([line for line in lines if line.startswith("data: ")][-1][6:])["error"]
+    assert "RuntimeError: the engine fell over in two lines" in error
+    logged = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(logged) == 1 and "\n" not in logged[0].getMessage() and not logged[0].exc_info
+    # A temperature below float32's range: a stream that ends, never an empty one.
+    with client.stream("POST", "/api/sample", json={"prompt": "to", "temperature": 1e-300,
+                                                    "max_new_tokens": 3}) as answer:
+        names = [line[7:] for line in answer.iter_lines() if line.startswith("event: ")]
+    assert names and names[-1] in ("done", "error")
 
 
 @pytest.mark.parametrize("host, allowed", [("127.0.0.1", ("127.0.0.1", "localhost", "::1")),

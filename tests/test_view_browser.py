@@ -27,7 +27,7 @@ from glassgpt.checkpoint import load_model
 from glassgpt.cli import main
 from glassgpt.config import SamplingConfig
 from glassgpt.generate import encode_prompt, stream_text
-from glassgpt.lens import next_token_top_k
+from glassgpt.lens import Ablation, attention_maps, next_token_top_k, prompt_loss, trace
 
 PROMPT = "to be or not"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
@@ -171,7 +171,7 @@ def test_the_page_loads_with_the_model_card(page, model_and_tokenizer):
     assert "2 layers · 2 heads · width 16 · context 16 · char tokenizer" in summary
     parts = page.find_elements("css selector", "#params-table tr[data-part]")
     assert [p.get_attribute("data-part") for p in parts] == ["embeddings", "attention", "ffn",
-                                                             "layernorm"]
+                                                             "norm"]
     assert "best val loss" in text_of(page, "best-val")
     assert page.find_elements("css selector", "#curve svg polyline")
 
@@ -193,7 +193,9 @@ def test_an_unknown_character_is_an_error_in_the_page(page):
     by_id(page, "prompt").send_keys("é")
     error = by_id(page, "prompt-error")
     wait_for(page, lambda d: error.is_displayed(), "the error line")
-    assert error.text == "1 character not in the tokenizer's vocabulary: 'é'"
+    assert error.text.startswith("1 character not in the tokenizer's vocabulary: 'é'")
+    # Nothing of the old prompt stays as if the rejected one had been read.
+    assert text_of(page, "prompt-status") == "" and chips(page) == []
     by_id(page, "prompt").send_keys(Keys.BACKSPACE)
     wait_for(page, lambda d: not error.is_displayed(), "the error to go away")
     wait_for(page, lambda d: len(chip_values(d, "title")) == len(PROMPT), "the chips again")
@@ -236,6 +238,109 @@ def test_the_page_reads_out_the_models_probabilities(page, model_and_tokenizer):
     assert values(page, "#next-tokens .tok")[0] == best
     lens_rows = values(page, "#lens-grid tbody th")
     assert lens_rows == ["layer 1 (output)", "layer 0", "embeddings", "actual next"]
+
+
+def test_the_page_names_its_panels(page):
+    text = page.find_element("tag name", "body").text
+    for name in ("Inside one head", "Ablation", "Every layer and head at once", "Head view"):
+        assert name in text
+
+
+def test_the_last_token_has_an_empty_next_cell_and_masked_cells_are_hatched(page):
+    actual = values(page, "#lens-grid tr.actual td")
+    assert actual[-1] == "" and actual[:3] == ["o", "␣", "b"]
+    # A masked (future) cell is hatched: two colours inside it; a weight's cell is one colour.
+    colours = page.execute_script("""
+        const canvas = document.querySelector('#attention canvas');
+        const {left, top, cell, tokens} = canvas.dataset;
+        const ratio = window.devicePixelRatio || 1, ctx = canvas.getContext('2d');
+        const count = (col, row) => {
+          const x = (+left + col * +cell) * ratio, y = (+top + row * +cell) * ratio;
+          const data = ctx.getImageData(x + 1, y + 1, +cell * ratio - 2, +cell * ratio - 2).data;
+          const seen = new Set();
+          for (let i = 0; i < data.length; i += 4) seen.add(data.slice(i, i + 3).join());
+          return seen.size;
+        };
+        return [count(+tokens - 1, 0), count(0, +tokens - 1)];""")
+    assert colours[0] >= 2 and colours[1] == 1
+
+
+def test_every_layer_and_head_at_once_opens_one_on_click(page):
+    thumbs = page.find_elements("css selector", "#overview canvas.thumb")
+    assert [(t.get_attribute("data-layer"), t.get_attribute("data-head")) for t in thumbs] == \
+        [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+    thumbs[2].click()  # layer 1, head 0
+    maps, inside = by_id(page, "attention"), by_id(page, "inside")
+    wait_for(page, lambda d: (maps.get_attribute("data-layer"), maps.get_attribute("data-head"))
+             == ("1", "0"), "layer 1 head 0 opened")
+    wait_for(page, lambda d: (inside.get_attribute("data-layer"),
+                              inside.get_attribute("data-head")) == ("1", "0"),
+             "inside layer 1 head 0")
+    lines = values(page, "#head-view svg line", "dataset.head")
+    assert set(lines) <= {"0", "1"} and lines
+    assert values(page, "#head-view-legend .swatch") == ["head 0", "head 1"]
+
+
+def test_inside_one_head_shows_the_models_numbers(page, model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    inside = by_id(page, "inside")
+    wait_for(page, lambda d: inside.get_attribute("data-position") == "4", "position 4 inside")
+    steps = values(page, "#inside .step", "dataset.step")
+    assert steps == ["residual", "normed", "q", "keys", "scores", "mask", "weights", "values",
+                     "mixed", "w_o", "contribution"]
+    maps = attention_maps(model, torch.tensor([tokenizer.encode(PROMPT)]))  # (L, 1, H, T, T)
+    shown = [float(v) for v in values(page, '#inside [data-step="weights"] td',
+                                      "dataset.value")]
+    torch.testing.assert_close(torch.tensor(shown), maps[1, 0, 0, 4, :5], rtol=0, atol=1e-4)
+    where = values(page, "#inside .where")
+    assert where[4].startswith("attention.py:") and "explicit_attention" in where[4]
+    assert where[1].startswith("block.py:")
+    mask = values(page, '#inside [data-step="mask"] td')
+    assert mask == ["sees"] * 5 + ["masked"] * (len(PROMPT) - 5)
+
+
+def test_the_scores_toggle_shows_the_maps_before_the_softmax(page):
+    from selenium.webdriver.support.ui import Select
+
+    Select(by_id(page, "attention-kind")).select_by_value("scores")
+    maps = by_id(page, "attention")
+    wait_for(page, lambda d: maps.get_attribute("data-kind") == "scores", "the scores")
+    Select(by_id(page, "attention-kind")).select_by_value("weights")
+    wait_for(page, lambda d: maps.get_attribute("data-kind") == "weights", "the weights again")
+
+
+def test_switching_heads_and_layers_off_changes_the_prediction(page, model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    idx = torch.tensor([tokenizer.encode(PROMPT)])
+    wait_for(page, lambda d: text_of(d, "ablation-status").startswith("everything on"),
+             "the intact ablation panel")
+    intact = values(page, "#ablation-next td.num", "dataset.value")  # intact | ablated
+    assert intact[0::2] == intact[1::2]
+    for selector in ('[data-kind="head"][data-layer="0"][data-head="1"]',
+                     '[data-kind="mlp"][data-layer="0"]', '[data-kind="mlp"][data-layer="1"]'):
+        page.find_element("css selector", f"#ablation-switches {selector}").click()
+    wait_for(page, lambda d: text_of(d, "ablation-status")
+             == "off: layer 0 head 1, layer 0 MLP, layer 1 MLP", "the ablated predictions")
+    ablation = Ablation(heads=[(0, 1)], mlp=[0, 1])
+    expected = prompt_loss(model, trace(model, idx, ablation), idx)
+    assert abs(float(text_of(page, "loss-ablated")) - expected) < 1e-4
+    assert text_of(page, "loss-ablated") != text_of(page, "loss-intact")
+    shown = values(page, "#ablation-next td.num", "dataset.value")
+    assert shown[0::2] == intact[0::2] and shown[1::2] != intact[1::2]
+    by_id(page, "ablation-reset").click()
+    wait_for(page, lambda d: text_of(d, "ablation-status").startswith("everything on"),
+             "everything on again")
+
+
+def test_temperature_reshapes_the_next_token_bars(page):
+    box = by_id(page, "dist-temperature")
+    box.clear()
+    box.send_keys("0")
+    wait_for(page, lambda d: "temperature 0" in text_of(d, "next-title"), "greedy bars")
+    assert values(page, "#next-tokens .prob")[0] == "1.000"
+    box.clear()
+    box.send_keys("1")
+    wait_for(page, lambda d: "temperature" not in text_of(d, "next-title"), "the model's bars")
 
 
 def test_a_sample_streams_into_the_page(page, model_and_tokenizer):

@@ -10,6 +10,12 @@ Notation used in every shape comment of this file:
 `PerHeadSelfAttention` is the textbook "one module per head, then concatenate" form; it exists so
 tests can prove that treating heads as a batch dimension changes nothing.
 Plain PyTorch only: the speed paths of decoding live beside the model, in `glassgpt.decoding`.
+
+The modern switches (docs/modern.md) are steps added to the same path, each off by default:
+  * grouped-query attention (`n_kv_heads` < H): qkv makes H query heads but only n_kv_heads
+    key/value heads, each serving H // n_kv_heads query heads (repeated just before attention);
+  * `qk_norm`: RMSNorm over the head width on q and k (Qwen3);
+  * `rotary`: q and k rotated by their positions (`glassgpt.rotary`).
 """
 
 from __future__ import annotations
@@ -25,8 +31,11 @@ from glassgpt.config import (
     check_choice,
     check_dropout,
     check_heads_divide_width,
+    check_kv_heads,
 )
 from glassgpt.errors import InputError
+from glassgpt.norms import RMSNorm
+from glassgpt.rotary import RotaryEmbedding
 
 
 class KVCache(nn.Module):
@@ -119,6 +128,49 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_cau
     return y.masked_fill(empty_rows, 0.0)
 
 
+def check_stream(x: object, d_model: int, weight: Tensor, what: str) -> None:
+    """Raise InputError unless x is a float tensor (B, T, C=d_model) in the weights' dtype
+    (under autocast any float dtype: autocast chooses the precision of each product)."""
+    if not isinstance(x, Tensor):
+        raise InputError(f"{what} takes a tensor (B, T, C={d_model}), got {type(x).__name__}")
+    if x.dim() != 3 or x.shape[-1] != d_model:
+        raise InputError(f"{what} takes x of shape (B, T, C={d_model}), got {tuple(x.shape)}")
+    if not x.dtype.is_floating_point:
+        raise InputError(f"{what} takes floating-point x, got dtype {x.dtype}")
+    if x.dtype != weight.dtype and not autocast_enabled(x.device.type):
+        raise InputError(f"{what}: x is {x.dtype} but its weights are {weight.dtype}; cast one "
+                         f"to the other (e.g. x.to({weight.dtype}))")
+
+
+def autocast_enabled(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # an older torch without the device argument
+        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+
+
+def positions_of(start_pos: int | Tensor | None, T: int, device: torch.device) -> Tensor:
+    """The absolute positions (T,) of T new tokens that follow `start_pos` cached ones.
+
+    A tensor start_pos already holds them (the CUDA engine's static step passes its position so).
+    """
+    if isinstance(start_pos, Tensor):
+        return start_pos
+    start = 0 if start_pos is None else start_pos
+    return torch.arange(start, start + T, device=device)
+
+
+def repeat_kv(x: Tensor, groups: int) -> Tensor:
+    """(B, H_kv, S, d) -> (B, H_kv * groups, S, d): query head h reads K/V head h // groups."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def check_head_mask(head_mask: Tensor, n_heads: int) -> None:
+    if head_mask.shape != (n_heads,):
+        raise InputError(f"head_mask must hold one multiplier per head, shape ({n_heads},), got "
+                         f"{tuple(head_mask.shape)}")
+
+
 class MultiHeadSelfAttention(nn.Module):
     """Multi-head self-attention: one `qkv` projection, heads as a batch dimension, one `proj`.
 
@@ -126,25 +178,40 @@ class MultiHeadSelfAttention(nn.Module):
     W_O; both copy 1:1 into `nn.MultiheadAttention` (`in_proj_*`, `out_proj`).
     `impl="fused"` uses scaled_dot_product_attention; the explicit path runs instead whenever
     attention weights are asked for (`return_attn=True`) or with `impl="explicit"`.
+    With `n_kv_heads` < n_heads, `qkv` is Linear(C, (H + 2 * n_kv_heads) * d) and its rows are
+    [Q (H * d), K (n_kv_heads * d), V (n_kv_heads * d)]; `qk_norm` adds `q_norm` and `k_norm`
+    (RMSNorm over d); `rotary` rotates q and k by their positions (with base `rope_theta`).
     """
 
     def __init__(self, d_model: int, n_heads: int, causal: bool = True, dropout: float = 0.0,
-                 bias: bool = True, impl: str = "fused"):
+                 bias: bool = True, impl: str = "fused", *, n_kv_heads: int | None = None,
+                 qk_norm: bool = False, rotary: bool = False, rope_theta: float = 10000.0,
+                 norm_eps: float = 1e-6):
         super().__init__()
         self.head_dim = check_heads_divide_width(d_model, n_heads)
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        check_kv_heads(n_heads, n_kv_heads)
         check_choice("attention impl", impl, ATTENTION_IMPLS)
         check_dropout(dropout)
         self.d_model, self.n_heads, self.causal, self.impl = d_model, n_heads, causal, impl
+        self.n_kv_heads = n_kv_heads
         self.dropout_p = dropout
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        kv_width = n_kv_heads * self.head_dim  # C when every head has its own K and V
+        self.qkv = nn.Linear(d_model, d_model + 2 * kv_width, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
         self.attn_dropout = nn.Dropout(dropout)  # on the attention weights
         self.resid_dropout = nn.Dropout(dropout)  # on the output, before it joins the residual
+        self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.rotary = RotaryEmbedding(self.head_dim, rope_theta) if rotary else None
         self.kv_cache: KVCache | None = None
 
     def to_torch_multihead(self) -> nn.MultiheadAttention:
         """An `nn.MultiheadAttention` (batch_first) computing the same: qkv -> in_proj, proj ->
         out_proj, copied 1:1 because both keep Q, K, V stacked in that order."""
+        if self.n_kv_heads != self.n_heads or self.q_norm is not None or self.rotary is not None:
+            raise InputError("nn.MultiheadAttention has no grouped K/V, QK-norm or rotary "
+                             "positions; only a classic attention module converts")
         bias = self.qkv.bias is not None
         weight = self.qkv.weight
         mha = nn.MultiheadAttention(self.d_model, self.n_heads, dropout=self.dropout_p,
@@ -159,29 +226,53 @@ class MultiHeadSelfAttention(nn.Module):
         return mha.train(self.training)
 
     def split_heads(self, x: Tensor) -> Tensor:
-        """(B, T, C) -> (B, H, T, d): each head becomes a batch entry of its own."""
+        """(B, T, n * d) -> (B, n, T, d): each head becomes a batch entry of its own."""
         B, T, _ = x.shape
-        return x.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        return x.view(B, T, -1, self.head_dim).transpose(1, 2)
 
     def forward(self, x: Tensor, pad_mask: Tensor | None = None, return_attn: bool = False,
-                start_pos: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                start_pos: int | Tensor | None = None,
+                head_mask: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """x (B, T, C) -> y (B, T, C), plus weights (B, H, T, S) when `return_attn`.
 
         `start_pos` (with a KV cache set up) means x holds positions start_pos.. of a sequence
         whose earlier keys and values are already cached. It is whatever the cache's `update`
         takes: an int for `KVCache` (the CUDA engine's static cache also takes a tensor).
+        `head_mask` (H,) multiplies each head's output before `proj`: zeros switch heads off.
         """
+        check_stream(x, self.d_model, self.qkv.weight, "attention")
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)  # 3 x (B, T, C)
-        q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)  # 3 x (B, H, T, d)
+        q, k, v = self.project(x, start_pos)  # (B, H, T, d), 2 x (B, H_kv, T, d)
         if start_pos is not None:
             if self.kv_cache is None:
                 raise InputError("start_pos given but no KV cache is set up on this module")
-            k, v = self.kv_cache.update(start_pos, k, v)  # 2 x (B, H, S, d)
+            k, v = self.kv_cache.update(start_pos, k, v)  # 2 x (B, H_kv, S, d)
+        groups = self.n_heads // self.n_kv_heads
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # 2 x (B, H, S, d)
         y, weights = self.attend(q, k, v, pad_mask, return_attn)  # (B, H, T, d)
+        if head_mask is not None:
+            check_head_mask(head_mask, self.n_heads)
+            y = y * head_mask.to(y.dtype).view(1, -1, 1, 1)  # (B, H, T, d), scaled per head
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, H, T, d) -> (B, T, C)
         y = self.resid_dropout(self.proj(y))
         return (y, weights) if return_attn else y
+
+    def project(self, x: Tensor,
+                start_pos: int | Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """x (B, T, C) -> q (B, H, T, d), k and v (B, H_kv, T, d): exactly the ones `forward`
+        attends with (after QK-norm and rotary), before the cache and the K/V repeat.
+
+        `start_pos` places x at positions start_pos.. (it matters only to rotary positions).
+        """
+        kv_width = self.n_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split([self.d_model, kv_width, kv_width], dim=2)  # (B, T, .)
+        q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)
+        if self.q_norm is not None:  # QK-norm: each head's q and k to unit RMS, times a gain
+            q, k = self.q_norm(q), self.k_norm(k)  # shapes unchanged
+        if self.rotary is not None:  # rotary: turn q and k by the angles of their positions
+            positions = positions_of(start_pos, x.shape[1], x.device)  # (T,)
+            q, k = self.rotary(q, positions), self.rotary(k, positions)  # shapes unchanged
+        return q, k, v
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, pad_mask: Tensor | None,
                return_attn: bool) -> tuple[Tensor, Tensor | None]:
@@ -235,6 +326,9 @@ class PerHeadSelfAttention(nn.Module):
     @classmethod
     def from_parallel(cls, attn: MultiHeadSelfAttention) -> PerHeadSelfAttention:
         """A per-head module holding exactly the weights of `attn`, sliced head by head."""
+        if attn.n_kv_heads != attn.n_heads or attn.q_norm is not None or attn.rotary is not None:
+            raise InputError("the per-head reference is the classic form: no grouped K/V, "
+                             "QK-norm or rotary positions")
         bias = attn.qkv.bias is not None
         ref = cls(attn.d_model, attn.n_heads, attn.causal, bias).to(attn.qkv.weight)
         C, d = attn.d_model, attn.head_dim

@@ -1,19 +1,15 @@
 """Run directories: everything needed to sample from a model or to resume its training exactly.
 
-A run directory holds
-    config.json               model config, training config, data directory, tokenizer kind
-    model.safetensors         weights of the last checkpoint (a tied matrix stored once)
-    best.safetensors          weights of the evaluation with the lowest val loss so far
-    tokenizer.json            the tokenizer the model was trained with
-    train_state.safetensors   optimizer tensors and RNG states          } only for runs that
-    train_state.json          iteration, best val loss, the rest        } can be resumed
-    metrics.jsonl, loss.png   written by the trainer
+What a run directory holds is glassgpt.layout's list (config.json, model.safetensors,
+best.safetensors, tokenizer.json, train_state.*, metrics.jsonl, loss.png). `Run` opens one
+once: its committed files resolved, config.json read and checked; it then hands out the
+tokenizer, the best or last weights and the training state.
 Tensors live in safetensors and everything else in JSON: loading a run never unpickles anything.
 Every file is read through glassgpt.files (no link followed, sizes and JSON bounded) and
 glassgpt.tensorfile (a safetensors header checked against config.json before any tensor is
 allocated); weights holding NaN or infinities are refused where they enter. How the files are
-committed, found while a commit is half done, and replaced is glassgpt.rundir's business:
-loading a run never changes it.
+committed, found while a commit is half done, and replaced is glassgpt.commit's and
+glassgpt.rundir's business: loading a run never changes it.
 """
 
 from __future__ import annotations
@@ -34,24 +30,20 @@ from glassgpt.config import GPTConfig, check_choice
 from glassgpt.devices import resolve_device
 from glassgpt.distributed import unwrap_model
 from glassgpt.errors import CheckpointError, ConfigError, TokenizerError
-from glassgpt.memory import gib, physical_memory
-from glassgpt.model import GPT
-from glassgpt.rundir import (
+from glassgpt.layout import (
     BEST_FILE,
+    CHECKPOINTS,
     CONFIG_FILE,
+    METRICS_FILE,
     MODEL_FILE,
+    RUN,
     STATE_JSON_FILE,
     STATE_TENSORS_FILE,
     TOKENIZER_FILE,
-    commit_files,
-    committed_paths,
 )
-
-# The file names stay importable from here, where callers have always found them.
-from glassgpt.rundir import CHECKPOINT_FILES as CHECKPOINT_FILES
-from glassgpt.rundir import JOURNAL_FILE as JOURNAL_FILE
-from glassgpt.rundir import PENDING_SUFFIX as PENDING_SUFFIX
-from glassgpt.rundir import recover_interrupted_commit as recover_interrupted_commit
+from glassgpt.memory import gib, physical_memory
+from glassgpt.model import GPT
+from glassgpt.rundir import commit_files, committed_paths
 from glassgpt.tensorfile import SafetensorsFile, check_each_shape, check_finite, check_float_dtypes
 from glassgpt.tokenizers import Tokenizer, tokenizer_from_json
 from glassgpt.trainstate import (
@@ -61,8 +53,6 @@ from glassgpt.trainstate import (
     join_train_state,
     split_train_state,
 )
-from glassgpt.trainstate import capture_rng_state as capture_rng_state
-from glassgpt.trainstate import restore_rng_state as restore_rng_state
 
 RUN_FORMAT = "glassgpt-run/1"
 CONFIG_KEYS = ("format", "model", "train", "data_dir", "tokenizer", "extra")
@@ -70,7 +60,6 @@ CONFIG_KEYS = ("format", "model", "train", "data_dir", "tokenizer", "extra")
 # is refused before it is read, so a hostile file cannot exhaust memory.
 MAX_JSON_BYTES = files.MAX_JSON_BYTES
 PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".pkl", ".bin")
-CHECKPOINTS = ("best", "last")  # which weights of a run to load
 
 
 # --- the model -----------------------------------------------------------------------------
@@ -240,78 +229,151 @@ def _refuse_pickles(run_dir: Path) -> None:
                               f"code); convert it to safetensors where you trust it")
 
 
-# --- public API ----------------------------------------------------------------------------
+# --- a run, opened once ---------------------------------------------------------------------
 
-def save_model(run_dir: str | Path, model: nn.Module, tokenizer: Tokenizer,
-               extra: dict | None = None) -> None:
-    """Write a run directory that `sample`, `eval` and `train --init-from` accept."""
-    model = unwrap_model(model)
-    config = run_config(model.config, tokenizer, extra=extra)
-    commit_files(run_dir, {CONFIG_FILE: _json_bytes(config),
-                           MODEL_FILE: _model_bytes(model),
-                           TOKENIZER_FILE: tokenizer.to_json().encode("utf-8")})
+class Run:
+    """A run directory, opened once: where its committed files are, and config.json read and
+    checked. Ask it for what the run holds; nothing is read twice, nothing is written.
+
+        run = Run(path)
+        model, tokenizer = run.load_model("cpu", checkpoint="best")
+        print(run.describe_weights("best"), run.data_dir)
+    """
+
+    def __init__(self, run_dir: str | Path):
+        self.dir = Path(run_dir)
+        self.paths = run_paths(self.dir)
+        path = self.paths[CONFIG_FILE]
+        self.config = _read_config(path)
+        self.model_config = _model_config(self.config, path)
+        self._tokenizer: Tokenizer | None = None
+
+    @property
+    def data_dir(self) -> Path | None:
+        """The data directory the run trained on, as its config.json records it."""
+        data_dir = self.config.get("data_dir")
+        return None if data_dir is None else Path(data_dir)
+
+    @property
+    def train_settings(self) -> dict[str, Any]:
+        return self.config.get("train") or {}
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """What the run recorded about how it was started (preset, init_from, ...)."""
+        return self.config.get("extra") or {}
+
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = _read_tokenizer(self.paths[TOKENIZER_FILE])
+        return self._tokenizer
+
+    def weights_file(self, checkpoint: str = "best") -> tuple[str, Path]:
+        """Which weights `checkpoint` ("best" or "last") names, and where they are: the best
+        ones when the run kept them (a trained run does from its first evaluation on), else the
+        last (a converted run has only those)."""
+        check_choice("checkpoint", checkpoint, CHECKPOINTS)
+        if checkpoint == "best" and files.entry_kind(self.paths[BEST_FILE]) != "missing":
+            return "best", self.paths[BEST_FILE]
+        return "last", self.paths[MODEL_FILE]
+
+    def describe_weights(self, checkpoint: str = "best") -> str:
+        """One line saying which weights `load_model(checkpoint=...)` takes, e.g.
+        "the best weights (val loss 1.4642 at iteration 1750)"."""
+        used, _ = self.weights_file(checkpoint)
+        state = self._state_summary()
+        if used == "best" and state.get("best_iteration") is not None:
+            return (f"the best weights (val loss {state['best_val_loss']:.4f} at iteration "
+                    f"{state['best_iteration']})")
+        if used == "best":
+            return "the best weights"
+        iteration = state.get("iteration")
+        where = f" (iteration {iteration})" if isinstance(iteration, int) else ""
+        fallback = " (the run kept no best ones)" if checkpoint == "best" else ""
+        return f"the last weights{where}{fallback}"
+
+    def _state_summary(self) -> dict[str, Any]:
+        """train_state.json's small fields when the run has them, for messages only."""
+        path = self.paths[STATE_JSON_FILE]
+        with contextlib.suppress(CheckpointError):
+            if files.entry_kind(path) != "missing":
+                state = files.read_json_object(path, CheckpointError, MAX_JSON_BYTES)
+                return {k: state.get(k) for k in ("iteration", "best_val_loss",
+                                                  "best_iteration", "threads")}
+        return {}
+
+    def load_model(self, device: str | torch.device = "cpu",
+                   checkpoint: str = "best") -> tuple[GPT, Tokenizer]:
+        """The run's model, in eval mode on `device`, and its tokenizer."""
+        target = resolve_device(str(device))
+        _, weights = self.weights_file(checkpoint)
+        tokenizer = self.tokenizer()
+        if tokenizer.vocab_size > self.model_config.vocab_size:
+            raise CheckpointError(f"{self.dir}: tokenizer has {tokenizer.vocab_size} tokens, "
+                                  f"more than the model's vocab_size="
+                                  f"{self.model_config.vocab_size}")
+        tensors = read_weights(weights, self.model_config)
+        model = GPT(self.model_config)
+        load_model_tensors(model, tensors, weights)
+        return model.to(target).eval(), tokenizer
+
+    def has_train_state(self) -> bool:
+        return _has_train_state(self.paths)
+
+    def train_state(self, optimizer_shapes: dict[str, tuple[int, ...]] | None = None
+                    ) -> TrainState:
+        """The training state, checked before anything is allocated. `optimizer_shapes`
+        (tensor name -> shape, e.g. `optimizer.0.exp_avg`) is what the optimizer that will
+        take it holds; given, the file must hold exactly those."""
+        if not self.has_train_state():
+            raise CheckpointError(f"{self.dir} has no training state ({STATE_JSON_FILE}, "
+                                  f"{STATE_TENSORS_FILE}); it can be sampled but not resumed "
+                                  f"(use `train --init-from {self.dir}` to fine-tune it)")
+        json_path = self.paths[STATE_JSON_FILE]
+        state_json = files.read_json_object(json_path, CheckpointError, MAX_JSON_BYTES)
+        unknown = sorted(set(state_json) - set(STATE_KEYS))
+        if unknown:
+            raise CheckpointError(f"{json_path}: unknown keys {unknown}")
+        if optimizer_shapes is not None and state_json.get("iteration") == 0:
+            optimizer_shapes = {}  # saved at step 0, before the optimizer's first step
+        with SafetensorsFile(self.paths[STATE_TENSORS_FILE], CheckpointError) as file:
+            check_state_header(file.header, optimizer_shapes, file.path)
+            check_fits_memory(file.nbytes, f"the training state in {file.path}")
+            tensors = file.read_all()
+        check_finite(tensors, file.path, CheckpointError)
+        try:
+            return join_train_state(state_json, tensors)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
+            raise CheckpointError(f"{json_path}: malformed training state ({error})") from None
 
 
-def weights_file(run_dir: str | Path, checkpoint: str = "best") -> tuple[str, Path]:
-    """Which weights `checkpoint` ("best" or "last") of a run names, and where they are: the
-    best ones when the run kept them (a trained run does from its first evaluation on), else
-    the last (a converted run has only those)."""
-    check_choice("checkpoint", checkpoint, CHECKPOINTS)
-    paths = run_paths(run_dir)
-    if checkpoint == "best" and files.entry_kind(paths[BEST_FILE]) != "missing":
-        return "best", paths[BEST_FILE]
-    return "last", paths[MODEL_FILE]
+def open_run(run: str | Path | Run) -> Run:
+    """`run` itself when it is an open Run, else the run directory at that path, opened."""
+    return run if isinstance(run, Run) else Run(run)
 
 
-def describe_weights(run_dir: str | Path, checkpoint: str = "best") -> str:
-    """One line saying which weights `load_model(run_dir, checkpoint=...)` takes, e.g.
-    "the best weights (val loss 1.4642 at iteration 1750)"."""
-    used, _ = weights_file(run_dir, checkpoint)
-    state = _state_summary(run_dir)
-    if used == "best" and state.get("best_iteration") is not None:
-        return (f"the best weights (val loss {state['best_val_loss']:.4f} at iteration "
-                f"{state['best_iteration']})")
-    if used == "best":
-        return "the best weights"
-    iteration = state.get("iteration")
-    where = f" (iteration {iteration})" if isinstance(iteration, int) else ""
-    fallback = " (the run kept no best ones)" if checkpoint == "best" else ""
-    return f"the last weights{where}{fallback}"
+# --- the same, one call each -------------------------------------------------------------------
+
+def weights_file(run_dir: str | Path | Run, checkpoint: str = "best") -> tuple[str, Path]:
+    return open_run(run_dir).weights_file(checkpoint)
 
 
-def _state_summary(run_dir: str | Path) -> dict[str, Any]:
-    """train_state.json's small fields when the run has them, for messages only."""
-    path = run_paths(run_dir)[STATE_JSON_FILE]
-    with contextlib.suppress(CheckpointError):
-        if files.entry_kind(path) != "missing":
-            state = files.read_json_object(path, CheckpointError, MAX_JSON_BYTES)
-            return {k: state.get(k) for k in ("iteration", "best_val_loss", "best_iteration")}
-    return {}
+def describe_weights(run_dir: str | Path | Run, checkpoint: str = "best") -> str:
+    return open_run(run_dir).describe_weights(checkpoint)
 
 
-def load_model(run_dir: str | Path, device: str | torch.device = "cpu",
+def load_model(run_dir: str | Path | Run, device: str | torch.device = "cpu",
                checkpoint: str = "best") -> tuple[GPT, Tokenizer]:
     """The model of a run directory, in eval mode on `device`, and its tokenizer.
 
     `checkpoint` "best" takes the weights of the run's best evaluation where it kept them
     (else the last), "last" the weights of its last checkpoint (`describe_weights` says which).
     """
-    target = resolve_device(str(device))
-    _, weights = weights_file(run_dir, checkpoint)
-    paths = run_paths(run_dir)
-    config = _model_config(_read_config(paths[CONFIG_FILE]), paths[CONFIG_FILE])
-    tokenizer = _read_tokenizer(paths[TOKENIZER_FILE])
-    if tokenizer.vocab_size > config.vocab_size:
-        raise CheckpointError(f"{run_dir}: tokenizer has {tokenizer.vocab_size} tokens, more "
-                              f"than the model's vocab_size={config.vocab_size}")
-    tensors = read_weights(weights, config)
-    model = GPT(config)
-    load_model_tensors(model, tensors, weights)
-    return model.to(target).eval(), tokenizer
+    return open_run(run_dir).load_model(device, checkpoint)
 
 
-def read_tokenizer(run_dir: str | Path) -> Tokenizer:
-    return _read_tokenizer(run_paths(run_dir)[TOKENIZER_FILE])
+def read_tokenizer(run_dir: str | Path | Run) -> Tokenizer:
+    return open_run(run_dir).tokenizer()
 
 
 def _read_tokenizer(path: Path) -> Tokenizer:
@@ -323,26 +385,6 @@ def _read_tokenizer(path: Path) -> Tokenizer:
         raise CheckpointError(str(error)) from None
 
 
-# --- training state ------------------------------------------------------------------------
-
-def save_checkpoint(run_dir: str | Path, model: nn.Module, tokenizer: Tokenizer,
-                    train_config: dict, data_dir: str | None, state: TrainState,
-                    best: bool = False) -> None:
-    """Commit weights, config, tokenizer and training state together (all or nothing); with
-    `best`, these weights are also the run's best (best.safetensors), in the same commit."""
-    model = unwrap_model(model)
-    config = run_config(model.config, tokenizer, train=train_config, data_dir=data_dir)
-    tensors, state_json = split_train_state(state)
-    weights = _model_bytes(model)
-    contents = {CONFIG_FILE: _json_bytes(config), MODEL_FILE: weights,
-                TOKENIZER_FILE: tokenizer.to_json().encode("utf-8"),
-                STATE_TENSORS_FILE: save_safetensors_bytes(tensors),
-                STATE_JSON_FILE: _json_bytes(state_json)}
-    if best:
-        contents[BEST_FILE] = weights
-    commit_files(run_dir, contents)
-
-
 def has_train_state(run_dir: str | Path) -> bool:
     return _has_train_state(committed_paths(run_dir))
 
@@ -352,32 +394,52 @@ def _has_train_state(paths: dict[str, Path]) -> bool:
                for name in (STATE_JSON_FILE, STATE_TENSORS_FILE))
 
 
-def load_train_state(run_dir: str | Path,
+def load_train_state(run_dir: str | Path | Run,
                      optimizer_shapes: dict[str, tuple[int, ...]] | None = None) -> TrainState:
-    """The training state of a run, checked before anything is allocated.
+    """The training state of a run (see `Run.train_state`)."""
+    return open_run(run_dir).train_state(optimizer_shapes)
 
-    `optimizer_shapes` (tensor name -> shape, e.g. `optimizer.0.exp_avg`) is what the
-    optimizer that will take the state holds; given, the file must hold exactly those.
+
+# --- writing -----------------------------------------------------------------------------------
+
+def save_model(run_dir: str | Path, model: nn.Module, tokenizer: Tokenizer,
+               extra: dict | None = None) -> None:
+    """Write a run directory that `sample`, `eval` and `train --init-from` accept."""
+    model = unwrap_model(model)
+    config = run_config(model.config, tokenizer, extra=extra)
+    commit_files(run_dir, {CONFIG_FILE: _json_bytes(config),
+                           MODEL_FILE: _model_bytes(model),
+                           TOKENIZER_FILE: tokenizer.to_json().encode("utf-8")})
+
+
+def save_checkpoint(run_dir: str | Path, model: nn.Module, tokenizer: Tokenizer,
+                    train_config: dict, data_dir: str | None, state: TrainState,
+                    best: bool = False, extra: dict | None = None,
+                    new_metrics: str | None = None) -> None:
+    """Commit weights, config, tokenizer and training state together (all or nothing); with
+    `best`, these weights are also the run's best (best.safetensors), in the same commit.
+
+    With `new_metrics` (the text of metrics.jsonl so far), this is a new run's first commit:
+    it writes metrics.jsonl afresh and removes every other own file of a run that was there
+    before, in the same commit. So `train --force` replaces the old run only once the new
+    one has a checkpoint: a crash before that leaves the old run whole.
     """
-    paths = run_paths(run_dir)
-    if not _has_train_state(paths):
-        raise CheckpointError(f"{run_dir} has no training state ({STATE_JSON_FILE}, "
-                              f"{STATE_TENSORS_FILE}); it can be sampled but not resumed "
-                              f"(use `train --init-from {run_dir}` to fine-tune it)")
-    json_path = paths[STATE_JSON_FILE]
-    state_json = files.read_json_object(json_path, CheckpointError, MAX_JSON_BYTES)
-    unknown = sorted(set(state_json) - set(STATE_KEYS))
-    if unknown:
-        raise CheckpointError(f"{json_path}: unknown keys {unknown}")
-    with SafetensorsFile(paths[STATE_TENSORS_FILE], CheckpointError) as file:
-        check_state_header(file.header, optimizer_shapes, file.path)
-        check_fits_memory(file.nbytes, f"the training state in {file.path}")
-        tensors = file.read_all()
-    check_finite(tensors, file.path, CheckpointError)
-    try:
-        return join_train_state(state_json, tensors)
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
-        raise CheckpointError(f"{json_path}: malformed training state ({error})") from None
+    model = unwrap_model(model)
+    config = run_config(model.config, tokenizer, train=train_config, data_dir=data_dir,
+                        extra=extra)
+    tensors, state_json = split_train_state(state)
+    weights = _model_bytes(model)
+    contents = {CONFIG_FILE: _json_bytes(config), MODEL_FILE: weights,
+                TOKENIZER_FILE: tokenizer.to_json().encode("utf-8"),
+                STATE_TENSORS_FILE: save_safetensors_bytes(tensors),
+                STATE_JSON_FILE: _json_bytes(state_json)}
+    if best:
+        contents[BEST_FILE] = weights
+    remove: tuple[str, ...] = ()
+    if new_metrics is not None:
+        contents[METRICS_FILE] = new_metrics.encode("utf-8")
+        remove = tuple(name for name in RUN.files if name not in contents)
+    commit_files(run_dir, contents, remove)
 
 
 # --- files ---------------------------------------------------------------------------------

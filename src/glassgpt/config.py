@@ -20,22 +20,50 @@ from typing import Any, TypeVar
 from glassgpt.errors import ConfigError, GlassGPTError, InputError
 
 PRESETS_PACKAGE = "glassgpt.presets"
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu")  # exact GELU, GPT-2's tanh GELU, ReLU
+# exact GELU, GPT-2's tanh GELU, ReLU, ReLU squared, and the gated SiLU MLP of Llama/Qwen3
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "relu2", "swiglu")
+POSITIONS = ("learned", "rope", "none")  # a learned table, rotary, or no positions (NoPE)
+NORMS = ("layernorm", "rmsnorm")
+MAX_WIDTH = 2**18  # widths beyond this make matrices no machine holds (GPT-3 is 12,288)
 ATTENTION_IMPLS = ("fused", "explicit")
 ENGINES = ("auto", "eager", "cpu", "cuda-graph")  # decoding engines (glassgpt.decoding)
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # training precision (autocast)
+OPTIMIZERS = ("adamw", "muon")  # glassgpt.optim
+SCHEDULES = ("cosine", "wsd")  # learning-rate decay after warmup (glassgpt.optim.lr_at)
 T = TypeVar("T")
+
+
+def check_size(name: str, value: object, largest: int = MAX_WIDTH) -> None:
+    """Raise ConfigError unless `value` is a positive int (not a bool) of at most `largest`."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ConfigError(f"{name} must be a positive integer, got {value!r:.80}")
+    if value <= 0:
+        raise ConfigError(f"{name} must be positive, got {value}")
+    if value > largest:
+        raise ConfigError(f"{name}={value} is too large (at most {largest:,})")
 
 
 def check_heads_divide_width(d_model: int, n_heads: int) -> int:
     """Return the head width d = d_model // n_heads, or raise if the heads do not split C evenly."""
+    for name, value in (("d_model", d_model), ("n_heads", n_heads)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"{name} must be a positive integer, got {value!r:.80}")
     if d_model <= 0 or n_heads <= 0:
         raise ConfigError(f"d_model and n_heads must be positive, got d_model={d_model}, "
                           f"n_heads={n_heads}")
     if d_model % n_heads != 0:
         raise ConfigError(f"d_model={d_model} is not divisible by n_heads={n_heads}: each head "
                           f"needs an equal slice of the width")
+    check_size("d_model", d_model)
     return d_model // n_heads
+
+
+def check_kv_heads(n_heads: int, n_kv_heads: int) -> None:
+    """Grouped-query attention: each of the n_kv_heads key/value heads serves an equal group."""
+    check_size("n_kv_head", n_kv_heads)
+    if n_heads % n_kv_heads != 0:
+        raise ConfigError(f"n_head={n_heads} is not divisible by n_kv_head={n_kv_heads}: each "
+                          f"key/value head must serve an equal group of query heads")
 
 
 def check_dropout(p: float) -> None:
@@ -62,8 +90,17 @@ class GPTConfig:
     activation: str = "gelu_tanh"
     pre_ln: bool = True
     tie_weights: bool = True  # LM head shares the token embedding matrix
-    ln_eps: float = 1e-5
+    norm_eps: float = 1e-5  # epsilon of every LayerNorm / RMSNorm (was `ln_eps`)
     attn_impl: str = "fused"
+    # The modern Transformer (docs/modern.md); the defaults above and below are GPT-2.
+    position: str = "learned"  # learned | rope | none
+    rope_theta: float = 10000.0  # base of the rotary angles
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    mlp_hidden: int | None = None  # hidden width of the MLP (None: 4C)
+    n_kv_head: int | None = None  # key/value heads (None: n_head; 1: multi-query)
+    qk_norm: bool = False  # RMSNorm over the head width on q and k (Qwen3)
+    logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    zero_init_proj: bool = False  # attn.proj and ffn.proj weights start at zero
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -71,22 +108,66 @@ class GPTConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         check_heads_divide_width(self.n_embd, self.n_head)
+        check_kv_heads(self.n_head, self.kv_heads)
         check_dropout(self.dropout)
-        if not self.ln_eps > 0:
-            raise ConfigError(f"ln_eps must be positive, got {self.ln_eps}")
+        for name in ("norm_eps", "rope_theta"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         check_choice("activation", self.activation, ACTIVATIONS)
         check_choice("attn_impl", self.attn_impl, ATTENTION_IMPLS)
+        check_choice("position", self.position, POSITIONS)
+        check_choice("norm", self.norm, NORMS)
+        if self.position == "rope" and self.head_dim % 2:
+            raise ConfigError(f"rotary positions turn pairs of features, so the head width "
+                              f"n_embd / n_head = {self.head_dim} must be even")
+        if self.mlp_hidden is not None:
+            check_size("mlp_hidden", self.mlp_hidden, 4 * MAX_WIDTH)
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise ConfigError(f"logit_softcap must be positive (or None), got "
+                              f"{self.logit_softcap}")
+        object.__setattr__(self, "_checked", True)  # from now on, every change is checked
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A field changed after construction is checked like a new config; a bad value is
+        refused and the old one kept (`cfg.n_layer = -3` is a ConfigError, not a broken model)."""
+        if not self.__dict__.get("_checked"):
+            object.__setattr__(self, name, value)
+            return
+        old = self.__dict__.get(name)
+        object.__setattr__(self, name, value)
+        try:
+            self.__post_init__()
+        except GlassGPTError:
+            object.__setattr__(self, name, old)
+            raise
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head, or n_head when it is None (classic multi-head)."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def hidden_width(self) -> int:
+        """The MLP's hidden width: mlp_hidden, or 4C when it is None."""
+        return 4 * self.n_embd if self.mlp_hidden is None else self.mlp_hidden
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> GPTConfig:
-        """Build from a plain dict (JSON, TOML); unknown keys are an error, never ignored."""
+        """Build from a plain dict (JSON, TOML); unknown keys are an error, never ignored.
+
+        The legacy key `ln_eps` (config.json of runs made before `norm_eps`) is read as
+        `norm_eps`."""
+        if isinstance(values, dict) and "ln_eps" in values:
+            if "norm_eps" in values:
+                raise ConfigError("give norm_eps or its old name ln_eps, not both")
+            values = {("norm_eps" if k == "ln_eps" else k): v for k, v in values.items()}
         return settings_from_dict(cls, values, "model config keys")
 
     @classmethod
@@ -108,7 +189,7 @@ class TrainConfig:
     batch_size: int = setting(12, "sequences per micro-batch, per rank")
     grad_accum: int = setting(1, "micro-batches per optimizer step")
     lr: float = setting(6e-4, "peak learning rate")
-    min_lr: float = setting(6e-5, "floor of the cosine decay")
+    min_lr: float = setting(6e-5, "floor of the lr decay (cosine or wsd)")
     warmup_iters: int = setting(100, "steps of linear warmup")
     lr_decay_iters: int = setting(0, "step where the cosine decay ends (0: max_iters)")
     decay_lr: bool = setting(True, "warmup and cosine decay (else a constant lr)")
@@ -126,6 +207,17 @@ class TrainConfig:
     seed: int = setting(1337, "seed of initialisation, batches and dropout")
     early_stop: int = setting(0, "stop after this many evaluations without a better val loss "
                               "(0: never)")
+    target_loss: float | None = setting(None, "stop at the first evaluation whose val loss is "
+                                        "at or below this (time to loss)")
+    optimizer: str = setting("adamw", "adamw, or muon: Muon for the hidden matrices, AdamW "
+                             "(lr, betas, weight_decay) for embeddings, head, norms and biases")
+    muon_lr: float = setting(0.02, "peak lr of the Muon matrices (the schedule scales it)")
+    muon_momentum: float = setting(0.95, "Muon's momentum (Nesterov)")
+    muon_weight_decay: float = setting(0.0, "Muon's decoupled weight decay")
+    schedule: str = setting("cosine", "decay after warmup: cosine, or wsd (constant lr, then "
+                            "linear to min_lr over the last decay_fraction)")
+    decay_fraction: float = setting(0.2, "wsd: the share of the steps after warmup spent "
+                                    "decaying")
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -134,7 +226,7 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip", "min_lr",
-                     "early_stop"):
+                     "early_stop", "seed"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:
@@ -143,6 +235,15 @@ class TrainConfig:
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         check_choice("dtype", self.dtype, DTYPES)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("schedule", self.schedule, SCHEDULES)
+        if not self.muon_lr > 0 or self.muon_weight_decay < 0:
+            raise ConfigError(f"muon_lr must be positive and muon_weight_decay >= 0, got "
+                              f"{self.muon_lr} and {self.muon_weight_decay}")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ConfigError(f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ConfigError(f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -205,14 +306,23 @@ def check_field_types(settings: Any, error: type[GlassGPTError] = ConfigError) -
         if value is None and optional == "None":
             continue
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value) if abs(value) <= INT64_MAX else value
+            try:
+                value = float(value)
+            except OverflowError:
+                raise error(f"{field.name}={_int_text(value)} is too large for a float (at "
+                            f"most about 1.8e308)") from None
             object.__setattr__(settings, field.name, value)  # works on frozen dataclasses too
         if not isinstance(value, expected) or (expected is not bool and isinstance(value, bool)):
             raise error(f"{field.name} must be {field.type}, got {value!r:.80}")
         if expected is int and abs(value) > INT64_MAX:
-            raise error(f"{field.name}={value:.3g} is too large (at most 2**63 - 1)")
+            raise error(f"{field.name}={_int_text(value)} is too large (at most 2**63 - 1)")
         if expected is float and not math.isfinite(value):
             raise error(f"{field.name} must be a finite number, got {value}")
+
+
+def _int_text(value: int) -> str:
+    """An int as digits, or its size when the digits would fill the line (or exceed str())."""
+    return str(value) if value.bit_length() <= 128 else f"<an integer of {value.bit_length()} bits>"
 
 
 def settings_from_dict(cls: type[T], values: Any, what: str) -> T:

@@ -15,15 +15,16 @@ import contextlib
 import os
 import statistics
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 import torch
 
 from glassgpt.errors import ConfigError
+from glassgpt.threadsetting import AUTO
+from glassgpt.threadsetting import parse_threads as parse_threads  # where callers found it
 
 T = TypeVar("T")
-AUTO = "auto"
 DEVICE_TYPES = ("cpu", "cuda", "mps")  # where glassgpt trains and samples
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 flags of bf16 matrix instructions in cpuinfo
 
@@ -132,21 +133,6 @@ def bf16_warning(device: torch.device) -> str | None:
 
 # --- threads ----------------------------------------------------------------------------------
 
-def parse_threads(value: str | int) -> int | str:
-    """`auto` or a positive thread count no larger than a few times the machine's cores."""
-    if value == AUTO:
-        return AUTO
-    try:
-        threads = int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"threads must be a positive integer or auto, got {value!r:.40}") \
-            from None
-    most = 4 * (os.cpu_count() or 1)  # beyond that, threads only thrash (or crash OpenMP)
-    if not 0 < threads <= most:
-        raise ConfigError(f"threads must be between 1 and {most} on this machine, got {threads}")
-    return threads
-
-
 def user_chose_threads() -> bool:
     """Whether OMP_NUM_THREADS is set: then `auto` keeps the count the user asked for."""
     return bool(os.environ.get("OMP_NUM_THREADS"))
@@ -247,11 +233,11 @@ def cpu_threads(count: int | None = None) -> str:
     return f"{count} CPU thread{'s' if count > 1 else ''}"
 
 
-def tuner_for(setting: int | str, device: torch.device) -> ThreadTuner | None:
-    """Apply a `--threads` setting on a CPU: a count is set now; `auto` gives a tuner that
-    times the caller's own steps. None where there is nothing to tune (a GPU, one core, a
-    user's OMP_NUM_THREADS)."""
-    if device.type != "cpu":
+def tuner_for(setting: int | str | None, device: torch.device) -> ThreadTuner | None:
+    """Apply a `threads` setting (glassgpt.threadsetting) on a CPU: a count is set now; `auto`
+    gives a tuner that times the caller's own steps. None where there is nothing to tune (a
+    GPU, one core, a user's OMP_NUM_THREADS, a setting of None)."""
+    if device.type != "cpu" or setting is None:
         return None
     if setting != AUTO:
         torch.set_num_threads(int(setting))
@@ -260,6 +246,20 @@ def tuner_for(setting: int | str, device: torch.device) -> ThreadTuner | None:
         return None
     tuner = ThreadTuner()
     return tuner if len(tuner.candidates) > 1 else None
+
+
+def settle_threads(setting: int | str | None, device: torch.device,
+                   step: Callable[[], object]) -> int:
+    """Apply a `threads` setting for an entry point that runs one piece of work rather than a
+    loop of steps (a picture, a page, an experiment): a count is set now; `auto` times `step`,
+    the entry point's own unit of work, once to warm up and then a few times at each candidate
+    count, and keeps the faster. Returns the count torch uses afterwards."""
+    tuner = tuner_for(setting, device)
+    if tuner is not None:
+        runs = 1 + tuner.probe_steps * len(tuner.candidates)  # a warm-up, then each count
+        for _ in tuner.tuned(step() for _ in range(runs)):
+            pass
+    return torch.get_num_threads()
 
 
 def timed(tuner: ThreadTuner | None) -> contextlib.AbstractContextManager:

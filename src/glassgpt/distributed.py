@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from glassgpt.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -39,16 +41,44 @@ def launched_by_torchrun() -> bool:
 
 def rank_from_env() -> int:
     """This process's rank, readable before the process group exists (0 without torchrun)."""
-    return int(os.environ.get("RANK", 0))
+    return _env_int("RANK", 0)
+
+
+def _env_int(name: str, default: int, low: int = 0) -> int:
+    """An integer torchrun put in the environment; a hand-set one that is not is one line."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r:.40} in the environment is not an integer "
+                          f"(torchrun sets it; unset it to train in one process)") from None
+    if value < low:
+        raise ConfigError(f"{name}={value} in the environment must be at least {low}")
+    return value
+
+
+def _torchrun_context() -> DistContext:
+    """The rank, local rank and world size torchrun set, checked before any process group."""
+    context = DistContext(rank=_env_int("RANK", 0), local_rank=_env_int("LOCAL_RANK", 0),
+                          world_size=_env_int("WORLD_SIZE", 1, low=1))
+    if context.rank >= context.world_size:
+        raise ConfigError(f"RANK={context.rank} in the environment is not below "
+                          f"WORLD_SIZE={context.world_size}")
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise ConfigError(f"RANK and WORLD_SIZE are set but {' and '.join(missing)} "
+                          f"{'is' if len(missing) == 1 else 'are'} not: launch with torchrun, "
+                          f"or unset them to train in one process")
+    return context
 
 
 def init_distributed(device_type: str) -> DistContext:
     """Join the process group torchrun set up (gloo on CPU, NCCL on CUDA); single otherwise."""
     if not launched_by_torchrun():
         return DistContext()
-    context = DistContext(rank=int(os.environ["RANK"]),
-                          local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-                          world_size=int(os.environ["WORLD_SIZE"]))
+    context = _torchrun_context()
     if not dist.is_initialized():
         if device_type == "cuda":
             torch.cuda.set_device(context.local_rank)

@@ -33,3 +33,8 @@ class CheckpointError(GlassGPTError):
 
 class CommandLineError(GlassGPTError):
     """A bad flag or argument on the command line."""
+
+
+class ModelError(GlassGPTError, ValueError):
+    """A model that cannot be used as asked: not a glassgpt model, or one whose numbers (weights,
+    logits) are NaN or infinite."""

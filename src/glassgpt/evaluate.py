@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from glassgpt.data import sequential_batches
-from glassgpt.devices import ThreadTuner, timed
+from glassgpt.devices import ThreadTuner, timed, tuner_for
 from glassgpt.errors import CheckpointError
 from glassgpt.model import GPT
 from glassgpt.tokenizers import Tokenizer
@@ -41,6 +41,7 @@ class Evaluation:
     tokens: int  # targets scored
     text_bytes: int  # UTF-8 bytes of the text those targets stand for
     whole_split: bool = True  # False when the bound on batches left windows out
+    threads: int | None = None  # the CPU threads the last batches ran with (None on a GPU)
 
     @property
     def perplexity(self) -> float:
@@ -55,12 +56,18 @@ class Evaluation:
 def evaluate(model: GPT, ids: np.ndarray, tokenizer: Tokenizer, batch_size: int,
              max_batches: int, device: torch.device | str = "cpu",
              tuner: ThreadTuner | None = None,
-             progress: Callable[[int, int], Any] | None = None) -> Evaluation:
+             progress: Callable[[int, int], Any] | None = None,
+             threads: int | str | None = None) -> Evaluation:
     """Score `model` on non-overlapping windows from the start of `ids` (at most
     batch_size * max_batches of them). A loss that is not a finite number (weights holding
     NaN, say) is a CheckpointError: it has no meaningful perplexity or bits per byte.
-    `tuner` times each batch to choose the CPU's thread count; `progress(windows done, windows
-    in all)` is called after each batch."""
+    `threads` (a count, "auto" or None) is the CPU's thread count: "auto" times the batches
+    and keeps the faster count (an older caller may pass its own `tuner` instead); the result
+    says which count ran. `progress(windows done, windows in all)` is called after each
+    batch."""
+    device = torch.device(device)
+    if tuner is None and threads is not None:
+        tuner = tuner_for(threads, device)
     byte_lengths = torch.tensor(tokenizer.token_byte_lengths(), dtype=torch.long,
                                 device=device)  # (V,)
     block_size = model.config.block_size
@@ -81,4 +88,5 @@ def evaluate(model: GPT, ids: np.ndarray, tokenizer: Tokenizer, batch_size: int,
     if not math.isfinite(loss) or loss > MAX_LOSS:
         raise CheckpointError(f"the model's loss is {loss}, not a usable number (do its weights "
                               f"hold NaN or inf?)")
-    return Evaluation(loss, tokens, text_bytes, whole)
+    used = torch.get_num_threads() if device.type == "cpu" else None
+    return Evaluation(loss, tokens, text_bytes, whole, used)

@@ -32,14 +32,15 @@ from pathlib import Path
 from typing import Any
 
 from glassgpt.errors import GlassGPTError
+from glassgpt.layout import LOCK_FILE
 
 MAX_JSON_BYTES = 64 * 2**20  # GPT-2's tokenizer.json, the largest JSON file a run holds, is 1.4 MB
 MAX_JSON_DEPTH = 32  # tokenizer.json nests 4 deep; anything far deeper is not a real file
 INT64_MAX = 2**63 - 1
 MAX_NAME_BYTES = 255  # the longest file name most file systems take
-LOCK_FILE = ".glassgpt.lock"
 _NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NON_BLOCK = getattr(os, "O_NONBLOCK", 0)
 
 ErrorType = type[GlassGPTError]
 
@@ -50,11 +51,13 @@ def open_regular_file(path: str | Path, error: ErrorType) -> int:
     """A read-only descriptor of `path`, which must be a regular file and not a symbolic link.
 
     The caller closes it. The check is made on the opened file (fstat), so nothing can swap the
-    file between the check and the read.
+    file between the check and the read. The file is opened without blocking (O_NONBLOCK), so a
+    FIFO planted where a file belongs is refused at once instead of waiting forever for a
+    writer; a regular file reads the same either way.
     """
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | _NO_FOLLOW | _CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | _NO_FOLLOW | _CLOEXEC | _NON_BLOCK)
     except FileNotFoundError:
         raise error(f"{path} is missing") from None
     except OSError as exc:
@@ -208,10 +211,12 @@ def open_new_file(path: str | Path) -> Any:
 def append_text(path: str | Path, text: str, error: ErrorType) -> None:
     """Append `text` to a regular file (created if missing); a link at `path` is an error."""
     path = Path(path)
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NO_FOLLOW | _CLOEXEC
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NO_FOLLOW | _CLOEXEC | _NON_BLOCK
     try:
         fd = os.open(path, flags, 0o666)
     except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a FIFO no process reads
+            raise error(f"{path} is not a regular file") from None
         raise error(_describe_os_error(path, exc)) from None
     with os.fdopen(fd, "a", encoding="utf-8") as file:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -337,18 +342,24 @@ def locked_directory(directory: str | Path, error: ErrorType) -> Iterator[None]:
     system's (flock), so it goes away with its process, even after kill -9.
     """
     lock_path = Path(directory) / LOCK_FILE
-    flags = os.O_RDWR | os.O_CREAT | _NO_FOLLOW | _CLOEXEC
+    flags = os.O_RDWR | os.O_CREAT | _NO_FOLLOW | _CLOEXEC | _NON_BLOCK
     try:
         fd = os.open(lock_path, flags, 0o666)
     except OSError as exc:
         raise error(_describe_os_error(lock_path, exc)) from None
     try:
+        _check_regular(fd, lock_path, error)
         _take_lock(fd, directory, error)
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode("ascii"), 0)
         yield
     finally:
         os.close(fd)  # closing releases the lock
+
+
+def _check_regular(fd: int, path: Path, error: ErrorType) -> None:
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise error(f"{path} is not a regular file")
 
 
 def _take_lock(fd: int, directory: str | Path, error: ErrorType) -> None:
@@ -369,12 +380,13 @@ def check_unlocked(directory: str | Path, error: ErrorType) -> None:
     """
     lock_path = Path(directory) / LOCK_FILE
     try:
-        fd = os.open(lock_path, os.O_RDONLY | _NO_FOLLOW | _CLOEXEC)
+        fd = os.open(lock_path, os.O_RDONLY | _NO_FOLLOW | _CLOEXEC | _NON_BLOCK)
     except (FileNotFoundError, NotADirectoryError):
         return
     except OSError as exc:
         raise error(_describe_os_error(lock_path, exc)) from None
     try:
+        _check_regular(fd, lock_path, error)
         _take_lock(fd, directory, error)
         fcntl.flock(fd, fcntl.LOCK_UN)
     finally:

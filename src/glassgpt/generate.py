@@ -9,17 +9,17 @@ Shapes: B = batch, T = prompt length, V = vocabulary.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from glassgpt.config import SamplingConfig
 from glassgpt.decoding import EagerEngine, engine_for
-from glassgpt.devices import ThreadTuner
-from glassgpt.errors import InputError
-from glassgpt.model import check_token_ids
+from glassgpt.devices import ThreadTuner, tuner_for
+from glassgpt.errors import InputError, ModelError
+from glassgpt.model import check_token_ids, eval_mode
 from glassgpt.tokenizers import Tokenizer
 
 __all__ = ["SamplingConfig", "encode_prompt", "generate", "generate_stream", "keep_top_k",
@@ -40,15 +40,46 @@ def keep_top_p(logits: Tensor, p: float) -> Tensor:
     # A token is dropped when the tokens ranked above it already reach p; the top one never is.
     mass_before = torch.cumsum(probs, dim=-1) - probs
     drop_sorted = mass_before >= p
+    # Said and enforced: a p below float32's range compares as 0, which would drop every token.
+    drop_sorted[:, 0] = False
     drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
     return logits.masked_fill(drop, float("-inf"))
+
+
+# Below float32's smallest normal number a temperature is 0 to the division (or so near it that
+# every token but the best gets probability 0): such a temperature is greedy, its limit.
+GREEDY_BELOW = torch.finfo(torch.float32).tiny
+NOT_FINITE = ("the model's logits are not finite (NaN or infinite): its weights are damaged, "
+              "or overflowed in a low precision")
 
 
 def sample_next_token(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
                       top_p: float | None = None,
                       generator: torch.Generator | None = None) -> Tensor:
-    """Pick one token per row from logits (B, V); returns (B, 1). Temperature 0 is greedy."""
-    if temperature == 0:
+    """Pick one token per row from logits (B, V); returns (B, 1). Temperature 0 is greedy.
+
+    Raises ModelError if any logit is NaN or infinite (this reads one flag back to the host;
+    `generate_stream` checks its steps without that)."""
+    raise_unless_finite(logits)
+    return _pick(logits, temperature, top_k, top_p, generator)
+
+
+def raise_unless_finite(logits: Tensor) -> None:
+    if not bool(torch.isfinite(logits).all()):
+        raise ModelError(NOT_FINITE)
+
+
+def _finite_rows(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """logits (B, V) with each row holding a NaN or infinity set to zeros (so that sampling it
+    cannot fail), and whether every row was finite (a 0-dim tensor: nothing is read back)."""
+    finite = torch.isfinite(logits).all(dim=-1, keepdim=True)  # (B, 1)
+    return logits.masked_fill(~finite, 0.0), finite.all()
+
+
+def _pick(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None,
+          generator: torch.Generator | None) -> Tensor:
+    """`sample_next_token` without the check: (B, V) -> (B, 1), never a read-back."""
+    if temperature < GREEDY_BELOW:  # 0, or too small for float32 (see GREEDY_BELOW)
         return logits.argmax(dim=-1, keepdim=True)
     logits = logits.float()
     # Shift each row's best logit to 0 before dividing: a tiny temperature then sends the
@@ -127,11 +158,25 @@ def _settings(sampling: SamplingConfig | None, overrides: dict[str, Any]) -> Sam
     return dataclasses.replace(base, **overrides) if overrides else base
 
 
-def _check_prompt(model: Any, idx: Tensor) -> None:
+def _check_call(model: Any, idx: Tensor, cfg: SamplingConfig) -> None:
+    """The model, the prompt and the settings fit together (before any work is done)."""
+    # A GPT, or a module that decodes like one (its forward takes GPT's arguments).
+    config = getattr(model, "config", None)
+    if not isinstance(model, nn.Module) or not all(
+            isinstance(getattr(config, name, None), int) for name in ("vocab_size", "block_size")):
+        raise ModelError(f"generate needs a glassgpt GPT model, got {type(model).__name__} "
+                         f"{model!r:.40}")
+    if not isinstance(idx, Tensor):
+        raise InputError(f"a prompt must be a tensor of token ids (batch, time), got "
+                         f"{type(idx).__name__} {idx!r:.40}; e.g. torch.tensor([[1, 2, 3]])")
+    vocab_size = model.config.vocab_size
+    if cfg.stop_token is not None and cfg.stop_token >= vocab_size:
+        raise InputError(f"stop_token {cfg.stop_token} is outside the vocabulary "
+                         f"[0, {vocab_size}): the model can never produce it")
     if idx.dim() != 2 or idx.shape[1] == 0:
         raise InputError(f"a prompt must be (batch, time) with at least one token, "
                          f"got shape {tuple(idx.shape)}")
-    check_token_ids(idx, model.config.vocab_size)  # once, here: steps never read ids back
+    check_token_ids(idx, vocab_size)  # once, here: steps never read ids back
 
 
 @torch.no_grad()
@@ -144,35 +189,42 @@ def generate_stream(model: Any, idx: Tensor, sampling: SamplingConfig | None = N
     ends when every row has. `seed` makes sampling reproducible without touching the global
     random state. The prompt's ids are read back once to be checked; after that no step reads
     anything back to the host (on a GPU: no sync per token), except to end early on a stop token.
+    Logits that are NaN or infinite raise ModelError: the prompt's at once (one read-back), a
+    later step's when decoding ends (the steps keep a flag on the device; until then such a
+    step samples from a uniform row, so nothing fails half way).
     """
     cfg = _settings(sampling, settings)
-    _check_prompt(model, idx)
+    _check_call(model, idx, cfg)
     if cfg.max_new_tokens == 0:
         return
     generator = None
     if cfg.seed is not None:
         generator = torch.Generator(device=idx.device).manual_seed(cfg.seed)
-    was_training = model.training
-    model.eval()
-    engine = engine_for(model, cfg.engine, cfg.compiled)
-    decoder = _Decoder(engine, model.config.block_size, idx, cfg.max_new_tokens, cfg.use_cache)
-    finished = torch.zeros(idx.shape[0], 1, dtype=torch.bool, device=idx.device)
-    try:
-        logits = decoder.prefill()
-        for i in range(cfg.max_new_tokens):
-            token = sample_next_token(logits, cfg.temperature, cfg.top_k, cfg.top_p, generator)
-            if cfg.stop_token is not None:
-                token = token.masked_fill(finished, cfg.stop_token)
-                finished |= token == cfg.stop_token
-            yield token
-            # The one host sync per step, and only when a stop token can end decoding early.
-            if (cfg.stop_token is not None and bool(finished.all())) \
-                    or i == cfg.max_new_tokens - 1:
-                break
-            logits = decoder.step(token)
-    finally:
-        decoder.close()
-        model.train(was_training)
+    with eval_mode(model):
+        engine = engine_for(model, cfg.engine, cfg.compiled)
+        decoder = _Decoder(engine, model.config.block_size, idx, cfg.max_new_tokens, cfg.use_cache)
+        finished = torch.zeros(idx.shape[0], 1, dtype=torch.bool, device=idx.device)
+        try:
+            logits = decoder.prefill()
+            raise_unless_finite(logits)  # damaged weights show here, before the first token
+            all_finite = torch.ones((), dtype=torch.bool, device=idx.device)
+            for i in range(cfg.max_new_tokens):
+                logits, finite = _finite_rows(logits)
+                all_finite &= finite
+                token = _pick(logits, cfg.temperature, cfg.top_k, cfg.top_p, generator)
+                if cfg.stop_token is not None:
+                    token = token.masked_fill(finished, cfg.stop_token)
+                    finished |= token == cfg.stop_token
+                yield token
+                # The one host sync per step, and only when a stop token can end decoding early.
+                if (cfg.stop_token is not None and bool(finished.all())) \
+                        or i == cfg.max_new_tokens - 1:
+                    break
+                logits = decoder.step(token)
+            if not bool(all_finite):
+                raise ModelError(NOT_FINITE)
+        finally:
+            decoder.close()
 
 
 def generate(model: Any, idx: Tensor, sampling: SamplingConfig | None = None,
@@ -200,20 +252,46 @@ def encode_prompt(tokenizer: Tokenizer, text: str, block_size: int,
     return torch.tensor([ids[-block_size:]], device=device), len(ids)
 
 
+class TextStream(Iterator[str]):
+    """The pieces of text `stream_text` yields, read once, and `threads`: the CPU threads the
+    decoding runs with (with "auto", the count it settled on once its first steps are read).
+    Pass that count as `threads` to the next call to decode again without re-timing."""
+
+    def __init__(self, pieces: Generator[str, None, None], tuner: ThreadTuner | None):
+        self._pieces, self._tuner = pieces, tuner
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        """Stop decoding early (a reader that left), as a generator's close does."""
+        self._pieces.close()
+
+    @property
+    def threads(self) -> int:
+        return self._tuner.threads if self._tuner is not None else torch.get_num_threads()
+
+
 def stream_text(model: Any, tokenizer: Tokenizer, prompt: Tensor,
                 sampling: SamplingConfig | None = None, stop: str | None = None,
-                tuner: ThreadTuner | None = None, **settings: Any) -> Iterator[str]:
+                tuner: ThreadTuner | None = None, threads: int | str | None = None,
+                **settings: Any) -> TextStream:
     """The continuation of prompt (1, T) as text, piece by piece as tokens are sampled.
 
     With `stop`, the text ends just before `stop` first appears (and decoding ends there).
-    `tuner` times each decoding step to choose the CPU's thread count.
+    `threads` (a count, "auto" or None: glassgpt.threadsetting) is the CPU's thread count;
+    "auto" times the decoding steps and keeps the faster count (an older caller may pass its
+    own `tuner` instead). The stream's `threads` reports the count used.
     """
+    if tuner is None and threads is not None:
+        tuner = tuner_for(threads, prompt.device)
     tokens = generate_stream(model, prompt, sampling, **settings)
     pieces = decode_incrementally(tokenizer, tuner.tuned(tokens) if tuner else tokens)
-    return until_stop(pieces, stop) if stop else pieces
+    return TextStream(until_stop(pieces, stop) if stop else pieces, tuner)
 
 
-def decode_incrementally(tokenizer: Tokenizer, tokens: Iterable[Tensor]) -> Iterator[str]:
+def decode_incrementally(tokenizer: Tokenizer, tokens: Iterable[Tensor]
+                         ) -> Generator[str, None, None]:
     """Text of each new token (1, 1) as soon as it is whole: byte-level BPE can split one
     character over several tokens, so an unfinished UTF-8 sequence waits for its end."""
     pending: list[int] = []
@@ -227,7 +305,7 @@ def decode_incrementally(tokenizer: Tokenizer, tokens: Iterable[Tensor]) -> Iter
         yield tokenizer.decode(pending)
 
 
-def until_stop(pieces: Iterable[str], stop: str) -> Iterator[str]:
+def until_stop(pieces: Iterable[str], stop: str) -> Generator[str, None, None]:
     """Pass text through until `stop` appears; hold back a tail that may be its beginning."""
     pending = ""
     for piece in pieces:

@@ -3,8 +3,8 @@
 `transformers` would unpickle a `pytorch_model.bin` (even with weights_only, an attack surface),
 follow an index into another directory, and hand a 100,000-deep config.json to a recursive
 parser. So glassgpt reads these directories on its own:
-  * config.json as bounded JSON, each GPT-2 setting type-checked (a size is an integer, not the
-    string "32"; a flag is true or false);
+  * config.json as bounded JSON, each setting of its architecture (GPT-2, Llama, Qwen3)
+    type-checked (a size is an integer, not the string "32"; a flag is true or false);
   * weights from `.safetensors` files only: `model.safetensors`, or the files that
     `model.safetensors.index.json` names, which must be plain names inside the directory;
     a directory holding only pickles is refused by name, before anything is opened;
@@ -19,6 +19,7 @@ import contextlib
 import math
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +29,7 @@ from torch import Tensor
 
 from glassgpt import files
 from glassgpt.checkpoint import check_fits_memory
+from glassgpt.choices import INSTALL_HINT as INSTALL_HINT  # its home: no torch, for --help
 from glassgpt.errors import CheckpointError, ConfigError, GlassGPTError
 from glassgpt.tensorfile import SafetensorsFile, check_finite, check_float_dtypes
 from glassgpt.tokenizers import END_OF_TEXT
@@ -35,7 +37,6 @@ from glassgpt.tokenizers import END_OF_TEXT
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-INSTALL_HINT = "pip install 'glassgpt[hf]'"
 HF_CONFIG_FILE = "config.json"
 HF_WEIGHTS_FILE = "model.safetensors"
 HF_INDEX_FILE = "model.safetensors.index.json"
@@ -46,17 +47,48 @@ HUB_FILES = [HF_CONFIG_FILE, "*" + SAFETENSORS_SUFFIX, HF_INDEX_FILE, "tokenizer
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 MAX_WEIGHT_FILES = 10_000
 MAX_TOKENIZER_BYTES = 64 * 2**20
+UNUSED_TOKEN = "<|unused:{id}|>"  # the name of an id a model has beyond its tokenizer's
+PADDING_LIMIT = 4096  # ids named so; a wider gap is another model's tokenizer
 # Checkpoints written by older `transformers` hold the causal mask and its fill value as buffers.
 MASK_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
-# GPT2Config's defaults, for keys a config.json leaves out; and the aliases it accepts.
-HF_DEFAULTS: dict[str, Any] = {
-    "model_type": "gpt2", "vocab_size": 50257, "n_positions": 1024, "n_embd": 768,
-    "n_layer": 12, "n_head": 12, "n_inner": None, "activation_function": "gelu_new",
-    "resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1, "layer_norm_epsilon": 1e-5,
-    "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-    "add_cross_attention": False, "tie_word_embeddings": True}
-HF_ALIASES = {"hidden_size": "n_embd", "num_attention_heads": "n_head",
-              "num_hidden_layers": "n_layer", "max_position_embeddings": "n_positions"}
+# What each architecture's config.json may say: key -> (default, kind). The defaults are those
+# of transformers' config classes, for keys a config.json leaves out; "int?" is an integer or
+# null, "table?" a JSON object or null, "list?" a list or null.
+_ROPE_SETTINGS: dict[str, tuple[Any, str]] = {
+    "rope_theta": (10000.0, "float"), "rope_scaling": (None, "table?"),
+    "rope_parameters": (None, "table?"), "partial_rotary_factor": (1.0, "float")}
+HF_SETTINGS: dict[str, dict[str, tuple[Any, str]]] = {
+    "gpt2": {
+        "vocab_size": (50257, "int"), "n_positions": (1024, "int"), "n_embd": (768, "int"),
+        "n_layer": (12, "int"), "n_head": (12, "int"), "n_inner": (None, "int?"),
+        "activation_function": ("gelu_new", "str"), "resid_pdrop": (0.1, "float"),
+        "embd_pdrop": (0.1, "float"), "attn_pdrop": (0.1, "float"),
+        "layer_norm_epsilon": (1e-5, "float"), "scale_attn_weights": (True, "bool"),
+        "scale_attn_by_inverse_layer_idx": (False, "bool"),
+        "add_cross_attention": (False, "bool"), "tie_word_embeddings": (True, "bool")},
+    "llama": {
+        "vocab_size": (32000, "int"), "hidden_size": (4096, "int"),
+        "intermediate_size": (11008, "int"), "num_hidden_layers": (32, "int"),
+        "num_attention_heads": (32, "int"), "num_key_value_heads": (None, "int?"),
+        "head_dim": (None, "int?"), "hidden_act": ("silu", "str"),
+        "max_position_embeddings": (2048, "int"), "rms_norm_eps": (1e-6, "float"),
+        "tie_word_embeddings": (False, "bool"), "attention_bias": (False, "bool"),
+        "mlp_bias": (False, "bool"), "attention_dropout": (0.0, "float"),
+        "layer_types": (None, "list?"), **_ROPE_SETTINGS},
+    "qwen3": {
+        "vocab_size": (151936, "int"), "hidden_size": (4096, "int"),
+        "intermediate_size": (22016, "int"), "num_hidden_layers": (32, "int"),
+        "num_attention_heads": (32, "int"), "num_key_value_heads": (32, "int?"),
+        "head_dim": (128, "int?"), "hidden_act": ("silu", "str"),
+        "max_position_embeddings": (32768, "int"), "rms_norm_eps": (1e-6, "float"),
+        "tie_word_embeddings": (False, "bool"), "attention_bias": (False, "bool"),
+        "attention_dropout": (0.0, "float"), "use_sliding_window": (False, "bool"),
+        "layer_types": (None, "list?"),
+        **_ROPE_SETTINGS},
+}
+# Other names GPT2Config accepts for its settings.
+HF_ALIASES = {"gpt2": {"hidden_size": "n_embd", "num_attention_heads": "n_head",
+                       "num_hidden_layers": "n_layer", "max_position_embeddings": "n_positions"}}
 
 
 class MissingExtraError(GlassGPTError, ImportError):
@@ -89,27 +121,38 @@ class HFDirectory:
         return path  # a link or a non-file here is refused, with one line, when it is read
 
     def settings(self) -> SimpleNamespace:
-        """config.json, type-checked, with GPT2Config's defaults for what it leaves out."""
+        """config.json, type-checked, with its architecture's defaults for what it leaves out.
+
+        A model_type glassgpt does not know comes back alone (interop names it); a config.json
+        without one is GPT-2's, as GPT2Config reads it.
+        """
         path = self.path(HF_CONFIG_FILE)
         if path is None:
-            raise CheckpointError(f"cannot load a Hugging Face GPT-2 from {self.name}: it has "
+            raise CheckpointError(f"cannot load a Hugging Face model from {self.name}: it has "
                                   f"no {HF_CONFIG_FILE} (is it a save_pretrained directory?)")
         raw = files.read_json_object(path, CheckpointError)
-        for alias, key in HF_ALIASES.items():
+        model_type = raw.get("model_type", "gpt2")
+        _check_setting("model_type", model_type, "str", path)
+        if model_type not in HF_SETTINGS:
+            return SimpleNamespace(model_type=model_type)
+        for alias, key in HF_ALIASES.get(model_type, {}).items():
             if alias in raw and key not in raw:
                 raw[key] = raw[alias]
-        settings = {key: raw.get(key, default) for key, default in HF_DEFAULTS.items()}
-        for key, value in settings.items():
-            _check_setting(key, value, HF_DEFAULTS[key], path)
+        settings = {"model_type": model_type}
+        for key, (default, kind) in HF_SETTINGS[model_type].items():
+            settings[key] = raw.get(key, default)
+            _check_setting(key, settings[key], kind, path)
         return SimpleNamespace(**settings)
 
     @contextlib.contextmanager
-    def weights(self) -> Iterator[StoredWeights]:
-        """The weight files, open, their headers checked; nothing read yet."""
+    def weights(self, base_prefix: str = "transformer.",
+                skipped: tuple[str, ...] = MASK_BUFFER_SUFFIXES) -> Iterator[StoredWeights]:
+        """The weight files, open, their headers checked; nothing read yet. `base_prefix` and
+        `skipped` are the architecture's (see StoredWeights)."""
         with contextlib.ExitStack() as stack:
             opened = [stack.enter_context(SafetensorsFile(path, CheckpointError))
                       for path in self._weight_files()]
-            yield StoredWeights(opened, self.name)
+            yield StoredWeights(opened, self.name, base_prefix, skipped)
 
     def _weight_files(self) -> list[Path]:
         """model.safetensors, or the files its index names: only .safetensors files in this
@@ -126,7 +169,7 @@ class HFDirectory:
                                   f"({', '.join(pickles[:3])}); glassgpt never unpickles files "
                                   f"(they can run code): save the model with safetensors "
                                   f"(save_pretrained does by default) where you trust it")
-        raise CheckpointError(f"cannot load a Hugging Face GPT-2 from {self.name}: it has no "
+        raise CheckpointError(f"cannot load a Hugging Face model from {self.name}: it has no "
                               f"{HF_WEIGHTS_FILE}")
 
     def _indexed_file(self, name: str, index: Path) -> Path:
@@ -144,20 +187,24 @@ class HFDirectory:
 class StoredWeights:
     """The tensors of a directory's weight files, by HF name, before any is read.
 
-    A GPT2Model checkpoint (the hub's `gpt2`) stores names without the `transformer.` prefix;
-    it is added. Mask buffers of old checkpoints are skipped.
+    A checkpoint of the base model alone (GPT2Model, as the hub's `gpt2`; LlamaModel) stores
+    names without the prefix of the model inside the LM (`base_prefix`: `transformer.`,
+    `model.`); it is added. Buffers old checkpoints kept beside the weights (names ending in
+    one of `skipped`: GPT-2's mask, Llama's rotary frequencies) are not weights and are skipped.
     """
 
-    def __init__(self, opened: list[SafetensorsFile], source: str):
+    def __init__(self, opened: list[SafetensorsFile], source: str,
+                 base_prefix: str = "transformer.",
+                 skipped: tuple[str, ...] = MASK_BUFFER_SUFFIXES):
         self.source = source
         self._where: dict[str, tuple[SafetensorsFile, str]] = {}
         for file in opened:
             check_float_dtypes(file.header, file.path, CheckpointError)
             for stored in file.header:
-                if stored.endswith(MASK_BUFFER_SUFFIXES):
+                if stored.endswith(skipped):
                     continue
-                name = stored if stored.startswith(("transformer.", "lm_head.")) \
-                    else "transformer." + stored
+                name = stored if stored.startswith((base_prefix, "lm_head.")) \
+                    else base_prefix + stored
                 if name in self._where:
                     raise CheckpointError(f"tensor {stored} is stored twice "
                                           f"({self._where[name][0].path} and {file.path})")
@@ -191,21 +238,22 @@ def _indexed_names(index: Path) -> list[str]:
     return names
 
 
-def _check_setting(key: str, value: Any, default: Any, path: Path) -> None:
-    """One config.json value has the type GPT2Config gives it (a size is not "32", a flag is
+_KIND_NAMES = {"int": "an integer", "int?": "an integer or null", "float": "a number",
+               "bool": "true or false", "str": "a string", "table?": "a JSON object or null",
+               "list?": "a list or null"}
+
+
+def _check_setting(key: str, value: Any, kind: str, path: Path) -> None:
+    """One config.json value has the type transformers gives it (a size is not "32", a flag is
     not 1, a float is a number); ranges are GPTConfig's to check."""
-    if default is None:  # n_inner: an int or null
-        ok, kind = value is None or _is_int(value), "an integer or null"
-    elif isinstance(default, bool):
-        ok, kind = isinstance(value, bool), "true or false"
-    elif isinstance(default, int):
-        ok, kind = _is_int(value), "an integer"
-    elif isinstance(default, float):
-        ok, kind = _is_int(value) or isinstance(value, float), "a number"
-    else:
-        ok, kind = isinstance(value, str), "a string"
+    if value is None and kind.endswith("?"):
+        return
+    ok = {"int": _is_int, "int?": _is_int, "bool": lambda v: isinstance(v, bool),
+          "float": lambda v: _is_int(v) or isinstance(v, float),
+          "str": lambda v: isinstance(v, str), "table?": lambda v: isinstance(v, dict),
+          "list?": lambda v: isinstance(v, list)}[kind](value)
     if not ok:
-        raise ConfigError(f"{path}: {key} must be {kind}, got {value!r:.40}")
+        raise ConfigError(f"{path}: {key} must be {_KIND_NAMES[kind]}, got {value!r:.40}")
 
 
 def _is_int(value: Any) -> bool:
@@ -262,6 +310,27 @@ def load_hf_tokenizer(source: HFDirectory | str | os.PathLike[str]) -> Tokenizer
     return _byte_level_bpe(vocab, merges)
 
 
+def name_padding_ids(tokenizer: Tokenizer, vocab_size: int) -> int:
+    """Give a name to each id a model has beyond its tokenizer's, so that every id it can emit
+    decodes; returns how many were named.
+
+    Models pad their embedding past the tokenizer for speed (Qwen3: 151,936 rows for 151,669
+    tokens). Each extra id becomes a special token `<|unused:ID|>`: the model never learned to
+    emit those ids, and if it does the text says so. Only a padding's worth is named; a gap
+    wider than PADDING_LIMIT means another model's tokenizer, which the caller refuses.
+    """
+    start = tokenizer.get_vocab_size()
+    if not 0 < vocab_size - start <= PADDING_LIMIT:
+        return 0
+    tokens = [_tokenizers().AddedToken(UNUSED_TOKEN.format(id=i), special=True)
+              for i in range(start, vocab_size)]
+    tokenizer.add_special_tokens(tokens)
+    if tokenizer.token_to_id(UNUSED_TOKEN.format(id=vocab_size - 1)) != vocab_size - 1:
+        raise CheckpointError(f"cannot name the ids {start}..{vocab_size - 1} the tokenizer "
+                              f"lacks (one of its names is taken)")
+    return vocab_size - start
+
+
 def _byte_level_bpe(vocab_path: Path, merges_path: Path) -> Tokenizer:
     """GPT-2's tokenizer from its vocab.json and merges.txt, as transformers builds it."""
     tokenizers = _tokenizers()
@@ -313,7 +382,43 @@ def check_replaceable_export(out: Path, overwrite: bool) -> None:
                               f"a model_type); it is not replaced")
 
 
-def move_into_place(staging: Path, out: Path, replacing: bool) -> None:
+@contextlib.contextmanager
+def staged_directory(out: Path, replacing: bool = False) -> Iterator[Path]:
+    """A fresh directory beside `out` to write into; when the block ends well it becomes `out`
+    in one rename, and whatever goes wrong it is removed: `out` appears whole or not at all
+    (a full disk leaves nothing behind, not even an empty directory).
+
+    `out` must be missing or an empty directory, unless `replacing` (an earlier export, checked
+    by the caller): that one goes only once the new one is complete. OSError (a full disk, a
+    directory that appeared meanwhile) is raised as one CheckpointError naming `out`.
+    """
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    except OSError as error:
+        raise CheckpointError(f"cannot create {out} ({error})") from None
+    try:
+        yield staging
+        usual_permissions(staging)
+        fsync_tree(staging)
+        _move_into_place(staging, out, replacing)
+    except OSError as error:
+        raise CheckpointError(_nothing_written(out, error)) from None
+    except CheckpointError as error:  # a writer that named the disk's error in its own words
+        if isinstance(error.__context__, OSError):  # ... about a staging name the user never gave
+            raise CheckpointError(_nothing_written(out, error.__context__)) from None
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _nothing_written(out: Path, error: OSError) -> str:
+    """The disk's reason without the staging path it happened at (the user never named it)."""
+    reason = os.strerror(error.errno) if error.errno else str(error)
+    return f"cannot write {out} ({reason}); nothing was left there"
+
+
+def _move_into_place(staging: Path, out: Path, replacing: bool) -> None:
     """Rename the finished directory to `out`; an earlier export there goes only once the new
     one is complete, so a crash leaves one whole export."""
     if not replacing:
@@ -333,11 +438,14 @@ def usual_permissions(directory: Path) -> None:
     os.umask(umask)
     directory.chmod(0o777 & ~umask)
     for path in directory.iterdir():
-        path.chmod(0o666 & ~umask)
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~umask)
 
 
 def fsync_tree(directory: Path) -> None:
     for path in directory.iterdir():
+        if not path.is_file() or path.is_symlink():
+            continue
         with open(path, "rb") as f:
             os.fsync(f.fileno())
     fd = os.open(directory, os.O_RDONLY)

@@ -5,25 +5,45 @@ model's own read-out, the final LayerNorm and the tied LM head, as if the stack 
 Where the top tokens of those early read-outs start to agree with the model's final answer is
 where the layers have formed it.
 
+Two more ways in: `head_steps` walks one query token through one attention head with the
+model's own tensors (its residual input, the norm, q, the keys it sees, the scaled scores, the
+mask, the softmax, the value mix, the head's slice of W_O and what it adds to the residual
+stream), and `Ablation` switches heads, or a layer's attention or MLP, off for a forward pass,
+so one can see what each part contributes to the prediction.
+
 Everything here is plain torch on the public parts of `GPT` (`embed`, `blocks`, `ln_f`,
 `lm_head`); `glassgpt view` serves these results as JSON, and they work the same from Python.
 Notation: B = batch, T = positions, C = width, V = vocabulary, L = layers, H = heads,
-k = how many top tokens.
+d = head width, k = how many top tokens.
 """
 
 from __future__ import annotations
 
+import inspect
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from glassgpt.attention import MultiHeadSelfAttention
-from glassgpt.block import FeedForward
+from glassgpt import attention as attention_module
+from glassgpt import block as block_module
+from glassgpt.attention import (
+    MultiHeadSelfAttention,
+    build_attention_mask,
+    masked_softmax,
+    repeat_kv,
+)
+from glassgpt.block import TransformerBlock
 from glassgpt.errors import InputError
-from glassgpt.model import GPT, count_parameters
+from glassgpt.generate import GREEDY_BELOW, keep_top_k, keep_top_p
+from glassgpt.model import GPT, count_parameters, eval_mode
 
-PARAMETER_PARTS = ("embeddings", "attention", "ffn", "layernorm", "lm_head")
+PARAMETER_PARTS = ("embeddings", "attention", "ffn", "norm", "lm_head")
 
 
 @dataclass(frozen=True)
@@ -45,22 +65,93 @@ class Trace:
     attention: Tensor  # (L, B, H, T, T): queries down, keys across; rows sum to 1
 
 
-@torch.no_grad()
-def trace(model: GPT, idx: Tensor) -> Trace:
-    """Run `model` on idx (B, T) in eval mode (no dropout), keeping what each layer made."""
-    model.check_tokens(idx)
-    was_training = model.training
-    model.eval()
+@dataclass(frozen=True)
+class Ablation:
+    """Parts of the model switched off for a forward pass.
+
+    `heads`: (layer, head) pairs whose output is zeroed before W_O mixes the heads (what the
+    head would add to the residual stream is gone; W_O's bias, shared by all heads, stays).
+    `attention`, `mlp`: layers whose whole attention or MLP output is zeroed, so the residual
+    stream passes that sub-layer unchanged (Pre-LN; a Post-LN block still normalises it).
+    """
+
+    heads: frozenset[tuple[int, int]] = frozenset()
+    attention: frozenset[int] = frozenset()
+    mlp: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        # Any iterables in, sets kept: the same switches given in any order are one ablation.
+        object.__setattr__(self, "heads", frozenset((int(l), int(h)) for l, h in self.heads))
+        object.__setattr__(self, "attention", frozenset(int(l) for l in self.attention))
+        object.__setattr__(self, "mlp", frozenset(int(l) for l in self.mlp))
+
+    def __bool__(self) -> bool:
+        return bool(self.heads or self.attention or self.mlp)
+
+    def check(self, model: GPT) -> None:
+        """InputError naming the first layer or head that `model` does not have."""
+        L, H = model.config.n_layer, model.config.n_head
+        for layer in sorted({l for l, _ in self.heads} | self.attention | self.mlp):
+            if not 0 <= layer < L:
+                raise InputError(f"layer {layer} does not exist: the model has layers 0..{L - 1}")
+        for layer, head in sorted(self.heads):
+            if not 0 <= head < H:
+                raise InputError(f"head {head} of layer {layer} does not exist: the model has "
+                                 f"heads 0..{H - 1}")
+
+    def head_mask(self, n_layer: int, n_head: int) -> Tensor | None:
+        """(L, H) of 1.0 (kept) and 0.0 (off), what `GPT.layers` multiplies each head's output
+        by before W_O; None when no head is off."""
+        if not self.heads:
+            return None
+        mask = torch.ones(n_layer, n_head)
+        for layer, head in self.heads:
+            mask[layer, head] = 0.0
+        return mask
+
+
+def _zero_output(module: nn.Module, args: tuple, output: Tensor | tuple) -> Tensor | tuple:
+    """A forward hook that replaces a sub-layer's output (or the first of its outputs) by 0."""
+    if isinstance(output, tuple):
+        return (torch.zeros_like(output[0]), *output[1:])
+    return torch.zeros_like(output)
+
+
+@contextmanager
+def layers_switched_off(model: GPT, ablation: Ablation | None) -> Iterator[GPT]:
+    """`model` with the whole attention or MLP of the layers `ablation` names returning zeros
+    inside the `with` block (forward hooks), intact again after it, even on an error. The
+    weights are never changed. Heads are switched off by `GPT.layers`'s own `head_mask`."""
+    handles = []
     try:
-        positions = torch.arange(idx.shape[1], device=idx.device)  # (T,)
-        x = model.embed(idx, positions)  # (B, T, C)
-        residuals, maps = [x], []
-        for block in model.blocks:
-            x, weights = block(x, return_attn=True)  # (B, T, C), (B, H, T, T)
-            residuals.append(x)
-            maps.append(weights)
+        for layer, block in enumerate(model.blocks):
+            if ablation and layer in ablation.attention:
+                handles.append(block.attn.register_forward_hook(_zero_output))
+            if ablation and layer in ablation.mlp:
+                handles.append(block.ffn.register_forward_hook(_zero_output))
+        yield model
     finally:
-        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def trace(model: GPT, idx: Tensor, ablation: Ablation | None = None) -> Trace:
+    """Run `model` on idx (B, T) in eval mode (no dropout), keeping what each layer made;
+    with `ablation`, with those parts switched off."""
+    head_mask = None
+    if ablation:
+        ablation.check(model)
+        head_mask = ablation.head_mask(model.config.n_layer, model.config.n_head)
+        if head_mask is not None:
+            head_mask = head_mask.to(model.lm_head.weight)
+    residuals, maps = [], []
+    with eval_mode(model), layers_switched_off(model, ablation):
+        layers = model.layers(idx, return_attn=True, head_mask=head_mask)
+        for depth, x, weights in layers:  # (B, T, C), (B, H, T, T)
+            residuals.append(x)  # depth 0: the embeddings, then after each block
+            if depth > 0:
+                maps.append(weights)
     return Trace(torch.stack(residuals), torch.stack(maps))
 
 
@@ -73,7 +164,7 @@ def attention_maps(model: GPT, idx: Tensor) -> Tensor:
 def read_out(model: GPT, x: Tensor) -> Tensor:
     """Residual stream x (..., C) -> logits (..., V) through the model's final LayerNorm and
     LM head: what the model would predict if its stack ended at x."""
-    return model.lm_head(model.ln_f(x))
+    return model.read_out(x)  # ln_f, lm_head and the logit soft-cap, as the model's forward
 
 
 def logit_lens(model: GPT, idx: Tensor) -> Tensor:
@@ -98,12 +189,8 @@ def top_k_probabilities(logits: Tensor, k: int) -> TopK:
 def next_token_top_k(model: GPT, idx: Tensor, k: int) -> TopK:
     """The model's k most likely next tokens at every position of idx (B, T): (B, T, k)."""
     model.check_tokens(idx)
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         logits, _ = model(idx)  # (B, T, V)
-    finally:
-        model.train(was_training)
     return top_k_probabilities(logits, k)
 
 
@@ -121,9 +208,185 @@ def logit_lens_top_k(model: GPT, idx: Tensor, k: int) -> TopK:
     return lens_top_k(model, trace(model, idx).residuals, k)
 
 
+# --- what sampling draws from, and the loss on the prompt ---------------------------------
+
+def sampling_distribution(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
+                          top_p: float | None = None) -> Tensor:
+    """The distribution `glassgpt sample` draws the next token from: logits (..., V) ->
+    probabilities (..., V), by the same steps (temperature, then top-k, then top-p). A
+    temperature of 0 (or below float32's range) is greedy: all the mass on the best token."""
+    if temperature < 0:
+        raise InputError(f"temperature must be 0 or more, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise InputError(f"top_k must be at least 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise InputError(f"top_p must be in (0, 1], got {top_p}")
+    shape = logits.shape
+    flat = logits.float().reshape(-1, shape[-1])  # (N, V): the filters work row by row
+    if temperature < GREEDY_BELOW:
+        best = flat.argmax(dim=-1, keepdim=True)  # (N, 1)
+        return torch.zeros_like(flat).scatter_(-1, best, 1.0).view(shape)
+    flat = (flat - flat.amax(dim=-1, keepdim=True)) / temperature
+    if top_k is not None:
+        flat = keep_top_k(flat, top_k)
+    if top_p is not None and top_p < 1.0:
+        flat = keep_top_p(flat, top_p)
+    return torch.softmax(flat, dim=-1).view(shape)
+
+
+@torch.no_grad()
+def prompt_loss(model: GPT, seen: Trace, idx: Tensor) -> float | None:
+    """Mean cross-entropy of predicting each next token of idx (B, T) from the trace's last
+    residual stream (the model's own logits); None for a one-token prompt (nothing to predict)."""
+    if idx.shape[1] < 2:
+        return None
+    logits = read_out(model, seen.residuals[-1][:, :-1])  # (B, T - 1, V)
+    return float(F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten()))
+
+
+# --- inside one head -----------------------------------------------------------------------
+
+def kv_heads_of(attn: MultiHeadSelfAttention) -> int:
+    """How many K/V heads `attn` has (fewer than its query heads when they are shared)."""
+    return attn.n_kv_heads
+
+
+@dataclass(frozen=True)
+class SourceLine:
+    """Where a step is computed: `file:line` inside `function`, and the line's text."""
+
+    file: str
+    line: int
+    function: str
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} {self.function}"
+
+
+def source_line(function: Callable, snippet: str) -> SourceLine:
+    """The first line of `function`'s source holding `snippet` (its `def` line if none does)."""
+    lines, start = inspect.getsourcelines(function)
+    found = next((i for i, line in enumerate(lines) if snippet in line), 0)
+    return SourceLine(Path(inspect.getsourcefile(function) or "?").name, start + found,
+                      function.__qualname__, lines[found].strip())
+
+
+def _step_sources(module: MultiHeadSelfAttention) -> dict[str, SourceLine]:
+    """The line of attention.py / block.py that computes each step of `HeadSteps` for the
+    attention `module` (its q and k come last from rotary, or QK-norm, or the split)."""
+    attn, block = attention_module, block_module
+    forward = attn.MultiHeadSelfAttention.forward
+    projecting = attn.MultiHeadSelfAttention.project
+    last_qk = "self.rotary(q" if module.rotary is not None else \
+        "self.q_norm(q)" if module.q_norm is not None else "self.qkv(x)"
+    return {
+        "residual": source_line(block.TransformerBlock.forward, "def forward"),
+        "normed": source_line(block.TransformerBlock.forward, "self.ln1(x)"),
+        "q": source_line(projecting, last_qk),
+        "keys": source_line(projecting, last_qk),
+        "values": source_line(projecting, "self.qkv(x)"),
+        "scores": source_line(attn.explicit_attention, "q @ k.transpose(-2, -1)"),
+        "mask": source_line(attn.build_attention_mask, ".tril("),
+        "weights": source_line(attn.masked_softmax, "torch.softmax(scores.masked_fill"),
+        "mixed": source_line(attn.explicit_attention, "weights @ v"),
+        "w_o": source_line(forward, "self.proj(y)"),
+        "contribution": source_line(forward, "self.proj(y)"),
+        "residual_after": source_line(block.TransformerBlock.forward, "x + a"),
+    }
+
+
+@dataclass(frozen=True)
+class HeadSteps:
+    """One query token through one attention head, with the model's own tensors.
+
+    p = the query's position; keys and values are those it may see (0..p when causal).
+    """
+
+    layer: int
+    head: int
+    position: int
+    kv_head: int  # the K/V head this query head reads (itself unless heads share K/V)
+    residual: Tensor  # (C,) the residual stream entering the block at position p
+    normed: Tensor  # (C,) what the attention reads: ln1(residual) in Pre-LN, residual in Post-LN
+    q: Tensor  # (d,)
+    keys: Tensor  # (T, d) every position's key (only the visible ones are scored)
+    values: Tensor  # (T, d)
+    scores: Tensor  # (T,) q . k / sqrt(d); meaningful where `visible`
+    visible: Tensor  # (T,) bool: the keys the causal mask lets p see
+    weights: Tensor  # (T,) softmax over the visible scores, 0 elsewhere
+    mixed: Tensor  # (d,) weights @ values: the head's output at p
+    w_o: Tensor  # (d, C) the head's rows of W_O (proj.weight[:, h*d:(h+1)*d] transposed)
+    contribution: Tensor  # (C,) mixed @ w_o: what this head adds to the residual stream
+    sources: dict[str, SourceLine]
+
+
+@torch.no_grad()
+def head_steps(model: GPT, idx: Tensor, layer: int, head: int, position: int,
+               residuals: Tensor | None = None) -> HeadSteps:
+    """Follow the token at `position` of idx (1, T) through `head` of `layer`.
+
+    `residuals` (L + 1, 1, T, C) from an earlier `trace` of idx saves running the model again.
+    The numbers are recomputed from the block's own modules and functions, step by step; the
+    contributions of all heads plus W_O's bias add up to the attention's output.
+    """
+    if idx.dim() != 2 or idx.shape[0] != 1:
+        raise InputError(f"head_steps follows one sequence: idx must be (1, T), got shape "
+                         f"{tuple(idx.shape)}")
+    config, T = model.config, idx.shape[1]
+    _check_range("layer", layer, config.n_layer)
+    _check_range("head", head, config.n_head)
+    _check_range("position", position, T)
+    if residuals is None:
+        residuals = trace(model, idx).residuals
+    block: TransformerBlock = model.blocks[layer]
+    attn = block.attn
+    with eval_mode(model):
+        x = residuals[layer]  # (1, T, C)
+        normed = block.ln1(x) if block.pre_ln else x  # (1, T, C)
+        q, k, v = attn.project(normed)  # (1, H, T, d), (1, KV, T, d) x 2
+    kv_head = head // (attn.n_heads // kv_heads_of(attn))
+    d = attn.head_dim
+    query, keys, values = q[0, head, position], k[0, kv_head], v[0, kv_head]  # (d,), (T, d) x 2
+    scores = (keys @ query) * (1.0 / math.sqrt(d))  # (T,)
+    mask = build_attention_mask(T, T, attn.causal, None, idx.device)  # (1, 1, T, T) or None
+    visible = torch.ones(T, dtype=torch.bool, device=idx.device) if mask is None \
+        else mask[0, 0, position]  # (T,)
+    weights = masked_softmax(scores, visible)  # (T,)
+    mixed = weights @ values  # (d,)
+    w_o = attn.proj.weight[:, head * d:(head + 1) * d].T  # (C, d) -> (d, C)
+    return HeadSteps(layer, head, position, kv_head, x[0, position], normed[0, position], query,
+                     keys, values, scores, visible, weights, mixed, w_o, mixed @ w_o,
+                     _step_sources(attn))
+
+
+@torch.no_grad()
+def attention_scores(model: GPT, residuals: Tensor, layer: int) -> Tensor:
+    """The scaled scores q . k / sqrt(d) of every head of `layer` before the mask and the
+    softmax: (B, H, T, T), from residuals (L + 1, B, T, C) of a `trace`. Masked entries are
+    -inf (what the softmax gets)."""
+    _check_range("layer", layer, model.config.n_layer)
+    block: TransformerBlock = model.blocks[layer]
+    attn = block.attn
+    x = residuals[layer]  # (B, T, C)
+    with eval_mode(model):
+        q, k, _ = attn.project(block.ln1(x) if block.pre_ln else x)
+    k = repeat_kv(k, attn.n_heads // attn.n_kv_heads)  # (B, KV, T, d) -> (B, H, T, d)
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(attn.head_dim))  # (B, H, T, T)
+    T = x.shape[1]
+    mask = build_attention_mask(T, T, attn.causal, None, x.device)
+    return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
+
+
+def _check_range(what: str, value: int, size: int) -> None:
+    if not 0 <= value < size:
+        raise InputError(f"{what} {value} does not exist: there are {what}s 0..{size - 1}")
+
+
 def parameter_counts(model: GPT) -> dict[str, int]:
     """Trainable parameters by part: embeddings (token and position; a tied LM head is the
-    token embedding and counted there), attention, ffn, layernorm, and lm_head when untied.
+    token embedding and counted there), attention (QK-norm gains included), ffn, norm (the
+    blocks' LayerNorm or RMSNorm and the final one), and lm_head when untied.
     The parts add up to `count_parameters(model)`.
     """
     counts = dict.fromkeys(PARAMETER_PARTS, 0)
@@ -137,14 +400,14 @@ def parameter_counts(model: GPT) -> dict[str, int]:
 
     # Embeddings first, so a tied head's matrix is counted as the token embedding it is.
     add("embeddings", model.tok_emb)
-    add("embeddings", model.pos_emb)
-    for module in model.modules():
-        if isinstance(module, MultiHeadSelfAttention):
-            add("attention", module)
-        elif isinstance(module, FeedForward):
-            add("ffn", module)
-        elif isinstance(module, nn.LayerNorm):
-            add("layernorm", module)
+    if model.pos_emb is not None:  # None with rotary or no positions
+        add("embeddings", model.pos_emb)
+    for block in model.blocks:
+        add("attention", block.attn)
+        add("ffn", block.ffn)
+        add("norm", block.ln1)
+        add("norm", block.ln2)
+    add("norm", model.ln_f)
     add("lm_head", model.lm_head)
     left = count_parameters(model) - sum(counts.values())
     if left:  # a part this function does not know of: say so rather than miscount

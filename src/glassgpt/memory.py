@@ -48,40 +48,69 @@ def parameter_count(config: GPTConfig) -> int:
     return one + (config.n_layer - 1) * (two - one)
 
 
+# Host memory of one block's Python objects (its ~15 nn.Modules, their dicts and the tensor
+# objects), whatever its width: measured 30-40 KB a block with torch 2.13 (tests/test_modern.py
+# holds the estimate above the measurement). 100,000 layers are gigabytes before any weight.
+HOST_BYTES_PER_LAYER = 64 * 1024
+
+
+def model_memory(config: GPTConfig) -> dict[str, int]:
+    """Bytes a GPT of `config` holds once built, by part: float32 weights, the Python objects
+    of its modules, and the buffers that scale with the config (the positions' indices)."""
+    return {"weights": 4 * parameter_count(config),
+            "module objects": HOST_BYTES_PER_LAYER * config.n_layer,
+            "buffers": 8 * config.block_size}
+
+
 def check_model_fits_memory(config: GPTConfig) -> None:
-    """Refuse, before allocating, a model whose weights alone exceed this machine's memory."""
-    params = parameter_count(config)
-    needed, available = 4 * params, physical_memory()  # float32 weights
+    """Refuse, before allocating, a model that alone exceeds this machine's memory."""
+    parts = model_memory(config)
+    needed, available = sum(parts.values()), physical_memory()
     if available is not None and needed > available:
+        detail = ", ".join(f"{name} {gib(count)}" for name, count in parts.items())
         raise ConfigError(f"n_layer={config.n_layer}, n_embd={config.n_embd}, vocab_size="
                           f"{config.vocab_size}, block_size={config.block_size} make "
-                          f"{params:,} parameters: {needed / 2**30:,.0f} GiB of weights alone, "
-                          f"more than this machine's {available / 2**30:,.0f} GiB of memory")
+                          f"{parts['weights'] // 4:,} parameters: about {gib(needed)} "
+                          f"({detail}) before training starts, more than this machine's "
+                          f"{gib(available)} of memory")
 
 
-# Floats kept for backward per token and layer, in units of C: LayerNorm inputs and outputs
-# (4), q, k, v (3), attention output and projection (2), MLP hidden before and after the
-# activation (8), dropout masks and residual sums (3). An upper estimate, like the rest.
-ACTIVATION_FLOATS_PER_LAYER = 20
+def activation_floats_per_token(config: GPTConfig) -> int:
+    """Floats kept for backward per token, over all layers: an upper estimate from the config.
+
+    Per layer, in features: norm inputs and outputs (4C); q, k and v (C + 2 KV widths), once
+    more for each of rotary and QK-norm when on; the attention output and projection (2C); the
+    MLP's hidden tensors (2F before and after the activation; 4F for SwiGLU's gate, up, SiLU and
+    product); dropout masks and residual sums (3C). The explicit path adds the scores, softmax
+    and dropout mask of every head (3 H S). GPT-2's shape gives 20C a layer.
+    """
+    C, F = config.n_embd, config.hidden_width
+    qkv = C + 2 * config.kv_heads * config.head_dim
+    per_layer = 4 * C + qkv + 2 * C + (4 if config.activation == "swiglu" else 2) * F + 3 * C
+    per_layer += qkv * ((config.position == "rope") + config.qk_norm)
+    if config.attn_impl == "explicit":
+        per_layer += 3 * config.n_head * config.block_size
+    return config.n_layer * per_layer
 
 
 def training_memory(config: GPTConfig, batch_size: int,
                     amp_dtype: torch.dtype | None) -> dict[str, int]:
-    """Bytes one training step needs, by part: float32 weights, gradients and AdamW's two
-    moments (16 bytes a parameter), and the activations of one micro-batch, logits included.
+    """Bytes one training step needs, by part: the model (`model_memory`), gradients and
+    AdamW's two moments (12 more bytes a parameter), and the activations of one micro-batch,
+    logits included.
 
     A rough upper estimate: it exists to refuse a job that cannot fit before it is tried
-    (`--batch-size 10000000`), not to tune one.
+    (`--batch-size 10000000`, `--n-layer 100000`), not to tune one.
     """
-    params = parameter_count(config)
+    model = model_memory(config)
+    params = model["weights"] // 4
     tokens = batch_size * config.block_size
-    per_token = config.n_layer * ACTIVATION_FLOATS_PER_LAYER * config.n_embd
-    if config.attn_impl == "explicit":  # scores, softmax and dropout mask of every head
-        per_token += config.n_layer * 3 * config.n_head * config.block_size
     activation_bytes = 2 if amp_dtype is not None else 4
-    logits = tokens * config.vocab_size * 4 * 3  # float32 logits, log-softmax, gradient
-    return {"weights": 4 * params, "gradients": 4 * params, "AdamW moments": 8 * params,
-            "activations": tokens * per_token * activation_bytes + logits}
+    # float32 logits, log-softmax and gradient (and the capped copy with a soft-cap)
+    logits = tokens * config.vocab_size * 4 * (3 if config.logit_softcap is None else 4)
+    return {**model, "gradients": 4 * params, "AdamW moments": 8 * params,
+            "activations": tokens * activation_floats_per_token(config) * activation_bytes
+            + logits}
 
 
 def check_training_fits_memory(config: GPTConfig, batch_size: int,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -24,9 +26,7 @@ from glassgpt.files import (
     write_bytes_atomic,
     write_text_atomic,
 )
-
-METRICS_FILE = "metrics.jsonl"
-PLOT_FILE = "loss.png"
+from glassgpt.layout import METRICS_FILE, PLOT_FILE
 
 
 class Reporter(Protocol):
@@ -50,14 +50,36 @@ class SilentReporter:
 
 
 class RichReporter:
-    """A rich progress bar (iteration, loss, lr, tokens/s) and one line per evaluation."""
+    """A rich progress bar (iteration, loss, lr, tokens/s) and one line per evaluation.
 
-    def __init__(self) -> None:
+    When the reader of stdout goes away (`glassgpt train ... | head -1`), the bar falls silent
+    and `stop` (the event given, kept as `stop_event`) is set: the trainer saves a checkpoint
+    and returns, as after SIGTERM, instead of the process dying mid-run (rich's own answer to
+    a closed pipe is to exit).
+    """
+
+    def __init__(self, stop: threading.Event | None = None) -> None:
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
+        self.stop_event = stop if stop is not None else threading.Event()
+        self.output_closed = False
+        reporter = self
+
+        class _Console(Console):
+            def on_broken_pipe(self) -> None:
+                self.quiet = True
+                reporter._output_closed()
+
         self.progress = Progress("[bold]train", BarColumn(), MofNCompleteColumn(),
-                                 "{task.fields[stats]}", TimeRemainingColumn(), transient=False)
+                                 "{task.fields[stats]}", TimeRemainingColumn(), transient=False,
+                                 console=_Console())
         self.task = None
+
+    def _output_closed(self) -> None:
+        silence_stdout()
+        self.output_closed = True
+        self.stop_event.set()
 
     def start(self, total: int, done: int) -> None:
         self.progress.start()
@@ -75,6 +97,14 @@ class RichReporter:
 
     def stop(self) -> None:
         self.progress.stop()
+
+
+def silence_stdout() -> None:
+    """After the reader of stdout left, point stdout at /dev/null, so that later writes (and
+    the flush at exit) do not fail again (Python's own advice for a closed pipe)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 MAX_METRICS_BYTES = 2**30  # a million log lines; a bigger file is not the trainer's

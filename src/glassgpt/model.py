@@ -1,6 +1,9 @@
 """The GPT language model: embeddings, a stack of blocks, a final LayerNorm and a tied LM head.
 
-Notation: B = batch, T = positions, C = n_embd, V = vocab_size, L = n_layer.
+Notation: B = batch, T = positions, C = n_embd, V = vocab_size, L = n_layer, H = n_head.
+The stack runs in one loop, `GPT.layers`, which yields the residual stream after the embeddings
+and after every block; `forward`, `attention_maps`, the logit lens and the decoding engines all
+iterate it, and `GPT.read_out` turns a stream into logits.
 The model knows nothing of training or sampling: it maps token ids to logits (and a loss when
 given targets). Sampling is `glassgpt.generate`; the fast decoding paths (threaded one-row
 products, compiled and CUDA-graph steps) are `glassgpt.decoding`, which runs this model unchanged.
@@ -8,7 +11,9 @@ products, compiled and CUDA-graph steps) are `glassgpt.decoding`, which runs thi
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -17,16 +22,43 @@ from torch import Tensor, nn
 from glassgpt.attention import KVCache
 from glassgpt.block import TransformerBlock
 from glassgpt.config import GPTConfig
-from glassgpt.errors import InputError
+from glassgpt.errors import ConfigError, InputError
+from glassgpt.norms import make_norm
 
 INIT_STD = 0.02
 RESIDUAL_PROJECTIONS = ("attn.proj.weight", "ffn.proj.weight")
 
 
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """Run the block in eval mode (no dropout), then give `model` back the mode it had."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+ID_DTYPES = (torch.int64, torch.int32)  # what nn.Embedding takes
+TARGET_DTYPES = (torch.int64,)  # what cross_entropy takes, -1 included
+
+
+def check_id_tensor(idx: object, what: str = "token ids",
+                    dtypes: tuple[torch.dtype, ...] = ID_DTYPES) -> None:
+    """Raise InputError unless idx is a torch tensor of `dtypes` holding values (not meta)."""
+    if not isinstance(idx, Tensor):
+        raise InputError(f"{what} must be a torch tensor of integers (B, T), got "
+                         f"{type(idx).__name__}; use torch.tensor(...)")
+    if idx.dtype not in dtypes:
+        raise InputError(f"{what} must be integers, got dtype {idx.dtype} (use torch.long)")
+    if idx.device.type == "meta":
+        raise InputError(f"{what} are on the meta device, which holds shapes but no values")
+
+
 def check_token_ids(idx: Tensor, vocab_size: int) -> None:
     """Raise InputError naming the first id of idx outside [0, vocab_size) (reads ids back)."""
-    if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
-        raise InputError(f"token ids must be integers, got dtype {idx.dtype}")
+    check_id_tensor(idx)
     if idx.numel() == 0:
         return
     low, high = (int(v) for v in torch.aminmax(idx))
@@ -37,12 +69,11 @@ def check_token_ids(idx: Tensor, vocab_size: int) -> None:
 
 def check_targets(targets: Tensor, idx: Tensor, vocab_size: int, check_ids: bool) -> None:
     """Targets are next-token ids shaped like idx, or -1 where no loss is wanted."""
+    check_id_tensor(targets, "targets", TARGET_DTYPES)
     if targets.shape != idx.shape:
         raise InputError(f"targets must have the shape of the token ids {tuple(idx.shape)}, "
                          f"got {tuple(targets.shape)}")
-    if targets.dtype.is_floating_point or targets.dtype.is_complex or \
-            targets.dtype == torch.bool:
-        raise InputError(f"targets must be integers, got dtype {targets.dtype}")
+    check_id_tensor(targets, "targets", TARGET_DTYPES)
     if check_ids and targets.numel():
         low, high = (int(v) for v in torch.aminmax(targets))
         if low < -1 or high >= vocab_size:
@@ -55,19 +86,34 @@ def count_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
+def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean cross-entropy of logits (B, T, V) against targets (B, T) over the positions whose
+    target is not -1. With no such position the loss is 0 (and its gradient zero), not the
+    NaN of a mean over nothing."""
+    losses = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
+                             ignore_index=-1, reduction="sum")
+    counted = (targets != -1).sum().clamp(min=1)
+    return losses / counted
+
+
 class GPT(nn.Module):
-    """A GPT-2 style decoder-only Transformer."""
+    """A GPT-2 style decoder-only Transformer (and, by its config's switches, a Llama-style one).
+    """
 
     def __init__(self, config: GPTConfig):
         super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise ConfigError(f"GPT takes a GPTConfig, got {type(config).__name__} "
+                              f"(GPTConfig.from_dict builds one from a dict)")
         self.config = config
         C = config.n_embd
         self.tok_emb = nn.Embedding(config.vocab_size, C)
-        self.pos_emb = nn.Embedding(config.block_size, C)
+        # Rotary positions act inside attention and "none" uses none: only "learned" has a table.
+        self.pos_emb = nn.Embedding(config.block_size, C) if config.position == "learned" else None
         self.drop = nn.Dropout(config.dropout)
         # A fresh block per layer: `[block] * L` would make every layer the same module.
         self.blocks = nn.ModuleList(self._make_block() for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(C, eps=config.ln_eps, bias=config.bias)
+        self.ln_f = make_norm(config.norm, C, config.norm_eps, config.bias)
         self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
         if config.tie_weights:
             # One matrix both reads tokens in and scores them on the way out.
@@ -80,13 +126,17 @@ class GPT(nn.Module):
         c = self.config
         return TransformerBlock(c.n_embd, c.n_head, pre_ln=c.pre_ln, dropout=c.dropout,
                                 activation=c.activation, bias=c.bias, attn_impl=c.attn_impl,
-                                ln_eps=c.ln_eps)
+                                norm_eps=c.norm_eps, norm=c.norm, mlp_hidden=c.mlp_hidden,
+                                n_kv_heads=c.kv_heads, qk_norm=c.qk_norm,
+                                rotary=c.position == "rope", rope_theta=c.rope_theta)
 
     def _init_gpt2_weights(self) -> None:
         """GPT-2's initialisation: N(0, 0.02), zero biases, residual projections scaled down.
 
         Each block adds two outputs to the residual stream, so their variance would grow with
         depth; scaling those projections by 1/sqrt(2L) keeps the stream's scale steady.
+        `zero_init_proj` starts them at zero instead: every block begins as the identity and
+        learns how much to add (a speedrun rung).
         """
         for module in self.modules():
             if isinstance(module, nn.Linear):
@@ -98,7 +148,10 @@ class GPT(nn.Module):
         residual_std = INIT_STD / math.sqrt(2 * self.config.n_layer)
         for name, param in self.named_parameters():
             if name.endswith(RESIDUAL_PROJECTIONS):
-                nn.init.normal_(param, mean=0.0, std=residual_std)
+                if self.config.zero_init_proj:
+                    nn.init.zeros_(param)
+                else:
+                    nn.init.normal_(param, mean=0.0, std=residual_std)
 
     def check_tokens(self, idx: Tensor, start_pos: int = 0, check_ids: bool = True) -> None:
         """Raise InputError for a sequence past `block_size` or, with `check_ids`, an id outside
@@ -107,6 +160,7 @@ class GPT(nn.Module):
         Reading the ids back is a host sync on a GPU, so the trainer and the decoders check ids
         once where they enter (the batch sampler, the prompt) and pass check_ids=False.
         """
+        check_id_tensor(idx)
         if idx.dim() != 2:
             raise InputError(f"token ids must be (batch, time), got shape {tuple(idx.shape)}")
         end = start_pos + idx.shape[1]
@@ -117,12 +171,66 @@ class GPT(nn.Module):
             check_token_ids(idx, self.config.vocab_size)
 
     def embed(self, idx: Tensor, positions: Tensor) -> Tensor:
-        """Token ids (B, T) at positions (T,) -> the residual stream's start (B, T, C)."""
-        return self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+        """Token ids (B, T) at positions (T,) -> the residual stream's start (B, T, C).
+
+        Only learned positions are added here; rotary ones act inside attention."""
+        x = self.tok_emb(idx)  # (B, T, C)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)  # (T, C) broadcast over the batch
+        return self.drop(x)
+
+    def layers(self, idx: Tensor, *, start_pos: int | Tensor | None = None,
+               pad_mask: Tensor | None = None, return_attn: bool = False,
+               check_ids: bool = True,
+               head_mask: Tensor | None = None) -> Iterator[tuple[int, Tensor, Tensor | None]]:
+        """The forward pass, one layer at a time: yields (depth, x, weights) L + 1 times.
+
+        depth 0 is the embeddings' output (weights None); depth l is the residual stream x
+        (B, T, C) after block l, with that block's attention weights (B, H, T, S) when
+        `return_attn` (else None). Every reader of the stack iterates this one loop.
+        start_pos: idx holds positions start_pos.. and the KV cache holds the ones before (a
+        tensor of positions (T,) for the CUDA engine's static cache).
+        head_mask: (H,) or (L, H) multipliers of each head's output; zeros switch heads off.
+        check_ids: check every id against the vocabulary (a host sync on a GPU).
+        """
+        if isinstance(start_pos, Tensor):  # a static decoding step: positions given as a tensor
+            positions = start_pos
+        else:
+            offset = 0 if start_pos is None else start_pos
+            self.check_tokens(idx, offset, check_ids)
+            positions = self.positions[offset:offset + idx.shape[1]]  # (T,)
+        masks = self._head_masks(head_mask)
+        x = self.embed(idx, positions)  # (B, T, C)
+        yield 0, x, None
+        for depth, block in enumerate(self.blocks, start=1):
+            out = block(x, pad_mask=pad_mask, return_attn=return_attn, start_pos=start_pos,
+                        head_mask=masks[depth - 1])
+            x, weights = out if return_attn else (out, None)
+            yield depth, x, weights
+
+    def _head_masks(self, head_mask: Tensor | None) -> list[Tensor | None]:
+        """head_mask None, (H,) (every layer) or (L, H) -> one (H,) mask or None per layer."""
+        L, H = self.config.n_layer, self.config.n_head
+        if head_mask is None:
+            return [None] * L
+        if head_mask.shape == (H,):
+            return [head_mask] * L
+        if head_mask.shape != (L, H):
+            raise InputError(f"head_mask must be (n_head,) = ({H},) or (n_layer, n_head) = "
+                             f"({L}, {H}), got {tuple(head_mask.shape)}")
+        return list(head_mask.unbind(0))
+
+    def read_out(self, x: Tensor) -> Tensor:
+        """Residual stream x (..., C) -> logits (..., V): the final norm, the LM head and, with
+        `logit_softcap`, cap * tanh(logits / cap), which keeps every logit within +-cap."""
+        logits = self.lm_head(self.ln_f(x))
+        cap = self.config.logit_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, *,
                 pad_mask: Tensor | None = None, start_pos: int | None = None,
-                last_only: bool = False, check_ids: bool = True) -> tuple[Tensor, Tensor | None]:
+                last_only: bool = False, check_ids: bool = True,
+                head_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """idx (B, T) -> (logits (B, T, V), loss or None).
 
         targets (B, T): next-token ids, -1 where no loss is wanted.
@@ -131,21 +239,16 @@ class GPT(nn.Module):
         sampling needs and saves the largest matmul of the model.
         check_ids: check every id against the vocabulary first (a host sync on a GPU; callers
         that checked their ids where they entered pass False).
+        head_mask: (H,) or (L, H) multipliers of each attention head's output (ablation).
         """
-        offset = 0 if start_pos is None else start_pos
-        self.check_tokens(idx, offset, check_ids)
-        x = self.embed(idx, self.positions[offset:offset + idx.shape[1]])  # (B, T, C)
-        for block in self.blocks:
-            x = block(x, pad_mask=pad_mask, start_pos=start_pos)
-        x = self.ln_f(x)
+        for _, stream, _ in self.layers(idx, start_pos=start_pos, pad_mask=pad_mask,
+                                        check_ids=check_ids, head_mask=head_mask):
+            x = stream  # in the end, the residual stream after the last block (B, T, C)
         if targets is None:
-            logits = self.lm_head(x[:, -1:] if last_only else x)  # (B, 1 or T, V)
-            return logits, None
+            return self.read_out(x[:, -1:] if last_only else x), None  # (B, 1 or T, V)
         check_targets(targets, idx, self.config.vocab_size, check_ids)
-        logits = self.lm_head(x)  # (B, T, V)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1),
-                               ignore_index=-1)
-        return logits, loss
+        logits = self.read_out(x)  # (B, T, V)
+        return logits, next_token_loss(logits, targets)
 
     @torch.no_grad()
     def attention_maps(self, idx: Tensor) -> list[Tensor]:
@@ -153,26 +256,20 @@ class GPT(nn.Module):
 
         Runs in eval mode (no dropout), whatever mode the model is in, then restores that mode.
         """
-        self.check_tokens(idx)
-        was_training = self.training
-        self.eval()
-        x = self.embed(idx, self.positions[:idx.shape[1]])  # (B, T, C)
-        maps = []
-        for block in self.blocks:
-            x, weights = block(x, return_attn=True)
-            maps.append(weights)
-        self.train(was_training)
-        return maps
+        with eval_mode(self):
+            return [weights for depth, _, weights in self.layers(idx, return_attn=True)
+                    if depth > 0]
 
     # --- incremental decoding -------------------------------------------------------------
 
     def setup_kv_cache(self, batch_size: int, max_len: int | None = None) -> None:
-        """Give every attention layer a preallocated cache for `max_len` positions."""
+        """Give every attention layer a preallocated cache for `max_len` positions, holding its
+        n_kv_head key/value heads (grouped heads shrink it by n_head / n_kv_head)."""
         c = self.config
         max_len = c.block_size if max_len is None else min(max_len, c.block_size)
         weight = self.lm_head.weight
         for block in self.blocks:
-            block.attn.kv_cache = KVCache(batch_size, c.n_head, max_len, c.head_dim,
+            block.attn.kv_cache = KVCache(batch_size, c.kv_heads, max_len, c.head_dim,
                                           dtype=weight.dtype, device=weight.device)
 
     def remove_kv_cache(self) -> None:

@@ -7,7 +7,8 @@ the work starts, printing nothing.
   * the data: a prepared directory, or Tiny Shakespeare prepared once into the cache
     (`training_data`), whose tokenizer must do what the run's does (`check_same_tokenizer`);
   * evaluating a run on a split of its data (`evaluate_run`).
-Run directories themselves (claiming, replacing, locking) are `glassgpt.rundir`.
+Run directories themselves (claiming, replacing, locking) are `glassgpt.rundir`; the whole
+lifecycle of `glassgpt train` (start, resume, fine-tune) is `glassgpt.lifecycle.train_run`.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from glassgpt import distributed as ddp
 from glassgpt import files
 from glassgpt.config import GPTConfig, TrainConfig, load_preset
 from glassgpt.data import PreparedData, default_data_dir, prepared_tinyshakespeare
-from glassgpt.devices import ThreadTuner, resolve_device
+from glassgpt.devices import AUTO, autocast_dtype, resolve_device
 from glassgpt.errors import CheckpointError, ConfigError, DataError
 from glassgpt.evaluate import Evaluation, evaluate
-from glassgpt.memory import check_model_fits_memory
+from glassgpt.layout import CONFIG_FILE, TOKENIZER_FILE
+from glassgpt.memory import check_model_fits_memory, check_training_fits_memory
 from glassgpt.model import GPT
 from glassgpt.tokenizers import same_tokenizer
 
@@ -98,25 +100,33 @@ def training_data(data_dir: Path | None, context: ddp.DistContext) -> PreparedDa
     return PreparedData(default_data_dir())
 
 
-def build_model(model_settings: dict[str, Any], vocab_size: int, seed: int) -> GPT:
-    """A freshly initialised GPT; the vocabulary size comes from the data's tokenizer."""
+def build_model(model_settings: dict[str, Any], vocab_size: int, seed: int,
+                training: TrainConfig | None = None, local_rank: int = 0) -> GPT:
+    """A freshly initialised GPT; the vocabulary size comes from the data's tokenizer. With
+    `training`, a job whose training step cannot fit the device is refused before the model
+    is built (building a huge one alone takes minutes)."""
     config = GPTConfig.from_dict({**model_settings, "vocab_size": vocab_size})
     check_model_fits_memory(config)
+    if training is not None:
+        device = resolve_device(training.device, local_rank)
+        check_training_fits_memory(config, training.batch_size,
+                                   autocast_dtype(training.dtype, device), device)
     torch.manual_seed(seed)  # the same initial weights on every rank
     return GPT(config)
 
 
-def check_same_tokenizer(data: PreparedData, run_dir: str | Path) -> None:
+def check_same_tokenizer(data: PreparedData, run: str | Path | ckpt.Run) -> None:
     """Refuse data prepared with a tokenizer that does something else than the run's: the ids
     would mean nothing. Tokenizers are compared by what they do (vocabulary, merges, probe
     encodings), so a copy that another tool rewrote (transformers adds a no-op post-processor)
     is still the same one."""
-    if not same_tokenizer(data.tokenizer, ckpt.read_tokenizer(Path(run_dir))):
-        raise DataError(f"the data's tokenizer differs from the one of {run_dir}; prepare the "
-                        f"text with --tokenizer-file {Path(run_dir) / ckpt.TOKENIZER_FILE}")
+    run = ckpt.open_run(run)
+    if not same_tokenizer(data.tokenizer, run.tokenizer()):
+        raise DataError(f"the data's tokenizer differs from the one of {run.dir}; prepare the "
+                        f"text with --tokenizer-file {run.dir / TOKENIZER_FILE}")
 
 
-def model_for_finetuning(init_from: str | Path, data: PreparedData,
+def model_for_finetuning(init_from: str | Path | ckpt.Run, data: PreparedData,
                          model_settings: dict[str, Any], checkpoint: str = "best") -> GPT:
     """The model of run `init_from` (its best weights by default), in train mode, to train
     further on `data`.
@@ -127,12 +137,13 @@ def model_for_finetuning(init_from: str | Path, data: PreparedData,
     unknown = sorted(set(model_settings) - {f.name for f in dataclasses.fields(GPTConfig)})
     if unknown:
         raise ConfigError(f"unknown model config keys {unknown}")
-    model, _ = ckpt.load_model(init_from, checkpoint=checkpoint)
-    check_same_tokenizer(data, init_from)
+    source = ckpt.open_run(init_from)
+    model, _ = source.load_model(checkpoint=checkpoint)
+    check_same_tokenizer(data, source)
     changed = {k for k, v in model_settings.items() if k != "dropout"
                and getattr(model.config, k) != v}
     if changed:
-        raise ConfigError(f"--init-from {init_from}: its model settings are fixed; only "
+        raise ConfigError(f"--init-from {source.dir}: its model settings are fixed; only "
                           f"dropout may change (got {sorted(changed)})")
     if "dropout" in model_settings:
         fresh = GPT(dataclasses.replace(model.config, dropout=model_settings["dropout"]))
@@ -148,9 +159,10 @@ def resume_settings(run_dir: str | Path, model_flags: dict[str, Any],
 
     Training settings may change (`train_flags` override the run's); model settings may not.
     """
-    config = ckpt.read_run_config(run_dir)
-    if not ckpt.has_train_state(run_dir):
-        ckpt.load_train_state(run_dir)  # raises the error that explains what to do
+    run = ckpt.open_run(run_dir)
+    config = run.config
+    if not run.has_train_state():
+        run.train_state()  # raises the error that explains what to do
     changed = {k: v for k, v in model_flags.items() if config["model"].get(k) != v}
     if changed:
         asked = ", ".join(f"{k}={v} (the run has {config['model'].get(k)})"
@@ -161,7 +173,7 @@ def resume_settings(run_dir: str | Path, model_flags: dict[str, Any],
     try:
         TrainConfig.from_dict(saved)
     except ConfigError as error:
-        raise CheckpointError(f"{Path(run_dir) / ckpt.CONFIG_FILE}: its 'train' table is not "
+        raise CheckpointError(f"{run.dir / CONFIG_FILE}: its 'train' table is not "
                               f"valid: {error}") from None
     cfg = TrainConfig.from_dict({**saved, **train_flags})
     data_dir = config.get("data_dir")
@@ -173,19 +185,22 @@ def resume_settings(run_dir: str | Path, model_flags: dict[str, Any],
 def evaluate_run(run_dir: str | Path, split: str = "val", data_dir: str | Path | None = None,
                  batch_size: int = 32, max_batches: int = 200,
                  device: torch.device | str = "cpu", checkpoint: str = "best",
-                 tuner: ThreadTuner | None = None,
+                 threads: int | str | None = AUTO,
                  progress: Callable[[int, int], Any] | None = None) -> Evaluation:
     """Loss, perplexity and bits per byte of a run's model on non-overlapping windows of a
-    split of its data (or of `data_dir`, prepared with the same tokenizer)."""
+    split of its data (or of `data_dir`, prepared with the same tokenizer). `run_dir` may be
+    an open `checkpoint.Run`: the directory is resolved once. `threads`: a CPU thread count,
+    "auto" (timed on the batches) or None; the result says which count ran."""
     if batch_size <= 0 or max_batches <= 0:
         raise ConfigError(f"batch size and max batches must be positive, got {batch_size} "
                           f"and {max_batches}")
-    model, _ = ckpt.load_model(run_dir, device, checkpoint=checkpoint)
-    data_dir = data_dir or ckpt.read_run_config(run_dir).get("data_dir")
+    run = ckpt.open_run(run_dir)
+    model, _ = run.load_model(device, checkpoint=checkpoint)
+    data_dir = data_dir or run.data_dir
     if data_dir is None:
-        raise ConfigError(f"{run_dir} records no data directory; pass --data")
+        raise ConfigError(f"{run.dir} records no data directory; pass --data")
     data = PreparedData(data_dir)
-    check_same_tokenizer(data, run_dir)
+    check_same_tokenizer(data, run)
     data.check_block_size(model.config.block_size)
     return evaluate(model, data.splits[split], data.tokenizer, batch_size, max_batches, device,
-                    tuner, progress)
+                    threads=threads, progress=progress)

@@ -12,6 +12,7 @@ best weights kept beside the last, and an optional early stop.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import signal
 import threading
@@ -27,12 +28,28 @@ from glassgpt import checkpoint as ckpt
 from glassgpt import distributed as ddp
 from glassgpt.config import TrainConfig
 from glassgpt.data import BatchSampler, PreparedData
-from glassgpt.devices import autocast, autocast_dtype, resolve_device, timed, tuner_for
+from glassgpt.devices import (
+    AUTO,
+    autocast,
+    autocast_dtype,
+    cpu_threads,
+    resolve_device,
+    timed,
+    tuner_for,
+)
 from glassgpt.errors import CheckpointError, GlassGPTError
+from glassgpt.layout import MODEL_FILE, STATE_TENSORS_FILE
 from glassgpt.memory import check_training_fits_memory
 from glassgpt.metrics import Reporter, SilentReporter, append_metrics, plot_losses, truncate_metrics
-from glassgpt.model import GPT
-from glassgpt.optim import adamw_state_shapes, load_adamw_state, lr_at, make_optimizer, set_lr
+from glassgpt.model import GPT, eval_mode
+from glassgpt.optim import (
+    load_optimizer_state,
+    lr_at,
+    make_optimizer,
+    optimizer_state_shapes,
+    set_lr,
+)
+from glassgpt.trainstate import TrainState, capture_rng_state, restore_rng_state
 
 EVAL_SEED_OFFSET = 1_000_003  # eval batches come from their own stream, apart from training's
 
@@ -86,26 +103,25 @@ def estimate_loss(model: nn.Module, samplers: dict[str, BatchSampler], eval_iter
 
     Returns device tensors so that ranks can average them; the model's mode is restored.
     """
-    was_training = model.training
-    model.eval()
     losses = {}
-    for split, sampler in samplers.items():
-        total = torch.zeros((), device=sampler.device)
-        for _ in range(eval_iters):
-            x, y = sampler.next_batch()
-            with autocast(x.device, amp_dtype):
-                _, loss = model(x, y, check_ids=False)
-            total += loss.float()
-        losses[split] = total / eval_iters
-    model.train(was_training)
+    with eval_mode(model):
+        for split, sampler in samplers.items():
+            total = torch.zeros((), device=sampler.device)
+            for _ in range(eval_iters):
+                x, y = sampler.next_batch()
+                with autocast(x.device, amp_dtype):
+                    _, loss = model(x, y, check_ids=False)
+                total += loss.float()
+            losses[split] = total / eval_iters
     return losses
 
 
 @contextlib.contextmanager
-def stop_on_sigint() -> Iterator[threading.Event]:
+def stop_on_sigint(requested: threading.Event | None = None) -> Iterator[threading.Event]:
     """An event set by Ctrl-C or SIGTERM (a scheduler's stop), instead of the signal cutting a
-    step or a checkpoint write in half: the trainer saves and returns at the next step."""
-    requested = threading.Event()
+    step or a checkpoint write in half: the trainer saves and returns at the next step. A
+    caller may pass its own event, to stop the same way for another reason (a closed stdout)."""
+    requested = requested if requested is not None else threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield requested
         return
@@ -131,6 +147,14 @@ class TrainResult:
     early_stopped: bool
     iterations_run: int  # by this call (a resumed run started past 0)
     seconds: float
+    # With cfg.target_loss: whether an evaluation reached it, at which iteration, and how many
+    # seconds into this call (evaluations included).
+    target_reached: bool = False
+    target_iteration: int | None = None
+    target_seconds: float | None = None
+    # The CPU threads the last steps ran with (None on a GPU), and whether timing chose them.
+    threads: int | None = None
+    threads_by_timing: bool = False
 
 
 class Trainer:
@@ -139,18 +163,27 @@ class Trainer:
     Each evaluation that improves the val loss also writes the weights as the run's best
     (best.safetensors, in the same atomic commit); the last checkpoint is what `resume`
     continues. Building a Trainer and `resume` only read: the run directory changes once
-    `run` starts. A caller that may race another writer holds `files.locked_directory(run_dir)`
-    around `run` (the CLI does, from its last check to the end of training).
+    `run` starts. A caller that may race another writer holds the run's lock around `run`
+    (`rundir.writing`; glassgpt.lifecycle.train_run does, from its last check to the end).
 
     `threads` ("auto" or a count, on a CPU) is the thread count: "auto" times the first steps
-    at one thread and at all cores and keeps the faster (`devices.ThreadTuner`); None leaves
-    torch's setting alone.
+    at one thread and at all cores and keeps the faster (`devices.ThreadTuner`), except in a
+    resumed run, which keeps the count its checkpoint ran with; None leaves torch's setting
+    alone. The count used is in the result. `stop`, when set (by a signal, or by the caller),
+    saves a checkpoint and returns, as Ctrl-C does. `extra` is recorded in config.json.
+
+    The first checkpoint of a new run (saved right after the evaluation at step 0) replaces
+    whatever run was in `run_dir` before, in one commit: metrics are held in memory until then.
     """
 
     def __init__(self, model: GPT, cfg: TrainConfig, data: PreparedData, run_dir: str | Path,
                  reporter: Reporter | None = None, context: ddp.DistContext | None = None,
-                 threads: int | str | None = None):
+                 threads: int | str | None = None, stop: threading.Event | None = None,
+                 extra: dict | None = None):
         self.cfg, self.data, self.run_dir = cfg, data, Path(run_dir)
+        self.stop, self.extra = stop, extra
+        self.threads_setting = threads
+        self.unsaved_metrics: list[dict] | None = []  # until the first commit of a new run
         self.context = context or ddp.DistContext()
         self.reporter = reporter if reporter is not None and self.context.is_main \
             else SilentReporter()
@@ -169,8 +202,9 @@ class Trainer:
         # Each rank reads its own batches and drops its own dropout masks.
         self.sampler = self._sampler("train", cfg.seed + self.context.rank)
         torch.manual_seed(cfg.seed + self.context.rank)
-        self.state = ckpt.TrainState()
+        self.state = TrainState()
         self.resumed = False
+        self.target: tuple[int, float] | None = None  # (iteration, seconds) of target_loss
         self.tokens_per_step = (cfg.batch_size * model.config.block_size * cfg.grad_accum
                                 * self.context.world_size)
 
@@ -179,23 +213,26 @@ class Trainer:
                             self.cfg.batch_size, seed, self.device,
                             vocab_size=self.model.config.vocab_size)
 
-    def resume(self, weights: bool = True) -> None:
+    def resume(self, weights: bool = True, run: ckpt.Run | None = None) -> None:
         """Continue from the checkpoint in run_dir: optimizer, step, RNG and sampler states,
         and the weights unless the model already holds them (`weights=False`).
 
-        Everything is checked before the optimizer sees it (see optim.load_adamw_state).
+        Everything is checked before the optimizer sees it (see optim.load_optimizer_state).
         """
-        state = ckpt.load_train_state(self.run_dir, adamw_state_shapes(self.optimizer))
+        run = run or ckpt.Run(self.run_dir)  # a caller that opened the run already passes it
+        state = run.train_state(optimizer_state_shapes(self.optimizer))
         if weights:
-            path = ckpt.run_paths(self.run_dir)[ckpt.MODEL_FILE]
+            path = run.paths[MODEL_FILE]
             ckpt.load_model_tensors(self.model, ckpt.read_weights(path, self.model.config),
                                     path)
-        load_adamw_state(self.optimizer, state.optimizer,
-                         self.run_dir / ckpt.STATE_TENSORS_FILE)
+        load_optimizer_state(self.optimizer, state.optimizer,
+                             self.run_dir / STATE_TENSORS_FILE)
+        if self.threads_setting == AUTO and state.threads and self.device.type == "cpu":
+            self.threads = tuner_for(state.threads, self.device)  # the count it ran with
         if self.scaler is not None and state.scaler:
             self.scaler.load_state_dict(state.scaler)
         if len(state.rng) == self.context.world_size:
-            sampler_state = ckpt.restore_rng_state(state.rng[self.context.rank])
+            sampler_state = restore_rng_state(state.rng[self.context.rank])
             try:
                 self.sampler.set_state(sampler_state)
             except (RuntimeError, TypeError) as error:
@@ -207,6 +244,7 @@ class Trainer:
                                          + state.iteration)
         self.state = state
         self.resumed = True
+        self.unsaved_metrics = None  # metrics.jsonl is the run's already
 
     def _prepare_run_dir(self) -> None:
         """Create the run directory; a resumed run drops metrics logged after its checkpoint
@@ -227,9 +265,9 @@ class Trainer:
         self.reporter.start(cfg.max_iters, self.state.iteration)
         first_bad = torch.full((), -1, device=self.device)  # first step with a non-finite loss
         try:
-            with stop_on_sigint() as stop_requested:
-                if self.state.iteration == 0:
-                    losses = self._evaluate(0)  # where training starts from, as nanoGPT does
+            with stop_on_sigint(self.stop) as stop_requested:
+                if not self.resumed:  # where training starts from, as nanoGPT does;
+                    losses = self._evaluate_and_save(0)  # saved: the run exists from here on
                 last_log, logged_at = time.perf_counter(), self.state.iteration
                 while self.state.iteration < cfg.max_iters:
                     it = self.state.iteration
@@ -248,6 +286,8 @@ class Trainer:
                     if it % cfg.eval_interval == 0 or done:
                         self._check_finite(first_bad)
                         losses = self._evaluate_and_save(it)
+                        if self._reached_target(losses, it, start):
+                            return self._result(losses, start, first_iteration)
                         if not done and self._no_longer_improving(it):
                             return self._result(losses, start, first_iteration, stopped=True)
                     if self._should_stop(stop_requested.is_set(), it, done):
@@ -264,6 +304,15 @@ class Trainer:
         with timed(self.threads):
             return train_step(self.train_model, self.optimizer, self.sampler.next_batch,
                               self.cfg, self.scaler, self.amp_dtype)
+
+    def _reached_target(self, losses: dict[str, float], it: int, start: float) -> bool:
+        """With `target_loss`, whether this evaluation's val loss is at or below it (every rank
+        sees the same averaged losses, so all stop together); remembers where and when."""
+        target = self.cfg.target_loss
+        if target is None or losses["val"] > target:
+            return False
+        self.target = (it, time.perf_counter() - start)
+        return True
 
     def _no_longer_improving(self, it: int) -> bool:
         """With `early_stop` N, whether N evaluations in a row found no better val loss."""
@@ -294,7 +343,7 @@ class Trainer:
         loss_value = ddp.mean_over_ranks(loss, self.context).item()
         record = {"iter": it, "loss": loss_value, "lr": lr, "tokens_per_s": tokens_per_s}
         if self.context.is_main:
-            append_metrics(self.run_dir, record)
+            self._append_metrics(record)
         self.reporter.log(record)
 
     def _evaluate(self, it: int) -> dict[str, float]:
@@ -310,8 +359,7 @@ class Trainer:
                                      f"checkpoint in {self.run_dir} is kept (try a lower --lr)")
         record = {"iter": it, "train_loss": values["train"], "val_loss": values["val"]}
         if self.context.is_main:
-            append_metrics(self.run_dir, record)
-            plot_losses(self.run_dir)
+            self._append_metrics(record)
         self.reporter.eval(record)
         return values
 
@@ -321,25 +369,49 @@ class Trainer:
         if improved:
             self.state.best_val_loss, self.state.best_iteration = values["val"], it
         self._save(best=improved)
+        if self.context.is_main:
+            plot_losses(self.run_dir)  # after the commit: the picture of a run that exists
         return values
+
+    def _append_metrics(self, record: dict) -> None:
+        if self.unsaved_metrics is not None:
+            self.unsaved_metrics.append(record)
+        else:
+            append_metrics(self.run_dir, record)
 
     def _save(self, best: bool) -> None:
         """Rank 0 writes the checkpoint (and, with `best`, the best weights in the same commit),
         with the RNG states of every rank."""
-        rng = ddp.gather_objects(ckpt.capture_rng_state(self.sampler.get_state()), self.context)
+        rng = ddp.gather_objects(capture_rng_state(self.sampler.get_state()), self.context)
         if self.context.is_main:
             self.state.optimizer = self.optimizer.state_dict()
             self.state.rng = rng
             self.state.scaler = self.scaler.state_dict() if self.scaler is not None else None
+            self.state.threads = torch.get_num_threads() if self.device.type == "cpu" else None
+            new_metrics = (None if self.unsaved_metrics is None else
+                           "".join(json.dumps(r) + "\n" for r in self.unsaved_metrics))
             ckpt.save_checkpoint(self.run_dir, self.model, self.data.tokenizer,
                                  self.cfg.to_dict(), str(self.data.dir.resolve()), self.state,
-                                 best=best)
+                                 best=best, extra=self.extra, new_metrics=new_metrics)
+            self.unsaved_metrics = None
         ddp.barrier(self.context)
 
     def _result(self, losses: dict[str, float], start: float, first_iteration: int,
                 interrupted: bool = False, stopped: bool = False) -> TrainResult:
         best = self.state.best_val_loss
+        target_iteration, target_seconds = self.target or (None, None)
         return TrainResult(self.state.iteration, losses.get("train"), losses.get("val"),
                            best if math.isfinite(best) else None, self.state.best_iteration,
                            interrupted, stopped, self.state.iteration - first_iteration,
-                           time.perf_counter() - start)
+                           time.perf_counter() - start, self.target is not None,
+                           target_iteration, target_seconds, self._threads_used(),
+                           self.threads is not None and self.threads.probes > 0)
+
+    def describe_threads(self) -> str:
+        """For a start line: the CPU's fixed count, or how auto will choose ("" on a GPU)."""
+        if self.device.type != "cpu":
+            return ""
+        return self.threads.describe() if self.threads is not None else cpu_threads()
+
+    def _threads_used(self) -> int | None:
+        return torch.get_num_threads() if self.device.type == "cpu" else None

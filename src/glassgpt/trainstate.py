@@ -21,10 +21,11 @@ import torch
 from torch import Tensor
 
 from glassgpt.errors import CheckpointError
-from glassgpt.rundir import STATE_JSON_FILE, STATE_TENSORS_FILE
+from glassgpt.layout import STATE_JSON_FILE, STATE_TENSORS_FILE
 from glassgpt.tensorfile import TensorInfo, check_float_dtypes
 
-STATE_KEYS = ("iteration", "best_val_loss", "best_iteration", "optimizer", "rng", "scaler")
+STATE_KEYS = ("iteration", "best_val_loss", "best_iteration", "optimizer", "rng", "scaler",
+              "threads")
 
 
 @dataclass
@@ -37,6 +38,9 @@ class TrainState:
     optimizer: dict[str, Any] = field(default_factory=dict)  # torch optimizer state_dict
     rng: list[dict[str, Any]] = field(default_factory=list)  # one capture_rng_state per rank
     scaler: dict[str, Any] | None = None  # GradScaler state (fp16 on CUDA only)
+    # CPU threads the steps ran with: a resumed run keeps them (the sums of a matmul depend
+    # on how many threads split it, so another count would not continue bitwise)
+    threads: int | None = None
 
 
 def capture_rng_state(sampler_state: Tensor) -> dict[str, Any]:
@@ -129,7 +133,7 @@ def split_train_state(state: TrainState) -> tuple[dict[str, Tensor], dict[str, A
                   "best_iteration": state.best_iteration,
                   "optimizer": {"param_groups": state.optimizer.get("param_groups", []),
                                 "scalars": optimizer_scalars},
-                  "rng": rng_json, "scaler": state.scaler}
+                  "rng": rng_json, "scaler": state.scaler, "threads": state.threads}
     return tensors, state_json
 
 
@@ -152,7 +156,8 @@ def join_train_state(state_json: dict[str, Any], tensors: dict[str, Tensor]) -> 
                       optimizer=_join_optimizer(state_json["optimizer"], tensors),
                       rng=[_join_rng(rank, saved, tensors)
                            for rank, saved in enumerate(_list(state_json["rng"], "rng"))],
-                      scaler=_checked_scaler(state_json.get("scaler")))
+                      scaler=_checked_scaler(state_json.get("scaler")),
+                      threads=_checked_threads(state_json.get("threads")))
 
 
 def _join_optimizer(saved: Any, tensors: dict[str, Tensor]) -> dict[str, Any]:
@@ -222,6 +227,16 @@ def _checked_scaler(scaler: Any) -> dict[str, Any] | None:
             and all(_is_number(v) for v in scaler.values())):
         raise ValueError(f"scaler must be null or a table of {list(SCALER_KEYS)}")
     return scaler
+
+
+MAX_THREADS = 4096
+
+
+def _checked_threads(threads: Any) -> int | None:
+    if threads is not None and not (_is_int(threads) and 1 <= threads <= MAX_THREADS):
+        raise ValueError(f"threads must be null or a count from 1 to {MAX_THREADS}, got "
+                         f"{threads!r:.40}")
+    return threads
 
 
 def _list(value: Any, what: str) -> list:

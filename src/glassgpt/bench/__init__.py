@@ -13,6 +13,10 @@ utilisation is measured against are probed in the same rounds as the contenders.
     the attention scores and their weighted sum.
   * Decoding one token at batch 1 is memory-bound: every weight is read once per token. Its limit
     is read bandwidth / weight bytes per token.
+
+Time to loss (`glassgpt bench ladder`: wall seconds to a target val loss, one speedrun change at
+a time) is `glassgpt.bench.ladder`, imported on its own: it trains models, so it needs the
+trainer, which the speed measurements here do not.
 """
 
 from glassgpt.bench.decoding import (

@@ -13,14 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+# Re-exported here, as they always were; their home is glassgpt.choices (no torch, for --help).
+from glassgpt.choices import DECODE_PRESETS, NEW_TOKENS, PROMPT_LEN, TRAIN_PRESETS  # noqa: F401
 from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError
 from glassgpt.model import GPT, count_parameters
 
-TRAIN_PRESETS = ("cpu-small", "shakespeare-char")
-DECODE_PRESETS = ("shakespeare-char", "gpt2")
-PROMPT_LEN = 16
-NEW_TOKENS = 128
 MAX_TRAIN_BATCH = 12  # caps a preset's batch so one step stays around a second on a laptop CPU
 
 GLASSGPT, GLASSGPT_COMPILED, HF = "glassgpt", "glassgpt+compile", "hf"

@@ -9,6 +9,7 @@ instead. A reader that closes the pipe (`glassgpt sample RUN | head`) ends the c
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Sequence
@@ -26,6 +27,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage mistake raises instead of printing usage and exiting."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        if message.endswith("expected one argument"):  # argparse read `--lr -1e-3` as two flags
+            message += " (write a value that starts with '-' as --flag=VALUE, e.g. --lr=-1e-3)"
         raise CommandLineError(f"{self.prog}: {message}")
 
 
@@ -47,11 +50,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if getattr(args, "handler", None) is None:
             raise CommandLineError("no command given; run `glassgpt --help` to see them")
-        return int(args.handler(args) or 0)
+        code = int(args.handler(args) or 0)
+        sys.stdout.flush()  # a full disk under `> out.txt` fails here, not silently at exit
+        return code
     except GlassGPTError as error:
         if debug:
             raise
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {one_line(str(error))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -59,6 +64,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return BROKEN_PIPE_EXIT_CODE
+    except OSError as error:
+        if debug or not _is_output_failure(error):
+            raise
+        _silence_stdout()
+        print(f"error: cannot write the output: {error.strerror or error}", file=sys.stderr)
+        return 1
+
+
+# Errors of a write to stdout (`glassgpt sample RUN > /dev/full`): every file glassgpt itself
+# writes goes through glassgpt.files, which turns such errors into a GlassGPTError naming the
+# file, so an OSError without a file name that reaches main is the output's.
+OUTPUT_ERRNOS = (errno.ENOSPC, errno.EIO, errno.EFBIG, errno.EDQUOT)
+
+
+def _is_output_failure(error: OSError) -> bool:
+    return error.errno in OUTPUT_ERRNOS and error.filename is None
+
+
+def one_line(message: str) -> str:
+    """The message with every character that is not printable (a newline or a terminal escape
+    in a file name, say) written as Python writes it in a string (\\n, \\x1b): an error stays
+    one line, and a name cannot paint the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
 
 
 def _silence_stdout() -> None:

@@ -8,18 +8,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
-from glassgpt import bench
+from glassgpt.choices import DECODE_PRESETS, NEW_TOKENS, PROMPT_LEN, TRAIN_PRESETS
+from glassgpt.cli.common import output_console
+from glassgpt.cli.ladder import add_ladder_flags, run_ladder_command
 from glassgpt.errors import ConfigError
 from glassgpt.files import check_can_write_file, write_text_atomic
 
-WORKLOADS = ("train", "generate", "all", "threads")
+if TYPE_CHECKING:  # torch and glassgpt.bench load in the handlers: --help answers at once
+    from glassgpt import bench
+
+WORKLOADS = ("train", "generate", "all", "threads", "ladder", "startup")
 # --quick: (training preset, decoding preset) per device, 3 rounds.
 QUICK_PRESETS = {"cpu": ("cpu-small", "shakespeare-char"), "cuda": ("gpt2", "gpt2")}
 QUICK_ROUNDS = 3
@@ -34,14 +40,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "warm-up is excluded and medians are reported.")
     p.add_argument("workload", nargs="?", choices=WORKLOADS, default="all")
     p.add_argument("--preset", nargs="+", metavar="NAME",
-                   help=f"model shapes to measure (default: {', '.join(bench.TRAIN_PRESETS)} "
-                   f"for training, {', '.join(bench.DECODE_PRESETS)} for decoding)")
+                   help=f"model shapes to measure (default: {', '.join(TRAIN_PRESETS)} "
+                   f"for training, {', '.join(DECODE_PRESETS)} for decoding)")
     p.add_argument("--against", choices=["hf"], help="also measure transformers' GPT-2")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write every figure here")
     p.add_argument("--rounds", type=int, help="timed rounds per contender (default: 5; "
                    "decoding without a KV cache, tens of times slower, gets 3)")
-    p.add_argument("--new-tokens", type=int, default=bench.NEW_TOKENS,
-                   help=f"tokens to decode after a {bench.PROMPT_LEN}-token prompt")
+    p.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
+                   help=f"tokens to decode after a {PROMPT_LEN}-token prompt")
     p.add_argument("--no-compile", action="store_true",
                    help="skip the torch.compile contenders, training and decoding "
                    "(compiling takes a while)")
@@ -58,10 +64,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true",
                    help="one model shape per workload and fewer rounds: a few minutes "
                    f"(presets: {QUICK_PRESETS['cpu']} on a CPU, {QUICK_PRESETS['cuda']} on CUDA)")
+    add_ladder_flags(p)
     p.set_defaults(handler=run_bench)
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.workload == "startup":  # fresh processes only: this one needs no torch
+        return _bench_startup(args)
+    import torch
+
+    from glassgpt import bench
+
     if args.threads is not None:
         most = 4 * (os.cpu_count() or 1)  # more threads than that only thrash (or crash)
         if not 0 < args.threads <= most:
@@ -70,12 +83,16 @@ def run_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.rounds is not None and args.rounds <= 0:
         raise ConfigError(f"--rounds must be positive, got {args.rounds}")
+    if args.new_tokens <= 0:
+        raise ConfigError(f"--new-tokens must be positive, got {args.new_tokens}")
     if args.json is not None:
         check_can_write_file(args.json, ConfigError)  # before minutes of measuring, not after
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for, but CUDA is not available here")
     if args.workload == "threads":
         return _bench_threads(args)
+    if args.workload == "ladder":  # time to loss, one speedrun change at a time
+        return run_ladder_command(args)
     train_presets, decode_presets = _presets(args)
     err = Console(stderr=True)
     with err.status("benchmarking") as status:
@@ -84,7 +101,7 @@ def run_bench(args: argparse.Namespace) -> int:
             rounds=args.rounds or (QUICK_ROUNDS if args.quick else None),
             new_tokens=args.new_tokens, compiled=not args.no_compile, profile=args.profile,
             train_dropout=_dropout(args.dropout), device=args.device, progress=status.update)
-    print_report(report, Console())
+    print_report(report, output_console())
     if args.json is not None:
         write_text_atomic(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
     return 0
@@ -93,6 +110,8 @@ def run_bench(args: argparse.Namespace) -> int:
 def _bench_threads(args: argparse.Namespace) -> int:
     """`bench threads`: training tokens/s per thread setting beside a process spinning on one
     core (the busy machine `--threads auto` is for)."""
+    from glassgpt import bench
+
     preset = (args.preset or ["cpu-small"])[0]
     with Console(stderr=True).status(f"training {preset} under each thread setting"):
         rows = bench.bench_threads(preset, rounds=args.rounds or 3, load=not args.no_load)
@@ -105,7 +124,32 @@ def _bench_threads(args: argparse.Namespace) -> int:
     for r in rows:
         table.add_row(r.setting, str(r.threads_used), f"{r.tokens_per_s:,.0f}",
                       f"{r.step_seconds * 1e3:.1f}", f"{r.tokens_per_s / best_fixed:.0%}")
-    Console().print(table)
+    output_console().print(table)
+    if args.json is not None:
+        write_text_atomic(args.json, json.dumps([dataclasses.asdict(r) for r in rows],
+                                                indent=2) + "\n")
+    return 0
+
+
+def _bench_startup(args: argparse.Namespace) -> int:
+    """`bench startup`: seconds before `glassgpt --help`, `train --help` and a flag typo
+    answer, each a fresh process, against `python -c "import torch"` on this machine."""
+    from glassgpt.bench.startup import measure_startup
+
+    if args.rounds is not None and args.rounds <= 0:
+        raise ConfigError(f"--rounds must be positive, got {args.rounds}")
+    if args.json is not None:
+        check_can_write_file(args.json, ConfigError)
+    with Console(stderr=True).status("starting fresh processes"):
+        rows = measure_startup(rounds=args.rounds or 5)
+    table = Table(title="Start-up: a fresh process until it answers (median of "
+                  f"{args.rounds or 5} rounds)", caption=f"{os.cpu_count()} cores")
+    for column in ("command", "median s", "best s", "of import torch"):
+        table.add_column(column, justify="left" if column == "command" else "right")
+    for r in rows:
+        table.add_row(r.command, f"{r.median_s:.3f}", f"{r.best_s:.3f}",
+                      f"{r.vs_import_torch:.0%}")
+    output_console().print(table)
     if args.json is not None:
         write_text_atomic(args.json, json.dumps([dataclasses.asdict(r) for r in rows],
                                                 indent=2) + "\n")
@@ -119,20 +163,24 @@ def _presets(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     if args.quick:
         train, decode = QUICK_PRESETS[args.device]
         return [train], [decode]
-    return list(bench.TRAIN_PRESETS), list(bench.DECODE_PRESETS)
+    return list(TRAIN_PRESETS), list(DECODE_PRESETS)
 
 
 def _dropout(value: str) -> float | None:
     if value == "preset":
         return None
     try:
-        return float(value)
+        rate = float(value)
     except ValueError:
-        raise ConfigError(f"--dropout must be a rate in [0, 1) or `preset`, got {value!r}"
-                          ) from None
+        rate = math.nan
+    if not 0.0 <= rate < 1.0:  # NaN too
+        raise ConfigError(f"--dropout must be a rate in [0, 1) or `preset`, got {value!r}")
+    return rate
 
 
 def print_report(report: bench.BenchReport, console: Console) -> None:
+    from glassgpt import bench
+
     m, limits = report.machine, report.limits
     console.print(f"{m['cpu']}, {m['cores']} cores, {m['threads']} torch threads; "
                   f"torch {m['torch']}" + (f", transformers {m['transformers']}"
@@ -189,7 +237,7 @@ def _flops(value: float) -> str:
 
 def _decode_table(rows: list[bench.DecodeSpeed]) -> Table:
     bandwidths = {r.preset: r.read_bandwidth for r in rows}
-    table = Table(title=f"Decoding (batch 1, {bench.PROMPT_LEN}-token prompt, greedy)",
+    table = Table(title=f"Decoding (batch 1, {PROMPT_LEN}-token prompt, greedy)",
                   caption="bandwidth limit from the read bandwidth probed in the same rounds: "
                   + ", ".join(f"{preset} {bw / 1e9:.1f} GB/s" for preset, bw in bandwidths.items()))
     for column in ("preset", "contender", "KV cache", "dtype", "tokens/s", "MB/token",

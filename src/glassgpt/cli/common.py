@@ -1,16 +1,23 @@
-"""Flags that several commands share, and how they turn into library calls."""
+"""Flags that several commands share, and how they turn into library calls.
+
+Light on imports (no torch, no model): a command's parser is built from these before anything
+heavy loads, so `--help` and a mistyped flag answer at once.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from glassgpt.layout import CHECKPOINTS
+from glassgpt.threadsetting import AUTO, parse_threads
 
-from glassgpt import checkpoint as ckpt
-from glassgpt import devices
+if TYPE_CHECKING:
+    import torch
+    from rich.console import Console
 
 DEFAULT_PROMPT = "\n"
 
@@ -24,13 +31,29 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+# In a file or a pipe rich assumes 80 columns and folds or cuts a wider table; there, lines are
+# as long as their content instead (a terminal keeps its own width, and so does COLUMNS=N).
+UNWRAPPED_WIDTH = 10_000
+
+
+def output_console(stderr: bool = False) -> Console:
+    """A rich Console for a command's tables: the terminal's width, or unwrapped when the output
+    goes to a file or a pipe (`glassgpt bench > out.txt`)."""
+    from rich.console import Console
+
+    console = Console(stderr=stderr)
+    if console.is_terminal or os.environ.get("COLUMNS"):
+        return console
+    return Console(stderr=stderr, width=UNWRAPPED_WIDTH)
+
+
 def say(message: str) -> None:
     """A line for the user that is not the command's output (stderr, so pipes stay clean)."""
     print(message, file=sys.stderr, flush=True)
 
 
 def add_threads_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--threads", type=devices.parse_threads, default=devices.AUTO,
+    parser.add_argument("--threads", type=parse_threads, default=AUTO,
                         metavar="N|auto",
                         help="CPU threads: a count, or auto (default: time the first steps at "
                         "one thread and at all cores and keep the faster; OMP_NUM_THREADS, "
@@ -38,30 +61,31 @@ def add_threads_flag(parser: argparse.ArgumentParser) -> None:
 
 
 def add_checkpoint_flag(parser: argparse.ArgumentParser, what: str = "use") -> None:
-    parser.add_argument("--checkpoint", choices=ckpt.CHECKPOINTS, default="best",
+    parser.add_argument("--checkpoint", choices=CHECKPOINTS, default="best",
                         help=f"which weights of the run to {what}: the best evaluation's "
                         f"(default) or the last checkpoint's")
-
-
-def probe_threads(setting: int | str, work: Callable[[], Any]) -> str:
-    """--threads for a command without a loop of its own to time (a demo, one picture):
-    `auto` times `work` at each candidate count and keeps the faster. Returns what was used."""
-    tuner = devices.tuner_for(setting, torch.device("cpu"))
-    if tuner is not None:
-        steps = 1 + tuner.probe_steps * len(tuner.candidates)  # a warm-up, then each count
-        for _ in tuner.tuned(work() for _ in range(steps)):
-            pass
-    return devices.cpu_threads()
-
-
-def describe_threads(tuner: devices.ThreadTuner | None) -> str:
-    """For a start line: the fixed count, or how auto will choose."""
-    return tuner.describe() if tuner is not None else devices.cpu_threads()
 
 
 def warn_about_bf16(dtype: str, device: torch.device) -> None:
     """One line when bfloat16 was asked for on a CPU that runs it slowly."""
     if dtype == "bfloat16":
+        from glassgpt import devices
+
         warning = devices.bf16_warning(device)
         if warning:
             say(f"warning: {warning}")
+
+
+def path_arg(text: str) -> Path:
+    """The `type` of every path flag: an empty path (`--out ''`) names no file or directory
+    (as a directory it would be the working directory), so it is refused with one line."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path names no file or directory; give one")
+    return Path(text)
+
+
+def nonempty_arg(text: str) -> str:
+    """The `type` of a flag naming files by pattern: an empty one is refused like a path."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path names no file or directory; give one")
+    return text

@@ -12,17 +12,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.markup import escape
+from rich.rule import Rule
 from rich.table import Table as RichTable
 
-from glassgpt.block import TransformerBlock
-from glassgpt.cli.common import add_checkpoint_flag, add_threads_flag, probe_threads, say
+from glassgpt.cli.common import (
+    add_checkpoint_flag,
+    add_threads_flag,
+    output_console,
+    path_arg,
+    say,
+)
+from glassgpt.config import INT64_MAX
 from glassgpt.errors import CommandLineError
 from glassgpt.experiments import EXPERIMENTS, ExperimentResult, Table, run_experiment
 from glassgpt.files import check_can_write_file, write_text_atomic
 
+RULE_WIDTH = 80  # of the line above each experiment, in a file or a pipe
 SHAPES_FLAGS = {"batch_size": "--batch-size", "seq_len": "--seq-len", "d_model": "--d-model",
                 "n_heads": "--n-heads"}
 
@@ -41,7 +48,7 @@ def add_demo_command(subparsers: argparse._SubParsersAction) -> None:
                     f"pictures.\nExit code 1 if an expected outcome was not shown.\n\n{listing}")
     demo.add_argument("name", choices=[*EXPERIMENTS, "all"], metavar="NAME",
                       help=f"one of {', '.join(EXPERIMENTS)}, or all")
-    demo.add_argument("--out", type=Path, default=Path("demo_out"), metavar="DIR",
+    demo.add_argument("--out", type=path_arg, default=Path("demo_out"), metavar="DIR",
                       help="folder for the pictures (default: demo_out)")
     demo.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default: 0)")
     demo.add_argument("--quick", action="store_true",
@@ -64,13 +71,15 @@ def add_attention_command(subparsers: argparse._SubParsersAction) -> None:
                     "size: when a prompt is too long for one readable grid, FILE.png becomes "
                     "one picture per layer (FILE_layer0.png, ...) or per head "
                     "(FILE_layer0_head0.png, ...).")
-    attention.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a trained run")
+    attention.add_argument("run_dir", type=path_arg, metavar="RUN_DIR", help="a trained run")
     attention.add_argument("--prompt", required=True, help="the text to look at")
     attention.add_argument("--layer", type=int, help="draw only this layer (0-based)")
     attention.add_argument("--head", type=int, help="draw only this head (0-based)")
-    attention.add_argument("--out", type=Path, required=True, metavar="FILE.png",
-                           help="where to write the picture (split by layer or head for long "
-                                "prompts)")
+    attention.add_argument("--out", type=path_arg, default=Path("demo_out") / "attention.png",
+                           metavar="FILE.png",
+                           help="where to write the picture, split by layer or head for long "
+                                "prompts (default: demo_out/attention.png, beside the demos' "
+                                "pictures)")
     add_checkpoint_flag(attention, "draw")
     add_threads_flag(attention)
     attention.set_defaults(handler=run_attention)
@@ -89,28 +98,28 @@ def shapes_options(args: argparse.Namespace) -> dict[str, int]:
     return given
 
 
-def experiment_sized_work() -> None:
-    """A forward and backward pass of the size the experiments train (a few blocks of width
-    64 on batches of short sequences): what `--threads auto` times for a demo."""
-    block = TransformerBlock(64, 4)
-    block(torch.randn(16, 12, 64)).sum().backward()
-
-
 def run_demo(args: argparse.Namespace) -> int:
     options = shapes_options(args)
+    if not 0 <= args.seed <= INT64_MAX:  # as train's and sample's seeds
+        raise CommandLineError(f"--seed must be between 0 and 2**63 - 1, got {args.seed}")
     if args.out.exists() and not args.out.is_dir():
         raise CommandLineError(f"--out {args.out} is a file; give a folder for the pictures")
     names = list(EXPERIMENTS) if args.name == "all" else [args.name]
     if args.json is not None:
         check_can_write_file(args.json, CommandLineError)  # before the run, not after it
-    threads = probe_threads(args.threads, experiment_sized_work)
-    console = Console()
-    console.print(f"[dim]{threads}[/dim]")
+    from glassgpt.devices import cpu_threads
+
+    console = output_console()
     results = {}
+    threads = args.threads
     for name in names:
         started = time.perf_counter()
         with console.status(f"running {name} ..."):
-            result = run_experiment(name, args.out, seed=args.seed, quick=args.quick, **options)
+            result = run_experiment(name, args.out, seed=args.seed, quick=args.quick,
+                                    threads=threads, **options)
+        if not results:
+            console.print(f"[dim]{cpu_threads(result.threads)}[/dim]")
+        threads = result.threads  # auto is settled once, by the first experiment
         results[name] = result
         print_result(console, result, time.perf_counter() - started)
     if args.json is not None:
@@ -130,7 +139,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def print_result(console: Console, result: ExperimentResult, seconds: float) -> None:
     # Experiment text is plain, never markup: "[block] * L" must print as written.
-    console.rule(f"[bold]{result.name}[/bold]: {escape(result.summary)}")
+    rule = Rule(f"[bold]{result.name}[/bold]: {escape(result.summary)}")
+    console.print(rule, width=console.width if console.is_terminal else RULE_WIDTH)
     for table in result.tables:
         console.print(rich_table(table))
     for check in result.checks:
@@ -194,19 +204,21 @@ def drawn_panels(L: int, H: int, layer: int | None, head: int | None) -> str:
 
 
 def run_attention(args: argparse.Namespace) -> int:
-    from glassgpt.checkpoint import describe_weights, load_model
-    from glassgpt.experiments.attention_maps import draw_attention_maps, prompt_attention
+    from glassgpt.checkpoint import Run
+    from glassgpt.devices import cpu_threads
+    from glassgpt.experiments.attention_maps import draw_prompt_attention
 
     if args.out.is_dir():
         raise CommandLineError(f"--out {args.out} is a folder; give a file name such as maps.png")
-    model, tokenizer = load_model(args.run_dir, checkpoint=args.checkpoint)
-    threads = probe_threads(args.threads, lambda: prompt_attention(model, tokenizer, args.prompt))
-    weights, labels = prompt_attention(model, tokenizer, args.prompt)  # (L, H, T, T)
+    run = Run(args.run_dir)  # resolved once
+    model, tokenizer = run.load_model(checkpoint=args.checkpoint)
     title = f"{args.run_dir.name}: attention for {args.prompt!r}"
-    paths = draw_attention_maps(weights, labels, args.out, layer=args.layer, head=args.head,
-                                title=title if len(title) <= 100 else title[:99] + "…")
-    say(f"drew {describe_weights(args.run_dir, args.checkpoint)} ({threads})")
-    L, H, T = weights.shape[:3]
+    drawn = draw_prompt_attention(model, tokenizer, args.prompt, args.out, layer=args.layer,
+                                  head=args.head, threads=args.threads,
+                                  title=title if len(title) <= 100 else title[:99] + "…")
+    say(f"drew {run.describe_weights(args.checkpoint)} ({cpu_threads(drawn.threads)})")
+    L, H, T = drawn.shape
+    paths = drawn.paths
     what = f"attention maps of {drawn_panels(L, H, args.layer, args.head)} over " \
            f"{plural(T, 'token')}"
     if len(paths) == 1:

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 
-from glassgpt.cli.common import DefaultsHelpFormatter
-from glassgpt.data import DEFAULT_BUFFER_BYTES, prepare
+from glassgpt.choices import DEFAULT_BPE_VOCAB, DEFAULT_BUFFER_BYTES, TOKENIZER_KINDS
+from glassgpt.cli.common import DefaultsHelpFormatter, nonempty_arg, path_arg
 from glassgpt.errors import ConfigError
-from glassgpt.tokenizers import DEFAULT_BPE_VOCAB, TOKENIZER_KINDS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -19,21 +17,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Tokenize UTF-8 text (default: Tiny Shakespeare, shipped with glassgpt) into "
         "train/val token ids, a tokenizer and metadata. Any number of files stream through in "
         "bounded memory.")
-    p.add_argument("--text", nargs="+", metavar="FILE",
+    p.add_argument("--text", nargs="+", metavar="FILE", type=nonempty_arg,
                    help="UTF-8 text files or quoted glob patterns ('owt/*.txt', "
                    "'books/**/*.txt'), read in order as one text (default: Tiny Shakespeare)")
     p.add_argument("--tokenizer", choices=TOKENIZER_KINDS, default="char",
                    help="char: one id per character; bpe: byte-level BPE trained on the text")
     p.add_argument("--vocab-size", type=int, default=None,
                    help=f"BPE vocabulary size (default {DEFAULT_BPE_VOCAB}; BPE only)")
-    p.add_argument("--tokenizer-file", nargs="+", type=Path, metavar="FILE",
+    p.add_argument("--tokenizer-file", nargs="+", type=path_arg, metavar="FILE",
                    help="reuse a tokenizer: a tokenizer JSON (a run's, to fine-tune it; a "
                    "Hugging Face tokenizer.json), GPT-2's vocab.json and merges.txt, or a "
                    "directory holding either")
     p.add_argument("--val-fraction", type=float, default=0.1,
                    help="share of the tokens, at the end, kept for validation")
-    p.add_argument("--out", type=Path, required=True, help="data directory to write")
-    p.add_argument("--force", action="store_true", help="replace the prepared data in --out")
+    p.add_argument("--out", type=path_arg, required=True, help="data directory to write")
+    p.add_argument("--force", action="store_true", help="replace the prepared data in --out "
+                   "(without it, prepare refuses a directory holding any file it would write)")
     p.add_argument("--workers", type=int, default=1,
                    help="processes that encode pieces of the text in parallel")
     p.add_argument("--buffer-mb", type=float, default=DEFAULT_BUFFER_BYTES / 2**20,
@@ -42,6 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
+    from glassgpt.data import prepare  # numpy and the tokenizers: not for `prepare --help`
+
     meta = prepare(args.out, args.text, args.tokenizer, args.vocab_size, args.val_fraction,
                    args.tokenizer_file, force=args.force, workers=args.workers,
                    buffer_bytes=_megabytes(args.buffer_mb))

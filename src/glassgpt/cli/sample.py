@@ -4,28 +4,24 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-
-from glassgpt import checkpoint as ckpt
-from glassgpt import runs
 from glassgpt.cli.common import (
     DEFAULT_PROMPT,
     DefaultsHelpFormatter,
     add_checkpoint_flag,
     add_threads_flag,
+    path_arg,
     say,
     warn_about_bf16,
 )
-from glassgpt.config import SamplingConfig
-from glassgpt.devices import resolve_device, tuner_for
+from glassgpt.config import INT64_MAX, SamplingConfig
 from glassgpt.errors import ConfigError
-from glassgpt.generate import encode_prompt, stream_text
 
 SAMPLE_DTYPES = ("float32", "bfloat16")
+# Compiling the CPU step took 31 s cold and ~6 s from torch's cache on a 2-core machine; it saves
+# ~0.6 ms of ~2.4 ms per step (BENCHMARKS.md, shakespeare-char): ~10,000 steps to win it back.
+# Only steps inside the context use it: past block_size each token recomputes the window.
+COMPILE_PAYS_OFF_STEPS = 10_000
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,7 +35,7 @@ def _register_sample(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("sample", help="generate text from a trained run",
                               formatter_class=DefaultsHelpFormatter,
                               description="Continue a prompt with the model of RUN_DIR.")
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    p.add_argument("run_dir", type=path_arg, metavar="RUN_DIR")
     p.add_argument("--prompt", default=DEFAULT_PROMPT,
                    help="text to continue (default: a newline)")
     p.add_argument("--max-new-tokens", type=int, default=500, help="tokens to sample")
@@ -54,44 +50,75 @@ def _register_sample(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=SAMPLE_DTYPES, default="float32",
                    help="weights for decoding: bfloat16 halves the bytes read per token")
     p.add_argument("--compile", action="store_true",
-                   help="compile the decoding step: seconds to compile once, then 1.5-2.5x "
-                   "faster per token on a CPU (pays off for long samples)")
+                   help="compile the decoding step: tens of seconds to compile (less once "
+                   "torch has cached it), then a faster step for the tokens inside the "
+                   f"context; on a CPU it pays off after about {COMPILE_PAYS_OFF_STEPS:,} such "
+                   "steps, so rarely for one sample")
     add_checkpoint_flag(p, "sample from")
     add_threads_flag(p)
     p.set_defaults(handler=run_sample)
 
 
 def run_sample(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: `sample --help` and a mistyped flag should not load torch.
+    import torch
+
+    from glassgpt import checkpoint as ckpt
+    from glassgpt.devices import resolve_device
+    from glassgpt.generate import encode_prompt, stream_text
+
     if args.num_samples <= 0:
         raise ConfigError(f"--num-samples must be positive, got {args.num_samples}")
     device = resolve_device(args.device)
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                               compiled=args.compile)
-    tuner = tuner_for(args.threads, device)
-    model, tokenizer = ckpt.load_model(args.run_dir, device, checkpoint=args.checkpoint)
+    if args.seed + args.num_samples - 1 > INT64_MAX:  # sample i uses seed + i
+        raise ConfigError(f"--num-samples {args.num_samples} from --seed {args.seed} needs seeds "
+                          f"past 2**63 - 1, the largest there is")
+    run = ckpt.Run(args.run_dir)  # resolved once
+    model, tokenizer = run.load_model(device, checkpoint=args.checkpoint)
     block_size = model.config.block_size
     prompt, length = encode_prompt(tokenizer, args.prompt or DEFAULT_PROMPT, block_size, device)
-    say(f"sampling from {ckpt.describe_weights(args.run_dir, args.checkpoint)}")
+    say(f"sampling from {run.describe_weights(args.checkpoint)}")
     if args.dtype == "bfloat16":
         warn_about_bf16(args.dtype, device)
         model = model.to(torch.bfloat16)  # half the bytes read per token
     if length > block_size:
         say(f"note: the prompt has {length} tokens, more than the context of {block_size}; "
             f"the model sees its last {block_size}")
+    if args.compile:
+        say(compile_note(prompt.shape[1], block_size, args.max_new_tokens, args.num_samples,
+                         on_cpu=device.type == "cpu"))
+    threads = args.threads
     for i in range(args.num_samples):
         if i:
             print("\n" + "-" * 40)
         print(args.prompt, end="", flush=True)
         pieces = stream_text(model, tokenizer, prompt, sampling, stop=args.stop,
-                             tuner=tuner, seed=args.seed + i)
+                             threads=threads, seed=args.seed + i)
         if args.stream:
             for piece in pieces:
                 print(piece, end="", flush=True)
         else:
             print("".join(pieces), end="")
         print(flush=True)
+        threads = pieces.threads  # auto is settled by the first sample, not timed again
     return 0
+
+
+def compile_note(prompt_len: int, block_size: int, new_tokens: int, samples: int,
+                 on_cpu: bool = True) -> str:
+    """What --compile is about to cost, and whether this sample can win it back on a CPU."""
+    # Cached steps: the first token comes from the prompt's pass, and past the context each
+    # token recomputes the window instead.
+    steps = samples * max(0, min(new_tokens - 1, block_size - prompt_len))
+    doing = "compiling the decoding step (tens of seconds; less once torch has it cached)"
+    if steps >= COMPILE_PAYS_OFF_STEPS or not on_cpu:
+        return doing
+    return (f"{doing}; note: it speeds up only the steps inside the {block_size}-token context, "
+            f"{steps:,} here, and pays off after about {COMPILE_PAYS_OFF_STEPS:,}: this sample "
+            f"is faster without --compile")
 
 
 # --- eval ----------------------------------------------------------------------------------
@@ -102,10 +129,10 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
                               description="Loss, perplexity and bits per byte of RUN_DIR's "
                               "model on non-overlapping windows of a split of its data, up to "
                               "--batch-size x --max-batches windows.")
-    p.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    p.add_argument("run_dir", type=path_arg, metavar="RUN_DIR")
     p.add_argument("--split", choices=("train", "val"), default="val",
                    help="which part of the data")
-    p.add_argument("--data", type=Path, help="data directory (default: the run's)")
+    p.add_argument("--data", type=path_arg, help="data directory (default: the run's)")
     p.add_argument("--batch-size", type=int, default=32, help="windows per batch")
     p.add_argument("--max-batches", type=int, default=200, help="upper bound on the work")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
@@ -116,17 +143,24 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    from glassgpt import checkpoint as ckpt
+    from glassgpt import runs
+    from glassgpt.devices import resolve_device
+
     device = resolve_device(args.device)
-    tuner = tuner_for(args.threads, device)
+    run = ckpt.Run(args.run_dir)  # resolved once, for the evaluation and the line about it
     with Progress("[bold]eval", BarColumn(), MofNCompleteColumn(), "windows",
                   TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("eval", total=None)
-        result = runs.evaluate_run(args.run_dir, args.split, args.data, args.batch_size,
-                                   args.max_batches, device, args.checkpoint, tuner,
+        result = runs.evaluate_run(run, args.split, args.data, args.batch_size,
+                                   args.max_batches, device, args.checkpoint, args.threads,
                                    progress=lambda done, total: bar.update(task, completed=done,
                                                                            total=total))
     if not args.json:
-        say(f"evaluated {ckpt.describe_weights(args.run_dir, args.checkpoint)}")
+        say(f"evaluated {run.describe_weights(args.checkpoint)}")
     covered = "" if result.whole_split else " (a part: raise --max-batches for all of it)"
     if args.json:
         print(json.dumps({"split": args.split, "loss": result.loss,

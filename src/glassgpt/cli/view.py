@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from pathlib import Path
 
-from glassgpt.checkpoint import describe_weights
-from glassgpt.cli.common import add_checkpoint_flag, add_threads_flag, probe_threads
+from glassgpt.cli.common import add_checkpoint_flag, add_threads_flag, path_arg
 from glassgpt.errors import CommandLineError
 
 DEFAULT_HOST = "127.0.0.1"
@@ -22,10 +20,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     view = subparsers.add_parser(
         "view", help="look inside a trained run in the browser",
         description="Start a local web page over a trained run: the prompt's tokens, attention "
-                    "per layer and head, next-token top-k and the logit lens at every position, "
-                    "streamed sampling, and the model card. Everything is served from this "
-                    "machine; nothing is fetched from the internet.")
-    view.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a trained run")
+                    "per layer and head (weights or scores, every layer and head at once, a "
+                    "head view), one token inside one head step by step, next-token top-k and "
+                    "the logit lens at every position, ablation of heads and layers, streamed "
+                    "sampling, and the model card. Everything is served from this machine; "
+                    "nothing is fetched from the internet.")
+    view.add_argument("run_dir", type=path_arg, metavar="RUN_DIR", help="a trained run")
     view.add_argument("--port", type=int, default=DEFAULT_PORT,
                       help=f"port to listen on (default {DEFAULT_PORT}; 0 picks a free one)")
     view.add_argument("--host", default=DEFAULT_HOST,
@@ -37,7 +37,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_view(args: argparse.Namespace) -> int:
-    # Imported here: the other commands should not pay for the web framework's import.
+    # Imported here: --help should not pay for torch, the model or the web framework.
+    from glassgpt.checkpoint import describe_weights
+    from glassgpt.devices import cpu_threads
     from glassgpt.view.server import (
         allowed_hosts_for,
         create_app,
@@ -49,9 +51,7 @@ def run_view(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise CommandLineError(f"--port must be between 0 and 65535, got {args.port}")
-    view = load_for_view(args.run_dir, checkpoint=args.checkpoint)
-    threads = probe_threads(args.threads, lambda: view.model(view.model.positions[None, :64]
-                                                               % view.model.config.vocab_size))
+    view = load_for_view(args.run_dir, checkpoint=args.checkpoint, threads=args.threads)
     try:
         sock = open_socket(args.host, args.port)
     except OSError as error:
@@ -61,7 +61,8 @@ def run_view(args: argparse.Namespace) -> int:
     app = create_app(view, allowed_hosts_for(args.host))
     c = view.model.config
     print(f"glassgpt view: {args.run_dir}, {describe_weights(args.run_dir, args.checkpoint)} "
-          f"({c.n_layer} layers, {c.n_head} heads, context {c.block_size}, {threads}) at "
+          f"({c.n_layer} layers, {c.n_head} heads, context {c.block_size}, "
+          f"{cpu_threads(view.threads)}) at "
           f"{url_of(sock)}  (Ctrl+C stops it)", flush=True)
     if allowed_hosts_for(args.host) == ("*",):
         print("note: listening on every network interface; anyone who can reach this machine "

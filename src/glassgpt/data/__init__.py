@@ -20,10 +20,7 @@ from glassgpt.data.corpus import (
     tinyshakespeare_path,
 )
 from glassgpt.data.datadir import (
-    DATA_FILES,
-    META_FILE,
     SPLITS,
-    TOKENIZER_FILE,
     PreparedData,
     id_dtype,
     is_prepared_from,
@@ -35,6 +32,7 @@ from glassgpt.data.pipeline import (
     prepare,
     prepared_tinyshakespeare,
 )
+from glassgpt.layout import DATA_FILES, META_FILE, TOKENIZER_FILE
 
 __all__ = [
     "DATA_FILES",

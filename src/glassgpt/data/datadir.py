@@ -4,52 +4,46 @@
     tokenizer.json       the tokenizer that made them
     meta.json            source, corpus sha256, tokenizer kind, vocab size, id dtype, token counts
 
-A data directory changes as a whole, like a checkpoint: `DataDirWriter` writes every new file
-under a `.pending` name, then the journal `prepare.journal` naming them (atomically: this is the
-commit point), then renames each into place. A crash before the journal leaves the old
-directory whole; a crash after it is finished (rolled forward) by the next reader or writer.
-So a reader sees the old files or the new ones, never old metadata beside new ids.
+A data directory changes as a whole, like a checkpoint, through glassgpt.commit: every new file
+under a `.pending` name, then the journal `prepare.journal` (the commit point), then renames.
+Readers never write: `PreparedData` resolves each file through the journal, so it sees the old
+files or the new ones, never old metadata beside new ids; the next `prepare` into the directory
+finishes an interrupted commit. File names come from glassgpt.layout, which imports nothing:
+preparing data never loads the model.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from glassgpt import checkpoint as ckpt
+from glassgpt import commit
 from glassgpt.errors import DataError, TokenizerError
 from glassgpt.files import (
-    LOCK_FILE,
     check_can_make_dir,
-    fsync_dir,
-    locked_directory,
-    open_new_file,
+    entry_kind,
     open_regular_file,
-    read_json,
     read_json_object,
-    remove_file,
-    write_text_atomic,
+)
+from glassgpt.layout import (
+    DATA,
+    META_FILE,
+    MODEL_FILE,
+    RUN_MARKERS,
+    TOKENIZER_FILE,
+    TRAIN_FILE,
+    VAL_FILE,
 )
 from glassgpt.tokenizers import Tokenizer, read_tokenizer_file
 
 SPLITS = ("train", "val")
-TRAIN_FILE, VAL_FILE = "train.bin", "val.bin"
-TOKENIZER_FILE = "tokenizer.json"
-META_FILE = "meta.json"
-DATA_FILES = (TRAIN_FILE, VAL_FILE, TOKENIZER_FILE, META_FILE)
-JOURNAL_FILE = "prepare.journal"
-PENDING_SUFFIX = ".pending"
+SPLIT_FILES = {"train": TRAIN_FILE, "val": VAL_FILE}
+JOURNAL_FILE = DATA.journal
 ID_DTYPES = ("uint16", "uint32")
-# Files only a run directory holds: `prepare` never writes beside them (its tokenizer.json would
-# replace the run's, which could then no longer sample, evaluate or resume).
-RUN_FILES = (ckpt.CONFIG_FILE, ckpt.MODEL_FILE, ckpt.STATE_JSON_FILE, ckpt.STATE_TENSORS_FILE,
-             ckpt.JOURNAL_FILE)
 
 
 def id_dtype(vocab_size: int) -> np.dtype:
@@ -61,130 +55,46 @@ def id_dtype(vocab_size: int) -> np.dtype:
 
 def check_prepare_target(out_dir: str | Path, force: bool) -> Path:
     """`out_dir`, once it is known to be a place `prepare` may write: never a run directory,
-    and an existing data directory only with `force`. Checked before any work starts."""
+    and one holding any file prepare would write only with `force`. Checked before any work
+    starts."""
     out = check_can_make_dir(out_dir, DataError)
-    run_files = [name for name in RUN_FILES if os.path.lexists(out / name)]
+    run_files = [name for name in RUN_MARKERS if os.path.lexists(out / name)]
     if run_files:
         raise DataError(f"{out} is a run directory (it holds {run_files[0]}); prepare data into "
                         f"a directory of its own, e.g. --out {out / 'data'}")
-    if not force and (os.path.lexists(out / META_FILE) or os.path.lexists(out / JOURNAL_FILE)):
-        raise DataError(f"{out} already holds prepared data; pass --force to replace it")
+    present = commit.own_files_present(out, DATA) if out.is_dir() else []
+    if present and not force:
+        what = ("already holds prepared data" if META_FILE in present
+                else f"already holds {', '.join(present[:3])}")
+        raise DataError(f"{out} {what}; pass --force to replace it")
+    for name in present:
+        if entry_kind(out / name) not in ("file", "link"):
+            raise DataError(f"{out / name} is a directory, where prepare writes a file; move "
+                            f"it away (glassgpt does not delete it)")
     return out
 
 
-class DataDirWriter:
-    """Writes the files of a data directory so that they appear all at once.
-
-    Use as a context manager: it creates the directory (if needed) and locks it; files are
-    written to `pending(name)`; `commit()` makes them the directory's. Leaving the block
-    without committing removes every trace: pending files, and a directory or lock file it
-    made.
-    """
-
-    def __init__(self, out_dir: str | Path):
-        self.dir = Path(out_dir)
-        self.committed = False
-        self._stack = contextlib.ExitStack()
-        self._made_dirs: list[Path] = []
-        self._made_lock = False
-
-    def __enter__(self) -> DataDirWriter:
-        try:
-            self._make_dirs()
-            self._made_lock = not os.path.lexists(self.dir / LOCK_FILE)
-            self._stack.enter_context(locked_directory(self.dir, DataError))
-            if os.path.lexists(self.dir / JOURNAL_FILE):  # a commit a crash cut short
-                _roll_forward(self.dir)
-            self._drop_pending()
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
-
-    def _make_dirs(self) -> None:
-        missing = [p for p in [self.dir, *self.dir.parents] if not os.path.lexists(p)]
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise DataError(f"cannot create {self.dir}: {error.strerror or error}") from None
-        self._made_dirs = missing  # deepest first
-
-    def pending(self, name: str) -> Path:
-        return self.dir / (name + PENDING_SUFFIX)
-
-    def write_pending(self, name: str, data: bytes) -> None:
-        with open_new_file(self.pending(name)) as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-
-    def commit(self) -> None:
-        """Make the pending files (each already fsynced) the directory's, all at once."""
-        missing = [name for name in DATA_FILES if not os.path.lexists(self.pending(name))]
-        if missing:
-            raise RuntimeError(f"commit without pending {missing}")  # a bug, not a user error
-        fsync_dir(self.dir)
-        write_text_atomic(self.dir / JOURNAL_FILE, json.dumps(list(DATA_FILES)))
-        self.committed = True
-        _roll_forward(self.dir)
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            if not self.committed:
-                self._drop_pending()
-                if self._made_lock or self._made_dirs:
-                    remove_file(self.dir / LOCK_FILE)
-                for made in self._made_dirs:
-                    with contextlib.suppress(OSError):
-                        made.rmdir()
-        finally:
-            self._stack.close()
-
-    def _drop_pending(self) -> None:
-        for name in DATA_FILES:
-            remove_file(self.pending(name))
-
-
-def recover_interrupted_prepare(data_dir: Path) -> None:
-    """Finish a commit that a crash cut short; a no-op unless the journal is there."""
-    if not os.path.lexists(data_dir / JOURNAL_FILE):
-        return
-    with locked_directory(data_dir, DataError):  # a prepare still committing: wait for it
-        if os.path.lexists(data_dir / JOURNAL_FILE):
-            _roll_forward(data_dir)
-
-
-def _roll_forward(data_dir: Path) -> None:
-    journal = data_dir / JOURNAL_FILE
-    names = read_json(journal, DataError)
-    if not isinstance(names, list) or not set(names) <= set(DATA_FILES):
-        raise DataError(f"{journal} may only name the data files {list(DATA_FILES)}, got "
-                        f"{names!r:.200}")
-    try:
-        for name in names:
-            pending = data_dir / (name + PENDING_SUFFIX)
-            if os.path.lexists(pending):  # absent when renamed before a crash
-                os.replace(pending, data_dir / name)
-        fsync_dir(data_dir)
-        journal.unlink()
-    except OSError as error:
-        raise DataError(f"cannot finish the interrupted prepare in {data_dir}: "
-                        f"{error.strerror or error}") from None
-    fsync_dir(data_dir)
+def data_writer(out_dir: str | Path) -> commit.Writer:
+    """The one writer of a data directory: creates and locks it, and leaves no trace (no
+    pending file, no directory or lock file it made) unless it commits."""
+    return commit.Writer(out_dir, DATA, DataError)
 
 
 # --- reading --------------------------------------------------------------------------------
 
 class PreparedData:
-    """A prepared data directory: memory-mapped ids per split, its tokenizer and metadata."""
+    """A prepared data directory: memory-mapped ids per split, its tokenizer and metadata.
+
+    Reading changes nothing: a commit a crash cut short reads as the new data (see
+    glassgpt.commit)."""
 
     def __init__(self, data_dir: str | Path):
         self.dir = Path(data_dir)
-        meta_path = self.dir / META_FILE
-        if self.dir.is_dir():
-            recover_interrupted_prepare(self.dir)
-        if not self.dir.is_dir() or not os.path.lexists(meta_path):
-            if os.path.lexists(self.dir / "model.safetensors"):
+        paths = (commit.committed_paths(self.dir, DATA, DataError) if self.dir.is_dir()
+                 else {})
+        meta_path = paths.get(META_FILE)
+        if meta_path is None or entry_kind(meta_path) == "missing":
+            if entry_kind(self.dir / MODEL_FILE) != "missing":
                 raise DataError(f"{self.dir} is a run directory, not prepared data; give the "
                                 f"data directory it was trained on (its config.json names it "
                                 f"as data_dir), or prepare a text with `glassgpt prepare "
@@ -193,14 +103,13 @@ class PreparedData:
                             f"run `glassgpt prepare --out {self.dir}` first")
         self.meta = read_json_object(meta_path, DataError)
         try:
-            self.tokenizer: Tokenizer = read_tokenizer_file(self.dir / TOKENIZER_FILE)
+            self.tokenizer: Tokenizer = read_tokenizer_file(paths[TOKENIZER_FILE])
         except TokenizerError as error:
             raise DataError(f"{self.dir}: unusable tokenizer ({error})") from None
-        _check_meta(self.meta, meta_path, self.tokenizer)
-        self.splits = {split: self._open(split) for split in SPLITS}
+        _check_meta(self.meta, self.dir / META_FILE, self.tokenizer)
+        self.splits = {split: self._open(split, paths[SPLIT_FILES[split]]) for split in SPLITS}
 
-    def _open(self, split: str) -> np.ndarray:
-        path = self.dir / f"{split}.bin"
+    def _open(self, split: str, path: Path) -> np.ndarray:
         dtype, count = np.dtype(self.meta["dtype"]), self.meta[f"{split}_tokens"]
         fd = open_regular_file(path, DataError)
         try:
@@ -254,7 +163,8 @@ def _is_count(value: Any) -> bool:
 def is_prepared_from(data_dir: Path, text_path: Path) -> bool:
     """Whether `data_dir` holds data prepared from exactly the text at `text_path`."""
     try:
-        meta = read_json_object(Path(data_dir) / META_FILE, DataError)
+        paths = commit.committed_paths(Path(data_dir), DATA, DataError)
+        meta = read_json_object(paths[META_FILE], DataError)
         return meta.get("sha256") == sha256_of(text_path)
     except (DataError, OSError):
         return False

@@ -31,19 +31,13 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from glassgpt.choices import DEFAULT_BUFFER_BYTES
+from glassgpt.commit import Writer
 from glassgpt.data.corpus import TINYSHAKESPEARE_SHA256, Corpus, cache_dir
-from glassgpt.data.datadir import (
-    META_FILE,
-    TOKENIZER_FILE,
-    TRAIN_FILE,
-    VAL_FILE,
-    DataDirWriter,
-    check_prepare_target,
-    holds_corpus,
-    id_dtype,
-)
+from glassgpt.data.datadir import check_prepare_target, data_writer, holds_corpus, id_dtype
 from glassgpt.errors import ConfigError, DataError
 from glassgpt.files import open_new_file
+from glassgpt.layout import META_FILE, TOKENIZER_FILE, TRAIN_FILE, VAL_FILE
 from glassgpt.tokenizers import (
     DEFAULT_BPE_VOCAB,
     BPETokenizer,
@@ -56,7 +50,6 @@ from glassgpt.tokenizers import (
     tokenizer_from_json,
 )
 
-DEFAULT_BUFFER_BYTES = 64 * 2**20
 MIN_BUFFER_BYTES = 2**16
 MAX_WORKERS = 256
 # A piece is buffer / 256, within these bounds: encoding takes about 200 bytes per character of a
@@ -110,7 +103,7 @@ def prepare(out_dir: str | Path, text_path: str | Path | Sequence[str | Path] | 
     corpus = Corpus.from_paths(text_path)
     out = check_prepare_target(out_dir, force)
     try:
-        with DataDirWriter(out) as writer:
+        with data_writer(out) as writer:
             meta = _write_files(writer, corpus, given, tokenizer, vocab_size, val_fraction,
                                 budget)
             writer.commit()
@@ -121,7 +114,7 @@ def prepare(out_dir: str | Path, text_path: str | Path | Sequence[str | Path] | 
     return meta
 
 
-def _write_files(writer: DataDirWriter, corpus: Corpus, given: Tokenizer | None, kind: str,
+def _write_files(writer: Writer, corpus: Corpus, given: Tokenizer | None, kind: str,
                  vocab_size: int | None, val_fraction: float, budget: Budget
                  ) -> dict[str, Any]:
     """Steps 1-3 into the writer's pending files; returns the metadata."""
@@ -130,8 +123,14 @@ def _write_files(writer: DataDirWriter, corpus: Corpus, given: Tokenizer | None,
     train_path = writer.pending(TRAIN_FILE)
     total = write_ids(train_path, corpus, tok, dtype, budget)
     n_train = int(total * (1 - val_fraction))
-    if n_train < 2 or total - n_train < 2:
+    if total < 4:
         raise DataError(f"{corpus.name} is too short to split: {total} tokens")
+    if n_train < 2 or total - n_train < 2:  # the text is long enough: the fraction is not
+        part, tokens = ("validation", total - n_train) if total - n_train < 2 else \
+            ("training", n_train)
+        raise DataError(f"val_fraction={val_fraction:g} of {total:,} tokens leaves {tokens} "
+                        f"for {part}; each part needs at least 2: choose a fraction between "
+                        f"{2 / total:.2g} and {1 - 2 / total:.6g}")
     move_tail(train_path, writer.pending(VAL_FILE), n_train * dtype.itemsize,
               budget.id_buffer_bytes)
     meta = {"source": corpus.source, "sha256": corpus.sha256, "tokenizer": tok.kind,
@@ -151,7 +150,20 @@ def _checked_budget(val_fraction: float, workers: int, buffer_bytes: int) -> Bud
     if not isinstance(buffer_bytes, int) or buffer_bytes < MIN_BUFFER_BYTES:
         raise ConfigError(f"the buffer must hold at least {MIN_BUFFER_BYTES:,} bytes, got "
                           f"{buffer_bytes}")
+    most = max_buffer_bytes()
+    if buffer_bytes > most:  # each process uses about 1.5x the buffer
+        raise ConfigError(f"a buffer of {buffer_bytes / 2**20:,.0f} MiB does not fit this "
+                          f"machine; at most {most // 2**20:,} MiB (a third of its memory)")
     return Budget(buffer_bytes, workers)
+
+
+def max_buffer_bytes() -> int:
+    """The largest buffer `prepare` takes: a third of the machine's memory (1 TiB where the
+    OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 3
+    except (AttributeError, ValueError, OSError):
+        return 2**40
 
 
 def _check_trainable(kind: str, vocab_size: int | None) -> None:

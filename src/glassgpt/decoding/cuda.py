@@ -48,17 +48,17 @@ def static_step(model: Any, token: Tensor, pos: Tensor, key_positions: Tensor) -
     key_positions (S,) numbers the cache's slots; those after `pos` hold no key yet and are
     masked out as padding.
     """
-    x = model.embed(token, pos)  # (B, 1, C)
     unwritten = (key_positions > pos).expand(token.shape[0], -1)  # (B, S)
-    for block in model.blocks:
-        x = block(x, pad_mask=unwritten, start_pos=pos)
-    return model.lm_head(model.ln_f(x))[:, -1]  # (B, 1, V) -> (B, V)
+    for _, stream, _ in model.layers(token, start_pos=pos, pad_mask=unwritten, check_ids=False):
+        x = stream  # in the end, the stream after the last block (B, 1, C)
+    return model.read_out(x)[:, -1]  # (B, 1, V) -> (B, V)
 
 
 @functools.cache
 def compiled_static_step() -> Callable[..., Tensor]:
     """`static_step` through torch.compile, built once per process and shared by every engine
-    (dynamo keeps one graph per model shape and dtype)."""
+    (dynamo keeps one graph per model shape and dtype; the layer loop, a generator, is traced
+    into it, which is what `fullgraph` holds it to)."""
     return torch.compile(static_step, fullgraph=True)
 
 
@@ -80,8 +80,9 @@ class CUDAGraphEngine(EagerEngine):
     def start(self, batch_size: int, max_len: int) -> None:
         c, weight = self.model.config, self.model.lm_head.weight
         for block in self.model.blocks:
-            block.attn.kv_cache = StaticKVCache(batch_size, c.n_head, c.block_size, c.head_dim,
-                                                dtype=weight.dtype, device=weight.device)
+            block.attn.kv_cache = StaticKVCache(batch_size, c.kv_heads, c.block_size,
+                                                c.head_dim, dtype=weight.dtype,
+                                                device=weight.device)
         # The graph's fixed inputs: the token, its position and the cache slots' positions.
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=weight.device)
         self.pos = torch.zeros(1, dtype=torch.long, device=weight.device)

@@ -24,6 +24,12 @@ EXPERIMENTS: dict[str, str] = {
     "residual": "8 blocks with and without residuals: collapse at init, loss, accuracy",
     "dropout": "attention dropout in train vs eval vs no_grad, and the fused path",
     "sharing": "[block] * L versus L independent blocks",
+    # The modern Transformer's switches (issue 21), each trained on Tiny Shakespeare characters.
+    "positions": "learned vs rotary vs no positions, and contexts longer than trained",
+    "norms": "LayerNorm vs RMSNorm: the same loss with fewer operations",
+    "mlps": "GELU vs SwiGLU vs ReLU² MLPs at equal parameter count",
+    "kvheads": "4, 2, 1 key/value heads: cache bytes, decoding speed, loss",
+    "qknorm": "a high learning rate: attention logits with and without QK-norm",
 }
 
 # Extra keyword arguments an experiment accepts beyond out_dir, seed and quick.
@@ -33,8 +39,12 @@ OPTIONS: dict[str, tuple[str, ...]] = {
 
 
 def run_experiment(name: str, out_dir: Path, seed: int = 0, quick: bool = False,
-                   **options: Any) -> ExperimentResult:
-    """Run experiment `name`, writing its pictures under `out_dir`."""
+                   threads: int | str | None = None, **options: Any) -> ExperimentResult:
+    """Run experiment `name`, writing its pictures under `out_dir`.
+
+    `threads` (a count, "auto" or None: glassgpt.threadsetting) is the CPU's thread count;
+    "auto" times a step of the size the experiments train and keeps the faster count. The
+    result's `threads` is the count it ran with."""
     if name not in EXPERIMENTS:
         raise ConfigError(f"unknown experiment {name!r}; choose one of {list(EXPERIMENTS)}")
     if not 0 <= seed < 2**63:
@@ -43,8 +53,26 @@ def run_experiment(name: str, out_dir: Path, seed: int = 0, quick: bool = False,
     if unknown:
         raise ConfigError(f"experiment {name!r} takes no option(s) {unknown}; its options: "
                           f"{list(OPTIONS.get(name, ())) or 'none'}")
+    chosen = choose_threads(threads)
     module = importlib.import_module(f"glassgpt.experiments.{name}")
-    return module.run(Path(out_dir), seed=seed, quick=quick, **options)
+    result = module.run(Path(out_dir), seed=seed, quick=quick, **options)
+    result.threads = chosen
+    return result
+
+
+def choose_threads(threads: int | str | None) -> int:
+    """Apply the setting; for "auto", time a forward and backward pass of the size the
+    experiments train (a block of width 64 on batches of short sequences)."""
+    import torch  # here: listing the experiments (`demo --help`) must not load torch
+
+    from glassgpt.block import TransformerBlock
+    from glassgpt.devices import settle_threads
+
+    def step() -> None:
+        TransformerBlock(64, 4)(torch.randn(16, 12, 64)).sum().backward()
+
+    with torch.random.fork_rng(devices=[]):  # the timing draws no numbers an experiment sees
+        return settle_threads(threads, torch.device("cpu"), step)
 
 
 __all__ = ["EXPERIMENTS", "Check", "ExperimentResult", "Table", "run_experiment"]

@@ -18,8 +18,10 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor
 
+from glassgpt.devices import settle_threads
 from glassgpt.errors import InputError
 from glassgpt.experiments.figures import (
+    MASKED_NOTE,
     SUPTITLE_PT,
     TICK_PT,
     grid_shape,
@@ -27,6 +29,7 @@ from glassgpt.experiments.figures import (
     labelled_colorbar,
     new_figure,
     save_figure,
+    show_attention,
     text_height,
     wrap_title,
 )
@@ -125,8 +128,9 @@ def page_figure(weights: Tensor, labels: list[str], page: Page, title: str = "")
     """Draw the panels of `page` from weights (L, H, T, T), with one colour bar.
 
     Queries run down each panel and keys across, so row t shows where token t looked; the
-    upper triangle is empty because the model is causal. Token labels and the axis titles sit
-    on the outer edges: queries on the left column, keys under the lowest panel of each column.
+    upper triangle is hatched (masked: the model is causal), never coloured as a weight of 0.
+    Token labels and the axis titles sit on the outer edges: queries on the left column, keys
+    under the lowest panel of each column.
     """
     T, side = len(labels), panel_inches(len(labels))
     step = label_step(T)
@@ -143,7 +147,7 @@ def page_figure(weights: Tensor, labels: list[str], page: Page, title: str = "")
             ax.axis("off")
             continue
         lay, h = page.panels[i]
-        image = ax.imshow(weights[lay, h].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
+        image = show_attention(ax, weights[lay, h])
         left, lowest = i % page.n_cols == 0, i + page.n_cols >= len(page.panels)
         # Inner panels carry no ticks at all: fewer artists, a much faster drawing.
         ax.set_xticks(ticks if lowest else [], shown if lowest else [], rotation=rotation)
@@ -152,7 +156,7 @@ def page_figure(weights: Tensor, labels: list[str], page: Page, title: str = "")
                    ylabel="query (looking)" if left else "", title=f"layer {lay}, head {h}")
         ax.tick_params(length=0, labelsize=TICK_PT)
     # A colour bar about 4 inches tall, however many panels it stands beside.
-    labelled_colorbar(fig, image, axes, "attention weight",
+    labelled_colorbar(fig, image, axes, f"attention weight\n({MASKED_NOTE})",
                       shrink=min(0.9, 4.0 / (page.n_rows * side)))
     if title:
         fig.suptitle(title, fontsize=SUPTITLE_PT)
@@ -172,3 +176,26 @@ def draw_attention_maps(weights: Tensor, labels: list[str], path: Path, layer: i
         figure = page_figure(weights, labels, page, page_title)
         written.append(save_figure(figure, page.path(path)))
     return written
+
+
+@dataclass
+class AttentionDrawing:
+    """What `draw_prompt_attention` drew."""
+
+    paths: list[Path]  # the pictures written, in order
+    shape: tuple[int, int, int]  # (L, H, T) of the maps
+    threads: int  # the CPU threads the maps were computed with
+
+
+def draw_prompt_attention(model: GPT, tokenizer: Tokenizer, prompt: str, path: Path,
+                          layer: int | None = None, head: int | None = None, title: str = "",
+                          threads: int | str | None = None) -> AttentionDrawing:
+    """`glassgpt attention` as one call: the maps of `prompt`, drawn as `draw_attention_maps`
+    does. `threads` (a count, "auto" or None: glassgpt.threadsetting) is the CPU's thread
+    count; "auto" times the forward that computes the maps and keeps the faster count."""
+    chosen = settle_threads(threads, model.lm_head.weight.device,
+                            lambda: prompt_attention(model, tokenizer, prompt))
+    weights, labels = prompt_attention(model, tokenizer, prompt)  # (L, H, T, T)
+    paths = draw_attention_maps(weights, labels, path, layer=layer, head=head, title=title)
+    L, H, T = weights.shape[:3]
+    return AttentionDrawing(paths, (L, H, T), chosen)

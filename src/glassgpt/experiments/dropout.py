@@ -19,11 +19,13 @@ from torch import Tensor
 
 from glassgpt.attention import MultiHeadSelfAttention
 from glassgpt.experiments.figures import (
+    MASKED_NOTE,
     TICK_PT,
     label_axes,
     labelled_colorbar,
     new_figure,
     save_figure,
+    show_attention,
 )
 from glassgpt.experiments.results import Check, ExperimentResult, Table
 
@@ -133,12 +135,12 @@ def weights_figure(heatmaps: Tensor) -> Figure:
     axes = fig.subplots(1, 2)
     vmax = heatmaps.max().item()
     for ax, weights, title in zip(axes, heatmaps, ("eval()", f"train(), p={P}"), strict=True):
-        image = ax.imshow(weights.numpy(), cmap="magma", vmin=0.0, vmax=vmax)
+        image = show_attention(ax, weights, cmap="magma", vmax=vmax)
         T = weights.shape[0]
         ax.set_xticks(range(T))
         ax.set_yticks(range(T))
         label_axes(ax, xlabel="key", ylabel="query", title=title)
         for t, row_sum in enumerate(weights.sum(dim=-1).tolist()):
             ax.text(T - 0.3, t, f" row sum {row_sum:.2f}", va="center", fontsize=TICK_PT)
-    labelled_colorbar(fig, image, list(axes), "attention weight (after dropout)")
+    labelled_colorbar(fig, image, list(axes), f"attention weight after dropout\n({MASKED_NOTE})")
     return fig

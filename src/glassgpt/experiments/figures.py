@@ -15,9 +15,14 @@ import math
 import textwrap
 from pathlib import Path
 
+import matplotlib
+import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.colorbar import Colorbar
 from matplotlib.figure import Figure
+from matplotlib.image import AxesImage
+from matplotlib.patches import Rectangle
+from torch import Tensor
 
 from glassgpt.files import write_bytes_atomic
 
@@ -29,6 +34,11 @@ SUPTITLE_PT = 11.0  # the title of a whole figure
 # Average width of a DejaVu Sans character as a fraction of its size; a little generous, so a
 # title wrapped to this estimate always fits.
 CHAR_WIDTH_EM = 0.62
+# Masked attention cells (the future a causal model cannot see) are hatched grey, never a colour
+# of the map's scale: a weight of 0 and a cell the mask removed must not look alike.
+MASKED_FACE = "#e4e7ec"
+MASKED_HATCH = "#8a93a0"
+MASKED_NOTE = "hatched: masked"
 
 
 def new_figure(width: float, height: float) -> Figure:
@@ -63,6 +73,21 @@ def labelled_colorbar(fig: Figure, mappable, axes, label: str, shrink: float = 0
     colorbar.set_label(label, fontsize=LABEL_PT)
     colorbar.ax.tick_params(labelsize=TICK_PT)
     return colorbar
+
+
+def show_attention(ax: Axes, weights: Tensor, cmap: str = "viridis", vmin: float = 0.0,
+                   vmax: float = 1.0, causal: bool = True) -> AxesImage:
+    """Attention weights (T, S), queries down, as an image. With `causal`, the keys after each
+    query (masked) are left out of the image and show a hatched grey patch beneath it."""
+    values = weights.detach().float().cpu().numpy()
+    if causal:
+        T, S = values.shape
+        future = np.triu(np.ones((T, S), dtype=bool), k=S - T + 1)  # key s > query t
+        values = np.ma.masked_array(values, mask=future)
+        ax.add_patch(Rectangle((-0.5, -0.5), S, T, facecolor=MASKED_FACE,
+                               edgecolor=MASKED_HATCH, hatch="///", linewidth=0, zorder=0))
+    colours = matplotlib.colormaps[cmap].with_extremes(bad=(0.0, 0.0, 0.0, 0.0))
+    return ax.imshow(values, cmap=colours, vmin=vmin, vmax=vmax, zorder=1)
 
 
 def wrap_title(text: str, width_inches: float, points: float = SUPTITLE_PT) -> str:

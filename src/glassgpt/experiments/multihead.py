@@ -19,11 +19,13 @@ from torch import Tensor, nn
 
 from glassgpt.attention import MultiHeadSelfAttention
 from glassgpt.experiments.figures import (
+    MASKED_NOTE,
     SUPTITLE_PT,
     label_axes,
     labelled_colorbar,
     new_figure,
     save_figure,
+    show_attention,
     wrap_title,
 )
 from glassgpt.experiments.results import Check, ExperimentResult, Table
@@ -225,12 +227,20 @@ def expected_outcomes(accuracy: dict[int, list[list[float]]], params: dict[int, 
     return checks
 
 
+def strongest_offset(weights: Tensor) -> int:
+    """The offset o (query t looks at key t - o) that holds the most weight of a causal map
+    (T, T), averaged over the queries that have such a key: the head's specialty."""
+    T = weights.shape[-1]
+    mass = [weights.diagonal(offset=-o).mean().item() for o in range(T)]
+    return max(range(T), key=mass.__getitem__)
+
+
 def head_maps_figure(maps: dict[int, Tensor]) -> Figure:
     """One row per head count, one panel per head: the attention map averaged over sequences."""
     head_counts = list(maps)
     n_cols = max(head_counts)
     width = 1.7 * n_cols + 1.2
-    fig = new_figure(width, 1.9 * len(head_counts) + 0.7)
+    fig = new_figure(width, 2.1 * len(head_counts) + 0.7)  # two-line titles: head, offset
     axes = fig.subplots(len(head_counts), n_cols, squeeze=False)
     for row, n_heads in enumerate(head_counts):
         mean_map = maps[n_heads].mean(dim=0)  # (H, T, T)
@@ -241,10 +251,11 @@ def head_maps_figure(maps: dict[int, Tensor]) -> Figure:
             if col >= n_heads:
                 ax.axis("off")
                 continue
-            image = ax.imshow(mean_map[col].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
+            image = show_attention(ax, mean_map[col])
             label_axes(ax, xlabel="key s", ylabel="query t" if col == 0 else "",
-                       title=f"{n_heads} head{'s' if n_heads > 1 else ''}: head {col}")
-    labelled_colorbar(fig, image, axes, "attention weight", shrink=0.6)
+                       title=f"{n_heads} head{'s' if n_heads > 1 else ''}: head {col}\n"
+                             f"looks {strongest_offset(mean_map[col])} back")
+    labelled_colorbar(fig, image, axes, f"attention weight\n({MASKED_NOTE})", shrink=0.6)
     title = "each head's attention (mean over sequences): a diagonal = one fixed offset"
     fig.suptitle(wrap_title(title, width), fontsize=SUPTITLE_PT)
     return fig

@@ -51,6 +51,7 @@ class ExperimentResult:
     checks: list[Check] = field(default_factory=list)
     pictures: list[Path] = field(default_factory=list)
     numbers: dict[str, Any] = field(default_factory=dict)
+    threads: int | None = None  # the CPU threads it ran with (what run_experiment chose)
 
     @property
     def all_checks_hold(self) -> bool:
@@ -65,4 +66,5 @@ class ExperimentResult:
             "checks": [{"claim": c.claim, "holds": c.holds} for c in self.checks],
             "pictures": [str(p) for p in self.pictures],
             "numbers": self.numbers,
+            "threads": self.threads,
         }

@@ -17,12 +17,14 @@ from torch import Tensor
 from glassgpt.attention import MultiHeadSelfAttention, check_heads_divide_width
 from glassgpt.errors import ConfigError
 from glassgpt.experiments.figures import (
+    MASKED_NOTE,
     SUPTITLE_PT,
     grid_shape,
     label_axes,
     labelled_colorbar,
     new_figure,
     save_figure,
+    show_attention,
     text_height,
     wrap_title,
 )
@@ -129,12 +131,13 @@ def head_weights_figure(weights: Tensor) -> Figure:
         if h >= H:
             ax.axis("off")
             continue
-        image = ax.imshow(weights[h].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
+        image = show_attention(ax, weights[h])
         first_column = h % cols == 0
         ax.set_xticks(ticks)
         ax.set_yticks(ticks, ticks if first_column else [])  # queries labelled once per row
         label_axes(ax, xlabel="key s", ylabel="query t" if first_column else "",
                    title=f"head {h}")
-    labelled_colorbar(fig, image, axes, "attention weight", shrink=0.8 if rows > 1 else 1.0)
+    labelled_colorbar(fig, image, axes, f"attention weight\n({MASKED_NOTE})",
+                      shrink=0.8 if rows > 1 else 1.0)
     fig.suptitle(title, fontsize=SUPTITLE_PT)
     return fig

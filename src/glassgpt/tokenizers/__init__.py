@@ -9,8 +9,9 @@ Files are JSON (and merges.txt) only: loading one never runs code.
 
 from __future__ import annotations
 
+from glassgpt.choices import DEFAULT_BPE_VOCAB, TOKENIZER_KINDS
 from glassgpt.errors import TokenizerError
-from glassgpt.tokenizers.base import END_OF_TEXT, TOKENIZER_KINDS, Tokenizer, same_tokenizer
+from glassgpt.tokenizers.base import END_OF_TEXT, Tokenizer, same_tokenizer
 from glassgpt.tokenizers.bpe import (
     MAX_BPE_VOCAB,
     MIN_BPE_VOCAB,
@@ -25,8 +26,6 @@ from glassgpt.tokenizers.loading import (
     read_tokenizer_file,
     tokenizer_from_json,
 )
-
-DEFAULT_BPE_VOCAB = 1024
 
 __all__ = [
     "DEFAULT_BPE_VOCAB",

@@ -11,7 +11,6 @@ import numpy as np
 
 from glassgpt.errors import TokenizerError
 
-TOKENIZER_KINDS = ("char", "bpe")
 END_OF_TEXT = "<|endoftext|>"
 
 

@@ -68,7 +68,10 @@ class CharTokenizer:
         shown = ", ".join(repr(c) for c in unknown[:20])
         more = f" and {len(unknown) - 20} more" if len(unknown) > 20 else ""
         return TokenizerError(f"{len(unknown)} character{'s' if len(unknown) > 1 else ''} "
-                              f"not in the tokenizer's vocabulary: {shown}{more}")
+                              f"not in the tokenizer's vocabulary: {shown}{more}; a character "
+                              f"tokenizer knows only the characters of the text it was made "
+                              f"from: remove these, or prepare the data with --tokenizer bpe "
+                              f"(byte-level BPE encodes any text)")
 
     def decode(self, ids: Sequence[int]) -> str:
         return "".join(self.chars[i] for i in checked_ids(ids, self.vocab_size))

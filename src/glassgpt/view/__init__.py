@@ -1,7 +1,9 @@
 """`glassgpt view RUN`: a local web page that shows what a trained model does with a prompt.
 
-    inspector.py  `RunView`: tokens, attention, top-k and the logit lens, sampling, the model
+    inspector.py  `RunView`: tokens, attention (weights, scores, every layer and head), one
+                  head step by step, top-k and the logit lens, ablation, sampling, the model
                   card, as JSON-ready values (torch only, no web code)
+    pieces.py     a token's text as the page shows it (`<0xE2>` for a byte of a character)
     requests.py   the API's request bodies: JSON objects, each field's type checked
     server.py     the Starlette app and the uvicorn server, `load_for_view`
     bench.py      `python -m glassgpt.view.bench`: the API's response times

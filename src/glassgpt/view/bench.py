@@ -29,13 +29,24 @@ from typing import Any
 import torch
 
 from glassgpt.config import GPTConfig
-from glassgpt.data import read_text, tinyshakespeare_path
+from glassgpt.data import tinyshakespeare
 from glassgpt.model import GPT
 from glassgpt.tokenizers import CharTokenizer
 from glassgpt.view.inspector import RunView
 from glassgpt.view.server import create_app, load_for_view, make_server, open_socket, url_of
 
 BUDGET_MS = 300.0
+# What the page sends when the prompt changes: (path, body, whether it names the position).
+PAGE_REQUESTS = [("api/attention", {"layer": 0}, False), ("api/predictions", {"k": 5}, False),
+                 ("api/attends", {}, True), ("api/overview", {}, False),
+                 ("api/head", {"layer": 0, "head": 0}, True),
+                 ("api/ablate", {"k": 5}, False)]
+
+
+def shakespeare_text() -> str:
+    """Tiny Shakespeare as text (the packaged copy unless the environment names another)."""
+    data, _ = tinyshakespeare()
+    return data.decode("utf-8")
 
 
 def random_shakespeare_char(text: str) -> RunView:
@@ -111,9 +122,24 @@ def measure(view: RunView, client: Client, prompts: list[str]) -> dict[str, list
                                            {"prompt": p, "layer": L - 1, "head": 0}))
         timed("attends, last token (warm)",
               lambda p=prompt: client.post("api/attends", {"prompt": p, "position": T - 1}))
+        timed("scores, all heads (warm)",
+              lambda p=prompt: client.post("api/attention", {"prompt": p, "layer": L - 1,
+                                                             "kind": "scores"}))
+        timed("every layer and head (warm)",
+              lambda p=prompt: client.post("api/overview", {"prompt": p}))
+        timed("inside one head, last token (warm)",
+              lambda p=prompt: client.post("api/head", {"prompt": p, "layer": L - 1,
+                                                        "head": 0, "position": T - 1}))
+        timed("ablation, one head (cold)",
+              lambda p=prompt: client.post("api/ablate", {"prompt": p, "k": 5,
+                                                          "heads": [[0, 0]]}))
+        timed("predictions, T 0.7 top-k 10 (warm)",
+              lambda p=prompt: client.post("api/predictions", {"prompt": p, "k": 5,
+                                                               "temperature": 0.7,
+                                                               "top_k": 10}))
         timed("card", lambda: client.get("api/card"))
         view.traces.entries.clear()
-        timed("page update: the 3 requests at once (cold)",
+        timed(f"page update: the {len(PAGE_REQUESTS)} requests at once (cold)",
               lambda p=prompt: page_update(client, p, T - 1))
     return times
 
@@ -121,9 +147,8 @@ def measure(view: RunView, client: Client, prompts: list[str]) -> dict[str, list
 def page_update(client: Client, prompt: str, position: int) -> tuple[float, bytes]:
     """What the page sends when the prompt changes, all at once: the time until the last
     answer is in."""
-    requests = [("api/attention", {"prompt": prompt, "layer": 0}),
-                ("api/predictions", {"prompt": prompt, "k": 5}),
-                ("api/attends", {"prompt": prompt, "position": position})]
+    requests = [(path, {"prompt": prompt, **body, **({"position": position} if at else {})})
+                for path, body, at in PAGE_REQUESTS]
     started = time.perf_counter()
     with ThreadPoolExecutor(len(requests)) as pool:
         list(pool.map(lambda r: client.post(*r), requests))
@@ -195,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    text = read_text(tinyshakespeare_path())
+    text = shakespeare_text()
     view = load_for_view(args.run_dir) if args.run_dir else random_shakespeare_char(text)
     # A token holds at least one character: a prompt of block_size characters always fits.
     chars = min(args.prompt_chars, view.block_size)

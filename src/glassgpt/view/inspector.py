@@ -1,8 +1,11 @@
 """What `glassgpt view` shows of a run, as JSON-ready values. No web code lives here.
 
 `RunView` holds a loaded model and its tokenizer and answers the page's questions: the tokens of
-a prompt, the attention of a layer or of one token, the top-k next tokens and logit lens at every
-position, a streamed sample, and the model card. User mistakes (an empty prompt, characters the
+a prompt, the attention of a layer (weights or the scores before the softmax), of every layer and
+head at once, or of one token, one query token through one head step by step ("Inside one
+head"), the top-k next tokens and logit lens at every position (and what sampling draws from at
+a temperature and top-k), the same with heads or layers switched off ("Ablation"), a streamed
+sample, and the model card. User mistakes (an empty prompt, characters the
 tokenizer lacks, a layer that does not exist) raise `glassgpt.errors` exceptions with one-line
 messages; the server turns those into 4xx answers.
 
@@ -21,16 +24,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from glassgpt.checkpoint import read_run_config
 from glassgpt.config import SamplingConfig
+from glassgpt.data import PreparedData, default_data_dir
 from glassgpt.errors import CheckpointError, GlassGPTError, InputError
 from glassgpt.generate import encode_prompt, stream_text
-from glassgpt.lens import TopK, lens_top_k, parameter_counts, trace
+from glassgpt.lens import (
+    Ablation,
+    TopK,
+    attention_scores,
+    head_steps,
+    kv_heads_of,
+    lens_top_k,
+    parameter_counts,
+    prompt_loss,
+    read_out,
+    sampling_distribution,
+    trace,
+)
 from glassgpt.metrics import read_metrics
 from glassgpt.model import GPT, count_parameters
 from glassgpt.tokenizers import Tokenizer
+from glassgpt.view.pieces import piece_text
 
 MAX_PROMPT_CHARS = 20_000  # refused before tokenizing: longer than any context glassgpt trains
 MAX_TOP_K = 20
@@ -38,9 +57,14 @@ MAX_NEW_TOKENS = 2_000
 CURVE_POINTS = 500  # training-loss points sent for the card's curve (evaluations all kept)
 TRACE_CACHE_BYTES = 256 * 2**20
 DECIMALS = 4  # probabilities and attention weights are sent rounded to this many places
-# The page starts with the first of these that the tokenizer can encode.
+# The page starts with a piece of the run's own validation text, this many tokens long at most:
+# short enough that every token of a map is labelled at the page's first zoom.
+EXAMPLE_TOKENS = 32
+# Without validation text the page starts with the first of these the tokenizer can encode.
 EXAMPLE_PROMPTS = ("ROMEO:\nBut soft, what light through yonder window breaks?",
                    "To be, or not to be, that is the question", "to be or not to be")
+THUMBNAIL_CELLS = 48  # an overview map of a longer prompt averages blocks of cells
+ATTENTION_KINDS = ("weights", "scores")
 
 
 @dataclass(frozen=True)
@@ -58,10 +82,12 @@ class Inside:
 
     attention: Tensor  # (L, H, T, T)
     lens: TopK  # (L + 1, T, MAX_TOP_K): after the embeddings, then after each layer
+    residuals: Tensor  # (L + 1, 1, T, C): for the scores, one head's steps, sampling's view
+    loss: float | None  # mean cross-entropy of the prompt's next tokens (None: one token)
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.attention, self.lens.probs, self.lens.ids)
+        tensors = (self.attention, self.lens.probs, self.lens.ids, self.residuals)
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -70,16 +96,17 @@ class TraceCache:
 
     def __init__(self, budget_bytes: int = TRACE_CACHE_BYTES):
         self.budget = budget_bytes
-        self.entries: OrderedDict[tuple[int, ...], Inside] = OrderedDict()
+        # Keyed by the prompt's ids and what was switched off (None: the intact model).
+        self.entries: OrderedDict[tuple, Inside] = OrderedDict()
         self.lock = threading.Lock()  # the server asks from several threads
 
-    def get(self, key: tuple[int, ...]) -> Inside | None:
+    def get(self, key: tuple) -> Inside | None:
         with self.lock:
             if key in self.entries:
                 self.entries.move_to_end(key)
             return self.entries.get(key)
 
-    def put(self, key: tuple[int, ...], inside: Inside) -> None:
+    def put(self, key: tuple, inside: Inside) -> None:
         with self.lock:
             self.entries[key] = inside
             self.entries.move_to_end(key)
@@ -101,6 +128,49 @@ def lower_triangle(weights: Tensor) -> list[list[float]]:
     return [row[:i + 1] for i, row in enumerate(rounded(weights))]
 
 
+def scale_of(values: Tensor) -> dict[str, float]:
+    """The range a map's colours span (finite values only), for the page's legend."""
+    finite = values[torch.isfinite(values)]
+    if finite.numel() == 0:
+        return {"min": 0.0, "max": 0.0}
+    return {"min": round(float(finite.min()), DECIMALS), "max": round(float(finite.max()),
+                                                                      DECIMALS)}
+
+
+def pooled(maps: Tensor, cells: int) -> Tensor:
+    """Attention maps (..., T, T) shrunk to at most (..., cells, cells) by averaging blocks of
+    queries and summing blocks of keys, so each row of a thumbnail still sums to 1."""
+    tokens = maps.shape[-1]  # T
+    if tokens <= cells:
+        return maps
+    flat = maps.reshape(-1, 1, tokens, tokens)  # (N, 1, T, T)
+    shrunk = F.adaptive_avg_pool2d(flat, cells)  # (N, 1, cells, cells): block means
+    shrunk = shrunk / shrunk.sum(dim=-1, keepdim=True).clamp_min(1e-12)
+    return shrunk.reshape(*maps.shape[:-2], cells, cells)
+
+
+def ablation_from(heads: list, attention: list, mlp: list) -> Ablation:
+    """The page's switches as an `Ablation`: heads [[layer, head], ...], layers [l, ...]."""
+    def integer(value: Any, what: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InputError(f"{what} must be an integer, got {value!r:.40}")
+        return value
+
+    pairs = []
+    for pair in heads:
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise InputError(f"each of heads must be [layer, head], got {pair!r:.40}")
+        pairs.append((integer(pair[0], "a layer"), integer(pair[1], "a head")))
+    return Ablation(heads=pairs, attention=[integer(v, "a layer") for v in attention],
+                    mlp=[integer(v, "a layer") for v in mlp])
+
+
+def top_k_probabilities_of(probs: Tensor, k: int) -> TopK:
+    """The k largest entries of probabilities (..., V): (..., k), most likely first."""
+    values, ids = torch.topk(probs.float(), min(k, probs.shape[-1]), dim=-1)
+    return TopK(values.cpu(), ids.cpu())
+
+
 def check_index(what: str, value: int, size: int) -> None:
     if not 0 <= value < size:
         raise InputError(f"{what} {value} does not exist: the model has {what}s 0..{size - 1}")
@@ -110,7 +180,7 @@ class RunView:
     """A trained model seen through: the computations behind every panel of the page."""
 
     def __init__(self, model: GPT, tokenizer: Tokenizer, run_dir: Path | None = None,
-                 name: str | None = None):
+                 name: str | None = None, threads: int | None = None):
         self.model, self.tokenizer, self.run_dir = model.eval(), tokenizer, run_dir
         self.name = name or (run_dir.name if run_dir is not None else "model")
         self.device = model.lm_head.weight.device
@@ -119,6 +189,7 @@ class RunView:
         # attention and predictions together): the first computes, the others find it cached.
         self._computing = threading.Lock()
         self._card: dict[str, Any] | None = None
+        self.threads = threads  # the CPU threads it serves with (load_for_view chooses them)
 
     @property
     def block_size(self) -> int:
@@ -140,7 +211,11 @@ class RunView:
         return Prompt(text, idx[0].tolist(), idx)
 
     def example_prompt(self) -> str:
-        """A prompt to start the page with: one the tokenizer encodes, within the context."""
+        """A prompt to start the page with: a piece of the run's own validation text when its
+        data directory is at hand, else a stock line the tokenizer encodes."""
+        from_run = self._validation_excerpt()
+        if from_run:
+            return from_run
         for text in EXAMPLE_PROMPTS:
             text = text[:self.block_size]  # a token holds at least one character
             try:
@@ -150,8 +225,32 @@ class RunView:
             return text
         return ""
 
+    def _validation_excerpt(self) -> str | None:
+        """The first lines of the validation split the run was trained against (its data
+        directory from config.json), at most EXAMPLE_TOKENS tokens, cut at a line or a word."""
+        if self.run_dir is None:
+            return None
+        try:
+            data_dir = read_run_config(self.run_dir).get("data_dir")
+            data = PreparedData(data_dir if data_dir else default_data_dir())
+            ids = [int(i) for i in data.splits["val"][:4 * EXAMPLE_TOKENS]]
+        except (GlassGPTError, OSError, KeyError, TypeError, ValueError):
+            return None
+        text = self.tokenizer.decode(ids)
+        if "\n" in text[:-1]:
+            text = text[text.find("\n") + 1:].lstrip()  # begin at a line that has text
+        most = min(EXAMPLE_TOKENS, self.block_size)
+        head = self.tokenizer.decode(self.tokenizer.encode(text)[:most])
+        whole_words = len(head) == len(text) or text[len(head)].isspace()
+        cut = max(head.rfind(" "), head.rfind("\n"))  # else end at a word: never inside one
+        piece = (head if whole_words or cut <= 0 else head[:cut]).rstrip()
+        try:
+            return piece if piece and len(self.encode(piece).ids) <= most else None
+        except GlassGPTError:
+            return None
+
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return piece_text(self.tokenizer, token_id)
 
     def tokens(self, prompt: str) -> dict[str, Any]:
         encoded = self.encode(prompt)
@@ -160,9 +259,10 @@ class RunView:
 
     # --- one forward pass, kept ----------------------------------------------------------------
 
-    def inside(self, prompt: Prompt) -> Inside:
-        """Attention and logit lens of `prompt`, from the cache or from one forward pass."""
-        key = tuple(prompt.ids)
+    def inside(self, prompt: Prompt, ablation: Ablation | None = None) -> Inside:
+        """Attention, logit lens and loss of `prompt`, from the cache or from one forward pass
+        (with the parts of `ablation` switched off)."""
+        key = (tuple(prompt.ids), ablation or None)
         found = self.traces.get(key)
         if found is not None:
             return found
@@ -170,27 +270,53 @@ class RunView:
             found = self.traces.get(key)
             if found is not None:
                 return found
-            seen = trace(self.model, prompt.idx)  # batch of one
+            seen = trace(self.model, prompt.idx, ablation)  # batch of one
             lens = lens_top_k(self.model, seen.residuals, MAX_TOP_K)[:, 0]  # (L + 1, T, k)
             inside = Inside(attention=seen.attention[:, 0].float().cpu(),  # (L, H, T, T)
-                            lens=TopK(lens.probs.float().cpu(), lens.ids.cpu()))
+                            lens=TopK(lens.probs.float().cpu(), lens.ids.cpu()),
+                            residuals=seen.residuals,
+                            loss=prompt_loss(self.model, seen, prompt.idx))
             self.traces.put(key, inside)
             return inside
 
     # --- attention -------------------------------------------------------------------------
 
-    def attention(self, prompt: str, layer: int, head: int | None = None) -> dict[str, Any]:
+    def attention(self, prompt: str, layer: int, head: int | None = None,
+                  kind: str = "weights") -> dict[str, Any]:
         """The attention of `layer`: one head, or all its heads (head None). Each map is sent
-        as the rows of its lower triangle (row i: what token i attends to, keys 0..i)."""
+        as the rows of its lower triangle (row i: what token i attends to, keys 0..i).
+        kind "weights": after the softmax (rows sum to 1); "scores": q . k / sqrt(d) before it."""
         config = self.model.config
         check_index("layer", layer, config.n_layer)
         if head is not None:
             check_index("head", head, config.n_head)
+        if kind not in ATTENTION_KINDS:
+            raise InputError(f"kind must be one of {', '.join(ATTENTION_KINDS)}, got {kind!r:.40}")
         encoded = self.encode(prompt)
-        maps = self.inside(encoded).attention[layer]  # (H, T, T)
+        inside = self.inside(encoded)
+        if kind == "weights":
+            maps = inside.attention[layer]  # (H, T, T)
+        else:
+            maps = attention_scores(self.model, inside.residuals, layer)[0].float().cpu()
         heads = list(range(config.n_head)) if head is None else [head]
-        return {"layer": layer, "heads": heads, "tokens": len(encoded.ids),
+        shown = maps[heads]  # (heads, T, T)
+        return {"layer": layer, "heads": heads, "tokens": len(encoded.ids), "kind": kind,
+                "kv_heads": [self._kv_head(layer, h) for h in heads],
+                "scale": {"min": 0.0, "max": 1.0} if kind == "weights" else scale_of(shown),
                 "weights": [lower_triangle(maps[h]) for h in heads]}
+
+    def _kv_head(self, layer: int, head: int) -> int:
+        attn = self.model.blocks[layer].attn
+        return head // (attn.n_heads // kv_heads_of(attn))
+
+    def overview(self, prompt: str) -> dict[str, Any]:
+        """Every head of every layer at once, as thumbnails: weights[layer][head] is a map of
+        at most THUMBNAIL_CELLS x THUMBNAIL_CELLS (a longer prompt's cells are averaged)."""
+        encoded = self.encode(prompt)
+        maps = pooled(self.inside(encoded).attention, THUMBNAIL_CELLS)  # (L, H, n, n)
+        n = maps.shape[-1]
+        return {"tokens": len(encoded.ids), "cells": n, "pooled": n < len(encoded.ids),
+                "weights": [[lower_triangle(head) for head in layer] for layer in maps]}
 
     def attends(self, prompt: str, position: int) -> dict[str, Any]:
         """What the token at `position` attends to in every head of every layer:
@@ -200,20 +326,112 @@ class RunView:
         rows = self.inside(encoded).attention[:, :, position, :position + 1]  # (L, H, p + 1)
         return {"position": position, "weights": rounded(rows)}
 
+    # --- inside one head ---------------------------------------------------------------------
+
+    def head(self, prompt: str, layer: int, head: int, position: int) -> dict[str, Any]:
+        """One query token through one head, step by step, with the model's numbers: each step
+        has its name, shape, values and the line of attention.py / block.py computing it."""
+        config = self.model.config
+        check_index("layer", layer, config.n_layer)
+        check_index("head", head, config.n_head)
+        encoded = self.encode(prompt)
+        check_index("position", position, len(encoded.ids))
+        steps = head_steps(self.model, encoded.idx, layer, head, position,
+                           self.inside(encoded).residuals)
+        seen = slice(0, int(steps.visible.sum())) if self.model.blocks[layer].attn.causal \
+            else slice(None)
+        d = steps.q.shape[0]
+        pre_ln = self.model.blocks[layer].pre_ln
+        norm = type(self.model.blocks[layer].ln1).__name__  # LayerNorm or RMSNorm
+        attn = self.model.blocks[layer].attn
+        after = [name for name, module in (("QK-norm", attn.q_norm), ("rotary", attn.rotary))
+                 if module is not None]
+        turned = f", after {' and '.join(after)}" if after else ""
+        table = [
+            ("residual", "residual stream entering the block", steps.residual),
+            ("normed", f"ln1(x) ({norm}): what attention reads" if pre_ln
+             else "x itself (Post-LN: attention reads the residual stream)", steps.normed),
+            ("q", f"q: the query of head {head}{turned}", steps.q),
+            ("keys", f"k: the keys it can see (K/V head {steps.kv_head}){turned}",
+             steps.keys[seen]),
+            ("scores", f"q . k / sqrt({d}): scaled scores", steps.scores[seen]),
+            ("mask", "causal mask: which keys it may see", steps.visible),
+            ("weights", "softmax over the visible scores", steps.weights[seen]),
+            ("values", f"v: the values it mixes (K/V head {steps.kv_head})", steps.values[seen]),
+            ("mixed", "weights @ v: the head's output", steps.mixed),
+            ("w_o", f"W_O rows {head * d}..{(head + 1) * d - 1}: this head's slice", steps.w_o),
+            ("contribution", "mixed @ W_O: what this head adds to the residual stream",
+             steps.contribution),
+        ]
+        sources = steps.sources
+        return {"layer": layer, "head": head, "position": position, "kv_head": steps.kv_head,
+                "kv_heads": kv_heads_of(self.model.blocks[layer].attn), "head_dim": d,
+                "steps": [self._step(name, title, values, sources[name])
+                          for name, title, values in table]}
+
+    @staticmethod
+    def _step(name: str, title: str, values: Tensor, source: Any) -> dict[str, Any]:
+        values = values.detach().float().cpu()
+        shown = values.tolist() if values.dtype == torch.bool else rounded(values)
+        return {"name": name, "title": title, "shape": list(values.shape), "values": shown,
+                "source": {"file": source.file, "line": source.line,
+                           "function": source.function, "text": source.text}}
+
     # --- predictions and the logit lens ------------------------------------------------------
 
-    def predictions(self, prompt: str, k: int = 5) -> dict[str, Any]:
+    def predictions(self, prompt: str, k: int = 5, temperature: float = 1.0,
+                    top_k: int | None = None, top_p: float | None = None) -> dict[str, Any]:
         """The top-k next tokens at every position, read out after the embeddings and after
-        each layer (the logit lens). The last row is the model's own prediction."""
-        if not 1 <= k <= MAX_TOP_K:
-            raise InputError(f"k must be between 1 and {MAX_TOP_K}, got {k}")
+        each layer (the logit lens). The last row is the model's own prediction; `sampling`
+        is what `glassgpt sample` draws from at that temperature, top-k and top-p."""
+        self._check_k(k)
         encoded = self.encode(prompt)
-        lens = self.inside(encoded).lens  # (L + 1, T, MAX_TOP_K)
-        ids = lens.ids[..., :k]  # (L + 1, T, k)
-        pieces = {str(i): self.token_text(i) for i in sorted(set(ids.flatten().tolist()))}
+        inside = self.inside(encoded)
+        if temperature == 1 and top_k is None and top_p is None:  # the model's own: kept
+            drawn = TopK(inside.lens.probs[-1, :, :k], inside.lens.ids[-1, :, :k])
+        else:
+            logits = read_out(self.model, inside.residuals[-1][0])  # (T, V)
+            reshaped = sampling_distribution(logits, temperature, top_k, top_p)  # (T, V)
+            drawn = top_k_probabilities_of(reshaped, k)  # (T, k)
+        answer = self._lens_answer(inside, k, extra_ids=drawn.ids)
+        answer["sampling"] = {"temperature": temperature, "top_k": top_k, "top_p": top_p,
+                              "ids": drawn.ids.tolist(), "probs": rounded(drawn.probs)}
+        return answer
+
+    def ablate(self, prompt: str, k: int = 5, heads: list | tuple = (),
+               attention: list | tuple = (), mlp: list | tuple = ()) -> dict[str, Any]:
+        """The intact model beside the model with `heads` ([layer, head] pairs) and whole layers'
+        `attention` or `mlp` switched off: top-k and logit lens at every position, and the loss
+        on the prompt, for each."""
+        self._check_k(k)
+        ablation = ablation_from(list(heads), list(attention), list(mlp))
+        ablation.check(self.model)
+        encoded = self.encode(prompt)
+        intact, changed = self.inside(encoded), self.inside(encoded, ablation)
+        both = [self._lens_answer(intact, k), self._lens_answer(changed, k)]
+        pieces = {**both[0].pop("pieces"), **both[1].pop("pieces")}
+        return {"k": k, "layers": both[0].pop("layers"), "pieces": pieces,
+                "ablation": {"heads": sorted([l, h] for l, h in ablation.heads),
+                             "attention": sorted(ablation.attention),
+                             "mlp": sorted(ablation.mlp)},
+                "intact": {**both[0], "loss": intact.loss},
+                "ablated": {**both[1], "loss": changed.loss}}
+
+    def _lens_answer(self, inside: Inside, k: int, extra_ids: Tensor | None = None
+                     ) -> dict[str, Any]:
+        ids = inside.lens.ids[..., :k]  # (L + 1, T, k)
+        named = set(ids.flatten().tolist())
+        if extra_ids is not None:
+            named |= set(extra_ids.flatten().tolist())
+        pieces = {str(i): self.token_text(i) for i in sorted(named)}
         layers = ["embeddings", *(f"layer {i}" for i in range(self.model.config.n_layer))]
         return {"k": k, "layers": layers, "ids": ids.tolist(),
-                "probs": rounded(lens.probs[..., :k]), "pieces": pieces}
+                "probs": rounded(inside.lens.probs[..., :k]), "pieces": pieces}
+
+    @staticmethod
+    def _check_k(k: int) -> None:
+        if not 1 <= k <= MAX_TOP_K:
+            raise InputError(f"k must be between 1 and {MAX_TOP_K}, got {k}")
 
     # --- sampling --------------------------------------------------------------------------
 

@@ -35,16 +35,25 @@ class Field:
     nullable: bool = False
 
     def describe(self) -> str:
-        names = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+        names = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
+                 list: "a list"}
         text = " or ".join(names[k] for k in self.kinds)
         return text + " or null" if self.nullable else text
 
 
 PROMPT = Field((str,))
 TOKENIZE = {"prompt": PROMPT}
-PREDICTIONS = {"prompt": PROMPT, "k": Field((int,), 5)}
-ATTENTION = {"prompt": PROMPT, "layer": Field((int,)), "head": Field((int,), None, True)}
+NUMBER = (float, int)
+PREDICTIONS = {"prompt": PROMPT, "k": Field((int,), 5), "temperature": Field(NUMBER, 1.0),
+               "top_k": Field((int,), None, True), "top_p": Field(NUMBER, None, True)}
+ATTENTION = {"prompt": PROMPT, "layer": Field((int,)), "head": Field((int,), None, True),
+             "kind": Field((str,), "weights")}
+OVERVIEW = {"prompt": PROMPT}
 ATTENDS = {"prompt": PROMPT, "position": Field((int,))}
+HEAD = {"prompt": PROMPT, "layer": Field((int,)), "head": Field((int,)),
+        "position": Field((int,))}
+ABLATE = {"prompt": PROMPT, "k": Field((int,), 5), "heads": Field((list,), ()),
+          "attention": Field((list,), ()), "mlp": Field((list,), ())}
 SAMPLE = {"prompt": PROMPT, "max_new_tokens": Field((int,), 200),
           "temperature": Field((float, int), 0.8), "top_k": Field((int,), None, True),
           "top_p": Field((float, int), None, True), "seed": Field((int,), None, True)}

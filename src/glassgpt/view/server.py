@@ -1,20 +1,24 @@
 """The web app of `glassgpt view`: one page and a JSON API over a `RunView` (Starlette).
 
-    GET  /                      the page (HTML, CSS and JS ship in this package: no CDN)
-    GET  /api/card              config, parameters by part, training curve, best val loss
-    POST /api/tokenize          {prompt}                      -> tokens (id, text)
-    POST /api/predictions       {prompt, k}                   -> top-k per layer and position
-    POST /api/attention         {prompt, layer, head|null}    -> one head, or every head
-    POST /api/attends           {prompt, position}            -> that token, every layer/head
-    POST /api/sample            {prompt, max_new_tokens, temperature, top_k, top_p, seed}
-                                -> server-sent events: token ..., then done (or error)
+    GET  /                 the page (HTML, CSS and JS ship in this package: no CDN)
+    GET  /api/card         config, parameters by part, training curve, best val loss
+    POST /api/tokenize     {prompt}                         -> tokens (id, text)
+    POST /api/predictions  {prompt, k, temperature, top_k, top_p}
+                           -> top-k per layer and position; what sampling draws from
+    POST /api/attention    {prompt, layer, head|null, kind} -> one head or every head, weights
+                           (after the softmax) or scores (before it)
+    POST /api/overview     {prompt}                         -> every layer and head, small
+    POST /api/attends      {prompt, position}               -> that token, every layer/head
+    POST /api/head         {prompt, layer, head, position}  -> inside one head, step by step
+    POST /api/ablate       {prompt, k, heads, attention, mlp} -> intact beside ablated
+    POST /api/sample       {prompt, max_new_tokens, temperature, top_k, top_p, seed}
+                           -> server-sent events: token ..., then done (or error)
 
 A bad request gets a 4xx JSON `{"error": "one line"}`. The model runs off the event loop, on one
 thread of its own: requests queue for it instead of stalling the server, and PyTorch keeps one
 pool of compute threads (every thread that runs a parallel CPU op starts its own OpenMP pool,
 and several such pools on a small CPU fight over its cores: requests got several times
-slower). The
-server reads only the run directory it was started on: no request names a file.
+slower). The server reads only the run directory it was started on: no request names a file.
 """
 
 from __future__ import annotations
@@ -34,13 +38,14 @@ import torch
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from glassgpt.checkpoint import load_model
 from glassgpt.config import SamplingConfig
+from glassgpt.devices import settle_threads
 from glassgpt.errors import GlassGPTError
 from glassgpt.view import requests as req
 from glassgpt.view.inspector import RunView
@@ -54,11 +59,21 @@ T = TypeVar("T")
 
 
 def load_for_view(run_dir: str | Path, device: str | torch.device = "cpu",
-                  checkpoint: str = "best") -> RunView:
-    """The run that `glassgpt view` shows: its best weights by default, or its last."""
+                  checkpoint: str = "best", threads: int | str | None = None) -> RunView:
+    """The run that `glassgpt view` shows: its best weights by default, or its last.
+
+    `threads` (a count, "auto" or None: glassgpt.threadsetting) is the CPU's thread count;
+    "auto" times a forward over a prompt of up to 64 tokens, the page's unit of work, and keeps
+    the faster count. The view's `threads` is the count it serves with."""
     run_dir = Path(run_dir)
     model, tokenizer = load_model(run_dir, device, checkpoint=checkpoint)
-    return RunView(model, tokenizer, run_dir)
+    model.eval()
+    on = model.lm_head.weight.device
+    prompt = torch.arange(min(64, model.config.block_size), device=on)[None, :] \
+        % model.config.vocab_size  # (1, T)
+    with torch.no_grad():
+        chosen = settle_threads(threads, on, lambda: model(prompt))
+    return RunView(model, tokenizer, run_dir, threads=chosen)
 
 
 # --- the app -------------------------------------------------------------------------------
@@ -73,39 +88,74 @@ def create_app(view: RunView, allowed_hosts: tuple[str, ...] = LOOPBACK_NAMES) -
         Route("/api/tokenize", api.tokenize, methods=["POST"]),
         Route("/api/predictions", api.predictions, methods=["POST"]),
         Route("/api/attention", api.attention, methods=["POST"]),
+        Route("/api/overview", api.overview, methods=["POST"]),
         Route("/api/attends", api.attends, methods=["POST"]),
+        Route("/api/head", api.head, methods=["POST"]),
+        Route("/api/ablate", api.ablate, methods=["POST"]),
         Route("/api/sample", api.sample, methods=["POST"]),
         Mount("/static", StaticFiles(packages=[("glassgpt.view", "static")]), name="static"),
     ]
-    handlers = {HTTPException: http_error, GlassGPTError: user_error, Exception: server_error}
+    handlers = {HTTPException: http_error, GlassGPTError: user_error,
+                ClientDisconnect: client_gone, Exception: server_error}
     middleware = [Middleware(HostCheck, allowed=allowed_hosts)]
     return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware)
 
 
-def host_name(host_header: str) -> str:
-    """The name in a Host header, without its port: "[::1]:8000" -> "::1", "a:80" -> "a"."""
+def host_name(host_header: str) -> str | None:
+    """The name in a Host header, without its port: "[::1]:8000" -> "::1", "a:80" -> "a";
+    None when it is not `name` or `name:digits` ("127.0.0.1:evil", "[::1]evil.example")."""
     if host_header.startswith("["):
-        return host_header[1:].partition("]")[0]
-    return host_header.rpartition(":")[0] if ":" in host_header else host_header
+        name, _, rest = host_header[1:].partition("]")
+    else:
+        name, _, port = host_header.partition(":")
+        rest = f":{port}" if port or host_header.endswith(":") else ""
+    if rest and not (rest.startswith(":") and rest[1:].isascii() and rest[1:].isdigit()):
+        return None
+    return name.lower() if name else None
+
+
+def origin_netloc(origin: str) -> str | None:
+    """"http://127.0.0.1:8000" -> "127.0.0.1:8000"; None for anything else ("null", https)."""
+    scheme, sep, netloc = origin.partition("://")
+    if scheme.lower() != "http" or not sep or not netloc or "/" in netloc:
+        return None
+    return netloc.lower()
 
 
 class HostCheck:
     """Answer only requests whose Host is one of `allowed` ("*": any). A site that points its
-    own name at 127.0.0.1 (DNS rebinding) sends its name, not ours, and is refused."""
+    own name at 127.0.0.1 (DNS rebinding) sends its name, not ours, and is refused.
+
+    A POST that names an Origin must come from this server's own page (the Origin's host and
+    port are the Host's): a page of another site cannot drive the model, even with a request
+    that a browser lets through. Tools that send no Origin (curl, the bench) are answered.
+    """
 
     def __init__(self, app: Any, allowed: tuple[str, ...]):
         self.app, self.allowed = app, {name.lower() for name in allowed}
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and "*" not in self.allowed:
-            headers = dict(scope["headers"])
-            name = host_name(headers.get(b"host", b"").decode("latin-1")).lower()
-            if name not in self.allowed:
-                response = error_response(f"this server answers requests for "
-                                          f"{', '.join(sorted(self.allowed))} only", 400)
-                await response(scope, receive, send)
+        if scope["type"] == "http":
+            refusal = self.refusal(scope)
+            if refusal is not None:
+                await error_response(*refusal)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    def refusal(self, scope: Any) -> tuple[str, int] | None:
+        """Why this request is refused (message, status), or None to answer it."""
+        headers = dict(scope["headers"])
+        host = headers.get(b"host", b"").decode("latin-1")
+        name = host_name(host)
+        if name is None or ("*" not in self.allowed and name not in self.allowed):
+            return (f"this server answers requests for {', '.join(sorted(self.allowed))} "
+                    f"only", 400)
+        origin = headers.get(b"origin", b"").decode("latin-1")
+        posted = scope["method"] not in ("GET", "HEAD")
+        if posted and b"origin" in headers and origin_netloc(origin) != host.lower():
+            return ("this server answers POST requests from its own page only (Origin "
+                    f"{origin[:60]!r} is not http://{host})", 403)
+        return None
 
 
 def error_response(message: str, status: int) -> JSONResponse:
@@ -121,6 +171,13 @@ async def http_error(request: Request, error: Exception) -> Response:
     message = {404: f"nothing at {request.url.path}",
                405: f"{request.method} is not allowed on {request.url.path}"}
     return error_response(message.get(error.status_code, error.detail), error.status_code)
+
+
+async def client_gone(request: Request, error: Exception) -> Response:
+    """The client closed the connection before its request was read: nobody is left to answer,
+    and it is no error of the server's (one line in the log at debug level, no traceback)."""
+    log.debug("glassgpt view: the client left before sending %s", request.url.path)
+    return error_response("the client closed the connection", 400)
 
 
 async def server_error(request: Request, error: Exception) -> Response:
@@ -159,8 +216,17 @@ class Api:
     async def attention(self, request: Request) -> Response:
         return await self._answer(request, req.ATTENTION, self.view.attention)
 
+    async def overview(self, request: Request) -> Response:
+        return await self._answer(request, req.OVERVIEW, self.view.overview)
+
     async def attends(self, request: Request) -> Response:
         return await self._answer(request, req.ATTENDS, self.view.attends)
+
+    async def head(self, request: Request) -> Response:
+        return await self._answer(request, req.HEAD, self.view.head)
+
+    async def ablate(self, request: Request) -> Response:
+        return await self._answer(request, req.ABLATE, self.view.ablate)
 
     async def _answer(self, request: Request, fields: dict[str, req.Field],
                       compute: Callable[..., dict[str, Any]]) -> Response:
@@ -189,6 +255,14 @@ class Api:
                                          "seconds": round(time.perf_counter() - started, 3)})
         except GlassGPTError as error:
             yield sse_event("error", {"error": req.one_line(error)})
+        except Exception as error:  # every failure reaches the page, as an event
+            # The 200 and the first events are already sent: an `error` event is the only way
+            # left to tell the page. One line in the log; the traceback at debug level.
+            log.error("glassgpt view: sampling failed: %s: %s", type(error).__name__,
+                      req.one_line(error))
+            log.debug("glassgpt view: sampling failed", exc_info=True)
+            yield sse_event("error", {"error": f"sampling failed ({type(error).__name__}: "
+                                               f"{req.one_line(error)[:200]})"})
         finally:
             # Ends decoding and frees the KV cache. On the model thread, after the step that may
             # still be running there when a page that went away cancelled this stream.

@@ -7,6 +7,10 @@ const ZOOMS = [4, 6, 8, 10, 12, 14, 18, 24]; // pixels per token in an attention
 const LABEL_FONT = "12px ui-monospace, 'DejaVu Sans Mono', Menlo, monospace";
 const LABEL_PX = 14; // a row needs this much height for its label to be drawn
 const MAX_LABEL_PX = 90;
+const LEGEND_PX = 34; // room under a map for its colour legend
+// One colour per head (head view, thumbnails' titles), repeating past 12 heads.
+const HEAD_COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf",
+  "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#393b79", "#637939"];
 
 const state = {
   card: null,
@@ -18,6 +22,13 @@ const state = {
   k: 5,
   predictions: null,
   attention: null,
+  kind: "weights", // the attention maps show weights (after the softmax) or scores (before)
+  attends: null, // the selected token in every layer and head (the head view draws it)
+  overview: null,
+  inside: { layer: 0, head: 0 },
+  // Switched off in the Ablation panel: "layer,head" for heads, layer numbers for the rest.
+  ablation: { heads: new Set(), attention: new Set(), mlp: new Set() },
+  ablated: null,
   generation: 0, // bumps on every prompt change; answers for older prompts are dropped
   sampler: null, // AbortController of the running sample
 };
@@ -67,6 +78,69 @@ function shade(w) {
 }
 function inkOn(w) { return Math.sqrt(w) > 0.55 ? "#fff" : "#1d2430"; }
 
+// A value of a vector: blue for positive, red for negative, white at 0 (scale: the largest
+// magnitude shown beside it).
+function diverging(v, scale) {
+  const t = Math.max(-1, Math.min(1, scale > 0 ? v / scale : 0));
+  const to = t >= 0 ? [33, 102, 172] : [178, 24, 43];
+  const c = [255, 255, 255].map((f, i) => Math.round(f + (to[i] - f) * Math.sqrt(Math.abs(t))));
+  return `rgb(${c[0]},${c[1]},${c[2]})`;
+}
+
+// Masked cells (the future a causal model cannot see): grey hatching, never a colour of the
+// scale, so a weight of 0 and a masked cell cannot be mistaken for one another.
+function maskPattern(ctx) {
+  const tile = document.createElement("canvas");
+  tile.width = tile.height = 6;
+  const t = tile.getContext("2d");
+  t.fillStyle = "#e4e7ec";
+  t.fillRect(0, 0, 6, 6);
+  t.strokeStyle = "#a3abb8";
+  t.lineWidth = 1;
+  t.beginPath();
+  t.moveTo(0, 6); t.lineTo(6, 0);
+  t.moveTo(-1, 1); t.lineTo(1, -1);
+  t.moveTo(5, 7); t.lineTo(7, 5);
+  t.stroke();
+  return ctx.createPattern(tile, "repeat");
+}
+
+// The colour of a map's value on its scale: weights 0..1, scores from their min to max.
+function mapShade(v, scale) {
+  const span = scale.max - scale.min;
+  return shade(span > 0 ? (v - scale.min) / span : 0);
+}
+
+// A colour legend drawn under a map at (x, y): the scale's gradient with its ends and middle
+// written out, and the masked swatch.
+function drawLegend(ctx, x, y, scale, what) {
+  const width = 120, height = 10;
+  for (let i = 0; i < width; i++) {
+    ctx.fillStyle = shade(i / (width - 1));
+    ctx.fillRect(x + i, y, 1, height);
+  }
+  ctx.strokeStyle = "#9aa3b0";
+  ctx.strokeRect(x + 0.5, y + 0.5, width - 1, height - 1);
+  ctx.font = LABEL_FONT;
+  ctx.fillStyle = "#1d2430";
+  ctx.textBaseline = "top";
+  const mid = (scale.min + scale.max) / 2;
+  const label = (v) => (what === "weights" ? v.toFixed(1) : v.toFixed(2));
+  ctx.textAlign = "left";
+  ctx.fillText(label(scale.min), x, y + height + 3);
+  ctx.textAlign = "center";
+  ctx.fillText(label(mid), x + width / 2, y + height + 3);
+  ctx.textAlign = "right";
+  ctx.fillText(label(scale.max), x + width, y + height + 3);
+  ctx.fillStyle = maskPattern(ctx);
+  ctx.fillRect(x + width + 14, y, 14, height);
+  ctx.strokeRect(x + width + 14.5, y + 0.5, 13, height - 1);
+  ctx.fillStyle = "#1d2430";
+  ctx.textAlign = "left";
+  ctx.textBaseline = "middle";
+  ctx.fillText(`masked · ${what}`, x + width + 32, y + height / 2);
+}
+
 function debounce(fn, ms) {
   let timer = null;
   return (...args) => { clearTimeout(timer); timer = setTimeout(() => fn(...args), ms); };
@@ -74,13 +148,24 @@ function debounce(fn, ms) {
 
 // --- the prompt and its tokens ---------------------------------------------------------------
 
+const PANELS = ["attention-section", "overview-section", "head-section", "predictions-section",
+  "ablation-section"];
+
 function showPromptError(message) {
   const box = $("prompt-error");
   box.textContent = message || "";
   box.hidden = !message;
-  for (const id of ["attention-section", "predictions-section"]) {
-    $(id).classList.toggle("stale", Boolean(message));
+  if (message) {
+    // The old prompt's count and chips would say the rejected text was understood.
+    $("prompt-status").textContent = "";
+    $("tokens").replaceChildren();
   }
+  for (const id of PANELS) $(id).classList.toggle("stale", Boolean(message));
+}
+
+function showError(id, message) {
+  $(id).textContent = message || "";
+  $(id).hidden = !message;
 }
 
 async function promptChanged() {
@@ -98,7 +183,8 @@ async function promptChanged() {
     }
     renderTokens();
     await Promise.all([loadAttention(generation), loadPredictions(generation),
-      loadAttends(generation)]);
+      loadAttends(generation), loadOverview(generation), loadInside(generation),
+      loadAblation(generation)]);
   } catch (error) {
     if (generation === state.generation) showPromptError(error.message);
   }
@@ -120,7 +206,9 @@ function select(position) {
   renderTokens();
   renderAttention();
   renderPredictions();
+  renderAblation();
   loadAttends(state.generation).catch((e) => showPromptError(e.message));
+  loadInside(state.generation).catch((e) => showPromptError(e.message));
 }
 
 function tokenName(i) { return `'${visible(state.tokens[i].text)}' (position ${i})`; }
@@ -139,11 +227,16 @@ function fillLayerAndHead() {
   const weights = H * m.block_size * (m.block_size + 1) / 2;
   state.head = weights <= 400000 ? "all" : 0;
   $("head").value = String(state.head);
+  $("inside-layer").replaceChildren(...Array.from({ length: L }, (_, l) =>
+    el("option", { value: l }, `layer ${l}`)));
+  $("inside-head").replaceChildren(...Array.from({ length: H }, (_, h) =>
+    el("option", { value: h }, `head ${h}`)));
+  renderSwitches();
 }
 
 async function loadAttention(generation) {
   const body = { prompt: $("prompt").value, layer: state.layer,
-    head: state.head === "all" ? null : state.head };
+    head: state.head === "all" ? null : state.head, kind: state.kind };
   const answer = await api("attention", body);
   if (generation !== state.generation) return;
   state.attention = answer;
@@ -176,23 +269,26 @@ function renderAttention() {
   $("zoom-level").textContent = `${cell} px`;
   const labels = state.tokens.map((t) => visible(t.text));
   box.replaceChildren(...answer.heads.map((head, i) => {
-    const canvas = drawMap(answer.weights[i], labels, cell);
+    const canvas = drawMap(answer.weights[i], labels, cell, answer.scale, answer.kind);
     canvas.addEventListener("mousemove", (e) => hoverMap(e, canvas, answer, i));
     canvas.addEventListener("mouseleave", () => { $("attention-readout").textContent = ""; });
     canvas.addEventListener("click", (e) => {
       const at = mapCell(e, canvas);
       if (at) select(at.row);
     });
-    return el("div", { class: "map-panel" },
-      el("p", { class: "panel-title" }, `layer ${answer.layer}, head ${head}`), canvas);
+    const shared = answer.kv_heads[i] !== head || state.card.model.n_kv_head
+      ? ` · K/V head ${answer.kv_heads[i]}` : "";
+    return el("div", { class: "map-panel", dataset: { head } },
+      el("p", { class: "panel-title" }, `layer ${answer.layer}, head ${head}${shared}`), canvas);
   }));
+  box.dataset.kind = answer.kind;
   box.dataset.layer = answer.layer;
   box.dataset.head = answer.heads.length === 1 ? answer.heads[0] : "all";
 }
 
 // One attention map on a canvas: token labels left (queries) and on top (keys), a cell per
 // (query, key), the future greyed out, the selected row outlined.
-function drawMap(rows, labels, cell) {
+function drawMap(rows, labels, cell, scale = { min: 0, max: 1 }, what = "weights") {
   const T = labels.length;
   const canvas = document.createElement("canvas");
   const ctx = canvas.getContext("2d");
@@ -201,7 +297,8 @@ function drawMap(rows, labels, cell) {
   const upright = labels.every((s) => [...s].length === 1);
   const left = Math.ceil(widest) + 10;
   const top = upright ? 20 : Math.ceil(widest) + 10;
-  const width = left + T * cell + 4, height = top + T * cell + 4;
+  const width = Math.max(left + T * cell + 4, left + 290);
+  const height = top + T * cell + 4 + LEGEND_PX;
   const ratio = window.devicePixelRatio || 1;
   canvas.width = width * ratio;
   canvas.height = height * ratio;
@@ -209,15 +306,16 @@ function drawMap(rows, labels, cell) {
   canvas.style.height = `${height}px`;
   Object.assign(canvas.dataset, { left, top, cell, tokens: T });
   ctx.scale(ratio, ratio);
-  ctx.fillStyle = "#eceef2";
+  ctx.fillStyle = maskPattern(ctx);
   ctx.fillRect(left, top, T * cell, T * cell);
   for (let q = 0; q < T; q++) {
     for (let k = 0; k <= q; k++) {
-      ctx.fillStyle = shade(rows[q][k]);
+      ctx.fillStyle = mapShade(rows[q][k], scale);
       ctx.fillRect(left + k * cell, top + q * cell, cell, cell);
     }
   }
   drawLabels(ctx, labels, { left, top, cell, upright });
+  drawLegend(ctx, left, top + T * cell + 10, scale, what);
   if (state.selected !== null && state.selected < T) {
     ctx.strokeStyle = "#d9480f";
     ctx.lineWidth = 2;
@@ -271,9 +369,10 @@ function hoverMap(event, canvas, answer, i) {
   const readout = $("attention-readout");
   if (!at) { readout.textContent = ""; return; }
   const head = `layer ${answer.layer} head ${answer.heads[i]}`;
+  const what = answer.kind === "weights" ? "weight" : "score";
   readout.textContent = at.col > at.row
-    ? `${head}: ${tokenName(at.row)} cannot see the later ${tokenName(at.col)}`
-    : `${head}: ${tokenName(at.row)} → ${tokenName(at.col)}: ` +
+    ? `${head}: ${tokenName(at.row)} cannot see the later ${tokenName(at.col)} (masked)`
+    : `${head}: ${tokenName(at.row)} → ${tokenName(at.col)}: ${what} ` +
       `${fmt(answer.weights[i][at.row][at.col])}`;
 }
 
@@ -284,7 +383,9 @@ async function loadAttends(generation) {
   const position = state.selected;
   const answer = await api("attends", { prompt: $("prompt").value, position });
   if (generation !== state.generation || position !== state.selected) return;
+  state.attends = answer;
   renderAttends(answer);
+  renderHeadView();
 }
 
 function renderAttends(answer) {
@@ -297,7 +398,7 @@ function renderAttends(answer) {
   const rows = answer.weights.map((heads, layer) => el("tr", {},
     el("th", {}, `layer ${layer}`),
     ...heads.map((weights) => el("td", {}, strip(weights), topKeys(weights)))));
-  $("attends").replaceChildren(el("table", { class: "attends" }, head, ...rows));
+  $("attends").replaceChildren(legendCanvas(), el("table", { class: "attends" }, head, ...rows));
   $("attends").dataset.position = p;
 }
 
@@ -332,8 +433,20 @@ function topKeys(weights) {
 // --- predictions and the logit lens ----------------------------------------------------------
 
 async function loadPredictions(generation) {
-  const answer = await api("predictions", { prompt: $("prompt").value, k: state.k });
+  const body = { prompt: $("prompt").value, k: state.k,
+    temperature: numberOrNull("dist-temperature") ?? 1, top_k: numberOrNull("dist-top-k") };
+  let answer;
+  try {
+    answer = await api("predictions", body);
+  } catch (error) {
+    if (generation !== state.generation) return;
+    // A temperature or top-k the server refuses: said beside them, the prompt is fine.
+    if (!/temperature|top_k/.test(error.message)) throw error;
+    showError("predictions-error", error.message);
+    return;
+  }
   if (generation !== state.generation) return;
+  showError("predictions-error", "");
   state.predictions = answer;
   renderPredictions();
   renderLensGrid();
@@ -346,9 +459,12 @@ function renderPredictions() {
   const p = state.selected;
   if (!P || P.ids[0].length !== state.tokens.length || p === null) return;
   const last = P.ids.length - 1;
-  $("next-title").textContent = `After ${tokenName(p)} the model predicts`;
-  $("next-tokens").replaceChildren(...P.ids[last][p].map((id, j) => {
-    const prob = P.probs[last][p][j];
+  const S = P.sampling;
+  const settings = S.temperature === 1 && S.top_k === null ? ""
+    : ` (sampling at temperature ${S.temperature}${S.top_k === null ? "" : `, top-k ${S.top_k}`})`;
+  $("next-title").textContent = `After ${tokenName(p)} the model predicts${settings}`;
+  $("next-tokens").replaceChildren(...S.ids[p].map((id, j) => {
+    const prob = S.probs[p][j];
     return el("tr", {},
       el("td", { class: "tok" }, piece(id)),
       el("td", { class: "bar-cell" }, barOf(prob)),
@@ -377,8 +493,8 @@ function revealColumn(cell) {
   }
 }
 
-function barOf(prob) {
-  return el("div", { class: "bar", style: { width: `${Math.max(0.5, prob * 100)}%` } });
+function barOf(prob, kind = "") {
+  return el("div", { class: `bar ${kind}`, style: { width: `${Math.max(0.5, prob * 100)}%` } });
 }
 
 function lensToken(id, prob) {
@@ -400,8 +516,10 @@ function renderLensGrid() {
       ...Array.from({ length: T }, (_, i) => lensCell(P, l, i))));
   }
   body.push(el("tr", { class: "actual" }, el("th", { class: "layer" }, "actual next"),
-    ...state.tokens.map((_, i) => el("td", { dataset: { pos: i } },
-      i + 1 < T ? visible(state.tokens[i + 1].text) : "?"))));
+    ...state.tokens.map((_, i) => (i + 1 < T
+      ? el("td", { dataset: { pos: i } }, visible(state.tokens[i + 1].text))
+      : el("td", { class: "none", dataset: { pos: i },
+        title: "the prompt ends here: no next token to compare with" }, "")))));
   $("lens-grid").replaceChildren(el("table", { class: "lens-grid" },
     el("thead", {}, header), el("tbody", {}, ...body)));
   renderPredictions(); // re-marks the selected column
@@ -419,6 +537,326 @@ function lensCell(P, l, i) {
     dataset: { pos: i },
     onclick: () => select(i),
   }, piece(id));
+}
+
+// --- every layer and head at once -----------------------------------------------------------
+
+async function loadOverview(generation) {
+  const answer = await api("overview", { prompt: $("prompt").value });
+  if (generation !== state.generation) return;
+  state.overview = answer;
+  renderOverview();
+}
+
+function renderOverview() {
+  const O = state.overview;
+  if (!O) return;
+  const n = O.cells;
+  const px = Math.max(2, Math.floor(96 / n));
+  const H = O.weights[0].length;
+  const header = el("tr", {}, el("th", {}, ""),
+    ...Array.from({ length: H }, (_, h) => el("th", {}, `head ${h}`)));
+  const rows = O.weights.map((heads, layer) => el("tr", {}, el("th", {}, `layer ${layer}`),
+    ...heads.map((rows, head) => el("td", {}, thumbnail(rows, n, px, layer, head)))));
+  const legend = legendCanvas();
+  const note = O.pooled ? `each cell averages ${Math.ceil(O.tokens / n)} tokens` : "";
+  $("overview").replaceChildren(legend, el("p", { class: "hint" }, note),
+    el("table", { class: "overview" }, header, ...rows));
+}
+
+// A colour legend on its own (for the thumbnails and the strips, which share one scale).
+function legendCanvas(scale = { min: 0, max: 1 }, what = "weights") {
+  const legend = document.createElement("canvas");
+  const ratio = window.devicePixelRatio || 1;
+  legend.width = 300 * ratio;
+  legend.height = 30 * ratio;
+  legend.style.width = "300px";
+  legend.style.height = "30px";
+  legend.className = "legend";
+  const ctx = legend.getContext("2d");
+  ctx.scale(ratio, ratio);
+  drawLegend(ctx, 2, 2, scale, what);
+  return legend;
+}
+
+function thumbnail(rows, n, px, layer, head) {
+  const canvas = document.createElement("canvas");
+  const ratio = window.devicePixelRatio || 1;
+  canvas.width = n * px * ratio;
+  canvas.height = n * px * ratio;
+  canvas.style.width = `${n * px}px`;
+  canvas.style.height = `${n * px}px`;
+  const ctx = canvas.getContext("2d");
+  ctx.scale(ratio, ratio);
+  ctx.fillStyle = maskPattern(ctx);
+  ctx.fillRect(0, 0, n * px, n * px);
+  rows.forEach((row, q) => row.forEach((w, k) => {
+    ctx.fillStyle = shade(w);
+    ctx.fillRect(k * px, q * px, px, px);
+  }));
+  Object.assign(canvas.dataset, { layer, head });
+  canvas.className = "thumb";
+  canvas.title = `layer ${layer}, head ${head}: click to open`;
+  canvas.addEventListener("click", () => openHead(layer, head));
+  return canvas;
+}
+
+// A thumbnail clicked: that head in the attention panel and inside-one-head panel.
+function openHead(layer, head) {
+  state.layer = layer;
+  state.head = head;
+  $("layer").value = String(layer);
+  $("head").value = String(head);
+  state.inside = { layer, head };
+  $("inside-layer").value = String(layer);
+  $("inside-head").value = String(head);
+  const generation = state.generation;
+  Promise.all([loadAttention(generation), loadInside(generation)]).then(() => {
+    renderHeadView();
+    $("attention-section").scrollIntoView();
+  }).catch((e) => showPromptError(e.message));
+}
+
+// The head view: the selected token on the left, every key it can see on the right, a line
+// per head whose darkness is its weight (the layer of the attention panel).
+function renderHeadView() {
+  const A = state.attends;
+  if (!A || A.position >= state.tokens.length) return;
+  const p = A.position;
+  const heads = A.weights[state.layer];
+  const rowPx = 18, left = 130, right = 330, width = 470;
+  const height = rowPx * (p + 1) + 10;
+  const ns = "http://www.w3.org/2000/svg";
+  const svg = document.createElementNS(ns, "svg");
+  svg.setAttribute("width", width);
+  svg.setAttribute("height", height);
+  svg.dataset.layer = state.layer;
+  svg.dataset.position = p;
+  const add = (tag, attrs, text) => {
+    const node = document.createElementNS(ns, tag);
+    for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+    if (text !== undefined) node.textContent = text;
+    svg.append(node);
+    return node;
+  };
+  const y = (i) => 14 + i * rowPx;
+  for (let i = 0; i <= p; i++) {
+    const label = visible(state.tokens[i].text);
+    add("text", { x: left - 8, y: y(i) + 4, "text-anchor": "end",
+      class: i === p ? "query" : "faint" }, label);
+    add("text", { x: right + 8, y: y(i) + 4, "text-anchor": "start" }, label);
+  }
+  heads.forEach((weights, h) => weights.forEach((w, k) => {
+    if (w < 0.01) return;
+    const line = add("line", { x1: left, y1: y(p), x2: right, y2: y(k),
+      stroke: HEAD_COLOURS[h % HEAD_COLOURS.length], "stroke-width": 1 + 4 * w,
+      "stroke-opacity": Math.min(1, 0.15 + w), "data-head": h, "data-key": k });
+    line.append(document.createElementNS(ns, "title"));
+    line.lastChild.textContent = `head ${h} → ${tokenName(k)}: ${fmt(w)}`;
+  }));
+  $("head-view-title").textContent = `Head view: ${tokenName(p)} in layer ${state.layer}`;
+  $("head-view-legend").replaceChildren(...heads.map((_, h) => el("span", { class: "swatch",
+    style: { borderColor: HEAD_COLOURS[h % HEAD_COLOURS.length] } }, `head ${h}`)));
+  $("head-view").replaceChildren(svg);
+}
+
+// --- inside one head -------------------------------------------------------------------------
+
+async function loadInside(generation) {
+  if (state.selected === null) return;
+  const position = state.selected;
+  const { layer, head } = state.inside;
+  const answer = await api("head", { prompt: $("prompt").value, layer, head, position });
+  if (generation !== state.generation || position !== state.selected) return;
+  renderInside(answer);
+}
+
+const VECTOR_SHOWN = 12; // values of a vector written out; hover for the rest
+
+function renderInside(answer) {
+  const p = answer.position;
+  const grouped = answer.kv_heads < state.card.model.n_head
+    ? ` · shares K/V head ${answer.kv_head} with heads ${sharing(answer)}` : "";
+  $("inside-query").textContent =
+    `query ${tokenName(p)} · layer ${answer.layer}, head ${answer.head} · d = ${answer.head_dim}` +
+    grouped;
+  $("inside").replaceChildren(...answer.steps.map((step) => el("li",
+    { class: "step", dataset: { step: step.name } },
+    el("div", { class: "step-head" },
+      el("span", { class: "step-title" }, step.title),
+      el("span", { class: "shape" }, `(${step.shape.join(", ")})`),
+      el("code", { class: "where", title: step.source.text },
+        `${step.source.file}:${step.source.line} ${step.source.function}`)),
+    el("pre", { class: "code" }, step.source.text),
+    stepBody(step, p))));
+  $("inside").dataset.layer = answer.layer;
+  $("inside").dataset.head = answer.head;
+  $("inside").dataset.position = p;
+}
+
+function sharing(answer) {
+  const group = state.card.model.n_head / answer.kv_heads;
+  const first = answer.kv_head * group;
+  return Array.from({ length: group }, (_, i) => first + i).join(", ");
+}
+
+function stepBody(step, p) {
+  if (["scores", "weights", "mask"].includes(step.name)) return keyTable(step, p);
+  if (step.shape.length === 2) return matrix(step);
+  return vectorCells(step.values);
+}
+
+function vectorCells(values) {
+  const scale = Math.max(...values.map(Math.abs), 1e-9);
+  const shown = values.slice(0, VECTOR_SHOWN).map((v) => el("span", { class: "num-cell",
+    dataset: { value: v }, style: { background: diverging(v, scale) } }, v.toFixed(3)));
+  const more = values.length > VECTOR_SHOWN
+    ? [el("span", { class: "more" }, `… ${values.length - VECTOR_SHOWN} more`)] : [];
+  return el("div", { class: "vector", title: values.map((v) => v.toFixed(4)).join(" ") },
+    ...shown, ...more);
+}
+
+// Scores, mask and weights: one column per key the query can see (the mask: every key).
+function keyTable(step, p) {
+  const keys = step.values.map((_, k) => el("th", { title: `position ${k}` },
+    visible(state.tokens[k].text)));
+  const cells = step.values.map((v, k) => {
+    if (step.name === "mask") {
+      return el("td", { class: v ? "seen" : "masked", dataset: { value: v } },
+        v ? "sees" : "masked");
+    }
+    const style = step.name === "weights"
+      ? { background: shade(v), color: inkOn(v) } : {};
+    return el("td", { dataset: { value: v }, style, class: k === p ? "self" : "" },
+      v.toFixed(3));
+  });
+  return el("table", { class: "keys" }, el("tr", {}, ...keys), el("tr", {}, ...cells));
+}
+
+// Keys, values (rows: the keys' tokens) and the head's slice of W_O as a heat map.
+function matrix(step) {
+  const [rows, cols] = step.shape;
+  const px = Math.max(2, Math.min(10, Math.floor(480 / cols)));
+  const rowPx = Math.max(2, Math.min(12, Math.floor(240 / rows)));
+  const canvas = document.createElement("canvas");
+  const ratio = window.devicePixelRatio || 1;
+  canvas.width = cols * px * ratio;
+  canvas.height = rows * rowPx * ratio;
+  canvas.style.width = `${cols * px}px`;
+  canvas.style.height = `${rows * rowPx}px`;
+  const ctx = canvas.getContext("2d");
+  ctx.scale(ratio, ratio);
+  const scale = Math.max(...step.values.flat().map(Math.abs), 1e-9);
+  step.values.forEach((row, r) => row.forEach((v, c) => {
+    ctx.fillStyle = diverging(v, scale);
+    ctx.fillRect(c * px, r * rowPx, px, rowPx);
+  }));
+  const what = step.name === "w_o" ? "rows: the head's d outputs · columns: the residual width"
+    : "rows: the keys 0.. the query sees · columns: the head width d";
+  return el("div", { class: "matrix" }, canvas, el("p", { class: "hint" },
+    `${what} · blue > 0 > red, ±${scale.toFixed(3)} at the ends`));
+}
+
+// --- ablation --------------------------------------------------------------------------------
+
+function renderSwitches() {
+  const { n_layer: L, n_head: H } = state.card.model;
+  const rows = Array.from({ length: L }, (_, layer) => el("tr", {},
+    el("th", {}, `layer ${layer}`),
+    el("td", {}, switchButton("attention", layer, null, "attention")),
+    el("td", {}, switchButton("mlp", layer, null, "MLP")),
+    el("td", {}, ...Array.from({ length: H }, (_, head) =>
+      switchButton("head", layer, head, `h${head}`)))));
+  $("ablation-switches").replaceChildren(el("table", { class: "switch-table" },
+    el("tr", {}, el("th", {}, ""), el("th", {}, "whole attention"), el("th", {}, "whole MLP"),
+      el("th", {}, "heads")), ...rows));
+}
+
+function switchButton(kind, layer, head, label) {
+  return el("button", { type: "button", class: "switch", "aria-pressed": "false",
+    title: `switch ${kind === "head" ? `head ${head} of layer ${layer}` : `layer ${layer}'s ${label}`} off`,
+    dataset: { kind, layer, head: head === null ? "" : head },
+    onclick: (event) => toggleSwitch(event.currentTarget) }, label);
+}
+
+function toggleSwitch(button) {
+  const { kind, layer, head } = button.dataset;
+  const set = kind === "head" ? state.ablation.heads : state.ablation[kind];
+  const key = kind === "head" ? `${layer},${head}` : Number(layer);
+  if (set.has(key)) set.delete(key); else set.add(key);
+  button.setAttribute("aria-pressed", String(set.has(key)));
+  button.classList.toggle("off", set.has(key));
+  loadAblation(state.generation).catch((e) => showPromptError(e.message));
+}
+
+function resetSwitches() {
+  for (const set of Object.values(state.ablation)) set.clear();
+  for (const button of document.querySelectorAll("#ablation-switches .switch")) {
+    button.setAttribute("aria-pressed", "false");
+    button.classList.remove("off");
+  }
+  loadAblation(state.generation).catch((e) => showPromptError(e.message));
+}
+
+async function loadAblation(generation) {
+  const A = state.ablation;
+  const body = { prompt: $("prompt").value, k: state.k,
+    heads: [...A.heads].map((key) => key.split(",").map(Number)),
+    attention: [...A.attention], mlp: [...A.mlp] };
+  $("ablation-status").textContent = "computing…";
+  const answer = await api("ablate", body);
+  if (generation !== state.generation) return;
+  state.ablated = answer;
+  renderAblation();
+}
+
+function describeAblation(a) {
+  const parts = [...a.heads.map(([l, h]) => `layer ${l} head ${h}`),
+    ...a.attention.map((l) => `layer ${l} attention`), ...a.mlp.map((l) => `layer ${l} MLP`)];
+  return parts.length ? `off: ${parts.join(", ")}` : "everything on (the intact model)";
+}
+
+function renderAblation() {
+  const R = state.ablated;
+  const p = state.selected;
+  if (!R || p === null || R.intact.ids[0].length !== state.tokens.length) return;
+  $("ablation-status").textContent = describeAblation(R.ablation);
+  const name = (id) => visible(R.pieces[id]);
+  const loss = (v) => (v === null ? "n/a" : v.toFixed(4));
+  const { intact, ablated } = R;
+  const delta = intact.loss === null ? "" : ` (${ablated.loss >= intact.loss ? "+" : ""}` +
+    `${(ablated.loss - intact.loss).toFixed(4)})`;
+  $("ablation-loss").replaceChildren("Loss on the prompt: intact ",
+    el("b", { id: "loss-intact" }, loss(intact.loss)), " · ablated ",
+    el("b", { id: "loss-ablated" }, loss(ablated.loss)), delta);
+  const last = intact.ids.length - 1;
+  $("ablation-next-title").textContent = `After ${tokenName(p)}: intact | ablated`;
+  const rows = intact.ids[last][p].map((id, j) => {
+    const other = ablated.ids[last][p][j];
+    return el("tr", {},
+      el("td", { class: "tok intact" }, name(id)),
+      el("td", { class: "num", dataset: { value: intact.probs[last][p][j] } },
+        fmt(intact.probs[last][p][j])),
+      el("td", { class: "bar-cell" }, barOf(intact.probs[last][p][j])),
+      el("td", { class: "tok ablated" + (other !== id ? " changed" : "") }, name(other)),
+      el("td", { class: "num", dataset: { value: ablated.probs[last][p][j] } },
+        fmt(ablated.probs[last][p][j])),
+      el("td", { class: "bar-cell" }, barOf(ablated.probs[last][p][j], "ablated")));
+  });
+  $("ablation-next").replaceChildren(el("tr", {}, el("th", { colspan: 3 }, "intact"),
+    el("th", { colspan: 3 }, "ablated")), ...rows);
+  $("ablation-lens-title").textContent = `Logit lens at position ${p}: intact | ablated`;
+  $("ablation-lens").replaceChildren(...R.layers.map((layer, l) => el("tr", {},
+    el("th", {}, l === last ? `${layer} (output)` : layer),
+    el("td", {}, ...intact.ids[l][p].slice(0, 3).map((id, j) =>
+      lensTokenOf(name(id), intact.probs[l][p][j]))),
+    el("td", { class: "ablated" }, ...ablated.ids[l][p].slice(0, 3).map((id, j) =>
+      lensTokenOf(name(id), ablated.probs[l][p][j]))))));
+}
+
+function lensTokenOf(text, prob) {
+  return el("span", { class: "lens-tok", title: fmt(prob),
+    style: { background: shade(prob), color: inkOn(prob) } }, `${text} ${fmt(prob)}`);
 }
 
 // --- sampling --------------------------------------------------------------------------------
@@ -544,7 +982,7 @@ async function loadCard() {
 
 function renderParameters(parameters) {
   const names = { embeddings: "embeddings (token + position)",
-    attention: "attention (qkv + proj)", ffn: "feed-forward (MLP)", layernorm: "LayerNorm",
+    attention: "attention (qkv + proj)", ffn: "feed-forward (MLP)", norm: "LayerNorm / RMSNorm",
     lm_head: "LM head (untied)", other: "other" };
   const rows = Object.entries(parameters.parts).filter(([, n]) => n > 0).map(([part, n]) => {
     const share = n / parameters.total;
@@ -640,6 +1078,7 @@ async function start() {
   $("layer").addEventListener("change", () => {
     state.layer = Number($("layer").value);
     loadAttention(state.generation).catch((e) => showPromptError(e.message));
+    renderHeadView();
   });
   $("head").addEventListener("change", () => {
     state.head = $("head").value === "all" ? "all" : Number($("head").value);
@@ -650,7 +1089,24 @@ async function start() {
   $("top-k").addEventListener("change", () => {
     state.k = Number($("top-k").value);
     loadPredictions(state.generation).catch((e) => showPromptError(e.message));
+    loadAblation(state.generation).catch((e) => showPromptError(e.message));
   });
+  const redistribute = debounce(() =>
+    loadPredictions(state.generation).catch((e) => showPromptError(e.message)), 150);
+  $("dist-temperature").addEventListener("input", redistribute);
+  $("dist-top-k").addEventListener("input", redistribute);
+  $("attention-kind").addEventListener("change", () => {
+    state.kind = $("attention-kind").value;
+    loadAttention(state.generation).catch((e) => showPromptError(e.message));
+  });
+  for (const id of ["inside-layer", "inside-head"]) {
+    $(id).addEventListener("change", () => {
+      state.inside = { layer: Number($("inside-layer").value),
+        head: Number($("inside-head").value) };
+      loadInside(state.generation).catch((e) => showPromptError(e.message));
+    });
+  }
+  $("ablation-reset").addEventListener("click", resetSwitches);
   $("sample-form").addEventListener("submit", sample);
   $("stop-button").addEventListener("click", stopSampling);
   try {

@@ -1,0 +1,410 @@
+"""What each Hugging Face architecture is in glassgpt's terms: its settings and its weight names.
+
+Three architectures have a glassgpt twin, all of them Pre-LN decoders with one weight per
+glassgpt weight:
+  * GPT-2 (`GPT2LMHeadModel`): learned positions, LayerNorm, a GELU MLP, biases everywhere.
+    Its projections are `Conv1D` modules, which store the weight as (in, out) where `nn.Linear`
+    stores (out, in): those weights are transposed on the way through, nothing else is.
+  * Llama (`LlamaForCausalLM`, SmolLM2 too): rotary positions, RMSNorm, a SwiGLU MLP, grouped
+    K/V heads, no biases (or biases in every projection).
+  * Qwen3 (`Qwen3ForCausalLM`): Llama with an RMSNorm over each head's q and k (`qk_norm`).
+Llama and Qwen3 keep Q, K and V in three matrices where glassgpt stacks them in one `qkv`
+(rows [Q, K, V]); their rotary layout is glassgpt's (rotate-half), so no weight is permuted.
+
+Each translation refuses, with one line naming the setting, what the other side would compute
+differently (a scaled rotary, sliding windows, a head width that does not split the model's).
+Settings come from config.json as glassgpt.hf_files reads it, or from a `transformers` config
+object: both are read by attribute, with transformers' defaults for what is left out.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from glassgpt.config import GPTConfig
+from glassgpt.errors import ConfigError
+from glassgpt.hf_files import HF_SETTINGS, MASK_BUFFER_SUFFIXES
+
+# HF activation names that compute the same function as one of ours. "gelu_new" is GPT-2's own
+# (tanh approximation); "gelu_fast" is left out because it rounds sqrt(2/pi) to 10 digits.
+ACTIVATION_FROM_HF = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_python_tanh": "gelu_tanh",
+    "gelu": "gelu",
+    "gelu_python": "gelu",
+    "relu": "relu",
+}
+ACTIVATION_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
+SILU_NAMES = ("silu", "swish")  # transformers' two names for x * sigmoid(x), SwiGLU's gate
+# Old Llama checkpoints (transformers < 4.31) saved each layer's rotary frequencies.
+ROTARY_BUFFER_SUFFIXES = (".rotary_emb.inv_freq",)
+IMPORTABLE = "GPT-2 (gpt2), Llama (llama) and Qwen3 (qwen3)"
+# Rotary positions have no table in the weights to bound the context, and the model keeps a
+# position index per position: a config.json's context is bounded here (the longest models
+# published hold about 10M positions).
+MAX_ROTARY_CONTEXT = 2**24
+
+# glassgpt name -> HF name. "{i}" is the layer index; a tuple is the HF tensors stacked along
+# the rows of ours (q, k, v).
+GPT2_NAMES: dict[str, str | tuple[str, ...]] = {
+    "tok_emb.weight": "transformer.wte.weight",
+    "pos_emb.weight": "transformer.wpe.weight",
+    "ln_f.weight": "transformer.ln_f.weight",
+    "ln_f.bias": "transformer.ln_f.bias",
+    "lm_head.weight": "lm_head.weight",
+    "blocks.{i}.ln1.weight": "transformer.h.{i}.ln_1.weight",
+    "blocks.{i}.ln1.bias": "transformer.h.{i}.ln_1.bias",
+    "blocks.{i}.attn.qkv.weight": "transformer.h.{i}.attn.c_attn.weight",
+    "blocks.{i}.attn.qkv.bias": "transformer.h.{i}.attn.c_attn.bias",
+    "blocks.{i}.attn.proj.weight": "transformer.h.{i}.attn.c_proj.weight",
+    "blocks.{i}.attn.proj.bias": "transformer.h.{i}.attn.c_proj.bias",
+    "blocks.{i}.ln2.weight": "transformer.h.{i}.ln_2.weight",
+    "blocks.{i}.ln2.bias": "transformer.h.{i}.ln_2.bias",
+    "blocks.{i}.ffn.fc.weight": "transformer.h.{i}.mlp.c_fc.weight",
+    "blocks.{i}.ffn.fc.bias": "transformer.h.{i}.mlp.c_fc.bias",
+    "blocks.{i}.ffn.proj.weight": "transformer.h.{i}.mlp.c_proj.weight",
+    "blocks.{i}.ffn.proj.bias": "transformer.h.{i}.mlp.c_proj.bias",
+}
+GPT2_CONV1D = frozenset({"blocks.{i}.attn.qkv.weight", "blocks.{i}.attn.proj.weight",
+                         "blocks.{i}.ffn.fc.weight", "blocks.{i}.ffn.proj.weight"})
+
+
+def _llama_layer(part: str) -> str:
+    return f"model.layers.{{i}}.{part}"
+
+
+LLAMA_NAMES: dict[str, str | tuple[str, ...]] = {
+    "tok_emb.weight": "model.embed_tokens.weight",
+    "ln_f.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "blocks.{i}.ln1.weight": _llama_layer("input_layernorm.weight"),
+    "blocks.{i}.ln2.weight": _llama_layer("post_attention_layernorm.weight"),
+    **{f"blocks.{{i}}.attn.qkv.{kind}": tuple(_llama_layer(f"self_attn.{p}_proj.{kind}")
+                                            for p in "qkv") for kind in ("weight", "bias")},
+    "blocks.{i}.attn.proj.weight": _llama_layer("self_attn.o_proj.weight"),
+    "blocks.{i}.attn.proj.bias": _llama_layer("self_attn.o_proj.bias"),
+    "blocks.{i}.attn.q_norm.weight": _llama_layer("self_attn.q_norm.weight"),
+    "blocks.{i}.attn.k_norm.weight": _llama_layer("self_attn.k_norm.weight"),
+    **{f"blocks.{{i}}.ffn.{ours}.{kind}": _llama_layer(f"mlp.{theirs}_proj.{kind}")
+       for ours, theirs in (("gate", "gate"), ("up", "up"), ("proj", "down"))
+       for kind in ("weight", "bias")},
+}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One HF architecture: its names, and the translation of its settings both ways."""
+
+    model_type: str  # config.json's "model_type"
+    title: str  # for messages
+    hf_class: str  # the `transformers` class of the LM
+    hf_config_class: str  # ... and of its config
+    base_prefix: str  # the base model's attribute inside the LM, as its weight names show
+    names: dict[str, str | tuple[str, ...]]
+    conv1d: frozenset[str]  # our name patterns whose HF weight is stored (in, out)
+    skipped: tuple[str, ...]  # suffixes of buffers old checkpoints stored beside the weights
+    config_from_hf: Callable[[Any, float | None], GPTConfig]
+    hf_settings: Callable[[GPTConfig], dict[str, Any]]  # kwargs of the transformers config
+
+
+# --- GPT-2 -----------------------------------------------------------------------------------
+
+
+def gpt2_config_from_hf(hf_config: Any, dropout: float | None = None) -> GPTConfig:
+    """The GPTConfig of a model that computes what a GPT-2 config describes."""
+    _reject_unmirrored_gpt2_settings(hf_config)
+    activation = hf_config.activation_function
+    if activation not in ACTIVATION_FROM_HF:
+        raise ConfigError(f"activation_function={activation!r} has no glassgpt equivalent; "
+                          f"supported: {sorted(ACTIVATION_FROM_HF)}")
+    return GPTConfig(
+        vocab_size=hf_config.vocab_size,
+        block_size=hf_config.n_positions,
+        n_layer=hf_config.n_layer,
+        n_head=hf_config.n_head,
+        n_embd=hf_config.n_embd,
+        dropout=_single_dropout(hf_config) if dropout is None else dropout,
+        bias=True,
+        activation=ACTIVATION_FROM_HF[activation],
+        pre_ln=True,
+        tie_weights=bool(getattr(hf_config, "tie_word_embeddings", True)),
+        norm_eps=float(hf_config.layer_norm_epsilon),
+    )
+
+
+def _reject_unmirrored_gpt2_settings(hf_config: Any) -> None:
+    """ConfigError for HF GPT-2 options that change the computation in a way glassgpt cannot."""
+    C = hf_config.n_embd
+    n_inner = getattr(hf_config, "n_inner", None)
+    if n_inner is not None and n_inner != 4 * C:
+        raise ConfigError(f"n_inner={n_inner} is not supported: glassgpt's GELU MLP is "
+                          f"4 x n_embd = {4 * C} wide")
+    if not getattr(hf_config, "scale_attn_weights", True):
+        raise ConfigError("scale_attn_weights=False is not supported: glassgpt always scales "
+                          "attention scores by 1/sqrt(head_dim)")
+    if getattr(hf_config, "scale_attn_by_inverse_layer_idx", False):
+        raise ConfigError("scale_attn_by_inverse_layer_idx=True is not supported: glassgpt "
+                          "scales every layer's attention alike")
+    if getattr(hf_config, "add_cross_attention", False):
+        raise ConfigError("add_cross_attention=True is not supported: glassgpt is decoder-only")
+    # reorder_and_upcast_attn is accepted: it changes rounding under mixed precision, not the math.
+
+
+def _single_dropout(hf_config: Any) -> float:
+    rates = {name: float(getattr(hf_config, name)) for name in
+             ("embd_pdrop", "resid_pdrop", "attn_pdrop")}
+    if len(set(rates.values())) > 1:
+        raise ConfigError(f"glassgpt has one dropout rate, this model has {rates}; "
+                          f"choose one with dropout=... (--dropout on the command line)")
+    return next(iter(rates.values()))
+
+
+def gpt2_settings(config: GPTConfig) -> dict[str, Any]:
+    """GPT2Config's settings for `config`; a ConfigError names any switch GPT-2 lacks."""
+    if config.norm != "layernorm":
+        raise ConfigError(f"norm={config.norm!r} with learned positions cannot be exported: "
+                          f"GPT-2 uses LayerNorm, and Llama/Qwen3 (RMSNorm) rotary positions")
+    if not config.pre_ln:
+        raise ConfigError("pre_ln=False (Post-LN) cannot be exported: GPT-2 normalises before "
+                          "attention and MLP (Pre-LN)")
+    if not config.bias:
+        raise ConfigError("bias=False cannot be exported: GPT-2 has biases in every linear "
+                          "layer and LayerNorm")
+    if config.activation not in ACTIVATION_TO_HF:
+        raise ConfigError(f"activation={config.activation!r} cannot be exported as GPT-2, "
+                          f"which supports {sorted(ACTIVATION_TO_HF)}")
+    _refuse_if_set(config, "GPT-2", mlp_hidden=4 * config.n_embd, n_kv_head=config.n_head,
+                   qk_norm=False, logit_softcap=None)
+    return dict(
+        vocab_size=config.vocab_size,
+        n_positions=config.block_size,
+        n_embd=config.n_embd,
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        n_inner=None,  # 4 * n_embd, like ours
+        activation_function=ACTIVATION_TO_HF[config.activation],
+        resid_pdrop=config.dropout,
+        embd_pdrop=config.dropout,
+        attn_pdrop=config.dropout,
+        layer_norm_epsilon=config.norm_eps,
+        tie_word_embeddings=config.tie_weights,
+    )
+
+
+# --- Llama and Qwen3 ------------------------------------------------------------------------
+
+
+def llama_config_from_hf(hf_config: Any, dropout: float | None = None) -> GPTConfig:
+    """The GPTConfig of a model that computes what a Llama or Qwen3 config describes."""
+    model_type = hf_config.model_type
+    setting = _reader(hf_config, model_type)
+    hidden, heads = setting("hidden_size"), setting("num_attention_heads")
+    kv_heads = setting("num_key_value_heads") or heads
+    _check_head_width(setting("head_dim"), heads, hidden)
+    act = setting("hidden_act")
+    if act not in SILU_NAMES:
+        raise ConfigError(f"hidden_act={act!r} is not supported: glassgpt's SwiGLU gates with "
+                          f"silu")
+    _reject_windows(setting)
+    context = setting("max_position_embeddings")
+    if isinstance(context, int) and context > MAX_ROTARY_CONTEXT:
+        raise ConfigError(f"max_position_embeddings={context:,} is more than glassgpt holds "
+                          f"(at most {MAX_ROTARY_CONTEXT:,} positions)")
+    return GPTConfig(
+        vocab_size=setting("vocab_size"),
+        block_size=context,
+        n_layer=setting("num_hidden_layers"),
+        n_head=heads,
+        n_embd=hidden,
+        n_kv_head=None if kv_heads == heads else kv_heads,
+        dropout=_attention_dropout(setting) if dropout is None else dropout,
+        bias=_one_bias(setting, model_type),
+        activation="swiglu",
+        mlp_hidden=_unless_usual(setting("intermediate_size"), 4 * hidden),
+        pre_ln=True,
+        tie_weights=setting("tie_word_embeddings"),
+        norm="rmsnorm",
+        norm_eps=float(setting("rms_norm_eps")),
+        position="rope",
+        rope_theta=rope_theta(hf_config),
+        qk_norm=model_type == "qwen3",
+    )
+
+
+def _reader(hf_config: Any, model_type: str) -> Callable[[str], Any]:
+    """setting(key): the config's value, or transformers' default when it has none."""
+    defaults = HF_SETTINGS[model_type]
+    return lambda key: getattr(hf_config, key, defaults.get(key, (None,))[0])
+
+
+def _unless_usual(value: int, usual: int) -> int | None:
+    """None where GPTConfig's None means `value` already (so a round trip keeps the config)."""
+    return None if value == usual else value
+
+
+def _check_head_width(head_dim: int | None, heads: int, hidden: int) -> None:
+    if head_dim is not None and head_dim * heads != hidden:
+        raise ConfigError(f"head_dim={head_dim} x num_attention_heads={heads} = "
+                          f"{head_dim * heads} is not hidden_size={hidden}: glassgpt's heads "
+                          f"split the model's width (head_dim = hidden_size / heads)")
+
+
+def _reject_windows(setting: Callable[[str], Any]) -> None:
+    """Sliding-window attention (Qwen3's option) sees only recent keys; glassgpt sees all."""
+    if setting("use_sliding_window"):
+        raise ConfigError("use_sliding_window=True is not supported: glassgpt's attention "
+                          "sees every earlier position")
+    layer_types = setting("layer_types")
+    if layer_types is not None:
+        other = sorted({str(kind) for kind in layer_types} - {"full_attention"})
+        if other:
+            raise ConfigError(f"layer_types holds {other}: glassgpt has full attention in "
+                              f"every layer only")
+
+
+def _one_bias(setting: Callable[[str], Any], model_type: str) -> bool:
+    """glassgpt's `bias` covers every projection: attention's and the MLP's must agree."""
+    attention = bool(setting("attention_bias"))
+    mlp = bool(setting("mlp_bias")) if model_type == "llama" else False  # Qwen3's MLP has none
+    if attention != mlp:
+        raise ConfigError(f"attention_bias={attention} with mlp_bias={mlp} is not supported: "
+                          f"glassgpt's bias is one switch for every projection")
+    return attention
+
+
+def _attention_dropout(setting: Callable[[str], Any]) -> float:
+    rate = float(setting("attention_dropout"))
+    if rate != 0.0:
+        raise ConfigError(f"attention_dropout={rate}: glassgpt has one dropout rate (embeddings, "
+                          f"residuals and attention alike); choose one with dropout=... "
+                          f"(--dropout on the command line)")
+    return 0.0
+
+
+def rope_theta(hf_config: Any) -> float:
+    """The rotary base of a Llama/Qwen3 config, wherever the transformers that wrote it keeps it:
+    `rope_parameters["rope_theta"]` (5.x), or `rope_theta` beside a `rope_scaling` (4.x).
+    Any rotary other than the plain one (linear, dynamic, yarn, llama3 scaling; a partial
+    rotary) is a ConfigError naming it."""
+    theta = getattr(hf_config, "rope_theta", 10000.0)
+    for key in ("rope_parameters", "rope_scaling"):
+        table = getattr(hf_config, key, None)
+        if table is None:
+            continue
+        if not isinstance(table, dict):
+            raise ConfigError(f"{key} must be a JSON object or null, got {table!r:.40}")
+        kind = table.get("rope_type", table.get("type", "default"))
+        extra = sorted(set(table) - {"rope_type", "type", "rope_theta"})
+        if kind != "default" or extra:
+            raise ConfigError(f"{key}={table!r:.120} is not supported: glassgpt's rotary is the "
+                              f"plain one (rope_type 'default', no scaling)")
+        theta = table.get("rope_theta", theta)
+    partial = getattr(hf_config, "partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise ConfigError(f"partial_rotary_factor={partial} is not supported: glassgpt rotates "
+                          f"every feature of q and k")
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or not math.isfinite(theta):
+        raise ConfigError(f"rope_theta must be a finite number, got {theta!r:.40}")
+    return float(theta)
+
+
+def llama_settings(config: GPTConfig) -> dict[str, Any]:
+    """LlamaConfig's settings for `config`; a ConfigError names any switch Llama lacks."""
+    _check_llama_family(config, "Llama")
+    if config.qk_norm:  # architecture_for sends those to Qwen3; kept for direct callers
+        raise ConfigError("qk_norm=True cannot be exported as Llama: that is Qwen3")
+    return {**_llama_family_settings(config), "mlp_bias": config.bias}
+
+
+def qwen3_settings(config: GPTConfig) -> dict[str, Any]:
+    """Qwen3Config's settings for `config`; a ConfigError names any switch Qwen3 lacks."""
+    _check_llama_family(config, "Qwen3")
+    if not config.qk_norm:
+        raise ConfigError("qk_norm=False cannot be exported as Qwen3: that is Llama")
+    if config.bias:
+        raise ConfigError("bias=True with qk_norm cannot be exported: Qwen3 has biases in "
+                          "attention only, never in its MLP")
+    return {**_llama_family_settings(config), "use_sliding_window": False,
+            "layer_types": ["full_attention"] * config.n_layer}
+
+
+def _check_llama_family(config: GPTConfig, title: str) -> None:
+    required = {"position": "rope", "norm": "rmsnorm", "activation": "swiglu", "pre_ln": True}
+    for switch, value in required.items():
+        if getattr(config, switch) != value:
+            raise ConfigError(f"{switch}={getattr(config, switch)!r} cannot be exported: "
+                              f"{title} has {switch}={value!r}, and GPT-2 (learned positions, "
+                              f"LayerNorm, a GELU MLP) is the other architecture glassgpt "
+                              f"exports")
+    _refuse_if_set(config, title, logit_softcap=None)
+
+
+def _llama_family_settings(config: GPTConfig) -> dict[str, Any]:
+    return dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.n_embd,
+        intermediate_size=config.hidden_width,
+        num_hidden_layers=config.n_layer,
+        num_attention_heads=config.n_head,
+        num_key_value_heads=config.kv_heads,
+        head_dim=config.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=config.block_size,
+        rms_norm_eps=config.norm_eps,
+        tie_word_embeddings=config.tie_weights,
+        attention_bias=config.bias,
+        attention_dropout=config.dropout,  # HF drops attention weights only
+        pad_token_id=None,
+    )
+
+
+def rope_kwargs(config_class: Any, theta: float) -> dict[str, Any]:
+    """How the installed transformers takes a rotary base: `rope_parameters` (5.x) or
+    `rope_theta` (4.x), told by the config class's own signature."""
+    if "rope_parameters" in inspect.signature(config_class.__init__).parameters:
+        return {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+    return {"rope_theta": theta}
+
+
+def _refuse_if_set(config: GPTConfig, title: str, **plain: Any) -> None:
+    """ConfigError for the first switch that differs from the value `title` hard-codes
+    (None counts as that value where the switch means "the usual")."""
+    for switch, value in plain.items():
+        current = getattr(config, switch, value)
+        if current is not None and current != value:
+            raise ConfigError(f"{switch}={current!r} cannot be exported: {title} has no such "
+                              f"setting")
+
+
+# --- the table ---------------------------------------------------------------------------------
+
+GPT2 = Architecture("gpt2", "GPT-2", "GPT2LMHeadModel", "GPT2Config", "transformer.",
+                    GPT2_NAMES, GPT2_CONV1D, MASK_BUFFER_SUFFIXES, gpt2_config_from_hf,
+                    gpt2_settings)
+LLAMA = Architecture("llama", "Llama", "LlamaForCausalLM", "LlamaConfig", "model.", LLAMA_NAMES,
+                     frozenset(), ROTARY_BUFFER_SUFFIXES, llama_config_from_hf, llama_settings)
+QWEN3 = Architecture("qwen3", "Qwen3", "Qwen3ForCausalLM", "Qwen3Config", "model.", LLAMA_NAMES,
+                     frozenset(), ROTARY_BUFFER_SUFFIXES, llama_config_from_hf, qwen3_settings)
+ARCHITECTURES = {arch.model_type: arch for arch in (GPT2, LLAMA, QWEN3)}
+
+
+def architecture_of(model_type: Any) -> Architecture:
+    """The architecture of a HF config's model_type, or a ConfigError naming it."""
+    if model_type not in ARCHITECTURES:
+        raise ConfigError(f"only {IMPORTABLE} models can be imported, this one has "
+                          f"model_type={model_type!r}")
+    return ARCHITECTURES[model_type]
+
+
+def architecture_for(config: GPTConfig) -> Architecture:
+    """The HF architecture that computes what `config` does: GPT-2 for learned positions, Qwen3
+    for rotary ones with QK-norm, Llama for rotary ones without. Whether it can hold every
+    other switch is its settings' check."""
+    if config.position == "learned":
+        return GPT2
+    return QWEN3 if config.qk_norm else LLAMA
