@@ -28,13 +28,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from glassgpt import files
 from glassgpt.cli import main
 from glassgpt.config import GPTConfig, SamplingConfig, TrainConfig
 from glassgpt.data import TINYSHAKESPEARE_ENV
+from glassgpt.decoding.generate import encode_prompt, generate, generate_stream, sample_next_token
 from glassgpt.errors import CheckpointError, GlassGPTError
-from glassgpt.generate import encode_prompt, generate, generate_stream, sample_next_token
 from glassgpt.model import GPT
+from glassgpt.storage import files
 from glassgpt.tokenizers import CharTokenizer
 from helpers_dirs import assert_unchanged, snapshot
 

@@ -12,9 +12,9 @@ from glassgpt.attention import MultiHeadSelfAttention
 from glassgpt.block import TransformerBlock
 from glassgpt.cli import main
 from glassgpt.config import GPTConfig
-from glassgpt.devices import resolve_device
+from glassgpt.decoding.generate import generate, sample_next_token
 from glassgpt.errors import ConfigError, GlassGPTError, InputError
-from glassgpt.generate import generate, sample_next_token
+from glassgpt.machine.devices import resolve_device
 from glassgpt.model import GPT, TransformerLM
 
 V = 13

@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from conftest import cli_environment
-from glassgpt.checkpoint import load_model, load_train_state
 from glassgpt.cli import main
 from glassgpt.data import prepare
 from glassgpt.errors import GlassGPTError
+from glassgpt.rundir.checkpoint import load_model, load_train_state
 from helpers_dirs import Snapshot, assert_unchanged, snapshot
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",

@@ -256,7 +256,7 @@ def test_timing_waits_for_the_device_before_reading_the_clock(monkeypatch):
 
 
 def test_thread_settings_are_timed_side_by_side_and_auto_chooses(monkeypatch):
-    monkeypatch.setattr("glassgpt.devices.os.cpu_count", lambda: 2)
+    monkeypatch.setattr("glassgpt.machine.devices.os.cpu_count", lambda: 2)
     monkeypatch.setattr("glassgpt.bench.threads.os.cpu_count", lambda: 2)
     rows = bench.bench_threads("cpu-small", steps=8, rounds=1, load=False, batch_size=1)
     assert [r.setting for r in rows] == ["torch default", "1", "2", "auto"]

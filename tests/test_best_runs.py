@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glassgpt import devices
-from glassgpt.checkpoint import load_model
 from glassgpt.cli import main
 from glassgpt.data import prepare
-from glassgpt.metrics import best_evaluation, read_metrics
+from glassgpt.machine import devices
+from glassgpt.rundir.checkpoint import load_model
+from glassgpt.training.metrics import best_evaluation, read_metrics
 
 SHAPE = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "8",
          "--batch-size", "8", "--eval-iters", "4", "--log-interval", "1", "--lr", "3e-2",

@@ -12,19 +12,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glassgpt import checkpoint, files, layout, rundir
-from glassgpt.checkpoint import (
+from glassgpt.config import GPTConfig
+from glassgpt.errors import CheckpointError, ConfigError
+from glassgpt.model import GPT
+from glassgpt.rundir import checkpoint
+from glassgpt.rundir import directory as rundir
+from glassgpt.rundir.checkpoint import (
     TrainState,
     load_model,
     load_train_state,
     save_checkpoint,
     save_model,
 )
-from glassgpt.config import GPTConfig
-from glassgpt.errors import CheckpointError, ConfigError
-from glassgpt.model import GPT
+from glassgpt.rundir.trainstate import capture_rng_state, restore_rng_state
+from glassgpt.storage import files, layout
 from glassgpt.tokenizers import CharTokenizer
-from glassgpt.trainstate import capture_rng_state, restore_rng_state
 from helpers_dirs import assert_unchanged, snapshot
 
 TOKENIZER = CharTokenizer.from_text("abcdefghij \n")

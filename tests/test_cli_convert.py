@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from glassgpt import GPT, GPTConfig
-from glassgpt.checkpoint import load_model, save_model
 from glassgpt.cli import main
+from glassgpt.rundir.checkpoint import load_model, save_model
 from glassgpt.tokenizers import BPETokenizer, CharTokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -210,7 +210,7 @@ def test_a_tokenizer_smaller_than_the_vocabulary_is_refused(tmp_path: Path, hf_d
 
 def full_disk_in_the_run(monkeypatch) -> None:
     """ENOSPC at the second file of the run (the weights are written, the disk is full)."""
-    from glassgpt import files
+    from glassgpt.storage import files
 
     real, opened = files.open_new_file, []
 

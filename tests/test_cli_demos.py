@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from glassgpt.checkpoint import save_model
 from glassgpt.cli import demos, main
 from glassgpt.config import GPTConfig
 from glassgpt.experiments import EXPERIMENTS, Check, ExperimentResult
 from glassgpt.model import GPT
+from glassgpt.rundir.checkpoint import save_model
 from glassgpt.tokenizers import CharTokenizer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -1,4 +1,5 @@
-"""One commit primitive for run and data directories (glassgpt.commit), tested on both kinds.
+"""One commit primitive for run and data directories (glassgpt.storage.commit), tested on both
+kinds.
 
 A crash at every file operation of a commit leaves the old files or the new, every one from
 the same commit; readers resolve through the journal and never write; a writer that fails
@@ -16,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from glassgpt import commit, files
 from glassgpt.errors import CheckpointError, DataError
-from glassgpt.layout import DATA, LOCK_FILE, RUN
+from glassgpt.storage import commit, files
+from glassgpt.storage.layout import DATA, LOCK_FILE, RUN
 
 KINDS = {"run": (RUN, CheckpointError), "data": (DATA, DataError)}
 
@@ -111,7 +112,7 @@ def test_a_writer_keeps_a_directory_that_was_there(which, tmp_path):
 
 
 def test_preparing_data_does_not_import_the_model(tmp_path):
-    """Data code names a run's files through glassgpt.layout, never through checkpoint code:
+    """Data code names a run's files through glassgpt.storage.layout, never through checkpoint code:
     `prepare` and reading a data directory load neither the model nor the run modules."""
     text = tmp_path / "t.txt"
     text.write_text("to be or not to be " * 40, encoding="utf-8")
@@ -119,7 +120,8 @@ def test_preparing_data_does_not_import_the_model(tmp_path):
               f"prepare({str(tmp_path / 'd')!r}, {str(text)!r})\n"
               f"PreparedData({str(tmp_path / 'd')!r})\n"
               f"print(sorted(m for m in sys.modules if m in ('glassgpt.model', "
-              f"'glassgpt.checkpoint', 'glassgpt.rundir', 'glassgpt.train')))")
+              f"'glassgpt.rundir.checkpoint', 'glassgpt.rundir.directory', "
+              f"'glassgpt.training.trainer')))")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=120, check=True)
     assert result.stdout.strip() == "[]", result.stdout

@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from glassgpt import commit
-from glassgpt.checkpoint import save_model
 from glassgpt.cli import main
 from glassgpt.config import GPTConfig
 from glassgpt.data import PreparedData, pipeline, prepare
 from glassgpt.errors import DataError
-from glassgpt.layout import DATA
 from glassgpt.model import GPT
+from glassgpt.rundir.checkpoint import save_model
+from glassgpt.storage import commit
+from glassgpt.storage.layout import DATA
 from glassgpt.tokenizers import BPETokenizer
 
 TEXT = "".join(f"To be or not to be, line {i}: that is the question.\n" for i in range(100))

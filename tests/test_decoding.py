@@ -25,8 +25,8 @@ from glassgpt.decoding import (
 )
 from glassgpt.decoding import cpu as cpu_engines
 from glassgpt.decoding.engine import twin
+from glassgpt.decoding.generate import generate
 from glassgpt.errors import ConfigError
-from glassgpt.generate import generate
 from glassgpt.model import GPT
 
 V, BLOCK = 37, 24
@@ -187,7 +187,7 @@ class StaticStepEngine(CUDAGraphEngine):
 @pytest.mark.parametrize("B, T, new", SHAPES)
 def test_the_static_step_of_the_cuda_engine_gives_exactly_the_eager_tokens(
         variant, kind, B, T, new, monkeypatch):
-    monkeypatch.setattr("glassgpt.generate.engine_for", lambda model, name, compiled:
+    monkeypatch.setattr("glassgpt.decoding.generate.engine_for", lambda model, name, compiled:
                         StaticStepEngine(model) if name == "cuda-graph" else EagerEngine(model))
     idx = prompt(B, T)
     static = generate(variant, idx, max_new_tokens=new, engine="cuda-graph", **SAMPLING[kind])
@@ -236,7 +236,7 @@ def test_every_engine_gives_exactly_the_eager_tokens_for_the_modern_switches(
     if compiled:
         assert torch.equal(generate(model, idx, max_new_tokens=new, compiled=True, **sampling),
                            expected)
-    monkeypatch.setattr("glassgpt.generate.engine_for", lambda model, name, compiled:
+    monkeypatch.setattr("glassgpt.decoding.generate.engine_for", lambda model, name, compiled:
                         StaticStepEngine(model) if name == "cuda-graph" else EagerEngine(model))
     static = generate(model, idx, max_new_tokens=new, engine="cuda-graph", **sampling)
     assert torch.equal(static, expected)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glassgpt import devices
 from glassgpt.errors import ConfigError
+from glassgpt.machine import devices
 
 
 @pytest.fixture(autouse=True)

@@ -16,8 +16,8 @@ from conftest import cli_environment
 from glassgpt.config import GPTConfig, TrainConfig
 from glassgpt.data import prepare
 from glassgpt.model import GPT
-from glassgpt.optim import make_optimizer
-from glassgpt.train import train_step
+from glassgpt.training.optim import make_optimizer
+from glassgpt.training.trainer import train_step
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
         "--batch-size", "2", "--eval-iters", "2", "--log-interval", "1"]
@@ -28,13 +28,13 @@ ONE_STEP = textwrap.dedent("""
     import sys
     import torch
     from safetensors.torch import save_file
-    from glassgpt import distributed as ddp
-    from glassgpt.checkpoint import model_tensors
+    from glassgpt.machine import distributed as ddp
+    from glassgpt.rundir.checkpoint import model_tensors
     from glassgpt.config import GPTConfig
     from glassgpt.model import GPT
     from glassgpt.config import TrainConfig
-    from glassgpt.optim import make_optimizer
-    from glassgpt.train import train_step
+    from glassgpt.training.optim import make_optimizer
+    from glassgpt.training.trainer import train_step
 
     with ddp.distributed("cpu") as context:
         torch.manual_seed(0)

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from glassgpt.checkpoint import save_model
 from glassgpt.cli import main
 from glassgpt.config import GPTConfig
 from glassgpt.data import PreparedData, prepare
 from glassgpt.errors import CheckpointError
-from glassgpt.evaluate import bits_per_byte, evaluate
 from glassgpt.model import GPT
+from glassgpt.rundir.checkpoint import save_model
+from glassgpt.training.evaluate import bits_per_byte, evaluate
 
 TEXT = "".join(f"To be or not to be, line {i}: that is the question.\n" for i in range(120))
 

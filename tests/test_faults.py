@@ -22,13 +22,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glassgpt import files, layout, metrics, rundir
-from glassgpt.checkpoint import TrainState, load_model, load_train_state, save_checkpoint
 from glassgpt.cli import main
 from glassgpt.config import GPTConfig
 from glassgpt.data import prepare
 from glassgpt.model import GPT
+from glassgpt.rundir import directory as rundir
+from glassgpt.rundir.checkpoint import TrainState, load_model, load_train_state, save_checkpoint
+from glassgpt.storage import files, layout
 from glassgpt.tokenizers import CharTokenizer
+from glassgpt.training import metrics
 
 # A tiny model that checkpoints after every step, so that a kill often lands in a write.
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",

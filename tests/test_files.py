@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from glassgpt import files
 from glassgpt.errors import CheckpointError, GlassGPTError
+from glassgpt.storage import files
 
 
 def test_a_link_is_never_read_through(tmp_path):

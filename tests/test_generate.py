@@ -12,14 +12,14 @@ import torch
 from torch import Tensor, nn
 
 from glassgpt.config import GPTConfig
-from glassgpt.errors import InputError, ModelError
-from glassgpt.generate import (
+from glassgpt.decoding.generate import (
     generate,
     generate_stream,
     keep_top_k,
     keep_top_p,
     sample_next_token,
 )
+from glassgpt.errors import InputError, ModelError
 from glassgpt.model import GPT
 
 V, BLOCK = 23, 10

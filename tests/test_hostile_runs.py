@@ -25,13 +25,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import cli_environment
-from glassgpt import files
-from glassgpt.checkpoint import load_model
 from glassgpt.cli import main
 from glassgpt.data import prepare
 from glassgpt.errors import CheckpointError
-from glassgpt.metrics import read_metrics
+from glassgpt.rundir.checkpoint import load_model
+from glassgpt.storage import files
 from glassgpt.tokenizers import BPETokenizer
+from glassgpt.training.metrics import read_metrics
 from helpers_dirs import assert_unchanged, changes, snapshot
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "8",

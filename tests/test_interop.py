@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from glassgpt import GPT, ConfigError, GPTConfig
+from glassgpt.decoding.generate import generate
 from glassgpt.errors import CheckpointError
-from glassgpt.generate import generate
-from glassgpt.interop import (
+from glassgpt.hf.interop import (
     MissingExtraError,
     config_from_hf,
     from_hf,

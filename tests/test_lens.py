@@ -1,4 +1,4 @@
-"""glassgpt.lens: the computations behind `glassgpt view`, checked against the model itself."""
+"""glassgpt.view.lens: the computations behind `glassgpt view`, checked against the model itself."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from glassgpt import attention as attention_module
 from glassgpt import block as block_module
 from glassgpt.config import GPTConfig
 from glassgpt.errors import InputError
-from glassgpt.lens import (
+from glassgpt.model import GPT, count_parameters
+from glassgpt.view.lens import (
     Ablation,
     attention_maps,
     attention_scores,
@@ -28,7 +29,6 @@ from glassgpt.lens import (
     top_k_probabilities,
     trace,
 )
-from glassgpt.model import GPT, count_parameters
 
 L, H, C, V, T = 2, 2, 16, 11, 7
 

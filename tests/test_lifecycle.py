@@ -1,6 +1,6 @@
-"""The training lifecycle (glassgpt.lifecycle.train_run) and what it promises a user (issues 19,
-20): nothing lost (`--force` replaces only at the new run's first commit, a closed stdout
-saves), nothing hangs (a FIFO where a file belongs), resume with the run's own command line,
+"""The training lifecycle (glassgpt.training.lifecycle.train_run) and what it promises a user
+(issues 19, 20): nothing lost (`--force` replaces only at the new run's first commit, a closed
+stdout saves), nothing hangs (a FIFO where a file belongs), resume with the run's own command line,
 one shape for threads, fine-tuning defaults, and one line for each bad input.
 """
 
@@ -22,17 +22,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glassgpt import devices, layout, runs
-from glassgpt.checkpoint import Run, load_model, load_train_state, save_model
 from glassgpt.cli import build_parser, main
 from glassgpt.config import GPTConfig, TrainConfig
 from glassgpt.data import PreparedData, prepare
 from glassgpt.errors import CheckpointError, ConfigError, DataError, GlassGPTError
-from glassgpt.files import read_json_object
-from glassgpt.lifecycle import finetune_config, recipe_warnings, train_run
-from glassgpt.metrics import read_metrics
+from glassgpt.machine import devices
 from glassgpt.model import GPT
+from glassgpt.rundir.checkpoint import Run, load_model, load_train_state, save_model
+from glassgpt.storage import layout
+from glassgpt.storage.files import read_json_object
 from glassgpt.tokenizers import load_tokenizer_files, read_tokenizer_file
+from glassgpt.training import runs
+from glassgpt.training.lifecycle import finetune_config, recipe_warnings, train_run
+from glassgpt.training.metrics import read_metrics
 from helpers_dirs import assert_unchanged, snapshot
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "8",
@@ -83,7 +85,7 @@ def test_force_keeps_the_old_run_until_the_new_run_commits(template, data, tmp_p
                                                            monkeypatch):
     run = shutil.copytree(template, tmp_path / "run")
     before = snapshot(run, skip=(layout.LOCK_FILE,))
-    from glassgpt import train as train_module
+    from glassgpt.training import trainer as train_module
 
     def crash(*args, **kwargs):
         raise Cut
@@ -398,7 +400,8 @@ def test_the_python_example_in_the_api_docs_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my.txt").write_text(TEXT, encoding="utf-8")
     page = (Path(__file__).parents[1] / "docs" / "api.md").read_text(encoding="utf-8")
-    code = page.split("```python\n", 1)[1].split("```", 1)[0]
+    section = page.split("## Training from Python", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
     namespace: dict = {}
     exec(compile(code, "docs/api.md", "exec"), namespace)
     assert namespace["done"].action == "resume" and namespace["done"].result.iteration == 40

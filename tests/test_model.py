@@ -267,13 +267,22 @@ def test_token_ids_must_be_two_dimensional():
         tiny_gpt()(torch.zeros(5, dtype=torch.long))
 
 
-# --- the README's example ------------------------------------------------------------------
+# --- the examples of the README and the API page ---------------------------------------------
 
-def test_readme_python_api_example_runs(capsys):
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text("utf-8")
-    section = readme.split("<!-- section: api -->", 1)[1]
+def test_api_docs_model_example_runs(capsys):
+    page = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text("utf-8")
+    section = page.split("<!-- section: api -->", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    exec(compile(code, "README.md (Python API)", "exec"), {})
+    exec(compile(code, "docs/api.md (the model)", "exec"), {})
     printed = capsys.readouterr().out
     assert f"{gpt_param_formula(65, 64, 4, 128):,} parameters" in printed  # cpu-small
     assert "torch.Size([2, 3, 5, 5])" in printed
+
+
+def test_readme_tour_example_runs(capsys):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text("utf-8")
+    code = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "README.md (the tour)", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "795,904 parameters" in printed  # cpu-small-modern
+    assert "torch.Size([1, 13])" in printed

@@ -396,7 +396,7 @@ def test_a_field_changed_after_construction_is_checked_and_a_bad_value_refused()
 def test_the_memory_estimate_of_a_layers_python_objects_stays_above_the_measured_cost():
     import tracemalloc
 
-    from glassgpt.memory import HOST_BYTES_PER_LAYER
+    from glassgpt.machine.memory import HOST_BYTES_PER_LAYER
     config = GPTConfig(vocab_size=31, block_size=16, n_layer=1, n_head=4, n_embd=32, **MODERN)
     with torch.device("meta"):
         GPT(config)  # warm up: first-time allocations of torch and Python
@@ -408,7 +408,7 @@ def test_the_memory_estimate_of_a_layers_python_objects_stays_above_the_measured
 
 
 def test_a_hundred_thousand_layers_are_refused_for_their_module_objects_alone(monkeypatch):
-    from glassgpt import memory
+    from glassgpt.machine import memory
     monkeypatch.setattr(memory, "physical_memory", lambda: 4 * 2**30)
     config = GPTConfig(vocab_size=65, block_size=64, n_layer=100_000, n_head=1, n_embd=8)
     parts = memory.model_memory(config)

@@ -1,5 +1,6 @@
-"""Muon written out (glassgpt.muon): the same steps as torch.optim.Muon and AdamW, an update
-with singular values near 1, the parameter split, and exact resumption through the trainer."""
+"""Muon written out (glassgpt.training.muon): the same steps as torch.optim.Muon and AdamW, an
+update with singular values near 1, the parameter split, and exact resumption through the
+trainer."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import torch
 from glassgpt.config import GPTConfig, TrainConfig
 from glassgpt.data import PreparedData, prepare
 from glassgpt.errors import ConfigError
-from glassgpt.metrics import read_metrics
 from glassgpt.model import GPT, count_parameters
-from glassgpt.muon import Muon, lr_scale, orthogonalise
-from glassgpt.optim import make_optimizer, muon_parameter_split, set_lr
-from glassgpt.runs import build_model
-from glassgpt.train import Trainer
+from glassgpt.training.metrics import read_metrics
+from glassgpt.training.muon import Muon, lr_scale, orthogonalise
+from glassgpt.training.optim import make_optimizer, muon_parameter_split, set_lr
+from glassgpt.training.runs import build_model
+from glassgpt.training.trainer import Trainer
 
 TINY = dict(block_size=16, n_layer=2, n_head=2, n_embd=16)
 SHAPES = [(12, 12), (8, 20), (24, 6)]  # square, wide, tall

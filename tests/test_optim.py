@@ -7,10 +7,10 @@ import pytest
 from glassgpt.config import TrainConfig
 from glassgpt.data import PreparedData, prepare
 from glassgpt.errors import ConfigError
-from glassgpt.metrics import read_metrics
-from glassgpt.optim import lr_at
-from glassgpt.runs import build_model
-from glassgpt.train import Trainer
+from glassgpt.training.metrics import read_metrics
+from glassgpt.training.optim import lr_at
+from glassgpt.training.runs import build_model
+from glassgpt.training.trainer import Trainer
 
 TINY = dict(block_size=16, n_layer=1, n_head=2, n_embd=16)
 

@@ -20,7 +20,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from glassgpt.checkpoint import (
+from glassgpt.config import GPTConfig, TrainConfig
+from glassgpt.errors import GlassGPTError
+from glassgpt.model import GPT
+from glassgpt.rundir.checkpoint import (
     TrainState,
     load_model,
     load_train_state,
@@ -28,12 +31,9 @@ from glassgpt.checkpoint import (
     save_checkpoint,
     save_model,
 )
-from glassgpt.config import GPTConfig, TrainConfig
-from glassgpt.errors import GlassGPTError
-from glassgpt.model import GPT
-from glassgpt.optim import adamw_state_shapes, load_adamw_state, make_optimizer
+from glassgpt.rundir.trainstate import capture_rng_state, restore_rng_state
 from glassgpt.tokenizers import BPETokenizer, CharTokenizer, tokenizer_from_json
-from glassgpt.trainstate import capture_rng_state, restore_rng_state
+from glassgpt.training.optim import adamw_state_shapes, load_adamw_state, make_optimizer
 
 FAST = settings(max_examples=80, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -263,7 +263,7 @@ def hf_dir(tmp_path_factory) -> Path:
     """A save_pretrained-style directory of a tiny GPT-2, written without transformers."""
     from safetensors.torch import save_file
 
-    from glassgpt.interop import weight_names
+    from glassgpt.hf.interop import weight_names
 
     path = tmp_path_factory.mktemp("hf")
     model = GPT(GPTConfig(vocab_size=8, block_size=8, n_layer=2, n_head=2, n_embd=8))
@@ -280,7 +280,7 @@ def hf_dir(tmp_path_factory) -> Path:
 @RUN_FUZZ
 @given(data=st.data())
 def test_any_hf_config_imports_or_raises_our_error(hf_dir, data):
-    from glassgpt.interop import from_hf
+    from glassgpt.hf.interop import from_hf
 
     original = json.loads((hf_dir / "config.json").read_text())
     with tempfile.TemporaryDirectory() as scratch:
@@ -300,7 +300,7 @@ TOML_PIECES = st.sampled_from(["[model]\n", "[train]\n", "[[model]]\n", "model =
 def test_any_config_file_reads_or_raises_our_error(tmp_path_factory, pieces, tail):
     """`train --config FILE`: any text is a settings table or one GlassGPTError, also once the
     settings meet the preset (wrong types, tables where values belong, numbers out of reach)."""
-    from glassgpt.runs import read_config_file, resolve_configs
+    from glassgpt.training.runs import read_config_file, resolve_configs
 
     path = tmp_path_factory.mktemp("toml") / "recipe.toml"
     path.write_text("".join(pieces) + tail, encoding="utf-8", errors="surrogatepass")
@@ -329,7 +329,7 @@ def test_any_sampling_settings_are_valid_or_our_error(values):
 def test_any_valid_sampling_settings_pick_a_token(temperature, top_p, top_k, logits):
     """Every setting SamplingConfig takes samples a token id from finite logits: a temperature
     or nucleus below float32's range (1e-300) made NaN and crashed torch's multinomial."""
-    from glassgpt.generate import sample_next_token
+    from glassgpt.decoding.generate import sample_next_token
 
     row = torch.tensor([logits])  # (1, V)
     token = sample_next_token(row, temperature, top_k, top_p, torch.Generator().manual_seed(0))

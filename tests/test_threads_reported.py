@@ -6,13 +6,13 @@ import os
 import pytest
 import torch
 
-from glassgpt import devices
-from glassgpt.checkpoint import save_model
 from glassgpt.config import GPTConfig, SamplingConfig
+from glassgpt.decoding.generate import stream_text
 from glassgpt.experiments import run_experiment
 from glassgpt.experiments.attention_maps import draw_prompt_attention
-from glassgpt.generate import stream_text
+from glassgpt.machine import devices
 from glassgpt.model import GPT
+from glassgpt.rundir.checkpoint import save_model
 from glassgpt.tokenizers import CharTokenizer
 from glassgpt.view.server import load_for_view
 
@@ -86,7 +86,7 @@ def test_sample_times_auto_once_for_all_its_samples(tmp_path, tiny, monkeypatch,
         built.append(setting)
         return real_tuner_for(setting, device)
 
-    monkeypatch.setattr("glassgpt.generate.tuner_for", counting_tuner_for)
+    monkeypatch.setattr("glassgpt.decoding.generate.tuner_for", counting_tuner_for)
     assert main(["sample", str(tmp_path / "run"), "--num-samples", "3", "--max-new-tokens",
                  "10", "--prompt", "to", "--threads", "auto"]) == 0
     assert built[0] == "auto" and all(isinstance(setting, int) for setting in built[1:])

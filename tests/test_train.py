@@ -9,17 +9,22 @@ import math
 import pytest
 import torch
 
-from glassgpt.checkpoint import load_train_state
 from glassgpt.config import GPTConfig, TrainConfig, load_preset
 from glassgpt.data import BatchSampler, PreparedData, prepare
-from glassgpt.devices import autocast_dtype
 from glassgpt.errors import CheckpointError, ConfigError, DataError
-from glassgpt.memory import training_memory
-from glassgpt.metrics import read_metrics
+from glassgpt.machine.devices import autocast_dtype
+from glassgpt.machine.memory import training_memory
 from glassgpt.model import GPT, count_parameters
-from glassgpt.optim import adamw_state_shapes, load_adamw_state, lr_at, make_optimizer
-from glassgpt.runs import build_model, model_for_finetuning, resolve_configs, resume_settings
-from glassgpt.train import NonFiniteLossError, Trainer, estimate_loss, train_step
+from glassgpt.rundir.checkpoint import load_train_state
+from glassgpt.training.metrics import read_metrics
+from glassgpt.training.optim import adamw_state_shapes, load_adamw_state, lr_at, make_optimizer
+from glassgpt.training.runs import (
+    build_model,
+    model_for_finetuning,
+    resolve_configs,
+    resume_settings,
+)
+from glassgpt.training.trainer import NonFiniteLossError, Trainer, estimate_loss, train_step
 
 TINY = dict(block_size=16, n_layer=2, n_head=2, n_embd=16)
 
@@ -195,7 +200,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path, data, mon
         loss = real_step(*args, **kwargs)
         return loss * float("nan") if len(calls) == 6 else loss
 
-    monkeypatch.setattr("glassgpt.train.train_step", step_that_diverges)
+    monkeypatch.setattr("glassgpt.training.trainer.train_step", step_that_diverges)
     with pytest.raises(NonFiniteLossError, match="at iteration 6"):
         run_tiny(data, tmp_path / "run", 8)
     assert load_train_state(tmp_path / "run").iteration == 4  # the evaluation at step 4

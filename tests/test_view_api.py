@@ -1,7 +1,7 @@
 """The JSON API of `glassgpt view` on a tiny trained run (Starlette's TestClient, no browser).
 
-Every answer is checked against the library (`glassgpt.lens`, `glassgpt.generate`), and every
-bad request gets a 4xx JSON with a one-line `error`, never a 500.
+Every answer is checked against the library (`glassgpt.view.lens`, `glassgpt.decoding.generate`),
+and every bad request gets a 4xx JSON with a one-line `error`, never a 500.
 """
 
 from __future__ import annotations
@@ -17,12 +17,17 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
-from glassgpt.checkpoint import load_model
 from glassgpt.cli import build_parser, main
 from glassgpt.config import GPTConfig, SamplingConfig
 from glassgpt.data import PreparedData
-from glassgpt.generate import encode_prompt, stream_text
-from glassgpt.lens import (
+from glassgpt.decoding.generate import encode_prompt, stream_text
+from glassgpt.model import GPT, count_parameters
+from glassgpt.rundir.checkpoint import load_model
+from glassgpt.tokenizers import CharTokenizer, train_tokenizer
+from glassgpt.training.metrics import read_metrics
+from glassgpt.view import bench
+from glassgpt.view.inspector import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, RunView, pooled
+from glassgpt.view.lens import (
     attention_maps,
     attention_scores,
     head_steps,
@@ -33,11 +38,6 @@ from glassgpt.lens import (
     sampling_distribution,
     trace,
 )
-from glassgpt.metrics import read_metrics
-from glassgpt.model import GPT, count_parameters
-from glassgpt.tokenizers import CharTokenizer, train_tokenizer
-from glassgpt.view import bench
-from glassgpt.view.inspector import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, RunView, pooled
 from glassgpt.view.pieces import piece_text, readable_bytes
 from glassgpt.view.requests import MAX_BODY_BYTES
 from glassgpt.view.server import allowed_hosts_for, create_app, load_for_view

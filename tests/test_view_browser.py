@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from glassgpt.checkpoint import load_model
 from glassgpt.cli import main
 from glassgpt.config import SamplingConfig
-from glassgpt.generate import encode_prompt, stream_text
-from glassgpt.lens import Ablation, attention_maps, next_token_top_k, prompt_loss, trace
+from glassgpt.decoding.generate import encode_prompt, stream_text
+from glassgpt.rundir.checkpoint import load_model
+from glassgpt.view.lens import Ablation, attention_maps, next_token_top_k, prompt_loss, trace
 
 PROMPT = "to be or not"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",

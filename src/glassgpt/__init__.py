@@ -33,8 +33,8 @@ _HOMES = {
     "GPT": "glassgpt.model",
     "TransformerLM": "glassgpt.model",
     "count_parameters": "glassgpt.model",
-    "generate": "glassgpt.generate",
-    "generate_stream": "glassgpt.generate",
+    "generate": "glassgpt.decoding.generate",
+    "generate_stream": "glassgpt.decoding.generate",
 }
 
 __all__ = [
@@ -66,6 +66,7 @@ if TYPE_CHECKING:  # what a type checker and an editor see; nothing here runs
     from glassgpt.attention import KVCache, MultiHeadSelfAttention, PerHeadSelfAttention
     from glassgpt.block import FeedForward, ManualLayerNorm, TransformerBlock
     from glassgpt.config import GPTConfig, SamplingConfig, TrainConfig, load_preset, preset_names
+    from glassgpt.decoding.generate import generate, generate_stream
     from glassgpt.errors import (
         CheckpointError,
         ConfigError,
@@ -74,7 +75,6 @@ if TYPE_CHECKING:  # what a type checker and an editor see; nothing here runs
         InputError,
         TokenizerError,
     )
-    from glassgpt.generate import generate, generate_stream
     from glassgpt.model import GPT, TransformerLM, count_parameters
 
 

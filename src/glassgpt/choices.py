@@ -12,7 +12,7 @@ from __future__ import annotations
 TOKENIZER_KINDS = ("char", "bpe")
 DEFAULT_BPE_VOCAB = 1024
 
-# glassgpt.hf_files: what installs the optional Hugging Face extra
+# glassgpt.hf.files: what installs the optional Hugging Face extra
 INSTALL_HINT = "pip install 'glassgpt[hf]'"
 
 # glassgpt.data.pipeline: memory for text and token ids in flight while preparing

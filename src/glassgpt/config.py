@@ -28,8 +28,8 @@ MAX_WIDTH = 2**18  # widths beyond this make matrices no machine holds (GPT-3 is
 ATTENTION_IMPLS = ("fused", "explicit")
 ENGINES = ("auto", "eager", "cpu", "cuda-graph")  # decoding engines (glassgpt.decoding)
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # training precision (autocast)
-OPTIMIZERS = ("adamw", "muon")  # glassgpt.optim
-SCHEDULES = ("cosine", "wsd")  # learning-rate decay after warmup (glassgpt.optim.lr_at)
+OPTIMIZERS = ("adamw", "muon")  # glassgpt.training.optim
+SCHEDULES = ("cosine", "wsd")  # learning-rate decay after warmup (glassgpt.training.optim.lr_at)
 T = TypeVar("T")
 
 

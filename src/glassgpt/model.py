@@ -5,7 +5,7 @@ The stack runs in one loop, `GPT.layers`, which yields the residual stream after
 and after every block; `forward`, `attention_maps`, the logit lens and the decoding engines all
 iterate it, and `GPT.read_out` turns a stream into logits.
 The model knows nothing of training or sampling: it maps token ids to logits (and a loss when
-given targets). Sampling is `glassgpt.generate`; the fast decoding paths (threaded one-row
+given targets). Sampling is `glassgpt.decoding.generate`; the fast decoding paths (threaded one-row
 products, compiled and CUDA-graph steps) are `glassgpt.decoding`, which runs this model unchanged.
 """
 

@@ -27,8 +27,8 @@ from glassgpt.bench.measure import (
     interleaved_times,
 )
 from glassgpt.config import GPTConfig
+from glassgpt.decoding.generate import generate
 from glassgpt.errors import ConfigError
-from glassgpt.generate import generate
 from glassgpt.model import GPT
 
 

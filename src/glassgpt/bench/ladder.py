@@ -7,7 +7,7 @@ the same data (Tiny Shakespeare, character level), from the same seed, with the 
 (the same number of val tokens, drawn from the same seeded stream, every `EVAL_TOKENS` training
 tokens), until the first evaluation at or below the target val loss (`TrainConfig.target_loss`).
 
-What is timed is the trainer's whole run (glassgpt.train.Trainer.run): every step, every
+What is timed is the trainer's whole run (glassgpt.training.trainer.Trainer.run): every step, every
 evaluation, every checkpoint written, compiling and thread tuning included; building the model
 and loading the data are not (the same for every rung). One seed's timing on a busy machine is
 noisy, so a gain smaller than `NOISE` is called close, and with several seeds (`seeds`,
@@ -39,10 +39,10 @@ from glassgpt.choices import (
 from glassgpt.config import GPTConfig, TrainConfig, load_preset
 from glassgpt.data import PreparedData
 from glassgpt.errors import ConfigError
-from glassgpt.evaluate import evaluate
 from glassgpt.experiments.figures import LABEL_PT, label_axes, new_figure, save_figure
 from glassgpt.model import GPT, count_parameters
-from glassgpt.train import NonFiniteLossError, Trainer
+from glassgpt.training.evaluate import evaluate
+from glassgpt.training.trainer import NonFiniteLossError, Trainer
 
 BASE_PRESET = "cpu-small"  # nanoGPT's CPU recipe: 4 layers, 4 heads, width 128, context 64
 MAX_PARAMETERS = 1_000_000

@@ -22,7 +22,7 @@ import torch
 
 from glassgpt.bench.measure import bench_model
 from glassgpt.bench.training import bench_train_config, train_stepper
-from glassgpt.devices import ThreadTuner
+from glassgpt.machine.devices import ThreadTuner
 
 DEFAULT, AUTO = "torch default", "auto"
 

@@ -29,8 +29,8 @@ from glassgpt.bench.measure import (
 )
 from glassgpt.config import TrainConfig, load_preset
 from glassgpt.model import GPT
-from glassgpt.optim import make_optimizer
-from glassgpt.train import train_step
+from glassgpt.training.optim import make_optimizer
+from glassgpt.training.trainer import train_step
 
 
 @dataclass

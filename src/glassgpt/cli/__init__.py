@@ -73,8 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 # Errors of a write to stdout (`glassgpt sample RUN > /dev/full`): every file glassgpt itself
-# writes goes through glassgpt.files, which turns such errors into a GlassGPTError naming the
-# file, so an OSError without a file name that reaches main is the output's.
+# writes goes through glassgpt.storage.files, which turns such errors into a GlassGPTError
+# naming the file, so an OSError without a file name that reaches main is the output's.
 OUTPUT_ERRNOS = (errno.ENOSPC, errno.EIO, errno.EFBIG, errno.EDQUOT)
 
 

@@ -20,7 +20,7 @@ from glassgpt.choices import DECODE_PRESETS, NEW_TOKENS, PROMPT_LEN, TRAIN_PRESE
 from glassgpt.cli.common import output_console
 from glassgpt.cli.ladder import add_ladder_flags, run_ladder_command
 from glassgpt.errors import ConfigError
-from glassgpt.files import check_can_write_file, write_text_atomic
+from glassgpt.storage.files import check_can_write_file, write_text_atomic
 
 if TYPE_CHECKING:  # torch and glassgpt.bench load in the handlers: --help answers at once
     from glassgpt import bench

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from glassgpt.layout import CHECKPOINTS
-from glassgpt.threadsetting import AUTO, parse_threads
+from glassgpt.machine.threadsetting import AUTO, parse_threads
+from glassgpt.storage.layout import CHECKPOINTS
 
 if TYPE_CHECKING:
     import torch
@@ -69,7 +69,7 @@ def add_checkpoint_flag(parser: argparse.ArgumentParser, what: str = "use") -> N
 def warn_about_bf16(dtype: str, device: torch.device) -> None:
     """One line when bfloat16 was asked for on a CPU that runs it slowly."""
     if dtype == "bfloat16":
-        from glassgpt import devices
+        from glassgpt.machine import devices
 
         warning = devices.bf16_warning(device)
         if warning:

@@ -16,16 +16,16 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from glassgpt import files
 from glassgpt.choices import INSTALL_HINT
 from glassgpt.cli.common import add_checkpoint_flag, nonempty_arg, say
 from glassgpt.config import GPTConfig
 from glassgpt.errors import CheckpointError, CommandLineError
+from glassgpt.storage import files
 
 # The handlers import torch, the model and the Hugging Face readers when they run, so that
 # `convert --help` and a mistyped flag answer at once.
 if TYPE_CHECKING:
-    from glassgpt import interop
+    from glassgpt.hf import interop
     from glassgpt.tokenizers import Tokenizer
 
 
@@ -90,9 +90,9 @@ def import_from_hf(source: str, out: Path, tokenizer_file: str | None,
                    dropout: float | None) -> int:
     """Everything is read and checked first; the run is written beside `out` and renamed into
     place whole, so a failure (a full disk) leaves no half-made directory."""
-    from glassgpt import interop
-    from glassgpt.checkpoint import save_model
-    from glassgpt.hf_files import staged_directory
+    from glassgpt.hf import interop
+    from glassgpt.hf.files import staged_directory
+    from glassgpt.rundir.checkpoint import save_model
 
     files.check_can_make_dir(out, CheckpointError)
     if out.exists() and any(out.iterdir()):
@@ -137,8 +137,8 @@ def _source_tokenizer(directory: interop.HFDirectory, tokenizer_file: str | None
                       vocab_size: int) -> Tokenizer:
     """--tokenizer FILE as it is, or the model's own, its padding ids named (see
     hf_files.name_padding_ids)."""
-    from glassgpt import interop
-    from glassgpt.hf_files import UNUSED_TOKEN, name_padding_ids
+    from glassgpt.hf import interop
+    from glassgpt.hf.files import UNUSED_TOKEN, name_padding_ids
     from glassgpt.tokenizers import BPETokenizer
 
     if tokenizer_file is not None:
@@ -157,7 +157,7 @@ def _source_tokenizer(directory: interop.HFDirectory, tokenizer_file: str | None
 
 def _user_tokenizer(path: Path) -> Tokenizer:
     """--tokenizer FILE: a file the user named (a link to it is fine), read bounded."""
-    from glassgpt.hf_files import MAX_TOKENIZER_BYTES
+    from glassgpt.hf.files import MAX_TOKENIZER_BYTES
     from glassgpt.tokenizers import tokenizer_from_json
 
     if not path.exists():
@@ -169,8 +169,8 @@ def _user_tokenizer(path: Path) -> Tokenizer:
 
 def export_to_hf(run_dir: Path, out: Path, checkpoint: str = "best", force: bool = False
                  ) -> int:
-    from glassgpt import interop
-    from glassgpt.checkpoint import describe_weights, load_model
+    from glassgpt.hf import interop
+    from glassgpt.rundir.checkpoint import describe_weights, load_model
     from glassgpt.tokenizers import END_OF_TEXT, BPETokenizer
 
     files.check_can_make_dir(out, CheckpointError)  # before the work, not after it

@@ -27,7 +27,7 @@ from glassgpt.cli.common import (
 from glassgpt.config import INT64_MAX
 from glassgpt.errors import CommandLineError
 from glassgpt.experiments import EXPERIMENTS, ExperimentResult, Table, run_experiment
-from glassgpt.files import check_can_write_file, write_text_atomic
+from glassgpt.storage.files import check_can_write_file, write_text_atomic
 
 RULE_WIDTH = 80  # of the line above each experiment, in a file or a pipe
 SHAPES_FLAGS = {"batch_size": "--batch-size", "seq_len": "--seq-len", "d_model": "--d-model",
@@ -107,7 +107,7 @@ def run_demo(args: argparse.Namespace) -> int:
     names = list(EXPERIMENTS) if args.name == "all" else [args.name]
     if args.json is not None:
         check_can_write_file(args.json, CommandLineError)  # before the run, not after it
-    from glassgpt.devices import cpu_threads
+    from glassgpt.machine.devices import cpu_threads
 
     console = output_console()
     results = {}
@@ -204,9 +204,9 @@ def drawn_panels(L: int, H: int, layer: int | None, head: int | None) -> str:
 
 
 def run_attention(args: argparse.Namespace) -> int:
-    from glassgpt.checkpoint import Run
-    from glassgpt.devices import cpu_threads
     from glassgpt.experiments.attention_maps import draw_prompt_attention
+    from glassgpt.machine.devices import cpu_threads
+    from glassgpt.rundir.checkpoint import Run
 
     if args.out.is_dir():
         raise CommandLineError(f"--out {args.out} is a folder; give a file name such as maps.png")

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from glassgpt.choices import NOISE, QUICK_TARGET, TARGET_LOSS
 from glassgpt.errors import ConfigError
-from glassgpt.files import check_can_write_file, write_text_atomic
+from glassgpt.storage.files import check_can_write_file, write_text_atomic
 
 if TYPE_CHECKING:  # the ladder trains models (torch): it loads in the handler, not for --help
     from glassgpt.bench import ladder
@@ -45,9 +45,9 @@ def add_ladder_flags(p: argparse.ArgumentParser) -> None:
 
 
 def run_ladder_command(args: argparse.Namespace) -> int:
-    from glassgpt import distributed as ddp
     from glassgpt.bench import ladder
-    from glassgpt.runs import training_data
+    from glassgpt.machine import distributed as ddp
+    from glassgpt.training.runs import training_data
 
     if args.seeds < 1 or args.recheck_close < 0:
         raise ConfigError(f"--seeds must be >= 1 and --recheck-close >= 0, got {args.seeds} "

@@ -1,4 +1,5 @@
-"""`glassgpt sample` and `glassgpt eval`: use a trained run (glassgpt.generate, glassgpt.runs)."""
+"""`glassgpt sample` and `glassgpt eval`: use a trained run (glassgpt.decoding.generate,
+glassgpt.training.runs)."""
 
 from __future__ import annotations
 
@@ -63,9 +64,9 @@ def run_sample(args: argparse.Namespace) -> int:
     # Imported here, not at the top: `sample --help` and a mistyped flag should not load torch.
     import torch
 
-    from glassgpt import checkpoint as ckpt
-    from glassgpt.devices import resolve_device
-    from glassgpt.generate import encode_prompt, stream_text
+    from glassgpt.decoding.generate import encode_prompt, stream_text
+    from glassgpt.machine.devices import resolve_device
+    from glassgpt.rundir import checkpoint as ckpt
 
     if args.num_samples <= 0:
         raise ConfigError(f"--num-samples must be positive, got {args.num_samples}")
@@ -146,9 +147,9 @@ def run_eval(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-    from glassgpt import checkpoint as ckpt
-    from glassgpt import runs
-    from glassgpt.devices import resolve_device
+    from glassgpt.machine.devices import resolve_device
+    from glassgpt.rundir import checkpoint as ckpt
+    from glassgpt.training import runs
 
     device = resolve_device(args.device)
     run = ckpt.Run(args.run_dir)  # resolved once, for the evaluation and the line about it

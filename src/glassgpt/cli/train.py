@@ -1,4 +1,4 @@
-"""`glassgpt train`: parse the flags, call glassgpt.lifecycle.train_run, print what it did.
+"""`glassgpt train`: parse the flags, call glassgpt.training.lifecycle.train_run, print what it did.
 
 Every model and training setting gets a typed `--kebab-case` flag generated from the fields of
 `GPTConfig` and `TrainConfig` (so the command line never falls behind them); `--help` shows the
@@ -96,8 +96,8 @@ def _flags(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from glassgpt.lifecycle import train_run
-    from glassgpt.metrics import RichReporter
+    from glassgpt.training.lifecycle import train_run
+    from glassgpt.training.metrics import RichReporter
 
     stop = threading.Event()  # set by Ctrl-C, SIGTERM, or a closed stdout: save and return
     reporter = RichReporter(stop)
@@ -112,7 +112,7 @@ def run_train(args: argparse.Namespace) -> int:
 def _announce(start: Any) -> None:
     """The start line, then any warning about the recipe or the precision."""
     from glassgpt.cli.common import warn_about_bf16
-    from glassgpt.lifecycle import start_line
+    from glassgpt.training.lifecycle import start_line
 
     say(start_line(start))
     for warning in start.warnings:
@@ -121,9 +121,9 @@ def _announce(start: Any) -> None:
 
 
 def _finish(outcome: Any, output_closed: bool) -> int:
-    from glassgpt.distributed import rank_from_env
-    from glassgpt.lifecycle import summary_line
-    from glassgpt.metrics import silence_stdout
+    from glassgpt.machine.distributed import rank_from_env
+    from glassgpt.training.lifecycle import summary_line
+    from glassgpt.training.metrics import silence_stdout
 
     result, run_dir = outcome.result, outcome.run_dir
     if result is None:

@@ -38,8 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_view(args: argparse.Namespace) -> int:
     # Imported here: --help should not pay for torch, the model or the web framework.
-    from glassgpt.checkpoint import describe_weights
-    from glassgpt.devices import cpu_threads
+    from glassgpt.machine.devices import cpu_threads
+    from glassgpt.rundir.checkpoint import describe_weights
     from glassgpt.view.server import (
         allowed_hosts_for,
         create_app,

@@ -32,7 +32,7 @@ from glassgpt.data.pipeline import (
     prepare,
     prepared_tinyshakespeare,
 )
-from glassgpt.layout import DATA_FILES, META_FILE, TOKENIZER_FILE
+from glassgpt.storage.layout import DATA_FILES, META_FILE, TOKENIZER_FILE
 
 __all__ = [
     "DATA_FILES",

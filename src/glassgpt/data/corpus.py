@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from glassgpt.errors import DataError
-from glassgpt.files import check_can_make_dir, write_bytes_atomic
+from glassgpt.storage.files import check_can_make_dir, write_bytes_atomic
 
 TINYSHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 TINYSHAKESPEARE_BYTES = 1_115_394

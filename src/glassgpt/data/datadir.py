@@ -4,12 +4,12 @@
     tokenizer.json       the tokenizer that made them
     meta.json            source, corpus sha256, tokenizer kind, vocab size, id dtype, token counts
 
-A data directory changes as a whole, like a checkpoint, through glassgpt.commit: every new file
-under a `.pending` name, then the journal `prepare.journal` (the commit point), then renames.
-Readers never write: `PreparedData` resolves each file through the journal, so it sees the old
-files or the new ones, never old metadata beside new ids; the next `prepare` into the directory
-finishes an interrupted commit. File names come from glassgpt.layout, which imports nothing:
-preparing data never loads the model.
+A data directory changes as a whole, like a checkpoint, through glassgpt.storage.commit:
+every new file under a `.pending` name, then the journal `prepare.journal` (the commit point),
+then renames. Readers never write: `PreparedData` resolves each file through the journal, so it
+sees the old files or the new ones, never old metadata beside new ids; the next `prepare` into
+the directory finishes an interrupted commit. File names come from glassgpt.storage.layout,
+which imports nothing: preparing data never loads the model.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ from typing import Any
 
 import numpy as np
 
-from glassgpt import commit
 from glassgpt.errors import DataError, TokenizerError
-from glassgpt.files import (
+from glassgpt.storage import commit
+from glassgpt.storage.files import (
     check_can_make_dir,
     entry_kind,
     open_regular_file,
     read_json_object,
 )
-from glassgpt.layout import (
+from glassgpt.storage.layout import (
     DATA,
     META_FILE,
     MODEL_FILE,
@@ -86,7 +86,7 @@ class PreparedData:
     """A prepared data directory: memory-mapped ids per split, its tokenizer and metadata.
 
     Reading changes nothing: a commit a crash cut short reads as the new data (see
-    glassgpt.commit)."""
+    glassgpt.storage.commit)."""
 
     def __init__(self, data_dir: str | Path):
         self.dir = Path(data_dir)

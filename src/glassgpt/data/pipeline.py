@@ -32,12 +32,12 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from glassgpt.choices import DEFAULT_BUFFER_BYTES
-from glassgpt.commit import Writer
 from glassgpt.data.corpus import TINYSHAKESPEARE_SHA256, Corpus, cache_dir
 from glassgpt.data.datadir import check_prepare_target, data_writer, holds_corpus, id_dtype
 from glassgpt.errors import ConfigError, DataError
-from glassgpt.files import open_new_file
-from glassgpt.layout import META_FILE, TOKENIZER_FILE, TRAIN_FILE, VAL_FILE
+from glassgpt.storage.commit import Writer
+from glassgpt.storage.files import open_new_file
+from glassgpt.storage.layout import META_FILE, TOKENIZER_FILE, TRAIN_FILE, VAL_FILE
 from glassgpt.tokenizers import (
     DEFAULT_BPE_VOCAB,
     BPETokenizer,

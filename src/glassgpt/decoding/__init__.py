@@ -7,7 +7,7 @@ decoding lives here, one module per device:
                graph per step, products and attention as fused reductions)
     cuda.py    `CUDAGraphEngine` (a static KV cache and the step captured as a CUDA graph)
 An engine prepares a plain `GPT` without changing its weights' values and gives exactly the
-tokens of `EagerEngine` (tested for each). `glassgpt.generate` picks one with `engine_for`.
+tokens of `EagerEngine` (tested for each). `glassgpt.decoding.generate` picks one with `engine_for`.
 """
 
 from __future__ import annotations

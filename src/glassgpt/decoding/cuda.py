@@ -11,7 +11,7 @@ the same shapes and the same memory every time, so, as in gpt-fast:
   * the token and the position are copied into fixed input tensors before each replay, and the
     logits come out of a fixed output tensor.
 Nothing here reads a value back to the host, so a step costs no synchronisation; sampling stays
-on the device too (`glassgpt.generate`).
+on the device too (`glassgpt.decoding.generate`).
 
 `capture=False` runs the same static step without a graph. That is how the tests check, on any
 device, that the static step gives exactly the eager tokens.

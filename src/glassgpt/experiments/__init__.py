@@ -42,7 +42,7 @@ def run_experiment(name: str, out_dir: Path, seed: int = 0, quick: bool = False,
                    threads: int | str | None = None, **options: Any) -> ExperimentResult:
     """Run experiment `name`, writing its pictures under `out_dir`.
 
-    `threads` (a count, "auto" or None: glassgpt.threadsetting) is the CPU's thread count;
+    `threads` (a count, "auto" or None: glassgpt.machine.threadsetting) is the CPU's thread count;
     "auto" times a step of the size the experiments train and keeps the faster count. The
     result's `threads` is the count it ran with."""
     if name not in EXPERIMENTS:
@@ -66,7 +66,7 @@ def choose_threads(threads: int | str | None) -> int:
     import torch  # here: listing the experiments (`demo --help`) must not load torch
 
     from glassgpt.block import TransformerBlock
-    from glassgpt.devices import settle_threads
+    from glassgpt.machine.devices import settle_threads
 
     def step() -> None:
         TransformerBlock(64, 4)(torch.randn(16, 12, 64)).sum().backward()

@@ -18,7 +18,6 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from glassgpt.devices import settle_threads
 from glassgpt.errors import InputError
 from glassgpt.experiments.figures import (
     MASKED_NOTE,
@@ -33,6 +32,7 @@ from glassgpt.experiments.figures import (
     text_height,
     wrap_title,
 )
+from glassgpt.machine.devices import settle_threads
 from glassgpt.model import GPT
 from glassgpt.tokenizers import Tokenizer
 
@@ -191,7 +191,7 @@ def draw_prompt_attention(model: GPT, tokenizer: Tokenizer, prompt: str, path: P
                           layer: int | None = None, head: int | None = None, title: str = "",
                           threads: int | str | None = None) -> AttentionDrawing:
     """`glassgpt attention` as one call: the maps of `prompt`, drawn as `draw_attention_maps`
-    does. `threads` (a count, "auto" or None: glassgpt.threadsetting) is the CPU's thread
+    does. `threads` (a count, "auto" or None: glassgpt.machine.threadsetting) is the CPU's thread
     count; "auto" times the forward that computes the maps and keeps the faster count."""
     chosen = settle_threads(threads, model.lm_head.weight.device,
                             lambda: prompt_attention(model, tokenizer, prompt))

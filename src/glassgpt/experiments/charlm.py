@@ -22,8 +22,8 @@ from torch import Tensor
 from glassgpt.config import GPTConfig, TrainConfig
 from glassgpt.data import tinyshakespeare
 from glassgpt.model import GPT, eval_mode
-from glassgpt.optim import lr_at, make_optimizer, set_lr
 from glassgpt.tokenizers import CharTokenizer
+from glassgpt.training.optim import lr_at, make_optimizer, set_lr
 
 VAL_FRACTION = 0.1
 VAL_SEED = 123_456  # the validation windows, independent of any training seed

@@ -24,7 +24,7 @@ from matplotlib.image import AxesImage
 from matplotlib.patches import Rectangle
 from torch import Tensor
 
-from glassgpt.files import write_bytes_atomic
+from glassgpt.storage.files import write_bytes_atomic
 
 DPI = 100
 TICK_PT = 8.0  # tick labels and notes written on a plot: the smallest text of any picture

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from matplotlib.figure import Figure
 
+from glassgpt.decoding.generate import generate
 from glassgpt.experiments.charlm import CharLMSettings, model_config, train_char_lm
 from glassgpt.experiments.figures import label_axes, new_figure, save_figure
 from glassgpt.experiments.results import Check, ExperimentResult, Table
 from glassgpt.experiments.tasks import single_thread
-from glassgpt.generate import generate
 from glassgpt.model import GPT, count_parameters
 
 

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from glassgpt.errors import TokenizerError
-from glassgpt.files import write_text_atomic
+from glassgpt.storage.files import write_text_atomic
 from glassgpt.tokenizers.base import END_OF_TEXT, checked_ids
 
 MIN_BPE_VOCAB = 257  # the 256 byte symbols plus the end-of-text token

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from glassgpt.errors import TokenizerError
-from glassgpt.files import write_text_atomic
+from glassgpt.storage.files import write_text_atomic
 from glassgpt.tokenizers.base import checked_ids
 
 

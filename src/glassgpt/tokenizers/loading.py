@@ -1,7 +1,7 @@
 """Tokenizer files: glassgpt's JSON, Hugging Face's tokenizer.json, GPT-2's vocab + merges.
 
-Each is read with bounds (size, JSON depth) through `glassgpt.files`, so a hostile file gets a
-one-line TokenizerError instead of exhausting memory or the stack.
+Each is read with bounds (size, JSON depth) through `glassgpt.storage.files`, so a hostile file
+gets a one-line TokenizerError instead of exhausting memory or the stack.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from glassgpt.errors import TokenizerError
-from glassgpt.files import parse_json, read_json_object, read_text
+from glassgpt.storage.files import parse_json, read_json_object, read_text
 from glassgpt.tokenizers.base import Tokenizer
 from glassgpt.tokenizers.bpe import MAX_BPE_VOCAB, BPETokenizer
 from glassgpt.tokenizers.char import CharTokenizer

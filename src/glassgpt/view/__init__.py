@@ -9,5 +9,5 @@
     bench.py      `python -m glassgpt.view.bench`: the API's response times
     static/       the page: index.html, style.css, app.js (no build step, nothing from a CDN)
 
-The computations themselves are `glassgpt.lens`, usable from Python without any of this.
+The computations themselves are `glassgpt.view.lens`, usable from Python without any of this.
 """

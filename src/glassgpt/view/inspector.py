@@ -28,12 +28,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from glassgpt.checkpoint import read_run_config
 from glassgpt.config import SamplingConfig
 from glassgpt.data import PreparedData, default_data_dir
+from glassgpt.decoding.generate import encode_prompt, stream_text
 from glassgpt.errors import CheckpointError, GlassGPTError, InputError
-from glassgpt.generate import encode_prompt, stream_text
-from glassgpt.lens import (
+from glassgpt.model import GPT, count_parameters
+from glassgpt.rundir.checkpoint import read_run_config
+from glassgpt.tokenizers import Tokenizer
+from glassgpt.training.metrics import read_metrics
+from glassgpt.view.lens import (
     Ablation,
     TopK,
     attention_scores,
@@ -46,9 +49,6 @@ from glassgpt.lens import (
     sampling_distribution,
     trace,
 )
-from glassgpt.metrics import read_metrics
-from glassgpt.model import GPT, count_parameters
-from glassgpt.tokenizers import Tokenizer
 from glassgpt.view.pieces import piece_text
 
 MAX_PROMPT_CHARS = 20_000  # refused before tokenizing: longer than any context glassgpt trains

@@ -43,10 +43,10 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from glassgpt.checkpoint import load_model
 from glassgpt.config import SamplingConfig
-from glassgpt.devices import settle_threads
 from glassgpt.errors import GlassGPTError
+from glassgpt.machine.devices import settle_threads
+from glassgpt.rundir.checkpoint import load_model
 from glassgpt.view import requests as req
 from glassgpt.view.inspector import RunView
 
@@ -62,7 +62,7 @@ def load_for_view(run_dir: str | Path, device: str | torch.device = "cpu",
                   checkpoint: str = "best", threads: int | str | None = None) -> RunView:
     """The run that `glassgpt view` shows: its best weights by default, or its last.
 
-    `threads` (a count, "auto" or None: glassgpt.threadsetting) is the CPU's thread count;
+    `threads` (a count, "auto" or None: glassgpt.machine.threadsetting) is the CPU's thread count;
     "auto" times a forward over a prompt of up to 64 tokens, the page's unit of work, and keeps
     the faster count. The view's `threads` is the count it serves with."""
     run_dir = Path(run_dir)

@@ -7,8 +7,8 @@ the work starts, printing nothing.
   * the data: a prepared directory, or Tiny Shakespeare prepared once into the cache
     (`training_data`), whose tokenizer must do what the run's does (`check_same_tokenizer`);
   * evaluating a run on a split of its data (`evaluate_run`).
-Run directories themselves (claiming, replacing, locking) are `glassgpt.rundir`; the whole
-lifecycle of `glassgpt train` (start, resume, fine-tune) is `glassgpt.lifecycle.train_run`.
+Run directories themselves (claiming, replacing, locking) are `glassgpt.rundir.directory`; the whole
+lifecycle of `glassgpt train` (start, resume, fine-tune) is `glassgpt.training.lifecycle.train_run`.
 """
 
 from __future__ import annotations
@@ -21,18 +21,18 @@ from typing import Any
 
 import torch
 
-from glassgpt import checkpoint as ckpt
-from glassgpt import distributed as ddp
-from glassgpt import files
 from glassgpt.config import GPTConfig, TrainConfig, load_preset
 from glassgpt.data import PreparedData, default_data_dir, prepared_tinyshakespeare
-from glassgpt.devices import AUTO, autocast_dtype, resolve_device
 from glassgpt.errors import CheckpointError, ConfigError, DataError
-from glassgpt.evaluate import Evaluation, evaluate
-from glassgpt.layout import CONFIG_FILE, TOKENIZER_FILE
-from glassgpt.memory import check_model_fits_memory, check_training_fits_memory
+from glassgpt.machine import distributed as ddp
+from glassgpt.machine.devices import AUTO, autocast_dtype, resolve_device
+from glassgpt.machine.memory import check_model_fits_memory, check_training_fits_memory
 from glassgpt.model import GPT
+from glassgpt.rundir import checkpoint as ckpt
+from glassgpt.storage import files
+from glassgpt.storage.layout import CONFIG_FILE, TOKENIZER_FILE
 from glassgpt.tokenizers import same_tokenizer
+from glassgpt.training.evaluate import Evaluation, evaluate
 
 CONFIG_TABLES = ("model", "train")
 

@@ -17,8 +17,8 @@ from torch import Tensor, nn
 
 from glassgpt.config import SamplingConfig
 from glassgpt.decoding import EagerEngine, engine_for
-from glassgpt.devices import ThreadTuner, tuner_for
 from glassgpt.errors import InputError, ModelError
+from glassgpt.machine.devices import ThreadTuner, tuner_for
 from glassgpt.model import check_token_ids, eval_mode
 from glassgpt.tokenizers import Tokenizer
 
@@ -279,7 +279,7 @@ def stream_text(model: Any, tokenizer: Tokenizer, prompt: Tensor,
     """The continuation of prompt (1, T) as text, piece by piece as tokens are sampled.
 
     With `stop`, the text ends just before `stop` first appears (and decoding ends there).
-    `threads` (a count, "auto" or None: glassgpt.threadsetting) is the CPU's thread count;
+    `threads` (a count, "auto" or None: glassgpt.machine.threadsetting) is the CPU's thread count;
     "auto" times the decoding steps and keeps the faster count (an older caller may pass its
     own `tuner` instead). The stream's `threads` reports the count used.
     """

@@ -1,9 +1,9 @@
 """Run directories as a whole: where a checkpoint's files are, which directories can take a new
 run, and the one writer of a run.
 
-A checkpoint is committed through glassgpt.commit (pending files, a journal, renames); readers
-(`sample`, `eval`, `--init-from`, an export) resolve files through `committed_paths` and never
-change a run directory. Only the writer holding the lock (`writing`) finishes or drops an
+A checkpoint is committed through glassgpt.storage.commit (pending files, a journal, renames);
+readers (`sample`, `eval`, `--init-from`, an export) resolve files through `committed_paths`
+and never change a run directory. Only the writer holding the lock (`writing`) finishes or drops an
 interrupted commit.
 
 Replacing a run (`train --force`) removes nothing up front: the new run's first commit writes
@@ -18,9 +18,9 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from glassgpt import commit, files
 from glassgpt.errors import CheckpointError
-from glassgpt.layout import DATA_MARKERS, RUN
+from glassgpt.storage import commit, files
+from glassgpt.storage.layout import DATA_MARKERS, RUN
 
 
 def committed_paths(run_dir: str | Path) -> dict[str, Path]:

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from glassgpt.data import sequential_batches
-from glassgpt.devices import ThreadTuner, timed, tuner_for
 from glassgpt.errors import CheckpointError
+from glassgpt.machine.devices import ThreadTuner, timed, tuner_for
 from glassgpt.model import GPT
 from glassgpt.tokenizers import Tokenizer
 

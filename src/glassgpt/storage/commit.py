@@ -26,9 +26,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from glassgpt import files
 from glassgpt.errors import GlassGPTError
-from glassgpt.layout import LOCK_FILE, PENDING_SUFFIX, DirKind
+from glassgpt.storage import files
+from glassgpt.storage.layout import LOCK_FILE, PENDING_SUFFIX, DirKind
 
 MAX_JOURNAL_BYTES = 4096
 ErrorType = type[GlassGPTError]

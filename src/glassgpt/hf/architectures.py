@@ -13,7 +13,7 @@ Llama and Qwen3 keep Q, K and V in three matrices where glassgpt stacks them in 
 
 Each translation refuses, with one line naming the setting, what the other side would compute
 differently (a scaled rotary, sliding windows, a head width that does not split the model's).
-Settings come from config.json as glassgpt.hf_files reads it, or from a `transformers` config
+Settings come from config.json as glassgpt.hf.files reads it, or from a `transformers` config
 object: both are read by attribute, with transformers' defaults for what is left out.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 
 from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError
-from glassgpt.hf_files import HF_SETTINGS, MASK_BUFFER_SUFFIXES
+from glassgpt.hf.files import HF_SETTINGS, MASK_BUFFER_SUFFIXES
 
 # HF activation names that compute the same function as one of ours. "gelu_new" is GPT-2's own
 # (tanh approximation); "gelu_fast" is left out because it rounds sqrt(2/pi) to 10 digits.

@@ -21,8 +21,8 @@ from typing import TypeVar
 import torch
 
 from glassgpt.errors import ConfigError
-from glassgpt.threadsetting import AUTO
-from glassgpt.threadsetting import parse_threads as parse_threads  # where callers found it
+from glassgpt.machine.threadsetting import AUTO
+from glassgpt.machine.threadsetting import parse_threads as parse_threads  # where callers found it
 
 T = TypeVar("T")
 DEVICE_TYPES = ("cpu", "cuda", "mps")  # where glassgpt trains and samples
@@ -234,8 +234,8 @@ def cpu_threads(count: int | None = None) -> str:
 
 
 def tuner_for(setting: int | str | None, device: torch.device) -> ThreadTuner | None:
-    """Apply a `threads` setting (glassgpt.threadsetting) on a CPU: a count is set now; `auto`
-    gives a tuner that times the caller's own steps. None where there is nothing to tune (a
+    """Apply a `threads` setting (glassgpt.machine.threadsetting) on a CPU: a count is set now;
+    `auto` gives a tuner that times the caller's own steps. None where there is nothing to tune (a
     GPU, one core, a user's OMP_NUM_THREADS, a setting of None)."""
     if device.type != "cpu" or setting is None:
         return None

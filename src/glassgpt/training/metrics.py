@@ -3,7 +3,7 @@
 The trainer calls a `Reporter` (a rich progress bar for the CLI, silence for a library user) and
 appends one JSON line per log step and per evaluation to metrics.jsonl; loss.png is drawn from
 that file, so the picture of a resumed run shows the whole run. Both files go through
-glassgpt.files: a link planted under either name is never followed.
+glassgpt.storage.files: a link planted under either name is never followed.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 from glassgpt.errors import CheckpointError
-from glassgpt.files import (
+from glassgpt.storage.files import (
     append_text,
     entry_kind,
     open_regular_file,
@@ -26,7 +26,7 @@ from glassgpt.files import (
     write_bytes_atomic,
     write_text_atomic,
 )
-from glassgpt.layout import METRICS_FILE, PLOT_FILE
+from glassgpt.storage.layout import METRICS_FILE, PLOT_FILE
 
 
 class Reporter(Protocol):

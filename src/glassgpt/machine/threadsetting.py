@@ -2,7 +2,7 @@
 
     an int    that many CPU threads (checked against the machine: at most 4x its cores)
     "auto"    time the entry point's own steps at one thread and at all cores, keep the faster
-              (glassgpt.devices.ThreadTuner); a user's OMP_NUM_THREADS is kept
+              (glassgpt.machine.devices.ThreadTuner); a user's OMP_NUM_THREADS is kept
     None      leave torch's setting alone
 
 Each entry point (train, sample/generate, eval, the demos, the view) builds its own tuner from

@@ -23,9 +23,9 @@ from types import TracebackType
 import torch
 from torch import Tensor
 
-from glassgpt import files
 from glassgpt.errors import CheckpointError
-from glassgpt.files import ErrorType
+from glassgpt.storage import files
+from glassgpt.storage.files import ErrorType
 
 # safetensors dtype names -> torch dtypes (the ones glassgpt may meet; others are refused).
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,

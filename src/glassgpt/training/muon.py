@@ -9,7 +9,7 @@ Newton-Schulz iteration, only matrix products, get close enough (`orthogonalise`
 
 Muon is for 2-D weights inside the network. Embeddings (a lookup, not a linear map of the
 stream), the output head, norms and biases are stepped by AdamW in the same optimizer: each
-parameter group says which (`use_muon`); `glassgpt.optim.muon_parameter_split` decides.
+parameter group says which (`use_muon`); `glassgpt.training.optim.muon_parameter_split` decides.
 
 The conventions follow `torch.optim.Muon` (torch >= 2.9), so that a step here equals one of it
 (tests/test_muon.py checks that wherever the installed torch has it):

@@ -1,6 +1,6 @@
 """The training lifecycle as one library call: what `glassgpt train` does, for a notebook too.
 
-    from glassgpt.lifecycle import train_run
+    from glassgpt.training.lifecycle import train_run
 
     done = train_run("runs/tiny", train={"max_iters": 200})            # start (cpu-small)
     done = train_run("runs/tiny", resume=True, train={"max_iters": 400})  # continue it
@@ -36,16 +36,18 @@ from typing import Any
 
 import torch
 
-from glassgpt import checkpoint as ckpt
-from glassgpt import distributed as ddp
-from glassgpt import files, rundir, runs
 from glassgpt.config import GPTConfig, TrainConfig, load_preset
 from glassgpt.data import PreparedData
-from glassgpt.devices import AUTO, cpu_threads, resolve_device
 from glassgpt.errors import CheckpointError, ConfigError
-from glassgpt.metrics import Reporter
+from glassgpt.machine import distributed as ddp
+from glassgpt.machine.devices import AUTO, cpu_threads, resolve_device
 from glassgpt.model import count_parameters
-from glassgpt.train import Trainer, TrainResult
+from glassgpt.rundir import checkpoint as ckpt
+from glassgpt.rundir import directory as rundir
+from glassgpt.storage import files
+from glassgpt.training import runs
+from glassgpt.training.metrics import Reporter
+from glassgpt.training.trainer import Trainer, TrainResult
 
 # Settings a resumed run may change: how far to train and how it reports, not the recipe.
 RESUME_MAY_CHANGE = ("max_iters", "eval_interval", "eval_iters", "log_interval", "early_stop",

@@ -1,15 +1,15 @@
 """Run directories: everything needed to sample from a model or to resume its training exactly.
 
-What a run directory holds is glassgpt.layout's list (config.json, model.safetensors,
+What a run directory holds is glassgpt.storage.layout's list (config.json, model.safetensors,
 best.safetensors, tokenizer.json, train_state.*, metrics.jsonl, loss.png). `Run` opens one
 once: its committed files resolved, config.json read and checked; it then hands out the
 tokenizer, the best or last weights and the training state.
 Tensors live in safetensors and everything else in JSON: loading a run never unpickles anything.
-Every file is read through glassgpt.files (no link followed, sizes and JSON bounded) and
-glassgpt.tensorfile (a safetensors header checked against config.json before any tensor is
+Every file is read through glassgpt.storage.files (no link followed, sizes and JSON bounded) and
+glassgpt.storage.tensorfile (a safetensors header checked against config.json before any tensor is
 allocated); weights holding NaN or infinities are refused where they enter. How the files are
-committed, found while a commit is half done, and replaced is glassgpt.commit's and
-glassgpt.rundir's business: loading a run never changes it.
+committed, found while a commit is half done, and replaced is glassgpt.storage.commit's and
+glassgpt.rundir.directory's business: loading a run never changes it.
 """
 
 from __future__ import annotations
@@ -25,12 +25,22 @@ import torch
 from safetensors.torch import save as save_safetensors_bytes
 from torch import Tensor, nn
 
-from glassgpt import files
 from glassgpt.config import GPTConfig, check_choice
-from glassgpt.devices import resolve_device
-from glassgpt.distributed import unwrap_model
 from glassgpt.errors import CheckpointError, ConfigError, TokenizerError
-from glassgpt.layout import (
+from glassgpt.machine.devices import resolve_device
+from glassgpt.machine.distributed import unwrap_model
+from glassgpt.machine.memory import gib, physical_memory
+from glassgpt.model import GPT
+from glassgpt.rundir.directory import commit_files, committed_paths
+from glassgpt.rundir.trainstate import (
+    STATE_KEYS,
+    TrainState,
+    check_state_header,
+    join_train_state,
+    split_train_state,
+)
+from glassgpt.storage import files
+from glassgpt.storage.layout import (
     BEST_FILE,
     CHECKPOINTS,
     CONFIG_FILE,
@@ -41,18 +51,13 @@ from glassgpt.layout import (
     STATE_TENSORS_FILE,
     TOKENIZER_FILE,
 )
-from glassgpt.memory import gib, physical_memory
-from glassgpt.model import GPT
-from glassgpt.rundir import commit_files, committed_paths
-from glassgpt.tensorfile import SafetensorsFile, check_each_shape, check_finite, check_float_dtypes
-from glassgpt.tokenizers import Tokenizer, tokenizer_from_json
-from glassgpt.trainstate import (
-    STATE_KEYS,
-    TrainState,
-    check_state_header,
-    join_train_state,
-    split_train_state,
+from glassgpt.storage.tensorfile import (
+    SafetensorsFile,
+    check_each_shape,
+    check_finite,
+    check_float_dtypes,
 )
+from glassgpt.tokenizers import Tokenizer, tokenizer_from_json
 
 RUN_FORMAT = "glassgpt-run/1"
 CONFIG_KEYS = ("format", "model", "train", "data_dir", "tokenizer", "extra")

@@ -10,7 +10,7 @@ parser. So glassgpt reads these directories on its own:
     a directory holding only pickles is refused by name, before anything is opened;
   * tokenizer.json (or GPT-2's vocab.json + merges.txt) as bounded files.
 A hub name is downloaded with huggingface_hub, asking for exactly those files, into its cache.
-How the tensors map onto a glassgpt model is glassgpt.interop's business.
+How the tensors map onto a glassgpt model is glassgpt.hf.interop's business.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from glassgpt import files
-from glassgpt.checkpoint import check_fits_memory
 from glassgpt.choices import INSTALL_HINT as INSTALL_HINT  # its home: no torch, for --help
 from glassgpt.errors import CheckpointError, ConfigError, GlassGPTError
-from glassgpt.tensorfile import SafetensorsFile, check_finite, check_float_dtypes
+from glassgpt.rundir.checkpoint import check_fits_memory
+from glassgpt.storage import files
+from glassgpt.storage.tensorfile import SafetensorsFile, check_finite, check_float_dtypes
 from glassgpt.tokenizers import END_OF_TEXT
 
 if TYPE_CHECKING:

@@ -39,8 +39,8 @@ from glassgpt.attention import (
     repeat_kv,
 )
 from glassgpt.block import TransformerBlock
+from glassgpt.decoding.generate import GREEDY_BELOW, keep_top_k, keep_top_p
 from glassgpt.errors import InputError
-from glassgpt.generate import GREEDY_BELOW, keep_top_k, keep_top_p
 from glassgpt.model import GPT, count_parameters, eval_mode
 
 PARAMETER_PARTS = ("embeddings", "attention", "ffn", "norm", "lm_head")

@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from glassgpt.errors import CheckpointError
-from glassgpt.layout import STATE_JSON_FILE, STATE_TENSORS_FILE
-from glassgpt.tensorfile import TensorInfo, check_float_dtypes
+from glassgpt.storage.layout import STATE_JSON_FILE, STATE_TENSORS_FILE
+from glassgpt.storage.tensorfile import TensorInfo, check_float_dtypes
 
 STATE_KEYS = ("iteration", "best_val_loss", "best_iteration", "optimizer", "rng", "scaler",
               "threads")

@@ -14,7 +14,7 @@ A prepared data directory (`glassgpt prepare`):
     tokenizer.json            the tokenizer that made them
     meta.json                 source, corpus sha256, tokenizer kind, vocab size, token counts
 
-Both change through glassgpt.commit: new files under `<name>.pending`, then a journal (the
+Both change through glassgpt.storage.commit: new files under `<name>.pending`, then a journal (the
 commit point), then renames. `DirKind` says, per kind, which names a commit may touch.
 This module imports nothing of glassgpt, so data code can name a run's files without pulling
 in the model.

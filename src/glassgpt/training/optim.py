@@ -2,7 +2,8 @@
 before the optimizer sees it.
 
   * AdamW, nanoGPT's recipe: weight decay on matrices and embeddings only;
-  * Muon (glassgpt.muon) for the hidden matrices, AdamW for the rest (`muon_parameter_split`);
+  * Muon (glassgpt.training.muon) for the hidden matrices, AdamW for the rest
+    (`muon_parameter_split`);
   * linear warmup, then cosine decay to `min_lr` ("cosine"), or a constant lr that decays
     linearly to `min_lr` over the last `decay_fraction` of the run ("wsd", warmup-stable-decay).
 """
@@ -18,7 +19,7 @@ from torch import Tensor, nn
 
 from glassgpt.config import TrainConfig
 from glassgpt.errors import CheckpointError
-from glassgpt.muon import Muon
+from glassgpt.training.muon import Muon
 
 FUSED_ADAMW_DEVICES = ("cuda", "cpu", "mps")
 

@@ -1,12 +1,13 @@
 """The trainer, as a library: nanoGPT's recipe without its globals.
 
-AdamW (glassgpt.optim), gradient accumulation, clipping, autocast (bf16/fp16) where the device
-has it (glassgpt.devices), optional `torch.compile`, DDP under torchrun, an evaluation at the
-start and every `eval_interval` steps, checkpoints that resume on exactly the same numbers, the
-best weights kept beside the last, and an optional early stop.
+AdamW (glassgpt.training.optim), gradient accumulation, clipping, autocast (bf16/fp16) where the
+device has it (glassgpt.machine.devices), optional `torch.compile`, DDP under torchrun, an
+evaluation at the start and every `eval_interval` steps, checkpoints that resume on exactly the
+same numbers, the best weights kept beside the last, and an optional early stop.
 
 `train_step` is the piece a benchmark needs; `Trainer` runs a whole job into a run directory
-(see glassgpt.checkpoint). Setting a run up (settings, data, the model) is glassgpt.runs.
+(see glassgpt.rundir.checkpoint). Setting a run up (settings, data, the model) is
+glassgpt.training.runs.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from glassgpt import checkpoint as ckpt
-from glassgpt import distributed as ddp
 from glassgpt.config import TrainConfig
 from glassgpt.data import BatchSampler, PreparedData
-from glassgpt.devices import (
+from glassgpt.errors import CheckpointError, GlassGPTError
+from glassgpt.machine import distributed as ddp
+from glassgpt.machine.devices import (
     AUTO,
     autocast,
     autocast_dtype,
@@ -37,19 +38,25 @@ from glassgpt.devices import (
     timed,
     tuner_for,
 )
-from glassgpt.errors import CheckpointError, GlassGPTError
-from glassgpt.layout import MODEL_FILE, STATE_TENSORS_FILE
-from glassgpt.memory import check_training_fits_memory
-from glassgpt.metrics import Reporter, SilentReporter, append_metrics, plot_losses, truncate_metrics
+from glassgpt.machine.memory import check_training_fits_memory
 from glassgpt.model import GPT, eval_mode
-from glassgpt.optim import (
+from glassgpt.rundir import checkpoint as ckpt
+from glassgpt.rundir.trainstate import TrainState, capture_rng_state, restore_rng_state
+from glassgpt.storage.layout import MODEL_FILE, STATE_TENSORS_FILE
+from glassgpt.training.metrics import (
+    Reporter,
+    SilentReporter,
+    append_metrics,
+    plot_losses,
+    truncate_metrics,
+)
+from glassgpt.training.optim import (
     load_optimizer_state,
     lr_at,
     make_optimizer,
     optimizer_state_shapes,
     set_lr,
 )
-from glassgpt.trainstate import TrainState, capture_rng_state, restore_rng_state
 
 EVAL_SEED_OFFSET = 1_000_003  # eval batches come from their own stream, apart from training's
 
@@ -164,7 +171,7 @@ class Trainer:
     (best.safetensors, in the same atomic commit); the last checkpoint is what `resume`
     continues. Building a Trainer and `resume` only read: the run directory changes once
     `run` starts. A caller that may race another writer holds the run's lock around `run`
-    (`rundir.writing`; glassgpt.lifecycle.train_run does, from its last check to the end).
+    (`rundir.writing`; glassgpt.training.lifecycle.train_run does, from its last check to the end).
 
     `threads` ("auto" or a count, on a CPU) is the thread count: "auto" times the first steps
     at one thread and at all cores and keeps the faster (`devices.ThreadTuner`), except in a

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from glassgpt.errors import GlassGPTError
-from glassgpt.layout import LOCK_FILE
+from glassgpt.storage.layout import LOCK_FILE
 
 MAX_JSON_BYTES = 64 * 2**20  # GPT-2's tokenizer.json, the largest JSON file a run holds, is 1.4 MB
 MAX_JSON_DEPTH = 32  # tokenizer.json nests 4 deep; anything far deeper is not a real file

@@ -2,11 +2,11 @@
 
 Three architectures have a glassgpt twin: GPT-2, Llama (SmolLM2 too) and Qwen3; what each is in
 glassgpt's terms (its settings, its weight names, the one layout that differs) is
-glassgpt.hf_architectures' table. Here the weights move: every glassgpt tensor is one HF tensor,
+glassgpt.hf.architectures' table. Here the weights move: every glassgpt tensor is one HF tensor,
 transposed where GPT-2 stores a Conv1D (in, out) matrix, or three HF tensors stacked along its
 rows (Llama's q_proj, k_proj, v_proj make our `qkv`: [Q, K, V]).
 
-Reading a save_pretrained directory or a hub model is glassgpt.hf_files' job (glassgpt reads
+Reading a save_pretrained directory or a hub model is glassgpt.hf.files' job (glassgpt reads
 them itself: safetensors only, nothing unpickled, everything bounded); here the tensors it found
 are checked against the config, name by name and shape by shape, before any is read.
 
@@ -26,12 +26,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from glassgpt import files
-from glassgpt.checkpoint import expected_shapes
 from glassgpt.config import GPTConfig
-from glassgpt.distributed import unwrap_model
 from glassgpt.errors import CheckpointError, ConfigError
-from glassgpt.hf_architectures import (
+from glassgpt.hf.architectures import (
     GPT2,
     Architecture,
     architecture_for,
@@ -39,18 +36,21 @@ from glassgpt.hf_architectures import (
     rope_kwargs,
     rope_theta,
 )
-from glassgpt.hf_files import INSTALL_HINT as INSTALL_HINT
-from glassgpt.hf_files import (
+from glassgpt.hf.files import INSTALL_HINT as INSTALL_HINT
+from glassgpt.hf.files import (
     HFDirectory,
     StoredWeights,
     check_replaceable_export,
     open_hf_source,
     staged_directory,
 )
-from glassgpt.hf_files import MissingExtraError as MissingExtraError
-from glassgpt.hf_files import load_hf_tokenizer as load_hf_tokenizer
+from glassgpt.hf.files import MissingExtraError as MissingExtraError
+from glassgpt.hf.files import load_hf_tokenizer as load_hf_tokenizer
+from glassgpt.machine.distributed import unwrap_model
 from glassgpt.model import GPT
-from glassgpt.tensorfile import check_each_shape, check_finite
+from glassgpt.rundir.checkpoint import expected_shapes
+from glassgpt.storage import files
+from glassgpt.storage.tensorfile import check_each_shape, check_finite
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -180,7 +180,7 @@ def from_hf(source: PreTrainedModel | HFDirectory | str | os.PathLike[str],
     directory or a hub name.
 
     A directory (or a hub name, downloaded into the Hugging Face cache) is read by glassgpt,
-    never by `transformers` (see glassgpt.hf_files): weights from local `.safetensors` files
+    never by `transformers` (see glassgpt.hf.files): weights from local `.safetensors` files
     only, checked against config.json before any tensor is allocated; a pickled
     `pytorch_model.bin` is never opened. The result has the dtype and device of the HF weights
     and starts in eval mode.

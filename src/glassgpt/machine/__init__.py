@@ -1,0 +1,1 @@
+"""The machine a run uses: devices, precision, threads, ranks and memory."""

@@ -1,0 +1,1 @@
+"""Files on disk: bounded reads, atomic writes, tensor files, one commit primitive."""

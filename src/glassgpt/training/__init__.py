@@ -1,0 +1,1 @@
+"""Training: the trainer, optimizers, evaluation, metrics and the run lifecycle."""
