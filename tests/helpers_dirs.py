@@ -75,3 +75,23 @@ def assert_unchanged(before: Snapshot, after: Snapshot) -> None:
     changed = changes(before, after)
     assert not changed, "changed on disk:\n" + "\n".join(
         f"  {path}: {old} -> {new}" for path, (old, new) in changed.items())
+
+
+class Crash(BaseException):
+    """Raised in place of a file operation (a BaseException: nothing in glassgpt may catch it)."""
+
+
+def crash_after(monkeypatch, points: int) -> None:
+    """Let `points` calls of os.replace / os.fsync / os.unlink through, then raise Crash: a
+    process killed at that moment of a commit. `monkeypatch.undo()` ends it."""
+    calls: list[tuple] = []
+
+    def crash_at_point(real, *args):
+        calls.append(args)
+        if len(calls) > points:
+            raise Crash
+        return real(*args)
+
+    for name in ("replace", "fsync", "unlink"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda *a, real=real: crash_at_point(real, *a))

@@ -20,12 +20,10 @@ import pytest
 from glassgpt.errors import CheckpointError, DataError
 from glassgpt.storage import commit, files
 from glassgpt.storage.layout import DATA, LOCK_FILE, RUN
+from helpers_dirs import Crash, crash_after
 
 KINDS = {"run": (RUN, CheckpointError), "data": (DATA, DataError)}
 
-
-class Crash(BaseException):  # not an OSError: nothing may catch it
-    pass
 
 
 def contents(kind, version: str) -> dict[str, bytes]:
@@ -56,17 +54,7 @@ def test_a_crash_at_any_step_of_a_commit_leaves_all_old_or_all_new(which, tmp_pa
     while True:
         directory = tmp_path / f"crash{points}"
         commit.commit_files(directory, kind, old, error)
-        calls: list[tuple] = []
-
-        def crash_at_point(real, *args, calls=calls, points=points):
-            calls.append(args)
-            if len(calls) > points:
-                raise Crash
-            return real(*args)
-
-        for name in ("replace", "fsync", "unlink"):
-            real = getattr(os, name)
-            monkeypatch.setattr(os, name, lambda *a, real=real, f=crash_at_point: f(real, *a))
+        crash_after(monkeypatch, points)
         try:
             commit.commit_files(directory, kind, new, error, remove=(kind.files[-1],))
             finished = True

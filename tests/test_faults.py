@@ -31,6 +31,7 @@ from glassgpt.rundir.checkpoint import TrainState, load_model, load_train_state,
 from glassgpt.storage import files, layout
 from glassgpt.tokenizers import CharTokenizer
 from glassgpt.training import metrics
+from helpers_dirs import Crash, crash_after
 
 # A tiny model that checkpoints after every step, so that a kill often lands in a write.
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
@@ -153,24 +154,11 @@ def test_a_crash_at_any_point_of_a_checkpoint_write_keeps_one_whole_checkpoint(t
     old, new = tiny_model(seed=1), tiny_model(seed=2)
     save_at_iteration(tmp_path / "template", old, iteration=1)
 
-    class Crash(BaseException):  # not an OSError: nothing may catch it
-        pass
-
     points = 0
     while True:
         run = tmp_path / f"crash{points}"
         shutil.copytree(tmp_path / "template", run)
-        calls = []
-
-        def crash_at_point(real, *args, points=points, calls=calls):
-            calls.append(args)
-            if len(calls) > points:
-                raise Crash
-            return real(*args)
-
-        for name in ("replace", "fsync", "unlink"):
-            real = getattr(os, name)
-            monkeypatch.setattr(os, name, lambda *a, real=real, f=crash_at_point: f(real, *a))
+        crash_after(monkeypatch, points)
         try:
             save_at_iteration(run, new, iteration=2)
             finished = True

@@ -286,6 +286,18 @@ function renderAttention() {
   box.dataset.head = answer.heads.length === 1 ? answer.heads[0] : "all";
 }
 
+// A canvas of width x height CSS pixels, drawn at the screen's own resolution; its context.
+function sharpCanvas(canvas, width, height) {
+  const ratio = window.devicePixelRatio || 1;
+  canvas.width = width * ratio;
+  canvas.height = height * ratio;
+  canvas.style.width = `${width}px`;
+  canvas.style.height = `${height}px`;
+  const ctx = canvas.getContext("2d");
+  ctx.scale(ratio, ratio);
+  return ctx;
+}
+
 // One attention map on a canvas: token labels left (queries) and on top (keys), a cell per
 // (query, key), the future greyed out, the selected row outlined.
 function drawMap(rows, labels, cell, scale = { min: 0, max: 1 }, what = "weights") {
@@ -299,13 +311,8 @@ function drawMap(rows, labels, cell, scale = { min: 0, max: 1 }, what = "weights
   const top = upright ? 20 : Math.ceil(widest) + 10;
   const width = Math.max(left + T * cell + 4, left + 290);
   const height = top + T * cell + 4 + LEGEND_PX;
-  const ratio = window.devicePixelRatio || 1;
-  canvas.width = width * ratio;
-  canvas.height = height * ratio;
-  canvas.style.width = `${width}px`;
-  canvas.style.height = `${height}px`;
+  sharpCanvas(canvas, width, height);  // resizing resets the context; drawLabels sets the font
   Object.assign(canvas.dataset, { left, top, cell, tokens: T });
-  ctx.scale(ratio, ratio);
   ctx.fillStyle = maskPattern(ctx);
   ctx.fillRect(left, top, T * cell, T * cell);
   for (let q = 0; q < T; q++) {
@@ -406,13 +413,7 @@ function renderAttends(answer) {
 function strip(weights) {
   const width = 176, height = 12;
   const canvas = document.createElement("canvas");
-  const ratio = window.devicePixelRatio || 1;
-  canvas.width = width * ratio;
-  canvas.height = height * ratio;
-  canvas.style.width = `${width}px`;
-  canvas.style.height = `${height}px`;
-  const ctx = canvas.getContext("2d");
-  ctx.scale(ratio, ratio);
+  const ctx = sharpCanvas(canvas, width, height);
   const step = width / weights.length;
   weights.forEach((w, k) => {
     ctx.fillStyle = shade(w);
@@ -567,27 +568,15 @@ function renderOverview() {
 // A colour legend on its own (for the thumbnails and the strips, which share one scale).
 function legendCanvas(scale = { min: 0, max: 1 }, what = "weights") {
   const legend = document.createElement("canvas");
-  const ratio = window.devicePixelRatio || 1;
-  legend.width = 300 * ratio;
-  legend.height = 30 * ratio;
-  legend.style.width = "300px";
-  legend.style.height = "30px";
   legend.className = "legend";
-  const ctx = legend.getContext("2d");
-  ctx.scale(ratio, ratio);
+  const ctx = sharpCanvas(legend, 300, 30);
   drawLegend(ctx, 2, 2, scale, what);
   return legend;
 }
 
 function thumbnail(rows, n, px, layer, head) {
   const canvas = document.createElement("canvas");
-  const ratio = window.devicePixelRatio || 1;
-  canvas.width = n * px * ratio;
-  canvas.height = n * px * ratio;
-  canvas.style.width = `${n * px}px`;
-  canvas.style.height = `${n * px}px`;
-  const ctx = canvas.getContext("2d");
-  ctx.scale(ratio, ratio);
+  const ctx = sharpCanvas(canvas, n * px, n * px);
   ctx.fillStyle = maskPattern(ctx);
   ctx.fillRect(0, 0, n * px, n * px);
   rows.forEach((row, q) => row.forEach((w, k) => {
@@ -739,13 +728,7 @@ function matrix(step) {
   const px = Math.max(2, Math.min(10, Math.floor(480 / cols)));
   const rowPx = Math.max(2, Math.min(12, Math.floor(240 / rows)));
   const canvas = document.createElement("canvas");
-  const ratio = window.devicePixelRatio || 1;
-  canvas.width = cols * px * ratio;
-  canvas.height = rows * rowPx * ratio;
-  canvas.style.width = `${cols * px}px`;
-  canvas.style.height = `${rows * rowPx}px`;
-  const ctx = canvas.getContext("2d");
-  ctx.scale(ratio, ratio);
+  const ctx = sharpCanvas(canvas, cols * px, rows * rowPx);
   const scale = Math.max(...step.values.flat().map(Math.abs), 1e-9);
   step.values.forEach((row, r) => row.forEach((v, c) => {
     ctx.fillStyle = diverging(v, scale);
