@@ -266,13 +266,13 @@ def test_resume_takes_the_runs_own_command_line_and_refuses_a_change(data, tmp_p
         assert_unchanged(before, snapshot(run))
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2,
+                    reason="thread counts to choose between need two cores")
 def test_n_steps_then_resume_equals_2n_steps_with_threads_auto(data, tmp_path, capsys,
                                                                 monkeypatch):
     """--threads auto (the default) times the first steps at 1 thread and at all cores; a
     resumed run continues with the count its checkpoint ran with, so the sums match bitwise.
     The timing verdict is fixed here (all cores win), as it is on a quiet machine."""
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("thread counts to choose between need two cores")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # auto is the tuner's to decide
 
     def all_cores_win(tuner):

@@ -286,6 +286,17 @@ function renderAttention() {
   box.dataset.head = answer.heads.length === 1 ? answer.heads[0] : "all";
 }
 
+// add(tag, attributes, text): a new SVG element appended to `svg`, returned.
+function svgAppender(svg) {
+  return (tag, attrs, text) => {
+    const node = document.createElementNS(svg.namespaceURI, tag);
+    for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+    if (text !== undefined) node.textContent = text;
+    svg.append(node);
+    return node;
+  };
+}
+
 // A canvas of width x height CSS pixels, drawn at the screen's own resolution; its context.
 function sharpCanvas(canvas, width, height) {
   const ratio = window.devicePixelRatio || 1;
@@ -621,13 +632,7 @@ function renderHeadView() {
   svg.setAttribute("height", height);
   svg.dataset.layer = state.layer;
   svg.dataset.position = p;
-  const add = (tag, attrs, text) => {
-    const node = document.createElementNS(ns, tag);
-    for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
-    if (text !== undefined) node.textContent = text;
-    svg.append(node);
-    return node;
-  };
+  const add = svgAppender(svg);
   const y = (i) => 14 + i * rowPx;
   for (let i = 0; i <= p; i++) {
     const label = visible(state.tokens[i].text);
@@ -1004,13 +1009,7 @@ function renderCurve(training) {
   const svg = document.createElementNS(ns, "svg");
   svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
   svg.setAttribute("width", "100%");
-  const add = (tag, attrs, text) => {
-    const node = document.createElementNS(ns, tag);
-    for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
-    if (text !== undefined) node.textContent = text;
-    svg.append(node);
-    return node;
-  };
+  const add = svgAppender(svg);
   for (const t of ticks(y0, y1, 5)) {
     add("line", { x1: pad.l, x2: W - pad.r, y1: Y(t), y2: Y(t), stroke: "#e6e9ee" });
     add("text", { x: pad.l - 6, y: Y(t) + 4, "text-anchor": "end" }, t.toFixed(2));
