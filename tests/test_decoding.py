@@ -319,10 +319,11 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 @cuda
+@pytest.mark.parametrize("variant", ["GPT-2", *MODERN_VARIANTS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B", [1, 3])
-def test_cuda_graph_decoding_gives_exactly_the_eager_tokens(dtype, B):
-    model = tiny_gpt(seed=5).to("cuda", dtype)
+def test_cuda_graph_decoding_gives_exactly_the_eager_tokens(dtype, B, variant):
+    model = tiny_gpt(seed=5, **MODERN_VARIANTS.get(variant, {})).to("cuda", dtype)
     idx = prompt(B, 5).cuda()
     assert type(engine_for(model)) is CUDAGraphEngine
     for kind in SAMPLING.values():
