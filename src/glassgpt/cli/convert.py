@@ -91,8 +91,8 @@ def import_from_hf(source: str, out: Path, tokenizer_file: str | None,
     """Everything is read and checked first; the run is written beside `out` and renamed into
     place whole, so a failure (a full disk) leaves no half-made directory."""
     from glassgpt.hf import interop
-    from glassgpt.hf.files import staged_directory
     from glassgpt.rundir.checkpoint import save_model
+    from glassgpt.storage.commit import staged_directory
 
     files.check_can_make_dir(out, CheckpointError)
     if out.exists() and any(out.iterdir()):

@@ -18,8 +18,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -380,76 +378,3 @@ def check_replaceable_export(out: Path, overwrite: bool) -> None:
             '"model_type"' not in files.read_text(config, 2**20, CheckpointError):
         raise CheckpointError(f"{out} does not hold a Hugging Face export (no config.json with "
                               f"a model_type); it is not replaced")
-
-
-@contextlib.contextmanager
-def staged_directory(out: Path, replacing: bool = False) -> Iterator[Path]:
-    """A fresh directory beside `out` to write into; when the block ends well it becomes `out`
-    in one rename, and whatever goes wrong it is removed: `out` appears whole or not at all
-    (a full disk leaves nothing behind, not even an empty directory).
-
-    `out` must be missing or an empty directory, unless `replacing` (an earlier export, checked
-    by the caller): that one goes only once the new one is complete. OSError (a full disk, a
-    directory that appeared meanwhile) is raised as one CheckpointError naming `out`.
-    """
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    except OSError as error:
-        raise CheckpointError(f"cannot create {out} ({error})") from None
-    try:
-        yield staging
-        usual_permissions(staging)
-        fsync_tree(staging)
-        _move_into_place(staging, out, replacing)
-    except OSError as error:
-        raise CheckpointError(_nothing_written(out, error)) from None
-    except CheckpointError as error:  # a writer that named the disk's error in its own words
-        if isinstance(error.__context__, OSError):  # ... about a staging name the user never gave
-            raise CheckpointError(_nothing_written(out, error.__context__)) from None
-        raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _nothing_written(out: Path, error: OSError) -> str:
-    """The disk's reason without the staging path it happened at (the user never named it)."""
-    reason = os.strerror(error.errno) if error.errno else str(error)
-    return f"cannot write {out} ({reason}); nothing was left there"
-
-
-def _move_into_place(staging: Path, out: Path, replacing: bool) -> None:
-    """Rename the finished directory to `out`; an earlier export there goes only once the new
-    one is complete, so a crash leaves one whole export."""
-    if not replacing:
-        os.replace(staging, out)  # atomic; replaces `out` only when it is an empty directory
-        return
-    old = out.with_name(f".{out.name}.replaced")
-    shutil.rmtree(old, ignore_errors=True)
-    os.rename(out, old)
-    os.rename(staging, out)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def usual_permissions(directory: Path) -> None:
-    """mkdtemp makes a private directory (0700) and transformers writes some files 0600; the
-    export should read like any directory the user writes (their umask decides)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    directory.chmod(0o777 & ~umask)
-    for path in directory.iterdir():
-        if path.is_file() and not path.is_symlink():
-            path.chmod(0o666 & ~umask)
-
-
-def fsync_tree(directory: Path) -> None:
-    for path in directory.iterdir():
-        if not path.is_file() or path.is_symlink():
-            continue
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

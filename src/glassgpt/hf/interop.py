@@ -42,7 +42,6 @@ from glassgpt.hf.files import (
     StoredWeights,
     check_replaceable_export,
     open_hf_source,
-    staged_directory,
 )
 from glassgpt.hf.files import MissingExtraError as MissingExtraError
 from glassgpt.hf.files import load_hf_tokenizer as load_hf_tokenizer
@@ -50,6 +49,7 @@ from glassgpt.machine.distributed import unwrap_model
 from glassgpt.model import GPT
 from glassgpt.rundir.checkpoint import expected_shapes
 from glassgpt.storage import files
+from glassgpt.storage.commit import staged_directory
 from glassgpt.storage.tensorfile import check_each_shape, check_finite
 
 if TYPE_CHECKING:
