@@ -271,7 +271,8 @@ class MultiHeadSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # shapes unchanged
         if self.rotary is not None:  # rotary: turn q and k by the angles of their positions
             positions = positions_of(start_pos, x.shape[1], x.device)  # (T,)
-            q, k = self.rotary(q, positions), self.rotary(k, positions)  # shapes unchanged
+            cos, sin = self.rotary.cos_sin(positions, q.dtype)  # 2 x (T, d), for q and k alike
+            q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)  # unchanged
         return q, k, v
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, pad_mask: Tensor | None,

@@ -48,7 +48,12 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:
         """x (B, H, T, d) at positions (T,) -> rotated x (B, H, T, d)."""
-        cos, sin = self.cos_sin(positions, x.dtype)  # 2 x (T, d), broadcast over B and H
+        return self.rotate(x, *self.cos_sin(positions, x.dtype))
+
+    @staticmethod
+    def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x (B, H, T, d) turned by angles given as their cos and sin (T, d), broadcast over B
+        and H: attention computes them once and turns both q and k with them."""
         return x * cos + rotate_half(x) * sin
 
     def extra_repr(self) -> str:

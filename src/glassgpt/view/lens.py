@@ -278,7 +278,7 @@ def _step_sources(module: MultiHeadSelfAttention) -> dict[str, SourceLine]:
     attn, block = attention_module, block_module
     forward = attn.MultiHeadSelfAttention.forward
     projecting = attn.MultiHeadSelfAttention.project
-    last_qk = "self.rotary(q" if module.rotary is not None else \
+    last_qk = "self.rotary.rotate(q" if module.rotary is not None else \
         "self.q_norm(q)" if module.q_norm is not None else "self.qkv(x)"
     return {
         "residual": source_line(block.TransformerBlock.forward, "def forward"),
