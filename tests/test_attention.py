@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from glassgpt.attention import KVCache, MultiHeadSelfAttention, PerHeadSelfAttention
+from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError, InputError
 
 B, T, C, H = 3, 7, 24, 4
@@ -347,3 +348,28 @@ def test_pad_mask_length_must_match():
     attn = MultiHeadSelfAttention(C, H, impl="explicit")
     with pytest.raises(InputError, match=r"covers 3 positions, keys are 7"):
         attn(torch.randn(B, T, C), pad_mask=torch.zeros(B, 3, dtype=torch.bool))
+
+
+# --- built from the config ------------------------------------------------------------------
+
+def test_attention_from_the_config_is_the_standalone_module():
+    config = GPTConfig(n_embd=C, n_head=H, n_kv_head=2, qk_norm=True, position="rope",
+                       rope_theta=500.0, norm_eps=1e-6, bias=False, attn_impl="explicit")
+    torch.manual_seed(0)
+    built = MultiHeadSelfAttention.from_config(config).double()
+    torch.manual_seed(0)
+    standalone = MultiHeadSelfAttention(C, H, bias=False, impl="explicit", n_kv_head=2,
+                                        qk_norm=True, rotary=True, rope_theta=500.0).double()
+    assert built.state_dict().keys() == standalone.state_dict().keys()
+    assert (built.rotary.theta, built.q_norm.eps, built.impl, built.causal) == \
+        (500.0, 1e-6, "explicit", True)
+    x = torch.randn(B, T, C, dtype=torch.float64)
+    assert torch.equal(built(x), standalone(x))
+
+
+@pytest.mark.parametrize("n_kv_head, reads", [(None, [0, 1, 2, 3]), (4, [0, 1, 2, 3]),
+                                              (2, [0, 0, 1, 1]), (1, [0, 0, 0, 0])])
+def test_attention_knows_its_groups_and_which_kv_head_each_query_head_reads(n_kv_head, reads):
+    attn = MultiHeadSelfAttention(C, H, n_kv_head=n_kv_head)
+    assert attn.n_kv_head == max(reads) + 1 and attn.groups == H // attn.n_kv_head
+    assert [attn.kv_head_of(h) for h in range(H)] == reads

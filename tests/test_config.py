@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from glassgpt.config import GPTConfig, load_preset, preset_names
+from glassgpt.config import GPTConfig, TrainConfig, load_preset, preset_names
 from glassgpt.errors import ConfigError
 from glassgpt.model import GPT, count_parameters
 
@@ -34,7 +35,7 @@ def test_every_shipped_preset_parses_and_builds(name):
 def expected_parameters(c: GPTConfig) -> int:
     """The parameter count of a config, by hand. GPT-2's shape gives
     (V + block_size) * C + L * (12C^2 + 13C) + 2C."""
-    C, F, kv = c.n_embd, c.hidden_width, c.kv_heads * c.head_dim
+    C, F, kv = c.n_embd, c.hidden_width, (c.n_kv_head or c.n_head) * c.head_dim
     norm = C * (2 if c.norm == "layernorm" and c.bias else 1)
     attention = C * (C + 2 * kv) + C * C + (C + 2 * kv + C) * c.bias + 2 * c.head_dim * c.qk_norm
     if c.activation == "swiglu":
@@ -159,3 +160,20 @@ def test_dropout_must_be_a_probability_below_one(dropout):
 def test_layernorm_eps_must_be_positive(eps):
     with pytest.raises(ConfigError, match=rf"norm_eps must be positive, got {eps}"):
         GPTConfig(norm_eps=eps)
+
+
+def test_every_setting_documents_its_own_flag(capsys):
+    """A field's help lives beside it (`setting(default, doc)`), never in a table kept by hand
+    in the command line."""
+    from glassgpt.cli import main
+    from glassgpt.cli import train as train_command
+    for cls in (GPTConfig, TrainConfig):
+        for field in dataclasses.fields(cls):
+            assert field.metadata.get("help"), f"{cls.__name__}.{field.name} has no help"
+    assert not hasattr(train_command, "MODEL_HELP")
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    for field in dataclasses.fields(GPTConfig):
+        if field.name != "vocab_size":  # the data's tokenizer sets it, never a flag
+            assert " ".join(field.metadata["help"].split()[:4]) in shown, field.name

@@ -131,6 +131,22 @@ def test_residual_collapse_without_skips_and_learning_with_them(tmp_path: Path) 
         assert result.numbers[name]["accuracy"] > 0.9
 
 
+def test_the_residual_free_block_lives_in_its_experiment_and_drops_both_skips() -> None:
+    from glassgpt.block import TransformerBlock
+    from glassgpt.experiments.residual import ResidualFreeBlock
+    torch.manual_seed(0)
+    block = ResidualFreeBlock(16, 4).double().eval()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    expected = block.ffn(block.ln2(block.attn(block.ln1(x))))
+    assert (block(x) - expected).abs().max() <= 1e-12
+    torch.manual_seed(0)
+    with_skips = TransformerBlock(16, 4).double()  # the same parts, the same initial weights
+    for a, b in zip(with_skips.state_dict().values(), block.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(TypeError):
+        TransformerBlock(16, 4, residual=False)  # the library's block always has its skips
+
+
 def test_dropout_modes_and_fused_path(tmp_path: Path) -> None:
     result = run_quick("dropout", tmp_path)
     modes = result.numbers["modes"]

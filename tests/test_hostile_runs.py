@@ -125,8 +125,8 @@ def test_readers_change_nothing_and_writers_drop_only_their_own_pending_files(pl
 # --- row 9, and row 4's "replace last, keep what is not the run's" -----------------------------
 
 def test_a_dangling_metrics_link_is_replaced_under_force_never_followed(place, data, capsys):
-    fresh, outside = place["run"].parent / "fresh", place["outside"]
-    fresh.mkdir()
+    fresh, outside = place["run"], place["outside"]  # a run: --force replaces only runs
+    (fresh / "metrics.jsonl").unlink()
     (fresh / "metrics.jsonl").symlink_to(outside / "metrics.jsonl")
     before = snapshot(outside)
     code, err = glassgpt("train", "--data", data, "--out", fresh, "--max-iters", "1", *TINY,

@@ -129,7 +129,7 @@ def test_imported_and_exported_models_equal_transformers(arch, shape, dtype) -> 
     c = model.config
     assert (c.position, c.norm, c.activation, c.qk_norm) == ("rope", "rmsnorm", "swiglu",
                                                             arch == "qwen3")
-    assert c.kv_heads == shape["num_key_value_heads"] and c.tie_weights == \
+    assert (c.n_kv_head or c.n_head) == shape["num_key_value_heads"] and c.tie_weights == \
         shape.get("tie_word_embeddings", False)
     assert (model.lm_head.weight is model.tok_emb.weight) == c.tie_weights
     assert model.tok_emb.weight.dtype == dtype

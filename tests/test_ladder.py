@@ -118,7 +118,7 @@ def test_cpu_speedrun_preset_is_the_ladders_best_rung_and_stops_at_the_target():
 def test_train_with_the_speedrun_preset_stops_at_its_target_and_says_where(tmp_path, capsys,
                                                                            small_text):
     """`glassgpt train --preset cpu-speedrun` at a toy size, with a target it reaches at the
-    first evaluation: it stops there and the summary says at which iteration and second."""
+    first evaluation: it stops there and the summary says at which iteration."""
     from glassgpt.data import prepare
 
     prepare(tmp_path / "data", small_text)
@@ -128,7 +128,8 @@ def test_train_with_the_speedrun_preset_stops_at_its_target_and_says_where(tmp_p
             "--target-loss", "100", "--threads", "1", "--schedule", "wsd",
             "--decay-fraction", "0.3"]
     assert main(argv) == 0
-    assert "target val loss reached at iteration 3" in capsys.readouterr().out
+    # Met by the evaluation at step 0 already: it stops there, before any step (issue 27).
+    assert "target val loss already met at iteration 0" in capsys.readouterr().out
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["train"]["optimizer"] == "muon" and config["model"]["position"] == "rope"
     assert config["train"]["schedule"] == "wsd"

@@ -10,7 +10,9 @@ import torch
 
 from glassgpt import attention as attention_module
 from glassgpt import block as block_module
+from glassgpt import norms as norms_module
 from glassgpt.config import GPTConfig
+from glassgpt.decoding.sampling import sampling_distribution
 from glassgpt.errors import InputError
 from glassgpt.model import GPT, count_parameters
 from glassgpt.view.lens import (
@@ -25,7 +27,7 @@ from glassgpt.view.lens import (
     parameter_counts,
     prompt_loss,
     read_out,
-    sampling_distribution,
+    step_points,
     top_k_probabilities,
     trace,
 )
@@ -176,7 +178,7 @@ def test_one_head_step_by_step_has_the_models_own_numbers(idx, overrides):
     heads = block.attn.n_heads
     steps = [head_steps(model, one, layer, h, position) for h in range(heads)]
     for h, step in enumerate(steps):
-        kv = h // (heads // block.attn.n_kv_heads)
+        kv = h // (heads // block.attn.n_kv_head)
         assert step.kv_head == kv
         torch.testing.assert_close(step.residual, seen.residuals[layer][0, position])
         torch.testing.assert_close(step.q, q[0, h, position])
@@ -193,18 +195,22 @@ def test_one_head_step_by_step_has_the_models_own_numbers(idx, overrides):
     torch.testing.assert_close(total, block.attn(attn_in)[0, position], rtol=0, atol=1e-5)
 
 
-def test_each_step_names_the_line_that_computes_it(idx):
-    steps = head_steps(tiny_gpt(), idx[:1], 0, 1, 3)
-    expected = {"normed": "self.ln1(x)", "q": "self.qkv(x)", "scores": "q @ k.transpose",
-                "mask": ".tril(", "weights": "torch.softmax", "mixed": "weights @ v",
-                "contribution": "self.proj(y)", "residual_after": "x + a"}
+@pytest.mark.parametrize("switches", [{}, dict(position="rope", qk_norm=True)],
+                         ids=["classic", "rotary+qknorm"])
+def test_each_step_names_the_line_that_computes_it(idx, switches):
+    """The line is the one that calls the step's hook point (found while the block runs, not
+    by searching the source for text), so renaming a variable there cannot break it."""
+    model = tiny_gpt(**switches)
+    steps = head_steps(model, idx[:1], 0, 1, 3)
+    points = step_points(model.blocks[0])
     files = {"attention.py": Path(attention_module.__file__),
-             "block.py": Path(block_module.__file__)}
-    for name, snippet in expected.items():
+             "block.py": Path(block_module.__file__), "norms.py": Path(norms_module.__file__)}
+    for name, point in points.items():
         source = steps.sources[name]
-        assert snippet in source.text, (name, source)
+        assert point.rsplit(".", 1)[-1] + "(" in source.text, (name, source)
         line = files[source.file].read_text().splitlines()[source.line - 1]
         assert line.strip() == source.text
+    assert "rot_q" in points["q"] if switches else points["q"] == "attn.hook_q"
 
 
 def test_one_head_refuses_what_does_not_exist(idx):

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from glassgpt.config import GPTConfig
 from glassgpt.errors import InputError
 from glassgpt.model import GPT, TransformerLM, count_parameters
+from glassgpt.norms import RMSNorm
 
 GPT2_SMALL_PARAMS = 124_439_808
 
@@ -286,3 +287,23 @@ def test_readme_tour_example_runs(capsys):
     printed = capsys.readouterr().out
     assert "795,904 parameters" in printed  # cpu-small-modern
     assert "torch.Size([1, 13])" in printed
+
+
+def test_the_input_checks_live_in_their_own_module_and_model_py_opens_with_gpt():
+    """`glassgpt.inputs` checks ids and targets once each; model.py says what it builds."""
+    import glassgpt.model as model_module
+    from glassgpt import inputs
+    model = tiny_gpt()
+    idx = torch.randint(0, 20, (2, 5))
+    for targets, message in [(idx.float(), "targets must be integers"),
+                             (idx[:, :4], r"targets must have the shape .*\(2, 5\)"),
+                             (idx.int(), "targets must be integers, got dtype torch.int32"),
+                             (torch.full((2, 5), 20), "target 20 is outside the vocabulary")]:
+        with pytest.raises(InputError, match=message):
+            inputs.check_targets(targets, idx, 20, check_ids=True)
+        with pytest.raises(InputError, match=message):
+            model(idx, targets)
+    source = Path(model_module.__file__).read_text("utf-8")
+    assert "def check_" not in source.split("class GPT")[0]  # no checks before the model
+    assert "final LayerNorm" not in model_module.__doc__  # the final norm may be RMSNorm
+    assert isinstance(GPT(tiny_config(norm="rmsnorm")).ln_f, RMSNorm)

@@ -2,7 +2,7 @@
 
 RMSNorm against torch.nn.RMSNorm and the formula; rotary against a naive complex-number rotation,
 and the property that makes it a relative position code; grouped-query attention against a loop
-over heads with repeated keys and values; the per-layer loop, `project` and `head_mask`; the
+over heads with repeated keys and values; the per-layer loop and `project`; the
 KV cache's size with fewer key/value heads; zero-initialised projections and logit soft-capping.
 Shapes: B = batch, T = positions, C = width, H = heads, d = head width.
 """
@@ -20,8 +20,8 @@ from glassgpt.attention import MultiHeadSelfAttention, repeat_kv
 from glassgpt.block import ManualLayerNorm as BlockManualLayerNorm
 from glassgpt.block import SwiGLUFeedForward, TransformerBlock, make_activation
 from glassgpt.config import GPTConfig
-from glassgpt.errors import ConfigError, InputError
-from glassgpt.model import GPT, count_parameters, eval_mode
+from glassgpt.errors import ConfigError
+from glassgpt.model import GPT, count_parameters, eval_mode, parameter_count
 from glassgpt.norms import ManualLayerNorm, RMSNorm, make_norm
 from glassgpt.rotary import RotaryEmbedding
 
@@ -76,12 +76,15 @@ def test_rmsnorm_of_bf16_is_computed_in_float32_then_cast_back_as_hugging_face_d
 
 
 def test_make_norm_builds_the_named_norm_and_the_manual_layernorm_stays_in_block():
-    assert isinstance(make_norm("rmsnorm", 8, 1e-5, bias=True), RMSNorm)
-    layer_norm = make_norm("layernorm", 8, 1e-5, bias=False)
+    def config(**switches):
+        return GPTConfig(n_embd=8, n_head=1, **switches)
+    assert isinstance(make_norm(config(norm="rmsnorm", bias=True)), RMSNorm)
+    layer_norm = make_norm(config(norm="layernorm", bias=False))
     assert isinstance(layer_norm, torch.nn.LayerNorm) and layer_norm.bias is None
+    assert layer_norm.normalized_shape == (8,) and make_norm(config(), 4).weight.shape == (4,)
     assert BlockManualLayerNorm is ManualLayerNorm
     with pytest.raises(ConfigError, match="unknown norm 'batchnorm'"):
-        make_norm("batchnorm", 8, 1e-5, bias=True)
+        make_norm(config(norm="batchnorm"))
 
 
 # --- rotary ---------------------------------------------------------------------------------
@@ -130,7 +133,7 @@ def per_head_loop(attn: MultiHeadSelfAttention, x: torch.Tensor,
                   pad_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped attention the slow way: each query head h on its own, with the keys and values of
     K/V head h // (H / H_kv), sliced from the rows [Q, K, V] of qkv; then W_O."""
-    H, G, d = attn.n_heads, attn.n_kv_heads, attn.head_dim
+    H, G, d = attn.n_heads, attn.n_kv_head, attn.head_dim
     W = attn.qkv.weight
     Wq, Wk, Wv = W[:H * d], W[H * d:(H + G) * d], W[(H + G) * d:]
     T = x.shape[1]
@@ -146,12 +149,12 @@ def per_head_loop(attn: MultiHeadSelfAttention, x: torch.Tensor,
     return attn.proj(torch.cat(outputs, dim=-1))
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1])
 @pytest.mark.parametrize("impl", ["explicit", "fused"])
-def test_grouped_attention_equals_a_per_head_loop_over_repeated_keys_and_values(kv_heads, impl):
+def test_grouped_attention_equals_a_per_head_loop_over_repeated_keys_and_values(n_kv_head, impl):
     torch.manual_seed(0)
-    attn = MultiHeadSelfAttention(32, 4, bias=False, impl=impl, n_kv_heads=kv_heads).double()
-    assert attn.qkv.weight.shape == (32 + 2 * kv_heads * 8, 32)
+    attn = MultiHeadSelfAttention(32, 4, bias=False, impl=impl, n_kv_head=n_kv_head).double()
+    assert attn.qkv.weight.shape == (32 + 2 * n_kv_head * 8, 32)
     x = torch.randn(2, 6, 32, dtype=f64)
     assert (attn(x) - per_head_loop(attn, x)).abs().max() <= 1e-12
     pad = torch.tensor([[False] * 6, [True, False, False, False, False, False]])
@@ -168,14 +171,14 @@ def test_the_heads_must_split_into_equal_kv_groups():
     with pytest.raises(ConfigError, match=r"n_head=6 is not divisible by n_kv_head=4"):
         GPTConfig(n_head=6, n_embd=48, n_kv_head=4)
     with pytest.raises(ConfigError, match="n_kv_head"):
-        MultiHeadSelfAttention(32, 4, n_kv_heads=3)
+        MultiHeadSelfAttention(32, 4, n_kv_head=3)
 
 
-# --- project, head_mask and the per-layer loop ----------------------------------------------
+# --- project and the per-layer loop (heads switched off: tests/test_interp.py) ------
 
 def test_project_returns_the_q_k_v_the_forward_attends_with():
     torch.manual_seed(0)
-    attn = MultiHeadSelfAttention(32, 4, bias=False, impl="explicit", n_kv_heads=2, qk_norm=True,
+    attn = MultiHeadSelfAttention(32, 4, bias=False, impl="explicit", n_kv_head=2, qk_norm=True,
                                   rotary=True).double()
     randomise(attn)
     x = torch.randn(2, 5, 32, dtype=f64)
@@ -205,18 +208,6 @@ def test_project_at_an_offset_rotates_by_the_absolute_positions():
     assert (k_at_5 - k_long[:, :, 5:]).abs().max() <= 1e-12
 
 
-def test_a_head_mask_of_zeros_switches_a_head_off_like_removing_its_slice_of_w_o():
-    torch.manual_seed(0)
-    attn = MultiHeadSelfAttention(16, 2, n_kv_heads=1).double()
-    x = torch.randn(2, 4, 16, dtype=f64)
-    masked = attn(x, head_mask=torch.tensor([1.0, 0.0]))
-    with torch.no_grad():
-        attn.proj.weight[:, 8:] = 0  # head 1 writes through columns 8..15 of W_O
-    assert (masked - attn(x)).abs().max() <= 1e-12
-    with pytest.raises(InputError, match=r"one multiplier per head, shape \(2,\)"):
-        attn(x, head_mask=torch.ones(3))
-
-
 def test_the_per_layer_loop_is_what_forward_and_attention_maps_run():
     model = tiny(**MODERN, logit_softcap=5.0)
     idx = torch.randint(0, 31, (2, 7))
@@ -228,20 +219,6 @@ def test_the_per_layer_loop_is_what_forward_and_attention_maps_run():
         assert steps[0][2] is None and steps[1][2].shape == (2, 4, 7, 7)
         maps = model.attention_maps(idx)
     assert all(torch.equal(a, s[2]) for a, s in zip(maps, steps[1:], strict=True))
-
-
-def test_a_head_mask_per_layer_changes_only_the_layers_it_masks():
-    model = tiny(n_head=2, n_embd=16)
-    idx = torch.randint(0, 31, (1, 5))
-    with torch.no_grad():
-        plain = [x for _, x, _ in model.layers(idx)]
-        ones = model(idx, head_mask=torch.ones(2, 2))[0]
-        second_off = [x for _, x, _ in model.layers(idx, head_mask=torch.tensor([[1.0, 1],
-                                                                              [0, 0]]))]
-    assert torch.equal(ones, model(idx)[0])
-    assert torch.equal(second_off[1], plain[1]) and not torch.allclose(second_off[2], plain[2])
-    with pytest.raises(InputError, match=r"\(n_layer, n_head\) = \(2, 2\)"):
-        model(idx, head_mask=torch.ones(3, 2))
 
 
 def test_eval_mode_restores_the_mode_even_after_an_error():
@@ -295,7 +272,7 @@ def test_swiglu_and_relu_squared_are_their_formulas():
 
 def test_a_rmsnorm_block_has_no_norm_biases_and_the_shapes_of_the_contract():
     block = TransformerBlock(32, 4, norm="rmsnorm", activation="swiglu", mlp_hidden=40,
-                             n_kv_heads=2, qk_norm=True, rotary=True, bias=True)
+                             n_kv_head=2, qk_norm=True, rotary=True, bias=True)
     shapes = {name: tuple(p.shape) for name, p in block.named_parameters()}
     assert shapes == {"ln1.weight": (32,), "attn.qkv.weight": (64, 32), "attn.qkv.bias": (64,),
                       "attn.proj.weight": (32, 32), "attn.proj.bias": (32,),
@@ -350,7 +327,7 @@ def test_smollm2_135m_has_exactly_the_parameters_transformers_counts():
 def test_cpu_small_modern_is_cpu_smalls_size_with_the_modern_parts():
     modern, small = GPTConfig.from_preset("cpu-small-modern"), GPTConfig.from_preset("cpu-small")
     assert (modern.n_layer, modern.n_head, modern.n_embd, modern.block_size) == (4, 4, 128, 64)
-    assert (modern.position, modern.norm, modern.activation, modern.kv_heads) == \
+    assert (modern.position, modern.norm, modern.activation, modern.n_kv_head) == \
         ("rope", "rmsnorm", "swiglu", 2)
     with torch.device("meta"):
         counts = count_parameters(GPT(modern)), count_parameters(GPT(small))
@@ -411,10 +388,11 @@ def test_a_hundred_thousand_layers_are_refused_for_their_module_objects_alone(mo
     from glassgpt.machine import memory
     monkeypatch.setattr(memory, "physical_memory", lambda: 4 * 2**30)
     config = GPTConfig(vocab_size=65, block_size=64, n_layer=100_000, n_head=1, n_embd=8)
-    parts = memory.model_memory(config)
+    parameters = parameter_count(config)
+    parts = memory.model_memory(config, parameters)
     assert parts["weights"] < 2**30 < parts["module objects"]  # the weights alone would fit
-    with pytest.raises(ConfigError, match=r"module objects 6\.1 GiB"):
-        memory.check_model_fits_memory(config)
+    with pytest.raises(ConfigError, match=r"module objects 12\.2 GiB"):
+        memory.check_model_fits_memory(config, parameters)
 
 
 def test_the_python_example_of_docs_modern_runs_and_builds_the_preset(capsys):
@@ -434,3 +412,63 @@ def test_eval_mode_is_the_one_place_that_saves_and_restores_a_models_mode():
     writers = [path.relative_to(package).as_posix() for path in package.rglob("*.py")
                if "was_training" in path.read_text("utf-8")]
     assert writers == ["model.py"]  # everyone else says `with eval_mode(model):`
+
+
+def test_one_name_for_the_kv_head_count_and_one_home_for_its_groups():
+    """`n_kv_head` everywhere; the group size is `attn.groups`, worked out once in attention."""
+    import re
+    from pathlib import Path
+    root = Path(__file__).parents[1]
+    spellings = re.compile(r"\bn_kv_heads\b|\bkv_heads_of\b|\b(?:c|config|cfg)\.kv_heads\b")
+    group_size = re.compile(r"n_heads? // |// \(?\w*\.?n_kv_head")
+    for path in [*(root / "src" / "glassgpt").rglob("*.py"), *(root / "tests").glob("*.py")]:
+        if path.name == Path(__file__).name:
+            continue
+        text = path.read_text("utf-8")
+        assert not spellings.search(text), f"{path.name}: {spellings.search(text)[0]}"
+        if "src" in path.parts and path.name != "attention.py":
+            assert not group_size.search(text), f"{path.name}: {group_size.search(text)[0]}"
+
+
+def test_machine_sits_below_the_model_and_counts_parameters_it_is_given():
+    """machine/ imports no model code: the parameter count is computed beside the model
+    (`parameter_count`, on the meta device) and handed to the memory checks."""
+    import ast
+    from pathlib import Path
+
+    from glassgpt.machine import memory
+    glass = {"glassgpt.model", "glassgpt.block", "glassgpt.attention", "glassgpt.norms",
+             "glassgpt.rotary", "glassgpt.inputs"}
+    for path in (Path(__file__).parents[1] / "src" / "glassgpt" / "machine").glob("*.py"):
+        tree = ast.parse(path.read_text("utf-8"))
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                     for alias in node.names}
+        assert not imported & glass, f"machine/{path.name} imports {imported & glass}"
+    config = GPTConfig(vocab_size=65, block_size=16, n_layer=3, n_head=4, n_embd=32,
+                       **dict(MODERN, mlp_hidden=40))
+    assert parameter_count(config) == count_parameters(GPT(config))
+    assert memory.model_memory(config, 1000)["weights"] == 4000
+
+
+def test_adding_a_switch_as_reading_the_code_says_is_true_to_the_code():
+    """The page's four places name what exists, and the line it edits is the real one."""
+    import inspect
+    from pathlib import Path
+
+    from glassgpt import attention, block, config, model, norms
+    page = (Path(__file__).parents[1] / "docs" / "reading-the-code.md").read_text("utf-8")
+    section = page.split("## Adding a switch", 1)[1].split("\n## ", 1)[0]
+    for name, where in [("MultiHeadSelfAttention._build", attention),
+                        ("MultiHeadSelfAttention.from_config", attention),
+                        ("TransformerBlock._build", block), ("TransformerBlock.from_config", block),
+                        ("make_mlp", block), ("make_norm", norms), ("parameter_count", model),
+                        ("setting", config)]:
+        assert name in section, name
+        obj = where
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    shown = "nn.Linear(C, C + 2 * kv_width, bias=config.bias"
+    assert shown in section and shown in inspect.getsource(attention.MultiHeadSelfAttention._build)
+    built = inspect.getsource(model.GPT.__init__) + inspect.getsource(block.TransformerBlock._build)
+    assert "from_config(config" in built and "make_norm(config)" in built

@@ -41,16 +41,24 @@ def test_schedule_and_optimizer_settings_are_checked():
 def test_target_loss_stops_at_the_first_evaluation_that_reaches_it(tmp_path, small_text):
     prepare(tmp_path / "data", small_text)
     data = PreparedData(tmp_path / "data")
-    cfg = TrainConfig(max_iters=40, batch_size=4, eval_interval=3, eval_iters=2,
-                      log_interval=1, warmup_iters=0, lr=1e-2, seed=3, target_loss=1e9)
-    trainer = Trainer(build_model(TINY, data.vocab_size, cfg.seed), cfg, data, tmp_path / "r")
-    result = trainer.run()
+    cfg = TrainConfig(max_iters=6, batch_size=4, eval_interval=3, eval_iters=2,
+                      log_interval=1, warmup_iters=0, lr=1e-2, seed=3, target_loss=1e-9)
+    never = Trainer(build_model(TINY, data.vocab_size, cfg.seed), cfg, data,
+                    tmp_path / "never").run()
+    assert not never.target_reached and never.target_iteration is None
+    assert never.iteration == 6
+    val = {r["iter"]: r["val_loss"] for r in read_metrics(tmp_path / "never") if "val_loss" in r}
+    assert val[3] < val[0]
+    # The same run (same seed), with a target between the losses at steps 0 and 3.
+    reached = TrainConfig(**{**cfg.to_dict(), "target_loss": (val[0] + val[3]) / 2})
+    result = Trainer(build_model(TINY, data.vocab_size, cfg.seed), reached, data,
+                     tmp_path / "r").run()
     assert result.target_reached and result.target_iteration == result.iteration == 3
     assert 0 < result.target_seconds <= result.seconds
     evals = [r["iter"] for r in read_metrics(tmp_path / "r") if "val_loss" in r]
     assert evals == [0, 3]  # the start, then the first evaluation: at or below the target
-    never = Trainer(build_model(TINY, data.vocab_size, cfg.seed),
-                    TrainConfig(**{**cfg.to_dict(), "max_iters": 6, "target_loss": 0.0}), data,
-                    tmp_path / "never").run()
-    assert not never.target_reached and never.target_iteration is None
-    assert never.iteration == 6
+    # A target the step-0 evaluation meets already stops there, before any step.
+    met = TrainConfig(**{**cfg.to_dict(), "target_loss": 1e9})
+    at_start = Trainer(build_model(TINY, data.vocab_size, cfg.seed), met, data,
+                       tmp_path / "met").run()
+    assert at_start.target_iteration == at_start.iteration == 0

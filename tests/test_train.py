@@ -232,14 +232,15 @@ def test_bf16_autocast_training_on_a_cpu_keeps_fp32_weights_and_follows_fp32(tmp
 
 def test_training_memory_counts_16_bytes_a_parameter_and_one_micro_batch():
     config = GPTConfig(vocab_size=50, **TINY)
-    parts = training_memory(config, batch_size=4, amp_dtype=None)
     params = count_parameters(GPT(config))
+    parts = training_memory(config, batch_size=4, amp_dtype=None, parameters=params)
     assert parts["weights"] == parts["gradients"] == 4 * params
     assert parts["AdamW moments"] == 8 * params
     tokens = 4 * 16  # B * T
     per_token = 2 * 20 * 16  # layers * floats per layer (in units of C) * C
     assert parts["activations"] == tokens * per_token * 4 + tokens * 50 * 4 * 3  # + logits
-    assert training_memory(config, 4, torch.bfloat16)["activations"] < parts["activations"]
+    assert training_memory(config, 4, torch.bfloat16, params)["activations"] < \
+        parts["activations"]
 
 
 def test_a_training_step_too_big_for_the_machine_is_refused_before_anything_is_allocated(

@@ -21,6 +21,7 @@ from glassgpt.cli import build_parser, main
 from glassgpt.config import GPTConfig, SamplingConfig
 from glassgpt.data import PreparedData
 from glassgpt.decoding.generate import encode_prompt, stream_text
+from glassgpt.decoding.sampling import sampling_distribution
 from glassgpt.model import GPT, count_parameters
 from glassgpt.rundir.checkpoint import load_model
 from glassgpt.tokenizers import CharTokenizer, train_tokenizer
@@ -35,7 +36,6 @@ from glassgpt.view.lens import (
     next_token_top_k,
     parameter_counts,
     read_out,
-    sampling_distribution,
     trace,
 )
 from glassgpt.view.pieces import piece_text, readable_bytes
@@ -160,8 +160,11 @@ def test_inside_one_head_has_the_models_own_numbers(client, view):
                                maps[1, 1, 6, :7].float(), rtol=0, atol=5e-5)
     assert steps["mask"]["values"] == [t <= 6 for t in range(len(PROMPT))]
     for step in answer["steps"]:
-        assert step["source"]["file"] in ("attention.py", "block.py") and step["source"]["line"]
-    assert steps["scores"]["source"]["function"] == "explicit_attention"
+        assert step["source"]["file"] in ("attention.py", "block.py", "norms.py")
+        assert step["source"]["line"] > 0
+    # the line that calls each step's hook point (attention scores: masked, then the softmax)
+    assert steps["scores"]["source"]["function"] == "masked_softmax"
+    assert "hook_pattern(" in steps["weights"]["source"]["text"]
     assert answer["kv_head"] == 1 and answer["kv_heads"] == 2
 
 
@@ -369,9 +372,9 @@ BAD_REQUESTS = {
                                         400, "heads must be a list"),
     "negative temperature for the bars": ("/api/predictions", {"prompt": "to",
                                                                "temperature": -0.5}, 400,
-                                          "temperature must be 0 or more"),
+                                          "temperature must be >= 0"),
     "top_k of zero for the bars": ("/api/predictions", {"prompt": "to", "top_k": 0}, 400,
-                                   "top_k must be at least 1"),
+                                   "top_k must be a positive integer"),
 }
 
 

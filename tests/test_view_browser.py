@@ -293,8 +293,9 @@ def test_inside_one_head_shows_the_models_numbers(page, model_and_tokenizer):
                                       "dataset.value")]
     torch.testing.assert_close(torch.tensor(shown), maps[1, 0, 0, 4, :5], rtol=0, atol=1e-4)
     where = values(page, "#inside .where")
-    assert where[4].startswith("attention.py:") and "explicit_attention" in where[4]
-    assert where[1].startswith("block.py:")
+    # each step's line is the one that calls its hook point (the scores': masked_softmax)
+    assert where[4].startswith("attention.py:") and "masked_softmax" in where[4]
+    assert where[1].startswith("norms.py:")  # ln1's x_hat
     mask = values(page, '#inside [data-step="mask"] td')
     assert mask == ["sees"] * 5 + ["masked"] * (len(PROMPT) - 5)
 

@@ -12,8 +12,9 @@ tests can prove that treating heads as a batch dimension changes nothing.
 Plain PyTorch only: the speed paths of decoding live beside the model, in `glassgpt.decoding`.
 
 The modern switches (docs/modern.md) are steps added to the same path, each off by default:
-  * grouped-query attention (`n_kv_heads` < H): qkv makes H query heads but only n_kv_heads
-    key/value heads, each serving H // n_kv_heads query heads (repeated just before attention);
+  * grouped-query attention (`n_kv_head` < H): qkv makes H query heads but only n_kv_head
+    key/value heads, each serving `groups` = H // n_kv_head query heads (repeated just before
+    attention);
   * `qk_norm`: RMSNorm over the head width on q and k (Qwen3);
   * `rotary`: q and k rotated by their positions (`glassgpt.rotary`).
 """
@@ -21,19 +22,15 @@ The modern switches (docs/modern.md) are steps added to the same path, each off 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from glassgpt.config import (
-    ATTENTION_IMPLS,
-    check_choice,
-    check_dropout,
-    check_heads_divide_width,
-    check_kv_heads,
-)
+from glassgpt.config import GPTConfig, check_heads_divide_width
 from glassgpt.errors import InputError
+from glassgpt.hooks import HookPoint
 from glassgpt.norms import RMSNorm
 from glassgpt.rotary import RotaryEmbedding
 
@@ -98,23 +95,34 @@ def _open_empty_rows(mask: Tensor) -> tuple[Tensor, Tensor]:
     return mask | empty_rows, empty_rows
 
 
+def _unchanged(x: Tensor) -> Tensor:
+    return x
+
+
+Hook = Callable[[Tensor], Tensor]
+
+
 def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
-                       dropout: nn.Module) -> tuple[Tensor, Tensor]:
+                       dropout: nn.Module, hook_attn_scores: Hook = _unchanged,
+                       hook_pattern: Hook = _unchanged) -> tuple[Tensor, Tensor]:
     """softmax(q k^T / sqrt(d)) v, written out. Returns (output (B,H,T,d), weights (B,H,T,S)).
 
     The weights returned are the ones multiplied into v, so after dropout when it is active.
+    `hook_attn_scores` sees the masked scores (-inf where a key is hidden), `hook_pattern` the
+    weights before dropout: the attention module's hook points.
     """
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, T, S)
-    weights = dropout(masked_softmax(scores, mask))
+    weights = dropout(hook_pattern(masked_softmax(scores, mask, hook_attn_scores)))
     return weights @ v, weights  # (B, H, T, d), (B, H, T, S)
 
 
-def masked_softmax(scores: Tensor, mask: Tensor | None) -> Tensor:
+def masked_softmax(scores: Tensor, mask: Tensor | None,
+                   hook_attn_scores: Hook = _unchanged) -> Tensor:
     """Softmax over the last axis of scores, over allowed keys only; all-masked rows give 0."""
     if mask is None:
-        return torch.softmax(scores, dim=-1)
+        return torch.softmax(hook_attn_scores(scores), dim=-1)
     mask, empty_rows = _open_empty_rows(mask)
-    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    weights = torch.softmax(hook_attn_scores(scores.masked_fill(~mask, float("-inf"))), dim=-1)
     return weights.masked_fill(empty_rows, 0.0)
 
 
@@ -165,12 +173,6 @@ def repeat_kv(x: Tensor, groups: int) -> Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def check_head_mask(head_mask: Tensor, n_heads: int) -> None:
-    if head_mask.shape != (n_heads,):
-        raise InputError(f"head_mask must hold one multiplier per head, shape ({n_heads},), got "
-                         f"{tuple(head_mask.shape)}")
-
-
 class MultiHeadSelfAttention(nn.Module):
     """Multi-head self-attention: one `qkv` projection, heads as a batch dimension, one `proj`.
 
@@ -178,38 +180,65 @@ class MultiHeadSelfAttention(nn.Module):
     W_O; both copy 1:1 into `nn.MultiheadAttention` (`in_proj_*`, `out_proj`).
     `impl="fused"` uses scaled_dot_product_attention; the explicit path runs instead whenever
     attention weights are asked for (`return_attn=True`) or with `impl="explicit"`.
-    With `n_kv_heads` < n_heads, `qkv` is Linear(C, (H + 2 * n_kv_heads) * d) and its rows are
-    [Q (H * d), K (n_kv_heads * d), V (n_kv_heads * d)]; `qk_norm` adds `q_norm` and `k_norm`
-    (RMSNorm over d); `rotary` rotates q and k by their positions (with base `rope_theta`).
+    With `n_kv_head` < n_heads, `qkv` is Linear(C, (H + 2 * n_kv_head) * d) and its rows are
+    [Q (H * d), K (n_kv_head * d), V (n_kv_head * d)]: each K/V head serves `groups` query
+    heads in a row (`kv_head_of`). `qk_norm` adds `q_norm` and `k_norm` (RMSNorm over d);
+    `rotary` rotates q and k by their positions (with base `rope_theta`).
+    Built from a GPTConfig passed whole (`from_config`, what `GPT` does), or standalone from
+    sizes and switches by name.
     """
 
     def __init__(self, d_model: int, n_heads: int, causal: bool = True, dropout: float = 0.0,
-                 bias: bool = True, impl: str = "fused", *, n_kv_heads: int | None = None,
+                 bias: bool = True, impl: str = "fused", *, n_kv_head: int | None = None,
                  qk_norm: bool = False, rotary: bool = False, rope_theta: float = 10000.0,
                  norm_eps: float = 1e-6):
         super().__init__()
-        self.head_dim = check_heads_divide_width(d_model, n_heads)
-        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        check_kv_heads(n_heads, n_kv_heads)
-        check_choice("attention impl", impl, ATTENTION_IMPLS)
-        check_dropout(dropout)
-        self.d_model, self.n_heads, self.causal, self.impl = d_model, n_heads, causal, impl
-        self.n_kv_heads = n_kv_heads
-        self.dropout_p = dropout
-        kv_width = n_kv_heads * self.head_dim  # C when every head has its own K and V
-        self.qkv = nn.Linear(d_model, d_model + 2 * kv_width, bias=bias)
-        self.proj = nn.Linear(d_model, d_model, bias=bias)
-        self.attn_dropout = nn.Dropout(dropout)  # on the attention weights
-        self.resid_dropout = nn.Dropout(dropout)  # on the output, before it joins the residual
-        self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
-        self.rotary = RotaryEmbedding(self.head_dim, rope_theta) if rotary else None
+        check_heads_divide_width(d_model, n_heads)  # named as the caller named them
+        self._build(GPTConfig(n_embd=d_model, n_head=n_heads, dropout=dropout, bias=bias,
+                              attn_impl=impl, n_kv_head=n_kv_head, qk_norm=qk_norm,
+                              position="rope" if rotary else "learned", rope_theta=rope_theta,
+                              norm_eps=norm_eps), causal)
+
+    @classmethod
+    def from_config(cls, config: GPTConfig, causal: bool = True) -> MultiHeadSelfAttention:
+        """The attention of a block of `config`: the config passed whole, no field unpacked."""
+        attn = cls.__new__(cls)
+        nn.Module.__init__(attn)
+        attn._build(config, causal)
+        return attn
+
+    def _build(self, config: GPTConfig, causal: bool) -> None:
+        C, H, d = config.n_embd, config.n_head, config.head_dim
+        self.d_model, self.n_heads, self.head_dim, self.causal = C, H, d, causal
+        self.n_kv_head = config.n_kv_head or H  # None: every query head has its own K and V
+        self.groups = H // self.n_kv_head  # query heads per K/V head
+        self.impl, self.dropout_p = config.attn_impl, config.dropout
+        kv_width = self.n_kv_head * d  # C when every head has its own K and V
+        self.qkv = nn.Linear(C, C + 2 * kv_width, bias=config.bias)
+        self.proj = nn.Linear(C, C, bias=config.bias)
+        self.attn_dropout = nn.Dropout(config.dropout)  # on the attention weights
+        self.resid_dropout = nn.Dropout(config.dropout)  # on the output, before the residual
+        self.q_norm = RMSNorm(d, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.norm_eps) if config.qk_norm else None
+        rotary = config.position == "rope"
+        self.rotary = RotaryEmbedding(d, config.rope_theta) if rotary else None
         self.kv_cache: KVCache | None = None
+        # Hook points (glassgpt.hooks), TransformerLens's names; q, k, v and z as
+        # (B, T, heads, d), scores and pattern as (B, H, T, S).
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
+        if rotary:
+            self.hook_rot_q, self.hook_rot_k = HookPoint(), HookPoint()
+        self.hook_attn_scores, self.hook_pattern = HookPoint(), HookPoint()
+        self.hook_z = HookPoint()
+
+    def kv_head_of(self, head: int) -> int:
+        """The K/V head that query head `head` reads: each serves `groups` heads in a row."""
+        return head // self.groups
 
     def to_torch_multihead(self) -> nn.MultiheadAttention:
         """An `nn.MultiheadAttention` (batch_first) computing the same: qkv -> in_proj, proj ->
         out_proj, copied 1:1 because both keep Q, K, V stacked in that order."""
-        if self.n_kv_heads != self.n_heads or self.q_norm is not None or self.rotary is not None:
+        if self.n_kv_head != self.n_heads or self.q_norm is not None or self.rotary is not None:
             raise InputError("nn.MultiheadAttention has no grouped K/V, QK-norm or rotary "
                              "positions; only a classic attention module converts")
         bias = self.qkv.bias is not None
@@ -231,14 +260,13 @@ class MultiHeadSelfAttention(nn.Module):
         return x.view(B, T, -1, self.head_dim).transpose(1, 2)
 
     def forward(self, x: Tensor, pad_mask: Tensor | None = None, return_attn: bool = False,
-                start_pos: int | Tensor | None = None,
-                head_mask: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                start_pos: int | Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """x (B, T, C) -> y (B, T, C), plus weights (B, H, T, S) when `return_attn`.
 
         `start_pos` (with a KV cache set up) means x holds positions start_pos.. of a sequence
         whose earlier keys and values are already cached. It is whatever the cache's `update`
         takes: an int for `KVCache` (the CUDA engine's static cache also takes a tensor).
-        `head_mask` (H,) multiplies each head's output before `proj`: zeros switch heads off.
+        Switching a head off is a hook on `hook_z` (glassgpt.interp), not an argument.
         """
         check_stream(x, self.d_model, self.qkv.weight, "attention")
         B, T, C = x.shape
@@ -247,14 +275,10 @@ class MultiHeadSelfAttention(nn.Module):
             if self.kv_cache is None:
                 raise InputError("start_pos given but no KV cache is set up on this module")
             k, v = self.kv_cache.update(start_pos, k, v)  # 2 x (B, H_kv, S, d)
-        groups = self.n_heads // self.n_kv_heads
-        k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # 2 x (B, H, S, d)
+        k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)  # 2 x (B, H, S, d)
         y, weights = self.attend(q, k, v, pad_mask, return_attn)  # (B, H, T, d)
-        if head_mask is not None:
-            check_head_mask(head_mask, self.n_heads)
-            y = y * head_mask.to(y.dtype).view(1, -1, 1, 1)  # (B, H, T, d), scaled per head
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, H, T, d) -> (B, T, C)
-        y = self.resid_dropout(self.proj(y))
+        z = self.hook_z(y.transpose(1, 2))  # (B, T, H, d): each head's output, side by side
+        y = self.resid_dropout(self.proj(z.reshape(B, T, C)))  # (B, T, H * d) -> (B, T, C)
         return (y, weights) if return_attn else y
 
     def project(self, x: Tensor,
@@ -264,15 +288,20 @@ class MultiHeadSelfAttention(nn.Module):
 
         `start_pos` places x at positions start_pos.. (it matters only to rotary positions).
         """
-        kv_width = self.n_kv_heads * self.head_dim
+        B, T, _ = x.shape
+        kv_width = self.n_kv_head * self.head_dim
         q, k, v = self.qkv(x).split([self.d_model, kv_width, kv_width], dim=2)  # (B, T, .)
-        q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)
+        q = self.hook_q(q.view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, H, T, d)
+        k = self.hook_k(k.view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, H_kv, T, d)
+        v = self.hook_v(v.view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, H_kv, T, d)
         if self.q_norm is not None:  # QK-norm: each head's q and k to unit RMS, times a gain
             q, k = self.q_norm(q), self.k_norm(k)  # shapes unchanged
         if self.rotary is not None:  # rotary: turn q and k by the angles of their positions
-            positions = positions_of(start_pos, x.shape[1], x.device)  # (T,)
+            positions = positions_of(start_pos, T, x.device)  # (T,)
             cos, sin = self.rotary.cos_sin(positions, q.dtype)  # 2 x (T, d), for q and k alike
             q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)  # unchanged
+            q = self.hook_rot_q(q.transpose(1, 2)).transpose(1, 2)  # seen as (B, T, H, d)
+            k = self.hook_rot_k(k.transpose(1, 2)).transpose(1, 2)
         return q, k, v
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, pad_mask: Tensor | None,
@@ -282,9 +311,12 @@ class MultiHeadSelfAttention(nn.Module):
         Returns the output (B, H, T, d) and, on the explicit path, the weights (B, H, T, S).
         """
         T, S = q.shape[2], k.shape[2]
-        if return_attn or self.impl == "explicit":
+        # The fused kernel never forms the scores: a hook on them takes the explicit path.
+        looked_at = self.hook_attn_scores.active or self.hook_pattern.active
+        if return_attn or self.impl == "explicit" or looked_at:
             mask = build_attention_mask(T, S, self.causal, pad_mask, q.device)
-            return explicit_attention(q, k, v, mask, self.attn_dropout)
+            return explicit_attention(q, k, v, mask, self.attn_dropout, self.hook_attn_scores,
+                                      self.hook_pattern)
         dropout_p = self.dropout_p if self.training else 0.0  # never drop at eval time
         # With no padding and T == S, is_causal=True lets SDPA pick its flash kernel.
         plain_causal = self.causal and pad_mask is None and T == S
@@ -327,7 +359,7 @@ class PerHeadSelfAttention(nn.Module):
     @classmethod
     def from_parallel(cls, attn: MultiHeadSelfAttention) -> PerHeadSelfAttention:
         """A per-head module holding exactly the weights of `attn`, sliced head by head."""
-        if attn.n_kv_heads != attn.n_heads or attn.q_norm is not None or attn.rotary is not None:
+        if attn.n_kv_head != attn.n_heads or attn.q_norm is not None or attn.rotary is not None:
             raise InputError("the per-head reference is the classic form: no grouped K/V, "
                              "QK-norm or rotary positions")
         bias = attn.qkv.bias is not None

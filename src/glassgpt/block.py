@@ -1,7 +1,9 @@
 """The stackable Transformer block: normalisation, attention, feed-forward and two residuals.
 
 Shapes: B = batch, T = positions, C = width, F = the MLP's hidden width (4C by default).
-A block maps (B, T, C) -> (B, T, C), which is what makes blocks stackable.
+A block maps (B, T, C) -> (B, T, C), which is what makes blocks stackable. Pre-LN or Post-LN is
+chosen once, when a block is built: `TransformerBlock.forward` is the Pre-LN block, and a Post-LN
+block runs `post_ln_forward` in its place.
 The MLPs: `FeedForward` (C -> F -> C with one activation, GPT-2's) and beside it `SwiGLUFeedForward`
 (a gated MLP, Llama's and Qwen3's). The norms live in `glassgpt.norms`.
 """
@@ -13,12 +15,14 @@ from torch import Tensor, nn
 from glassgpt.attention import MultiHeadSelfAttention, check_stream
 from glassgpt.config import (
     ACTIVATIONS,
+    GPTConfig,
     check_choice,
     check_dropout,
     check_heads_divide_width,
     check_size,
 )
 from glassgpt.errors import ConfigError
+from glassgpt.hooks import HookPoint
 from glassgpt.norms import ManualLayerNorm, make_norm
 
 __all__ = ["FeedForward", "ManualLayerNorm", "ReLUSquared", "SwiGLUFeedForward",
@@ -58,9 +62,12 @@ class FeedForward(nn.Module):
         self.proj = nn.Linear(hidden, d_model, bias=bias)
         check_dropout(dropout)
         self.dropout = nn.Dropout(dropout)
+        self.hook_pre, self.hook_post = HookPoint(), HookPoint()
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.proj(self.act(self.fc(x))))  # (B, T, F) inside
+        pre = self.hook_pre(self.fc(x))  # (B, T, F): before the activation
+        post = self.hook_post(self.act(pre))  # (B, T, F)
+        return self.dropout(self.proj(post))  # (B, T, C)
 
 
 class SwiGLUFeedForward(nn.Module):
@@ -80,68 +87,99 @@ class SwiGLUFeedForward(nn.Module):
         self.act = nn.SiLU()
         check_dropout(dropout)
         self.dropout = nn.Dropout(dropout)
+        self.hook_pre, self.hook_pre_linear = HookPoint(), HookPoint()
+        self.hook_post = HookPoint()
 
     def forward(self, x: Tensor) -> Tensor:
-        gated = self.act(self.gate(x)) * self.up(x)  # (B, T, F)
-        return self.dropout(self.proj(gated))  # (B, T, C)
+        pre = self.hook_pre(self.gate(x))  # (B, T, F): the gate before its SiLU
+        linear = self.hook_pre_linear(self.up(x))  # (B, T, F)
+        post = self.hook_post(self.act(pre) * linear)  # the gate lets each feature of up through
+        return self.dropout(self.proj(post))  # (B, T, C)
 
 
-def make_mlp(d_model: int, activation: str, dropout: float, bias: bool,
-             hidden: int | None = None) -> nn.Module:
-    """The block's MLP: `SwiGLUFeedForward` for "swiglu", else `FeedForward` with `activation`."""
-    check_choice("activation", activation, ACTIVATIONS)
-    if activation == "swiglu":
-        return SwiGLUFeedForward(d_model, 4 * d_model if hidden is None else hidden, dropout, bias)
-    return FeedForward(d_model, activation=activation, dropout=dropout, bias=bias, hidden=hidden)
+def make_mlp(config: GPTConfig) -> nn.Module:
+    """The block's MLP of `config`: `SwiGLUFeedForward` for activation "swiglu", else
+    `FeedForward` with that activation; hidden width `config.hidden_width` either way."""
+    C, F = config.n_embd, config.hidden_width
+    if config.activation == "swiglu":
+        return SwiGLUFeedForward(C, F, config.dropout, config.bias)
+    return FeedForward(C, config.activation, config.dropout, config.bias, hidden=F)
 
 
 class TransformerBlock(nn.Module):
-    """One block, Pre-LN (default) or Post-LN.
+    """One block, Pre-LN (default) or Post-LN, chosen when it is built:
 
-    Pre-LN:  u = x + attn(ln1(x));  z = u + ffn(ln2(u))
-    Post-LN: u = ln1(x + attn(x));  z = ln2(u + ffn(u))
-    `residual=False` drops both skip connections (only the "why residuals" experiment wants that).
+    Pre-LN  (`forward`):          u = x + attn(ln1(x));  z = u + ffn(ln2(u))
+    Post-LN (`post_ln_forward`):  u = ln1(x + attn(x));  z = ln2(u + ffn(u))
     With bias and the 4x MLP a block holds exactly 12C^2 + 13C parameters.
-    `norm` picks `ln1`/`ln2` (layernorm | rmsnorm); `n_kv_heads`, `qk_norm`, `rotary` and
-    `rope_theta` go to the attention, `mlp_hidden` to the MLP.
+    Built from a GPTConfig passed whole (`from_config`, what `GPT` does): `norm` picks `ln1` and
+    `ln2`, and the attention and the MLP read their own fields. Standalone, from sizes and
+    switches by name: `norm`, `mlp_hidden`, `n_kv_head`, `qk_norm`, `rotary`, `rope_theta` are
+    those fields (`rotary` is `position="rope"`).
     """
 
     def __init__(self, d_model: int, n_heads: int, pre_ln: bool = True, dropout: float = 0.0,
                  activation: str = "gelu", bias: bool = True, causal: bool = True,
-                 attn_impl: str = "fused", norm_eps: float = 1e-5, residual: bool = True, *,
-                 norm: str = "layernorm", mlp_hidden: int | None = None,
-                 n_kv_heads: int | None = None, qk_norm: bool = False, rotary: bool = False,
-                 rope_theta: float = 10000.0):
+                 attn_impl: str = "fused", norm_eps: float = 1e-5, *, norm: str = "layernorm",
+                 mlp_hidden: int | None = None, n_kv_head: int | None = None,
+                 qk_norm: bool = False, rotary: bool = False, rope_theta: float = 10000.0):
         super().__init__()
-        check_heads_divide_width(d_model, n_heads)  # before any layer is sized by them
-        self.pre_ln, self.residual, self.d_model = pre_ln, residual, d_model
-        self.ln1 = make_norm(norm, d_model, norm_eps, bias)
-        self.attn = MultiHeadSelfAttention(d_model, n_heads, causal=causal, dropout=dropout,
-                                           bias=bias, impl=attn_impl, n_kv_heads=n_kv_heads,
-                                           qk_norm=qk_norm, rotary=rotary,
-                                           rope_theta=rope_theta, norm_eps=norm_eps)
-        self.ln2 = make_norm(norm, d_model, norm_eps, bias)
-        self.ffn = make_mlp(d_model, activation, dropout, bias, mlp_hidden)
+        check_heads_divide_width(d_model, n_heads)  # named as the caller named them
+        self._build(GPTConfig(n_embd=d_model, n_head=n_heads, pre_ln=pre_ln, dropout=dropout,
+                              activation=activation, bias=bias, attn_impl=attn_impl,
+                              norm_eps=norm_eps, norm=norm, mlp_hidden=mlp_hidden,
+                              n_kv_head=n_kv_head, qk_norm=qk_norm,
+                              position="rope" if rotary else "learned", rope_theta=rope_theta),
+                    causal)
+
+    @classmethod
+    def from_config(cls, config: GPTConfig, causal: bool = True) -> TransformerBlock:
+        """A block of `config`: the config passed whole, no field unpacked."""
+        block = cls.__new__(cls)
+        nn.Module.__init__(block)
+        block._build(config, causal)
+        return block
+
+    def _build(self, config: GPTConfig, causal: bool) -> None:
+        self.pre_ln, self.d_model = config.pre_ln, config.n_embd
+        self.ln1 = make_norm(config)
+        self.attn = MultiHeadSelfAttention.from_config(config, causal)
+        self.ln2 = make_norm(config)
+        self.ffn = make_mlp(config)
+        # Hook points (glassgpt.hooks) on the residual stream and on what each sub-layer adds.
+        self.hook_resid_pre, self.hook_attn_out = HookPoint(), HookPoint()
+        self.hook_resid_mid, self.hook_mlp_out = HookPoint(), HookPoint()
+        self.hook_resid_post = HookPoint()
+        if not config.pre_ln:  # decided once, here: this block's forward is the Post-LN one
+            self.forward = self.post_ln_forward
 
     def forward(self, x: Tensor, pad_mask: Tensor | None = None, return_attn: bool = False,
-                start_pos: int | Tensor | None = None,
-                head_mask: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        """x (B, T, C) -> z (B, T, C), plus attention weights (B, H, T, S) when `return_attn`.
-
-        `head_mask` (H,) scales each attention head's output (zeros switch heads off)."""
+                start_pos: int | Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """Pre-LN: x (B, T, C) -> z (B, T, C), plus attention weights (B, H, T, S) when
+        `return_attn`."""
         check_stream(x, self.d_model, self.attn.qkv.weight, "block")
-        weights = None
-        attn_in = self.ln1(x) if self.pre_ln else x
-        a = self.attn(attn_in, pad_mask=pad_mask, return_attn=return_attn, start_pos=start_pos,
-                      head_mask=head_mask)
-        if return_attn:
-            a, weights = a
-        u = x + a if self.residual else a
-        if not self.pre_ln:
-            u = self.ln1(u)
-
-        f = self.ffn(self.ln2(u) if self.pre_ln else u)
-        z = u + f if self.residual else f  # the second residual adds to u, not to x
-        if not self.pre_ln:
-            z = self.ln2(z)
+        x = self.hook_resid_pre(x)
+        a, weights = self._attention(self.ln1(x), pad_mask, return_attn, start_pos)
+        u = self.hook_resid_mid(x + self.hook_attn_out(a))  # (B, T, C): between the two
+        f = self.hook_mlp_out(self.ffn(self.ln2(u)))
+        z = self.hook_resid_post(u + f)  # the second residual adds to u, not to x
         return (z, weights) if return_attn else z
+
+    def post_ln_forward(self, x: Tensor, pad_mask: Tensor | None = None,
+                        return_attn: bool = False,
+                        start_pos: int | Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """Post-LN (the original Transformer's order): the same parts and arguments as
+        `forward`, each residual sum normalised."""
+        check_stream(x, self.d_model, self.attn.qkv.weight, "block")
+        x = self.hook_resid_pre(x)
+        a, weights = self._attention(x, pad_mask, return_attn, start_pos)
+        u = self.hook_resid_mid(self.ln1(x + self.hook_attn_out(a)))  # (B, T, C)
+        f = self.hook_mlp_out(self.ffn(u))
+        z = self.hook_resid_post(self.ln2(u + f))
+        return (z, weights) if return_attn else z
+
+    def _attention(self, h: Tensor, pad_mask: Tensor | None, return_attn: bool,
+                   start_pos: int | Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """attn(h) (B, T, C) and its weights (B, H, T, S), None unless `return_attn`."""
+        out = self.attn(h, pad_mask=pad_mask, return_attn=return_attn, start_pos=start_pos)
+        return out if return_attn else (out, None)

@@ -30,6 +30,10 @@ ENGINES = ("auto", "eager", "cpu", "cuda-graph")  # decoding engines (glassgpt.d
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # training precision (autocast)
 OPTIMIZERS = ("adamw", "muon")  # glassgpt.training.optim
 SCHEDULES = ("cosine", "wsd")  # learning-rate decay after warmup (glassgpt.training.optim.lr_at)
+# Upper bounds of a recipe (TrainConfig): batches per step or evaluation, and lr / weight decay.
+MAX_GRAD_ACCUM = 10_000
+MAX_EVAL_ITERS = 10_000
+MAX_RATE = 10.0
 T = TypeVar("T")
 
 
@@ -58,11 +62,11 @@ def check_heads_divide_width(d_model: int, n_heads: int) -> int:
     return d_model // n_heads
 
 
-def check_kv_heads(n_heads: int, n_kv_heads: int) -> None:
-    """Grouped-query attention: each of the n_kv_heads key/value heads serves an equal group."""
-    check_size("n_kv_head", n_kv_heads)
-    if n_heads % n_kv_heads != 0:
-        raise ConfigError(f"n_head={n_heads} is not divisible by n_kv_head={n_kv_heads}: each "
+def check_n_kv_head(n_head: int, n_kv_head: int) -> None:
+    """Grouped-query attention: each of the n_kv_head key/value heads serves an equal group."""
+    check_size("n_kv_head", n_kv_head)
+    if n_head % n_kv_head != 0:
+        raise ConfigError(f"n_head={n_head} is not divisible by n_kv_head={n_kv_head}: each "
                           f"key/value head must serve an equal group of query heads")
 
 
@@ -76,31 +80,41 @@ def check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"unknown {what} {value!r}; choose one of {list(choices)}")
 
 
+def setting(default: Any, doc: str) -> Any:
+    """A dataclass field with a help text: its `--flag`'s help in `glassgpt train --help`."""
+    return dataclasses.field(default=default, metadata={"help": doc})
+
+
 @dataclass
 class GPTConfig:
-    """The shape of a GPT. Defaults are GPT-2 small."""
+    """The shape of a GPT. Defaults are GPT-2 small.
 
-    vocab_size: int = 50257
-    block_size: int = 1024  # longest sequence, the size of the position table
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768  # C = d_model
-    dropout: float = 0.0
-    bias: bool = True  # biases in Linear layers and LayerNorms
-    activation: str = "gelu_tanh"
-    pre_ln: bool = True
-    tie_weights: bool = True  # LM head shares the token embedding matrix
-    norm_eps: float = 1e-5  # epsilon of every LayerNorm / RMSNorm (was `ln_eps`)
-    attn_impl: str = "fused"
+    The blocks, attention, MLPs and norms are built from the config passed whole
+    (`TransformerBlock.from_config`, ...), so a new switch is a field here, read by the one
+    module that uses it (docs/reading-the-code.md, "Adding a switch")."""
+
+    vocab_size: int = setting(50257, "tokens in the vocabulary (set by the data's tokenizer)")
+    block_size: int = setting(1024, "context length in tokens (the size of the position "
+                              "table and of the KV cache)")
+    n_layer: int = setting(12, "Transformer blocks")
+    n_head: int = setting(12, "attention heads")
+    n_embd: int = setting(768, "width C (= d_model)")
+    dropout: float = setting(0.0, "dropout probability")
+    bias: bool = setting(True, "biases in Linear layers and LayerNorms")
+    activation: str = setting("gelu_tanh", "gelu, gelu_tanh, relu, relu2 or swiglu")
+    pre_ln: bool = setting(True, "Pre-LN blocks (else Post-LN)")
+    tie_weights: bool = setting(True, "LM head shares the embedding")
+    norm_eps: float = setting(1e-5, "epsilon of every LayerNorm / RMSNorm (was `ln_eps`)")
+    attn_impl: str = setting("fused", "attention path: fused or explicit")
     # The modern Transformer (docs/modern.md); the defaults above and below are GPT-2.
-    position: str = "learned"  # learned | rope | none
-    rope_theta: float = 10000.0  # base of the rotary angles
-    norm: str = "layernorm"  # layernorm | rmsnorm
-    mlp_hidden: int | None = None  # hidden width of the MLP (None: 4C)
-    n_kv_head: int | None = None  # key/value heads (None: n_head; 1: multi-query)
-    qk_norm: bool = False  # RMSNorm over the head width on q and k (Qwen3)
-    logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
-    zero_init_proj: bool = False  # attn.proj and ffn.proj weights start at zero
+    position: str = setting("learned", "positions: learned, rope or none")
+    rope_theta: float = setting(10000.0, "base of the rotary angles")
+    norm: str = setting("layernorm", "layernorm or rmsnorm")
+    mlp_hidden: int | None = setting(None, "MLP hidden width (default 4C)")
+    n_kv_head: int | None = setting(None, "key/value heads (default n_head; 1: multi-query)")
+    qk_norm: bool = setting(False, "RMSNorm on queries and keys (Qwen3)")
+    logit_softcap: float | None = setting(None, "cap * tanh(logits / cap) (default: none)")
+    zero_init_proj: bool = setting(False, "output projections start at zero")
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -108,11 +122,15 @@ class GPTConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         check_heads_divide_width(self.n_embd, self.n_head)
-        check_kv_heads(self.n_head, self.kv_heads)
+        check_n_kv_head(self.n_head, self.n_head if self.n_kv_head is None else self.n_kv_head)
         check_dropout(self.dropout)
         for name in ("norm_eps", "rope_theta"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.rope_theta >= 1:  # pair i turns at rope_theta ** (-2i / d): below 1, the
+            # faster pairs come last, and a tiny base overflows the angles to NaN
+            raise ConfigError(f"rope_theta must be at least 1 (models use 10,000 to 10**6), "
+                              f"got {self.rope_theta}")
         check_choice("activation", self.activation, ACTIVATIONS)
         check_choice("attn_impl", self.attn_impl, ATTENTION_IMPLS)
         check_choice("position", self.position, POSITIONS)
@@ -146,11 +164,6 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
     @property
-    def kv_heads(self) -> int:
-        """Key/value heads: n_kv_head, or n_head when it is None (classic multi-head)."""
-        return self.n_head if self.n_kv_head is None else self.n_kv_head
-
-    @property
     def hidden_width(self) -> int:
         """The MLP's hidden width: mlp_hidden, or 4C when it is None."""
         return 4 * self.n_embd if self.mlp_hidden is None else self.mlp_hidden
@@ -176,18 +189,13 @@ class GPTConfig:
         return cls.from_dict({**load_preset(name).get("model", {}), **overrides})
 
 
-def setting(default: Any, doc: str) -> Any:
-    """A dataclass field with a help text (shown by `glassgpt train --help`)."""
-    return dataclasses.field(default=default, metadata={"help": doc})
-
-
 @dataclass
 class TrainConfig:
     """Every training setting. Defaults follow nanoGPT; presets' [train] tables override them."""
 
     max_iters: int = setting(5000, "optimizer steps in total (a resumed run continues to it)")
     batch_size: int = setting(12, "sequences per micro-batch, per rank")
-    grad_accum: int = setting(1, "micro-batches per optimizer step")
+    grad_accum: int = setting(1, "micro-batches per optimizer step (at most 10,000)")
     lr: float = setting(6e-4, "peak learning rate")
     min_lr: float = setting(6e-5, "floor of the lr decay (cosine or wsd)")
     warmup_iters: int = setting(100, "steps of linear warmup")
@@ -198,7 +206,7 @@ class TrainConfig:
     beta2: float = setting(0.95, "AdamW beta2")
     grad_clip: float = setting(1.0, "largest gradient norm (0: no clipping)")
     eval_interval: int = setting(250, "evaluate and checkpoint every this many steps")
-    eval_iters: int = setting(20, "batches per split in an evaluation")
+    eval_iters: int = setting(20, "batches per split in an evaluation (at most 10,000)")
     log_interval: int = setting(10, "steps between progress updates and metrics lines")
     device: str = setting("auto", "auto, cpu, cuda, cuda:N or mps")
     dtype: str = setting("auto", "autocast dtype: auto (bf16/fp16 on CUDA, float32 "
@@ -244,6 +252,26 @@ class TrainConfig:
             raise ConfigError(f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
         if not 0.0 < self.decay_fraction <= 1.0:
             raise ConfigError(f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        if self.target_loss is not None and not self.target_loss > 0:
+            raise ConfigError(f"target_loss must be positive (a cross-entropy is never "
+                              f"below 0), got {self.target_loss}")
+        self._check_bounds()
+
+    def _check_bounds(self) -> None:
+        """Refuse work that cannot finish (a step or an evaluation of 10**12 batches) and rates
+        that only overflow: the optimizer multiplies each weight by lr * weight_decay and moves
+        it by about lr a step, so values past these bounds train nothing."""
+        for name, largest in (("grad_accum", MAX_GRAD_ACCUM), ("eval_iters", MAX_EVAL_ITERS)):
+            if getattr(self, name) > largest:
+                raise ConfigError(f"{name}={getattr(self, name)} is too large (at most "
+                                  f"{largest:,} batches)")
+        for name in ("lr", "min_lr", "muon_lr", "weight_decay", "muon_weight_decay"):
+            if getattr(self, name) > MAX_RATE:
+                raise ConfigError(f"{name}={getattr(self, name)} is too large (at most "
+                                  f"{MAX_RATE:g}): such a step only overflows the weights")
+        if self.optimizer == "muon" and not math.isfinite(self.muon_lr / self.lr):
+            raise ConfigError(f"lr={self.lr} is too small beside muon_lr={self.muon_lr}: Muon's "
+                              f"lr follows the schedule in their ratio, which overflows")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,9 +1,11 @@
-"""The GPT language model: embeddings, a stack of blocks, a final LayerNorm and a tied LM head.
+"""The GPT language model: embeddings, a stack of blocks, a final norm and a tied LM head.
 
 Notation: B = batch, T = positions, C = n_embd, V = vocab_size, L = n_layer, H = n_head.
 The stack runs in one loop, `GPT.layers`, which yields the residual stream after the embeddings
 and after every block; `forward`, `attention_maps`, the logit lens and the decoding engines all
-iterate it, and `GPT.read_out` turns a stream into logits.
+iterate it, and `GPT.read_out` turns a stream into logits. The final norm is the blocks' own kind
+(LayerNorm, or RMSNorm with `norm="rmsnorm"`); each block is built from the config passed whole.
+The checks of the ids and targets a caller passes live in `glassgpt.inputs`.
 The model knows nothing of training or sampling: it maps token ids to logits (and a loss when
 given targets). Sampling is `glassgpt.decoding.generate`; the fast decoding paths (threaded one-row
 products, compiled and CUDA-graph steps) are `glassgpt.decoding`, which runs this model unchanged.
@@ -12,6 +14,7 @@ products, compiled and CUDA-graph steps) are `glassgpt.decoding`, which runs thi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator
 
@@ -23,6 +26,8 @@ from glassgpt.attention import KVCache
 from glassgpt.block import TransformerBlock
 from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError, InputError
+from glassgpt.hooks import HookPoint, name_hook_points
+from glassgpt.inputs import check_id_tensor, check_targets, check_token_ids
 from glassgpt.norms import make_norm
 
 INIT_STD = 0.02
@@ -40,50 +45,24 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
         model.train(was_training)
 
 
-ID_DTYPES = (torch.int64, torch.int32)  # what nn.Embedding takes
-TARGET_DTYPES = (torch.int64,)  # what cross_entropy takes, -1 included
-
-
-def check_id_tensor(idx: object, what: str = "token ids",
-                    dtypes: tuple[torch.dtype, ...] = ID_DTYPES) -> None:
-    """Raise InputError unless idx is a torch tensor of `dtypes` holding values (not meta)."""
-    if not isinstance(idx, Tensor):
-        raise InputError(f"{what} must be a torch tensor of integers (B, T), got "
-                         f"{type(idx).__name__}; use torch.tensor(...)")
-    if idx.dtype not in dtypes:
-        raise InputError(f"{what} must be integers, got dtype {idx.dtype} (use torch.long)")
-    if idx.device.type == "meta":
-        raise InputError(f"{what} are on the meta device, which holds shapes but no values")
-
-
-def check_token_ids(idx: Tensor, vocab_size: int) -> None:
-    """Raise InputError naming the first id of idx outside [0, vocab_size) (reads ids back)."""
-    check_id_tensor(idx)
-    if idx.numel() == 0:
-        return
-    low, high = (int(v) for v in torch.aminmax(idx))
-    if low < 0 or high >= vocab_size:
-        raise InputError(f"token id {low if low < 0 else high} is outside the vocabulary "
-                         f"[0, {vocab_size})")
-
-
-def check_targets(targets: Tensor, idx: Tensor, vocab_size: int, check_ids: bool) -> None:
-    """Targets are next-token ids shaped like idx, or -1 where no loss is wanted."""
-    check_id_tensor(targets, "targets", TARGET_DTYPES)
-    if targets.shape != idx.shape:
-        raise InputError(f"targets must have the shape of the token ids {tuple(idx.shape)}, "
-                         f"got {tuple(targets.shape)}")
-    check_id_tensor(targets, "targets", TARGET_DTYPES)
-    if check_ids and targets.numel():
-        low, high = (int(v) for v in torch.aminmax(targets))
-        if low < -1 or high >= vocab_size:
-            raise InputError(f"target {low if low < -1 else high} is outside the vocabulary "
-                             f"[0, {vocab_size}) (or -1 to skip a position)")
-
-
 def count_parameters(module: nn.Module) -> int:
     """Trainable parameters of `module`, each counted once (a tied weight is one tensor)."""
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def parameter_count(config: GPTConfig) -> int:
+    """Parameters of a GPT of `config`, counted without allocating it (what the memory checks
+    of `glassgpt.machine.memory` are given). Every switch counts itself: the model is built
+    on the meta device, which holds shapes but no values."""
+    try:
+        with torch.device("meta"):  # one and two layers give the cost of a layer
+            one, two = (count_parameters(GPT(dataclasses.replace(config, n_layer=n)))
+                        for n in (1, 2))
+    except RuntimeError as error:  # sizes whose product overflows
+        raise ConfigError(f"n_embd={config.n_embd}, vocab_size={config.vocab_size}, block_size="
+                          f"{config.block_size} make tensors too large to exist "
+                          f"({error})") from None
+    return one + (config.n_layer - 1) * (two - one)
 
 
 def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
@@ -112,23 +91,20 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(config.block_size, C) if config.position == "learned" else None
         self.drop = nn.Dropout(config.dropout)
         # A fresh block per layer: `[block] * L` would make every layer the same module.
-        self.blocks = nn.ModuleList(self._make_block() for _ in range(config.n_layer))
-        self.ln_f = make_norm(config.norm, C, config.norm_eps, config.bias)
+        self.blocks = nn.ModuleList(TransformerBlock.from_config(config)
+                                    for _ in range(config.n_layer))
+        self.ln_f = make_norm(config)
         self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
         if config.tie_weights:
             # One matrix both reads tokens in and scores them on the way out.
             self.lm_head.weight = self.tok_emb.weight
         # Slicing a stored range is cheaper per decoding step than building a new arange.
         self.register_buffer("positions", torch.arange(config.block_size), persistent=False)
+        self.hook_embed = HookPoint()
+        if self.pos_emb is not None:
+            self.hook_pos_embed = HookPoint()
         self._init_gpt2_weights()
-
-    def _make_block(self) -> TransformerBlock:
-        c = self.config
-        return TransformerBlock(c.n_embd, c.n_head, pre_ln=c.pre_ln, dropout=c.dropout,
-                                activation=c.activation, bias=c.bias, attn_impl=c.attn_impl,
-                                norm_eps=c.norm_eps, norm=c.norm, mlp_hidden=c.mlp_hidden,
-                                n_kv_heads=c.kv_heads, qk_norm=c.qk_norm,
-                                rotary=c.position == "rope", rope_theta=c.rope_theta)
+        name_hook_points(self)  # "blocks.0.attn.hook_q", ...: TransformerLens's names
 
     def _init_gpt2_weights(self) -> None:
         """GPT-2's initialisation: N(0, 0.02), zero biases, residual projections scaled down.
@@ -174,15 +150,14 @@ class GPT(nn.Module):
         """Token ids (B, T) at positions (T,) -> the residual stream's start (B, T, C).
 
         Only learned positions are added here; rotary ones act inside attention."""
-        x = self.tok_emb(idx)  # (B, T, C)
+        x = self.hook_embed(self.tok_emb(idx))  # (B, T, C)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(positions)  # (T, C) broadcast over the batch
+            x = x + self.hook_pos_embed(self.pos_emb(positions).expand_as(x))  # (T, C) per row
         return self.drop(x)
 
     def layers(self, idx: Tensor, *, start_pos: int | Tensor | None = None,
                pad_mask: Tensor | None = None, return_attn: bool = False,
-               check_ids: bool = True,
-               head_mask: Tensor | None = None) -> Iterator[tuple[int, Tensor, Tensor | None]]:
+               check_ids: bool = True) -> Iterator[tuple[int, Tensor, Tensor | None]]:
         """The forward pass, one layer at a time: yields (depth, x, weights) L + 1 times.
 
         depth 0 is the embeddings' output (weights None); depth l is the residual stream x
@@ -190,8 +165,8 @@ class GPT(nn.Module):
         `return_attn` (else None). Every reader of the stack iterates this one loop.
         start_pos: idx holds positions start_pos.. and the KV cache holds the ones before (a
         tensor of positions (T,) for the CUDA engine's static cache).
-        head_mask: (H,) or (L, H) multipliers of each head's output; zeros switch heads off.
         check_ids: check every id against the vocabulary (a host sync on a GPU).
+        A cache, a patch or a head switched off attach to the hook points (glassgpt.interp).
         """
         if isinstance(start_pos, Tensor):  # a static decoding step: positions given as a tensor
             positions = start_pos
@@ -199,26 +174,12 @@ class GPT(nn.Module):
             offset = 0 if start_pos is None else start_pos
             self.check_tokens(idx, offset, check_ids)
             positions = self.positions[offset:offset + idx.shape[1]]  # (T,)
-        masks = self._head_masks(head_mask)
         x = self.embed(idx, positions)  # (B, T, C)
         yield 0, x, None
         for depth, block in enumerate(self.blocks, start=1):
-            out = block(x, pad_mask=pad_mask, return_attn=return_attn, start_pos=start_pos,
-                        head_mask=masks[depth - 1])
+            out = block(x, pad_mask=pad_mask, return_attn=return_attn, start_pos=start_pos)
             x, weights = out if return_attn else (out, None)
             yield depth, x, weights
-
-    def _head_masks(self, head_mask: Tensor | None) -> list[Tensor | None]:
-        """head_mask None, (H,) (every layer) or (L, H) -> one (H,) mask or None per layer."""
-        L, H = self.config.n_layer, self.config.n_head
-        if head_mask is None:
-            return [None] * L
-        if head_mask.shape == (H,):
-            return [head_mask] * L
-        if head_mask.shape != (L, H):
-            raise InputError(f"head_mask must be (n_head,) = ({H},) or (n_layer, n_head) = "
-                             f"({L}, {H}), got {tuple(head_mask.shape)}")
-        return list(head_mask.unbind(0))
 
     def read_out(self, x: Tensor) -> Tensor:
         """Residual stream x (..., C) -> logits (..., V): the final norm, the LM head and, with
@@ -229,8 +190,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, *,
                 pad_mask: Tensor | None = None, start_pos: int | None = None,
-                last_only: bool = False, check_ids: bool = True,
-                head_mask: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+                last_only: bool = False, check_ids: bool = True) -> tuple[Tensor, Tensor | None]:
         """idx (B, T) -> (logits (B, T, V), loss or None).
 
         targets (B, T): next-token ids, -1 where no loss is wanted.
@@ -239,10 +199,9 @@ class GPT(nn.Module):
         sampling needs and saves the largest matmul of the model.
         check_ids: check every id against the vocabulary first (a host sync on a GPU; callers
         that checked their ids where they entered pass False).
-        head_mask: (H,) or (L, H) multipliers of each attention head's output (ablation).
         """
         for _, stream, _ in self.layers(idx, start_pos=start_pos, pad_mask=pad_mask,
-                                        check_ids=check_ids, head_mask=head_mask):
+                                        check_ids=check_ids):
             x = stream  # in the end, the residual stream after the last block (B, T, C)
         if targets is None:
             return self.read_out(x[:, -1:] if last_only else x), None  # (B, 1 or T, V)
@@ -265,12 +224,13 @@ class GPT(nn.Module):
     def setup_kv_cache(self, batch_size: int, max_len: int | None = None) -> None:
         """Give every attention layer a preallocated cache for `max_len` positions, holding its
         n_kv_head key/value heads (grouped heads shrink it by n_head / n_kv_head)."""
-        c = self.config
-        max_len = c.block_size if max_len is None else min(max_len, c.block_size)
+        block_size = self.config.block_size
+        max_len = block_size if max_len is None else min(max_len, block_size)
         weight = self.lm_head.weight
         for block in self.blocks:
-            block.attn.kv_cache = KVCache(batch_size, c.kv_heads, max_len, c.head_dim,
-                                          dtype=weight.dtype, device=weight.device)
+            attn = block.attn
+            attn.kv_cache = KVCache(batch_size, attn.n_kv_head, max_len, attn.head_dim,
+                                    dtype=weight.dtype, device=weight.device)
 
     def remove_kv_cache(self) -> None:
         for block in self.blocks:

@@ -5,8 +5,9 @@ positions, which would let a later token change an earlier output).
     LayerNorm: y = (x - mean(x)) / sqrt(var(x) + eps) * gamma + beta    (GPT-2)
     RMSNorm:   y = x / sqrt(mean(x^2) + eps) * gamma                     (Llama, Qwen3, ...)
 RMSNorm drops the centring and the shift: one statistic instead of two, and no bias.
-The model uses `nn.LayerNorm` for LayerNorm (its fused kernel) and `RMSNorm` below for RMSNorm;
-`ManualLayerNorm` exists for reading, and the tests hold each to its PyTorch sibling.
+The model uses `LayerNorm` (PyTorch's fused kernel) and `RMSNorm` below; `ManualLayerNorm` exists
+for reading, and the tests hold each to its PyTorch sibling. Each has a hook point,
+`hook_normalized`, at x_hat: normalised, before the scale (TransformerLens's convention).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from glassgpt.config import NORMS, check_choice
+from glassgpt.config import GPTConfig
+from glassgpt.hooks import HookPoint
 
 
 class ManualLayerNorm(nn.Module):
@@ -29,13 +31,37 @@ class ManualLayerNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d_model))  # gamma
         self.bias = nn.Parameter(torch.zeros(d_model)) if bias else None  # beta
+        self.hook_normalized = HookPoint()
 
     def forward(self, x: Tensor) -> Tensor:
-        mean = x.mean(dim=-1, keepdim=True)  # (B, T, 1)
-        var = x.var(dim=-1, keepdim=True, unbiased=False)  # (B, T, 1)
-        x_hat = (x - mean) / torch.sqrt(var + self.eps)  # (B, T, C)
-        y = x_hat * self.weight
-        return y if self.bias is None else y + self.bias
+        return layer_norm_steps(x, self.weight, self.bias, self.eps, self.hook_normalized)
+
+
+def layer_norm_steps(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float,
+                     hook_normalized: HookPoint) -> Tensor:
+    """LayerNorm step by step: centre, divide by the standard deviation, scale, shift."""
+    mean = x.mean(dim=-1, keepdim=True)  # (B, T, 1)
+    var = x.var(dim=-1, keepdim=True, unbiased=False)  # (B, T, 1)
+    x_hat = hook_normalized((x - mean) / torch.sqrt(var + eps))  # (B, T, C)
+    y = x_hat * weight
+    return y if bias is None else y + bias
+
+
+class LayerNorm(nn.LayerNorm):
+    """`nn.LayerNorm` (one fused kernel) with a hook point at x_hat.
+
+    The fused kernel never forms x_hat, so while a hook is attached to `hook_normalized` the
+    same numbers are computed in steps (`layer_norm_steps`) and x_hat passes through the point.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True):
+        super().__init__(dim, eps=eps, bias=bias)
+        self.hook_normalized = HookPoint()
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.hook_normalized.active:
+            return super().forward(x)
+        return layer_norm_steps(x, self.weight, self.bias, self.eps, self.hook_normalized)
 
 
 class RMSNorm(nn.Module):
@@ -50,23 +76,26 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))  # gamma
+        self.hook_normalized = HookPoint()
 
     def forward(self, x: Tensor) -> Tensor:
         wide = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16/fp16 -> fp32
         mean_square = wide.pow(2).mean(dim=-1, keepdim=True)  # (..., 1)
-        x_hat = wide * torch.rsqrt(mean_square + self.eps)  # (..., dim)
+        x_hat = self.hook_normalized(wide * torch.rsqrt(mean_square + self.eps))  # (..., dim)
         return self.weight * x_hat.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-def make_norm(kind: str, dim: int, eps: float, bias: bool) -> nn.Module:
-    """The normalisation `kind` ("layernorm" | "rmsnorm") over `dim` features.
+def make_norm(config: GPTConfig, dim: int | None = None) -> nn.Module:
+    """The normalisation `config.norm` ("layernorm" | "rmsnorm") over `dim` features (default
+    the width C), with `config.norm_eps`.
 
-    `bias` gives LayerNorm its shift beta; RMSNorm never has one (as in every model that uses it).
+    `config.bias` gives LayerNorm its shift beta; RMSNorm never has one (as in every model that
+    uses it).
     """
-    check_choice("norm", kind, NORMS)
-    if kind == "rmsnorm":
-        return RMSNorm(dim, eps=eps)
-    return nn.LayerNorm(dim, eps=eps, bias=bias)
+    dim = config.n_embd if dim is None else dim
+    if config.norm == "rmsnorm":
+        return RMSNorm(dim, eps=config.norm_eps)
+    return LayerNorm(dim, eps=config.norm_eps, bias=config.bias)

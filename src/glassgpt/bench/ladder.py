@@ -19,6 +19,7 @@ Library only: `run_ladder` returns a `LadderReport`; the CLI prints it (glassgpt
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import statistics
 import tempfile
@@ -49,10 +50,15 @@ MAX_PARAMETERS = 1_000_000
 EVAL_TOKENS = 50 * 12 * 64  # training tokens between evaluations: 50 steps of the base rung
 EVAL_VAL_TOKENS = 20 * 12 * 64  # tokens per split in an evaluation: the base rung's 20 batches
 FULL_VAL_BATCHES = 64  # the untimed final score: 64 x 32 windows, the whole val split
+# Each seed trains every rung again (about 9 minutes on a laptop's CPU): 20 seeds are 3 hours,
+# more would not finish in a working day.
+MAX_SEEDS = 20
 
 # --quick: the same rungs at a toy size, for tests (seconds, not minutes); compiling is left out.
+# 60 steps with an evaluation every 5 let every rung reach QUICK_TARGET (nanoGPT's lr, the
+# slowest, at about step 35; the others by step 15), so the table compares times.
 QUICK_MODEL = {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 32}
-QUICK_TRAIN = {"max_iters": 20, "batch_size": 8, "warmup_iters": 2, "eval_interval": 10,
+QUICK_TRAIN = {"max_iters": 60, "batch_size": 8, "warmup_iters": 2, "eval_interval": 5,
                "eval_iters": 2, "log_interval": 5, "compile": False}
 QUICK_SKIPS = ("compile",)
 
@@ -261,6 +267,18 @@ def train_rung(rung: Rung, data: PreparedData, target_loss: float, quick: bool,
     return run, parameters
 
 
+def check_ladder_request(target_loss: float, seeds: int, recheck_close: int) -> None:
+    """Refuse a ladder that cannot give an answer: a target no loss reaches (a cross-entropy is
+    positive), or more seeds than finish in a day."""
+    if not isinstance(target_loss, int | float) or not 0 < target_loss < math.inf:
+        raise ConfigError(f"the target loss must be a positive number (a cross-entropy is "
+                          f"never below 0), got {target_loss}")
+    for name, value, least in (("seeds", seeds, 1), ("recheck_close", recheck_close, 0)):
+        if not isinstance(value, int) or not least <= value <= MAX_SEEDS:
+            raise ConfigError(f"{name} must be between {least} and {MAX_SEEDS} (each seed "
+                              f"trains every rung again), got {value}")
+
+
 def run_ladder(data: PreparedData, target_loss: float = TARGET_LOSS, quick: bool = False,
                seeds: int = 1, recheck_close: int = 0, seed: int = 1337,
                only: list[str] | None = None,
@@ -271,9 +289,7 @@ def run_ladder(data: PreparedData, target_loss: float = TARGET_LOSS, quick: bool
     gives every rung whose gain over the previous one is close (under NOISE) and that previous
     rung that many seeds in all, so that the verdict says whether the gain is within noise.
     """
-    if seeds < 1 or recheck_close < 0:
-        raise ConfigError(f"seeds must be >= 1 and recheck_close >= 0, got {seeds} and "
-                          f"{recheck_close}")
+    check_ladder_request(target_loss, seeds, recheck_close)
     rungs = ladder_rungs()
     names = [r.name for r in rungs]
     unknown = sorted(set(only or []) - set(names))

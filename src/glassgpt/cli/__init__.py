@@ -4,6 +4,11 @@ Each command group lives in its own module with a `register(subparsers)` functio
 subcommands and sets `handler` on them. `main` turns every `GlassGPTError` (a user mistake) into
 one line on stderr and exit code 2; `--debug`, anywhere on the line, shows the traceback
 instead. A reader that closes the pipe (`glassgpt sample RUN | head`) ends the command quietly.
+
+Ctrl-C: the command does what it must (training saves a checkpoint), one line says so, and then
+the process exits with 130, quietly. Called in-process with a list of arguments (a test, a
+notebook), `main` raises KeyboardInterrupt after that line instead, so that the interrupt
+reaches the caller: pytest stops rather than counting one failed test and running on.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from glassgpt.errors import CommandLineError, GlassGPTError
 # The modules that each add a group of subcommands, in the order `--help` lists them.
 COMMAND_MODULES = (prepare, train, sample, demos, benchmark, convert, view)
 BROKEN_PIPE_EXIT_CODE = 141  # 128 + SIGPIPE, what a Unix tool killed by a closed pipe returns
+INTERRUPTED_EXIT_CODE = train.INTERRUPTED_EXIT_CODE  # 128 + SIGINT
 
 
 class _Parser(argparse.ArgumentParser):
@@ -43,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line `argv` (default: this process's own, `sys.argv[1:]`); returns the
+    exit code. With `argv` given, a Ctrl-C is raised again as KeyboardInterrupt once handled."""
+    in_process = argv is not None  # the console script and `python -m glassgpt` pass none
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [arg for arg in argv if arg != "--debug"]  # a global flag, wherever it is given
@@ -52,7 +61,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise CommandLineError("no command given; run `glassgpt --help` to see them")
         code = int(args.handler(args) or 0)
         sys.stdout.flush()  # a full disk under `> out.txt` fails here, not silently at exit
-        return code
     except GlassGPTError as error:
         if debug:
             raise
@@ -60,7 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        if in_process:
+            raise
+        return INTERRUPTED_EXIT_CODE
     except BrokenPipeError:
         _silence_stdout()
         return BROKEN_PIPE_EXIT_CODE
@@ -70,6 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _silence_stdout()
         print(f"error: cannot write the output: {error.strerror or error}", file=sys.stderr)
         return 1
+    if code == INTERRUPTED_EXIT_CODE and in_process:  # a stop signal, saved and said (train)
+        raise KeyboardInterrupt
+    return code
 
 
 # Errors of a write to stdout (`glassgpt sample RUN > /dev/full`): every file glassgpt itself

@@ -10,17 +10,17 @@ import dataclasses
 import json
 import math
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
 from glassgpt.choices import DECODE_PRESETS, NEW_TOKENS, PROMPT_LEN, TRAIN_PRESETS
-from glassgpt.cli.common import output_console
+from glassgpt.cli.common import output_console, path_arg
 from glassgpt.cli.ladder import add_ladder_flags, run_ladder_command
 from glassgpt.errors import ConfigError
-from glassgpt.storage.files import check_can_write_file, write_text_atomic
+from glassgpt.storage.files import write_text_atomic
+from glassgpt.storage.outputs import check_output_file
 
 if TYPE_CHECKING:  # torch and glassgpt.bench load in the handlers: --help answers at once
     from glassgpt import bench
@@ -29,6 +29,8 @@ WORKLOADS = ("train", "generate", "all", "threads", "ladder", "startup")
 # --quick: (training preset, decoding preset) per device, 3 rounds.
 QUICK_PRESETS = {"cpu": ("cpu-small", "shakespeare-char"), "cuda": ("gpt2", "gpt2")}
 QUICK_ROUNDS = 3
+# `bench ladder --quick`, measured on an idle 2-core CPU (docs/time-to-loss.md says the same)
+LADDER_QUICK_TIME = "~15 s"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,7 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"model shapes to measure (default: {', '.join(TRAIN_PRESETS)} "
                    f"for training, {', '.join(DECODE_PRESETS)} for decoding)")
     p.add_argument("--against", choices=["hf"], help="also measure transformers' GPT-2")
-    p.add_argument("--json", type=Path, metavar="FILE", help="also write every figure here")
+    p.add_argument("--json", type=path_arg, metavar="FILE", help="also write every figure here")
+    p.add_argument("--force", action="store_true",
+                   help="replace the --json (and ladder's --plot) files if they exist")
     p.add_argument("--rounds", type=int, help="timed rounds per contender (default: 5; "
                    "decoding without a KV cache, tens of times slower, gets 3)")
     p.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
@@ -63,7 +67,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="where to measure (default: cpu)")
     p.add_argument("--quick", action="store_true",
                    help="one model shape per workload and fewer rounds: a few minutes "
-                   f"(presets: {QUICK_PRESETS['cpu']} on a CPU, {QUICK_PRESETS['cuda']} on CUDA)")
+                   f"(presets: {QUICK_PRESETS['cpu']} on a CPU, {QUICK_PRESETS['cuda']} on "
+                   f"CUDA); with ladder, every rung at a toy size: {LADDER_QUICK_TIME}")
     add_ladder_flags(p)
     p.set_defaults(handler=run_bench)
 
@@ -86,7 +91,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.new_tokens <= 0:
         raise ConfigError(f"--new-tokens must be positive, got {args.new_tokens}")
     if args.json is not None:
-        check_can_write_file(args.json, ConfigError)  # before minutes of measuring, not after
+        check_output_file(args.json, args.force, ConfigError)  # before minutes of measuring
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for, but CUDA is not available here")
     if args.workload == "threads":
@@ -139,7 +144,7 @@ def _bench_startup(args: argparse.Namespace) -> int:
     if args.rounds is not None and args.rounds <= 0:
         raise ConfigError(f"--rounds must be positive, got {args.rounds}")
     if args.json is not None:
-        check_can_write_file(args.json, ConfigError)
+        check_output_file(args.json, args.force, ConfigError)
     with Console(stderr=True).status("starting fresh processes"):
         rows = measure_startup(rounds=args.rounds or 5)
     table = Table(title="Start-up: a fresh process until it answers (median of "

@@ -7,10 +7,12 @@ heavy loads, so `--help` and a mistyped flag answer at once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from glassgpt.machine.threadsetting import AUTO, parse_threads
 from glassgpt.storage.layout import CHECKPOINTS
@@ -18,6 +20,7 @@ from glassgpt.storage.layout import CHECKPOINTS
 if TYPE_CHECKING:
     import torch
     from rich.console import Console
+    from rich.progress import Progress
 
 DEFAULT_PROMPT = "\n"
 
@@ -45,6 +48,20 @@ def output_console(stderr: bool = False) -> Console:
     if console.is_terminal or os.environ.get("COLUMNS"):
         return console
     return Console(stderr=stderr, width=UNWRAPPED_WIDTH)
+
+
+@contextlib.contextmanager
+def stderr_progress(*columns: Any) -> Iterator[Progress]:
+    """A rich progress bar on stderr, where training's bar shows the same things (a bar, an
+    estimate of the time left), for the minutes a command would otherwise be silent. Only on a
+    terminal: in a log or a pipe it draws nothing, so what it leaves there is the output."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = Console(stderr=True)
+    with Progress(*columns, console=console, transient=True,
+                  disable=not console.is_terminal) as progress:
+        yield progress
 
 
 def say(message: str) -> None:

@@ -18,15 +18,12 @@ from typing import TYPE_CHECKING
 
 from glassgpt.choices import INSTALL_HINT
 from glassgpt.cli.common import add_checkpoint_flag, nonempty_arg, say
-from glassgpt.config import GPTConfig
-from glassgpt.errors import CheckpointError, CommandLineError
-from glassgpt.storage import files
+from glassgpt.errors import CommandLineError
 
-# The handlers import torch, the model and the Hugging Face readers when they run, so that
-# `convert --help` and a mistyped flag answer at once.
+# The handlers import torch, the model and the Hugging Face readers when they run (the work
+# is glassgpt.hf.convert's), so that `convert --help` and a mistyped flag answer at once.
 if TYPE_CHECKING:
-    from glassgpt.hf import interop
-    from glassgpt.tokenizers import Tokenizer
+    from glassgpt.config import GPTConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -50,7 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "(a tokenizer.json or a glassgpt tokenizer)")
     add_checkpoint_flag(parser, "export with --to-hf")
     parser.add_argument("--force", action="store_true",
-                        help="with --to-hf, replace an earlier export in OUT_DIR")
+                        help="with --to-hf, replace an earlier export glassgpt wrote in OUT_DIR "
+                             "(it carries glassgpt-export.json; nothing else is replaced)")
     parser.add_argument("--dropout", type=float, default=None,
                         help="dropout of the imported model (default: the model's own)")
     parser.set_defaults(handler=run_convert)
@@ -88,37 +86,16 @@ def _hide_hf_progress_bars() -> None:
 
 def import_from_hf(source: str, out: Path, tokenizer_file: str | None,
                    dropout: float | None) -> int:
-    """Everything is read and checked first; the run is written beside `out` and renamed into
-    place whole, so a failure (a full disk) leaves no half-made directory."""
-    from glassgpt.hf import interop
-    from glassgpt.rundir.checkpoint import save_model
-    from glassgpt.storage.commit import staged_directory
+    from glassgpt.hf.convert import import_run
 
-    files.check_can_make_dir(out, CheckpointError)
-    if out.exists() and any(out.iterdir()):
-        raise CheckpointError(f"{out} already exists and is not empty; choose a new run "
-                              f"directory so no run is overwritten")
-    directory = interop.open_hf_source(source)
-    # Runs train in float32 whatever precision the weights were published in.
-    model = interop.from_hf(directory, dropout=dropout).float()
-    tokenizer = _source_tokenizer(directory, tokenizer_file, model.config.vocab_size)
-    check_tokenizer_fits(tokenizer.vocab_size, model.config.vocab_size)
-    with staged_directory(out) as staging:
-        save_model(staging, model, tokenizer, extra={"converted_from": source})
-    c = model.config
+    imported = import_run(source, out, tokenizer_file, dropout)
+    for note in imported.notes:
+        say(f"note: {note}")
+    c = imported.config
     print(f"wrote {out}: {_architecture_words(c)}, {c.n_layer} layers, {c.n_head} heads, "
           f"width {c.n_embd}, context {c.block_size}, vocabulary {c.vocab_size} "
-          f"({tokenizer.kind} tokenizer of {tokenizer.vocab_size} tokens)")
+          f"({imported.tokenizer_kind} tokenizer of {imported.tokenizer_size} tokens)")
     return 0
-
-
-def check_tokenizer_fits(tokenizer_size: int, vocab_size: int) -> None:
-    """A run's tokenizer must name every id its model can emit, and only those: a smaller one
-    would let `sample` draw an id it cannot decode."""
-    if tokenizer_size != vocab_size:
-        raise CheckpointError(f"the tokenizer has {tokenizer_size:,} tokens but the model's "
-                              f"vocab_size is {vocab_size:,}; give a tokenizer of exactly "
-                              f"{vocab_size:,} tokens (--tokenizer FILE)")
 
 
 def _architecture_words(config: GPTConfig) -> str:
@@ -133,57 +110,17 @@ def _architecture_words(config: GPTConfig) -> str:
     return ", ".join(words)
 
 
-def _source_tokenizer(directory: interop.HFDirectory, tokenizer_file: str | None,
-                      vocab_size: int) -> Tokenizer:
-    """--tokenizer FILE as it is, or the model's own, its padding ids named (see
-    hf_files.name_padding_ids)."""
-    from glassgpt.hf import interop
-    from glassgpt.hf.files import UNUSED_TOKEN, name_padding_ids
-    from glassgpt.tokenizers import BPETokenizer
-
-    if tokenizer_file is not None:
-        return _user_tokenizer(Path(tokenizer_file))
-    hf_tokenizer = interop.load_hf_tokenizer(directory)
-    if hf_tokenizer is None:
-        raise CheckpointError(f"{directory.name} has no tokenizer (tokenizer.json, or "
-                              f"vocab.json and merges.txt); pass one with --tokenizer FILE")
-    named = name_padding_ids(hf_tokenizer, vocab_size)
-    if named:
-        say(f"note: the tokenizer has {vocab_size - named:,} tokens and the model "
-            f"{vocab_size:,} ids; the {named:,} ids past the tokenizer (padding) decode as "
-            f"{UNUSED_TOKEN.format(id='ID')}")
-    return BPETokenizer(hf_tokenizer)
-
-
-def _user_tokenizer(path: Path) -> Tokenizer:
-    """--tokenizer FILE: a file the user named (a link to it is fine), read bounded."""
-    from glassgpt.hf.files import MAX_TOKENIZER_BYTES
-    from glassgpt.tokenizers import tokenizer_from_json
-
-    if not path.exists():
-        raise CheckpointError(f"tokenizer file not found: {path}")
-    text = files.read_text(path.resolve(), MAX_TOKENIZER_BYTES, CheckpointError)
-    files.parse_json(text, str(path), CheckpointError)
-    return tokenizer_from_json(text, source=str(path))
-
-
 def export_to_hf(run_dir: Path, out: Path, checkpoint: str = "best", force: bool = False
                  ) -> int:
-    from glassgpt.hf import interop
-    from glassgpt.rundir.checkpoint import describe_weights, load_model
-    from glassgpt.tokenizers import END_OF_TEXT, BPETokenizer
+    from glassgpt.hf.convert import export_run
 
-    files.check_can_make_dir(out, CheckpointError)  # before the work, not after it
-    model, tokenizer = load_model(run_dir, checkpoint=checkpoint)
-    say(f"exporting {describe_weights(run_dir, checkpoint)}")
-    if isinstance(tokenizer, BPETokenizer):
-        interop.save_hf(model, out, tokenizer=tokenizer.tokenizer, eos_token=END_OF_TEXT,
-                        overwrite=force)
+    exported = export_run(run_dir, out, checkpoint, force)
+    say(f"exporting {exported.weights}")
+    if exported.with_tokenizer:
         print(f"wrote {out}: model and tokenizer (load with "
               f"transformers.AutoModelForCausalLM / AutoTokenizer.from_pretrained)")
     else:
-        interop.save_hf(model, out, overwrite=force)
-        print(f"wrote {out}: model only; its {tokenizer.kind} tokenizer has no Hugging Face "
-              f"equivalent, encode text with `glassgpt.tokenizers.load_tokenizer("
+        print(f"wrote {out}: model only; its {exported.tokenizer_kind} tokenizer has no Hugging "
+              f"Face equivalent, encode text with `glassgpt.tokenizers.load_tokenizer("
               f"'{run_dir / 'tokenizer.json'}')`")
     return 0

@@ -7,8 +7,10 @@ renders the tables with rich and writes `--json`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +25,17 @@ from glassgpt.cli.common import (
     output_console,
     path_arg,
     say,
+    stderr_progress,
 )
 from glassgpt.config import INT64_MAX
 from glassgpt.errors import CommandLineError
 from glassgpt.experiments import EXPERIMENTS, ExperimentResult, Table, run_experiment
-from glassgpt.storage.files import check_can_write_file, write_text_atomic
+from glassgpt.experiments.results import listening_to_steps
+from glassgpt.storage.files import write_text_atomic
+from glassgpt.storage.outputs import check_output_file
 
 RULE_WIDTH = 80  # of the line above each experiment, in a file or a pipe
+STEPS_PER_UPDATE = 10  # training steps between redraws of the progress line
 SHAPES_FLAGS = {"batch_size": "--batch-size", "seq_len": "--seq-len", "d_model": "--d-model",
                 "n_heads": "--n-heads"}
 
@@ -53,7 +59,10 @@ def add_demo_command(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--seed", type=int, default=0, metavar="S", help="random seed (default: 0)")
     demo.add_argument("--quick", action="store_true",
                       help="the reduced size the tests use (seconds instead of a minute)")
-    demo.add_argument("--json", type=Path, metavar="FILE", help="also write the numbers as JSON")
+    demo.add_argument("--json", type=path_arg, metavar="FILE",
+                      help="also write the numbers as JSON")
+    demo.add_argument("--force", action="store_true",
+                      help="replace the --json file if it exists")
     add_threads_flag(demo)
     shapes = demo.add_argument_group("shapes only")
     shapes.add_argument("--batch-size", type=int, metavar="B", help="batch (default 2)")
@@ -80,6 +89,8 @@ def add_attention_command(subparsers: argparse._SubParsersAction) -> None:
                            help="where to write the picture, split by layer or head for long "
                                 "prompts (default: demo_out/attention.png, beside the demos' "
                                 "pictures)")
+    attention.add_argument("--force", action="store_true",
+                           help="replace the pictures if they exist")
     add_checkpoint_flag(attention, "draw")
     add_threads_flag(attention)
     attention.set_defaults(handler=run_attention)
@@ -106,15 +117,15 @@ def run_demo(args: argparse.Namespace) -> int:
         raise CommandLineError(f"--out {args.out} is a file; give a folder for the pictures")
     names = list(EXPERIMENTS) if args.name == "all" else [args.name]
     if args.json is not None:
-        check_can_write_file(args.json, CommandLineError)  # before the run, not after it
+        check_output_file(args.json, args.force, CommandLineError)  # before the run
     from glassgpt.machine.devices import cpu_threads
 
     console = output_console()
     results = {}
     threads = args.threads
-    for name in names:
+    for number, name in enumerate(names, 1):
         started = time.perf_counter()
-        with console.status(f"running {name} ..."):
+        with experiment_progress(name, number, len(names)):
             result = run_experiment(name, args.out, seed=args.seed, quick=args.quick,
                                     threads=threads, **options)
         if not results:
@@ -135,6 +146,29 @@ def run_demo(args: argparse.Namespace) -> int:
         console.print(f"[red]expected outcome not shown by: {', '.join(failed)}[/red]")
         return 1
     return 0
+
+
+@contextlib.contextmanager
+def experiment_progress(name: str, number: int, count: int) -> Iterator[None]:
+    """While one experiment runs (a minute at full size), a line on stderr with its name, the
+    training steps it has taken and the time it has run; gone once its tables print."""
+    from rich.progress import SpinnerColumn, TimeElapsedColumn
+
+    which = f" ({number}/{count})" if count > 1 else ""
+    columns = (SpinnerColumn(), f"[bold]demo {escape(name)}{which}",
+               "{task.fields[steps]:,} training steps", TimeElapsedColumn())
+    with stderr_progress(*columns) as bar:
+        task = bar.add_task(name, total=None, steps=0)
+        steps = 0
+
+        def step_taken() -> None:
+            nonlocal steps
+            steps += 1
+            if steps % STEPS_PER_UPDATE == 0:
+                bar.update(task, steps=steps)
+
+        with listening_to_steps(step_taken):
+            yield
 
 
 def print_result(console: Console, result: ExperimentResult, seconds: float) -> None:
@@ -203,6 +237,19 @@ def drawn_panels(L: int, H: int, layer: int | None, head: int | None) -> str:
     return f"{heads} of {layers}"
 
 
+def picture_paths(model: Any, tokenizer: Any, args: argparse.Namespace) -> list[Path]:
+    """The pictures `draw_prompt_attention` will write for this prompt, known before it draws
+    (a long prompt's maps are split over one picture per layer or per head)."""
+    import torch
+
+    from glassgpt.experiments.attention_maps import plan_pages, select_panels
+
+    config = model.config
+    shape = torch.empty(config.n_layer, config.n_head, 0, 0)  # (L, H, ., .): only its size
+    panels = select_panels(shape, args.layer, args.head)
+    return [page.path(args.out) for page in plan_pages(panels, len(tokenizer.encode(args.prompt)))]
+
+
 def run_attention(args: argparse.Namespace) -> int:
     from glassgpt.experiments.attention_maps import draw_prompt_attention
     from glassgpt.machine.devices import cpu_threads
@@ -210,8 +257,11 @@ def run_attention(args: argparse.Namespace) -> int:
 
     if args.out.is_dir():
         raise CommandLineError(f"--out {args.out} is a folder; give a file name such as maps.png")
+    check_output_file(args.out, args.force, CommandLineError)  # before loading the model
     run = Run(args.run_dir)  # resolved once
     model, tokenizer = run.load_model(checkpoint=args.checkpoint)
+    for path in picture_paths(model, tokenizer, args):  # a long prompt's split pictures too
+        check_output_file(path, args.force, CommandLineError)
     title = f"{args.run_dir.name}: attention for {args.prompt!r}"
     drawn = draw_prompt_attention(model, tokenizer, args.prompt, args.out, layer=args.layer,
                                   head=args.head, threads=args.threads,

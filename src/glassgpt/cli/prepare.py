@@ -6,7 +6,12 @@ import argparse
 import math
 
 from glassgpt.choices import DEFAULT_BPE_VOCAB, DEFAULT_BUFFER_BYTES, TOKENIZER_KINDS
-from glassgpt.cli.common import DefaultsHelpFormatter, nonempty_arg, path_arg
+from glassgpt.cli.common import (
+    DefaultsHelpFormatter,
+    nonempty_arg,
+    path_arg,
+    stderr_progress,
+)
 from glassgpt.errors import ConfigError
 
 
@@ -41,11 +46,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, DownloadColumn, TimeRemainingColumn
+
     from glassgpt.data import prepare  # numpy and the tokenizers: not for `prepare --help`
 
-    meta = prepare(args.out, args.text, args.tokenizer, args.vocab_size, args.val_fraction,
-                   args.tokenizer_file, force=args.force, workers=args.workers,
-                   buffer_bytes=_megabytes(args.buffer_mb))
+    buffer_bytes = _megabytes(args.buffer_mb)
+    columns = ("[bold]prepare", BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    with stderr_progress(*columns) as bar:
+        task = bar.add_task("prepare", total=None)  # text read, each pass over it counted
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        meta = prepare(args.out, args.text, args.tokenizer, args.vocab_size, args.val_fraction,
+                       args.tokenizer_file, force=args.force, workers=args.workers,
+                       buffer_bytes=buffer_bytes, progress=progress)
     files = f" from {meta['files']:,} files" if meta["files"] > 1 else ""
     print(f"prepared {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens"
           f"{files} ({meta['tokenizer']} tokenizer, vocab {meta['vocab_size']}) in {args.out}")

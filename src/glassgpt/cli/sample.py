@@ -13,6 +13,7 @@ from glassgpt.cli.common import (
     add_threads_flag,
     path_arg,
     say,
+    stderr_progress,
     warn_about_bf16,
 )
 from glassgpt.config import INT64_MAX, SamplingConfig
@@ -144,8 +145,7 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TimeRemainingColumn
 
     from glassgpt.machine.devices import resolve_device
     from glassgpt.rundir import checkpoint as ckpt
@@ -153,8 +153,10 @@ def run_eval(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     run = ckpt.Run(args.run_dir)  # resolved once, for the evaluation and the line about it
-    with Progress("[bold]eval", BarColumn(), MofNCompleteColumn(), "windows",
-                  TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
+    # Training's bar, on stderr: the windows done of all of them (known before the first
+    # batch) and the time left.
+    with stderr_progress("[bold]eval", BarColumn(), MofNCompleteColumn(), "windows",
+                         TimeRemainingColumn()) as bar:
         task = bar.add_task("eval", total=None)
         result = runs.evaluate_run(run, args.split, args.data, args.batch_size,
                                    args.max_batches, device, args.checkpoint, args.threads,

@@ -19,18 +19,6 @@ DATA_DECIDES = ("vocab_size",)  # set by the tokenizer of the data, never by a f
 HELP_PRESET = "cpu-small"  # what a bare `glassgpt train` uses on a CPU: its defaults are shown
 INTERRUPTED_EXIT_CODE = 130
 OUTPUT_CLOSED_EXIT_CODE = 141  # 128 + SIGPIPE, what a Unix tool whose reader left returns
-MODEL_HELP = {  # GPTConfig's fields, in a few words each
-    "block_size": "context length in tokens", "n_layer": "Transformer blocks",
-    "n_head": "attention heads", "n_embd": "width C", "dropout": "dropout probability",
-    "bias": "biases in Linear layers and LayerNorms", "norm": "layernorm or rmsnorm",
-    "activation": "gelu, gelu_tanh, relu, relu2 or swiglu", "pre_ln": "Pre-LN blocks (else "
-    "Post-LN)", "tie_weights": "LM head shares the embedding", "norm_eps": "epsilon of every "
-    "LayerNorm / RMSNorm", "attn_impl": "attention path: fused or explicit", "position":
-    "positions: learned, rope or none", "rope_theta": "base of the rotary angles", "mlp_hidden":
-    "MLP hidden width (default 4C)", "n_kv_head": "key/value heads (default n_head; 1: "
-    "multi-query)", "qk_norm": "RMSNorm on queries and keys (Qwen3)", "logit_softcap": "cap * "
-    "tanh(logits / cap) (default: none)", "zero_init_proj": "output projections start at zero",
-}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -74,7 +62,7 @@ def _add_dataclass_flags(group: argparse._ArgumentGroup, cls: type, prefix: str,
         if field.name in skip:
             continue
         flag = "--" + field.name.replace("_", "-")
-        help_text = field.metadata.get("help") or MODEL_HELP.get(field.name, field.name)
+        help_text = field.metadata["help"]  # every field says what it is (setting(doc))
         default = shown.get(field.name, field.default)
         if default not in (dataclasses.MISSING, None) and "(default" not in help_text:
             help_text += f" (default {default})"
@@ -105,7 +93,7 @@ def run_train(args: argparse.Namespace) -> int:
                         model=_flags(args, "model"), train=_flags(args, "train"),
                         resume=args.resume, force=args.force, init_from=args.init_from,
                         checkpoint=args.checkpoint, threads=args.threads, reporter=reporter,
-                        stop=stop, on_start=_announce)
+                        stop=stop, on_start=_announce, wording="cli")
     return _finish(outcome, reporter.output_closed)
 
 
@@ -133,6 +121,10 @@ def _finish(outcome: Any, output_closed: bool) -> int:
     if rank_from_env() != 0:
         return INTERRUPTED_EXIT_CODE if result.interrupted else 0
     resume = f"continue with: glassgpt train --resume --out {run_dir}"
+    if result.interrupted and not result.saved:  # stopped in the evaluation at step 0
+        say(f"interrupted at iteration 0, before the run's first checkpoint: nothing was "
+            f"saved in {run_dir}")
+        return OUTPUT_CLOSED_EXIT_CODE if output_closed else INTERRUPTED_EXIT_CODE
     if result.interrupted and output_closed:
         say(f"stdout was closed: stopped at iteration {result.iteration}; checkpoint saved in "
             f"{run_dir}; {resume}")

@@ -249,7 +249,9 @@ def _decoded_blocks(name: str, stream: BinaryIO, block_bytes: int
             text = decoder.decode(data, final=not data)
         except UnicodeDecodeError as error:
             raise DataError(f"{name} is not UTF-8 text (byte {start + error.start}: "
-                            f"{error.object[error.start:error.start + 1]!r})") from None
+                            f"{error.object[error.start:error.start + 1]!r}); if it is text "
+                            f"in another encoding, convert it first, e.g. `iconv -f latin1 "
+                            f"-t utf-8 {name} > {name}.utf8` (Latin-1 / Windows-1252)") from None
         if "\x00" in text:  # valid UTF-8, but binary: a sparse file, or UTF-16 text
             position = start + len(text[:text.index("\x00")].encode("utf-8"))
             raise DataError(f"{name} holds a NUL byte (byte {position}): binary data or "

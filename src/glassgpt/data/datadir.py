@@ -44,6 +44,11 @@ SPLITS = ("train", "val")
 SPLIT_FILES = {"train": TRAIN_FILE, "val": VAL_FILE}
 JOURNAL_FILE = DATA.journal
 ID_DTYPES = ("uint16", "uint32")
+# meta.json's mark of a data directory glassgpt wrote (a run's config.json says "glassgpt-run/1")
+DATA_FORMAT = "glassgpt-data/1"
+# What meta.json held before it carried DATA_FORMAT: those directories are glassgpt's too.
+LEGACY_META_KEYS = frozenset({"source", "sha256", "tokenizer", "vocab_size", "dtype",
+                              "train_tokens", "val_tokens"})
 
 
 def id_dtype(vocab_size: int) -> np.dtype:
@@ -67,11 +72,29 @@ def check_prepare_target(out_dir: str | Path, force: bool) -> Path:
         what = ("already holds prepared data" if META_FILE in present
                 else f"already holds {', '.join(present[:3])}")
         raise DataError(f"{out} {what}; pass --force to replace it")
+    # --force replaces only what glassgpt wrote: a train.bin of nanoGPT's is the user's data
+    # (pending files and a journal are glassgpt's names, whatever the directory holds).
+    files = [name for name in present if name in DATA.files]
+    if files and not written_by_glassgpt(out):
+        raise DataError(f"{out} holds {', '.join(files[:3])}, but not data glassgpt prepared "
+                        f"(no {META_FILE} of glassgpt's); --force does not replace it: prepare "
+                        f"into another directory")
     for name in present:
         if entry_kind(out / name) not in ("file", "link"):
             raise DataError(f"{out / name} is a directory, where prepare writes a file; move "
                             f"it away (glassgpt does not delete it)")
     return out
+
+
+def written_by_glassgpt(data_dir: Path) -> bool:
+    """Whether `data_dir` is a data directory `prepare` wrote: its committed meta.json says
+    so (DATA_FORMAT, or the keys it held before that mark), whatever its other file names."""
+    try:
+        paths = commit.committed_paths(data_dir, DATA, DataError)
+        meta = read_json_object(paths[META_FILE], DataError)
+    except DataError:
+        return False
+    return meta.get("format") == DATA_FORMAT or meta.keys() >= LEGACY_META_KEYS
 
 
 def data_writer(out_dir: str | Path) -> commit.Writer:

@@ -22,7 +22,7 @@ import json
 import multiprocessing
 import os
 import shutil
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -33,7 +33,13 @@ import numpy as np
 
 from glassgpt.choices import DEFAULT_BUFFER_BYTES
 from glassgpt.data.corpus import TINYSHAKESPEARE_SHA256, Corpus, cache_dir
-from glassgpt.data.datadir import check_prepare_target, data_writer, holds_corpus, id_dtype
+from glassgpt.data.datadir import (
+    DATA_FORMAT,
+    check_prepare_target,
+    data_writer,
+    holds_corpus,
+    id_dtype,
+)
 from glassgpt.errors import ConfigError, DataError
 from glassgpt.storage.commit import Writer
 from glassgpt.storage.files import open_new_file
@@ -60,6 +66,8 @@ MIN_PIECE_BYTES, MAX_PIECE_BYTES = 2**12, 2**18
 # Text with no safe cut may pile up to this many characters before it is an error.
 MAX_UNCUT_CHARS = 2**22
 IN_FLIGHT_PER_WORKER = 2
+# `prepare(progress=...)`: called with (bytes of text read, bytes to read in all) as it reads.
+ProgressCallback = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -82,15 +90,16 @@ class Budget:
 def prepare(out_dir: str | Path, text_path: str | Path | Sequence[str | Path] | None = None,
             tokenizer: str = "char", vocab_size: int | None = None, val_fraction: float = 0.1,
             tokenizer_file: str | Path | Sequence[str | Path] | None = None, *,
-            force: bool = False, workers: int = 1,
-            buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> dict[str, Any]:
+            force: bool = False, workers: int = 1, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+            progress: ProgressCallback | None = None) -> dict[str, Any]:
     """Tokenize a text into `out_dir`; returns the metadata written to meta.json.
 
     `text_path`: a file, a glob pattern, or a list of them, read in order as one text (default:
     Tiny Shakespeare). The first (1 - val_fraction) of the tokens train, the rest validate
     (nanoGPT's split). `tokenizer_file` reuses a tokenizer (a run's, to fine-tune it; GPT-2's
     vocab.json and merges.txt) instead of fitting a new one of kind `tokenizer`. `out_dir` may
-    not be a run directory, nor hold prepared data unless `force`.
+    not be a run directory, nor hold prepared data unless `force`. `progress(done, total)`, if
+    given, hears how many bytes of text have been read (each pass over the text counts).
     """
     budget = _checked_budget(val_fraction, workers, buffer_bytes)
     given = load_tokenizer_files(tokenizer_file) if tokenizer_file is not None else None
@@ -102,10 +111,11 @@ def prepare(out_dir: str | Path, text_path: str | Path | Sequence[str | Path] | 
                           f"({given.vocab_size} tokens)")
     corpus = Corpus.from_paths(text_path)
     out = check_prepare_target(out_dir, force)
+    meter = TextMeter(corpus, 1 if given else 2, progress)
     try:
         with data_writer(out) as writer:
             meta = _write_files(writer, corpus, given, tokenizer, vocab_size, val_fraction,
-                                budget)
+                                budget, meter)
             writer.commit()
     except OSError as error:  # a full disk, a read-only place, a file that failed to read
         where = error.filename or out
@@ -115,13 +125,13 @@ def prepare(out_dir: str | Path, text_path: str | Path | Sequence[str | Path] | 
 
 
 def _write_files(writer: Writer, corpus: Corpus, given: Tokenizer | None, kind: str,
-                 vocab_size: int | None, val_fraction: float, budget: Budget
-                 ) -> dict[str, Any]:
+                 vocab_size: int | None, val_fraction: float, budget: Budget,
+                 meter: TextMeter | None = None) -> dict[str, Any]:
     """Steps 1-3 into the writer's pending files; returns the metadata."""
-    tok = given or fit_tokenizer(kind, vocab_size, corpus, budget)
+    tok = given or fit_tokenizer(kind, vocab_size, corpus, budget, meter)
     dtype = id_dtype(tok.vocab_size)
     train_path = writer.pending(TRAIN_FILE)
-    total = write_ids(train_path, corpus, tok, dtype, budget)
+    total = write_ids(train_path, corpus, tok, dtype, budget, meter)
     n_train = int(total * (1 - val_fraction))
     if total < 4:
         raise DataError(f"{corpus.name} is too short to split: {total} tokens")
@@ -133,9 +143,10 @@ def _write_files(writer: Writer, corpus: Corpus, given: Tokenizer | None, kind: 
                         f"{2 / total:.2g} and {1 - 2 / total:.6g}")
     move_tail(train_path, writer.pending(VAL_FILE), n_train * dtype.itemsize,
               budget.id_buffer_bytes)
-    meta = {"source": corpus.source, "sha256": corpus.sha256, "tokenizer": tok.kind,
-            "vocab_size": tok.vocab_size, "dtype": dtype.name, "train_tokens": n_train,
-            "val_tokens": total - n_train, "text_bytes": corpus.text_bytes,
+    meta = {"format": DATA_FORMAT, "source": corpus.source, "sha256": corpus.sha256,
+            "tokenizer": tok.kind, "vocab_size": tok.vocab_size, "dtype": dtype.name,
+            "train_tokens": n_train, "val_tokens": total - n_train,
+            "text_bytes": corpus.text_bytes,
             "files": max(1, len(corpus.files))}
     writer.write_pending(TOKENIZER_FILE, tok.to_json().encode("utf-8"))
     writer.write_pending(META_FILE, (json.dumps(meta, indent=2) + "\n").encode("utf-8"))
@@ -190,12 +201,41 @@ def prepared_tinyshakespeare() -> Path:
     return data_dir
 
 
+class TextMeter:
+    """Counts the bytes of text read, for `prepare`'s progress: each pass over the corpus (one
+    to fit the tokenizer, one to encode) reads all of it."""
+
+    def __init__(self, corpus: Corpus, passes: int, progress: ProgressCallback | None):
+        size = len(corpus.data) if corpus.data is not None else sum(map(_size, corpus.files))
+        self.total = passes * size
+        self.done = 0
+        self.progress = progress
+
+    def blocks(self, corpus: Corpus, block_bytes: int) -> Iterator[str]:
+        for block in corpus.blocks(block_bytes):
+            if self.progress is not None:
+                self.done += len(block.encode("utf-8"))
+                self.progress(self.done, max(self.total, self.done))
+            yield block
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:  # reading it says why, in its own words
+        return 0
+
+
+def _blocks(corpus: Corpus, block_bytes: int, meter: TextMeter | None) -> Iterator[str]:
+    return meter.blocks(corpus, block_bytes) if meter else corpus.blocks(block_bytes)
+
+
 # --- 1. fit the tokenizer -------------------------------------------------------------------
 
-def fit_tokenizer(kind: str, vocab_size: int | None, corpus: Corpus, budget: Budget
-                  ) -> Tokenizer:
+def fit_tokenizer(kind: str, vocab_size: int | None, corpus: Corpus, budget: Budget,
+                  meter: TextMeter | None = None) -> Tokenizer:
     """A new tokenizer of `kind` fitted to the corpus, read once in blocks."""
-    blocks = corpus.blocks(budget.piece_bytes)
+    blocks = _blocks(corpus, budget.piece_bytes, meter)
     if kind == "char":
         chars: set[str] = set()
         for block in blocks:
@@ -235,9 +275,9 @@ def text_pieces(blocks: Iterable[str], safe_cut: Any, piece_chars: int, name: st
 # --- 2. encode ------------------------------------------------------------------------------
 
 def write_ids(path: Path, corpus: Corpus, tokenizer: Tokenizer, dtype: np.dtype,
-              budget: Budget) -> int:
+              budget: Budget, meter: TextMeter | None = None) -> int:
     """Encode the corpus into a new file at `path`; returns the number of ids."""
-    pieces = text_pieces(corpus.blocks(budget.piece_bytes), tokenizer.safe_cut,
+    pieces = text_pieces(_blocks(corpus, budget.piece_bytes, meter), tokenizer.safe_cut,
                          budget.piece_bytes, corpus.name)
     with open_new_file(path) as file:
         ids = IdWriter(file, dtype, budget.id_buffer_bytes)

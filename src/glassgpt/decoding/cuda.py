@@ -80,9 +80,10 @@ class CUDAGraphEngine(EagerEngine):
     def start(self, batch_size: int, max_len: int) -> None:
         c, weight = self.model.config, self.model.lm_head.weight
         for block in self.model.blocks:
-            block.attn.kv_cache = StaticKVCache(batch_size, c.kv_heads, c.block_size,
-                                                c.head_dim, dtype=weight.dtype,
-                                                device=weight.device)
+            attn = block.attn
+            attn.kv_cache = StaticKVCache(batch_size, attn.n_kv_head, c.block_size,
+                                          attn.head_dim, dtype=weight.dtype,
+                                          device=weight.device)
         # The graph's fixed inputs: the token, its position and the cache slots' positions.
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=weight.device)
         self.pos = torch.zeros(1, dtype=torch.long, device=weight.device)

@@ -17,51 +17,42 @@ from torch import Tensor, nn
 
 from glassgpt.config import SamplingConfig
 from glassgpt.decoding import EagerEngine, engine_for
+from glassgpt.decoding.sampling import (
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_K,
+    DEFAULT_TOP_P,
+    GREEDY_BELOW,
+    check_filter,
+    draw,
+    keep_top_k,
+    keep_top_p,
+)
 from glassgpt.errors import InputError, ModelError
+from glassgpt.inputs import check_token_ids
 from glassgpt.machine.devices import ThreadTuner, tuner_for
-from glassgpt.model import check_token_ids, eval_mode
+from glassgpt.model import eval_mode
 from glassgpt.tokenizers import Tokenizer
 
-__all__ = ["SamplingConfig", "encode_prompt", "generate", "generate_stream", "keep_top_k",
-           "keep_top_p", "sample_next_token", "stream_text"]
+# keep_top_k, keep_top_p and GREEDY_BELOW live in glassgpt.decoding.sampling, the one filter;
+# named here too, where callers have always found them.
+__all__ = ["GREEDY_BELOW", "SamplingConfig", "encode_prompt", "generate", "generate_stream",
+           "keep_top_k", "keep_top_p", "sample_next_token", "stream_text"]
 
 
-def keep_top_k(logits: Tensor, k: int) -> Tensor:
-    """Set every logit below the k-th largest of its row to -inf. (B, V) -> (B, V)."""
-    k = min(k, logits.size(-1))
-    kth = torch.topk(logits, k, dim=-1).values[:, -1:]  # (B, 1)
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def keep_top_p(logits: Tensor, p: float) -> Tensor:
-    """Nucleus filtering: keep the smallest set of tokens whose probability reaches p."""
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    # A token is dropped when the tokens ranked above it already reach p; the top one never is.
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    drop_sorted = mass_before >= p
-    # Said and enforced: a p below float32's range compares as 0, which would drop every token.
-    drop_sorted[:, 0] = False
-    drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
-    return logits.masked_fill(drop, float("-inf"))
-
-
-# Below float32's smallest normal number a temperature is 0 to the division (or so near it that
-# every token but the best gets probability 0): such a temperature is greedy, its limit.
-GREEDY_BELOW = torch.finfo(torch.float32).tiny
 NOT_FINITE = ("the model's logits are not finite (NaN or infinite): its weights are damaged, "
               "or overflowed in a low precision")
 
 
-def sample_next_token(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
-                      top_p: float | None = None,
+def sample_next_token(logits: Tensor, temperature: float = DEFAULT_TEMPERATURE,
+                      top_k: int | None = DEFAULT_TOP_K, top_p: float | None = DEFAULT_TOP_P,
                       generator: torch.Generator | None = None) -> Tensor:
     """Pick one token per row from logits (B, V); returns (B, 1). Temperature 0 is greedy.
 
-    Raises ModelError if any logit is NaN or infinite (this reads one flag back to the host;
-    `generate_stream` checks its steps without that)."""
+    InputError for settings SamplingConfig refuses; ModelError if any logit is NaN or infinite
+    (this reads one flag back to the host; `generate_stream` checks its steps without that)."""
+    check_filter(temperature, top_k, top_p)
     raise_unless_finite(logits)
-    return _pick(logits, temperature, top_k, top_p, generator)
+    return draw(logits, temperature, top_k, top_p, generator)
 
 
 def raise_unless_finite(logits: Tensor) -> None:
@@ -74,23 +65,6 @@ def _finite_rows(logits: Tensor) -> tuple[Tensor, Tensor]:
     cannot fail), and whether every row was finite (a 0-dim tensor: nothing is read back)."""
     finite = torch.isfinite(logits).all(dim=-1, keepdim=True)  # (B, 1)
     return logits.masked_fill(~finite, 0.0), finite.all()
-
-
-def _pick(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None,
-          generator: torch.Generator | None) -> Tensor:
-    """`sample_next_token` without the check: (B, V) -> (B, 1), never a read-back."""
-    if temperature < GREEDY_BELOW:  # 0, or too small for float32 (see GREEDY_BELOW)
-        return logits.argmax(dim=-1, keepdim=True)
-    logits = logits.float()
-    # Shift each row's best logit to 0 before dividing: a tiny temperature then sends the
-    # others towards -inf instead of sending the best one to +inf (which softmax turns to NaN).
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
-    if top_k is not None:
-        logits = keep_top_k(logits, top_k)
-    if top_p is not None and top_p < 1.0:
-        logits = keep_top_p(logits, top_p)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
 
 
 class _Decoder:
@@ -211,7 +185,7 @@ def generate_stream(model: Any, idx: Tensor, sampling: SamplingConfig | None = N
             for i in range(cfg.max_new_tokens):
                 logits, finite = _finite_rows(logits)
                 all_finite &= finite
-                token = _pick(logits, cfg.temperature, cfg.top_k, cfg.top_p, generator)
+                token = draw(logits, cfg.temperature, cfg.top_k, cfg.top_p, generator)
                 if cfg.stop_token is not None:
                     token = token.masked_fill(finished, cfg.stop_token)
                     finished |= token == cfg.stop_token

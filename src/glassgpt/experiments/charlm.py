@@ -21,6 +21,7 @@ from torch import Tensor
 
 from glassgpt.config import GPTConfig, TrainConfig
 from glassgpt.data import tinyshakespeare
+from glassgpt.experiments.results import step_taken
 from glassgpt.model import GPT, eval_mode
 from glassgpt.tokenizers import CharTokenizer
 from glassgpt.training.optim import lr_at, make_optimizer, set_lr
@@ -140,6 +141,7 @@ def train_char_lm(config: GPTConfig, s: CharLMSettings, seed: int,
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         trained.train_losses.append(loss.item())
+        step_taken()  # for a progress bar
         if after_step is not None:
             after_step(step, model)
         if step % s.eval_every == 0 or step == s.steps:

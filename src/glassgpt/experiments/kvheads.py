@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 
 from glassgpt.decoding.generate import generate
 from glassgpt.experiments.charlm import CharLMSettings, model_config, train_char_lm
-from glassgpt.experiments.figures import label_axes, new_figure, save_figure
+from glassgpt.experiments.figures import TICK_PT, label_axes, new_figure, save_figure
 from glassgpt.experiments.results import Check, ExperimentResult, Table
 from glassgpt.experiments.tasks import single_thread
 from glassgpt.model import GPT, count_parameters
@@ -143,9 +143,16 @@ def kvheads_figure(numbers: dict[str, Any]) -> Figure:
                 ("val_loss", "validation loss", "loss")]
     for ax, (key, ylabel, title) in zip(panels, measured, strict=True):
         values = [numbers[str(kv)][key] for kv in kv_heads]
-        ax.bar(names, values, color=["C0", "C1", "C2"][:len(names)])
-        if key == "val_loss":
-            low = min(values)
-            ax.set_ylim(low - 0.2, max(values) + 0.05)
+        bars = ax.bar(names, values, color=["C0", "C1", "C2"][:len(names)])
+        # Every bar starts at 0, so its height is its value: an axis cut at 1.8 made a loss gap
+        # of 0.013 look like 10%. The values are written on the bars, for the small differences.
+        for bar, value in zip(bars, values, strict=True):
+            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), VALUE_FORMATS[key](value),
+                    ha="center", va="bottom", fontsize=TICK_PT)
+        ax.set_ylim(0, 1.18 * max(values))
         label_axes(ax, xlabel="key/value heads", ylabel=ylabel, title=title)
     return fig
+
+
+VALUE_FORMATS = {"cache_bytes_per_token": "{:,}".format, "tokens_per_second": "{:,.0f}".format,
+                 "val_loss": "{:.3f}".format}

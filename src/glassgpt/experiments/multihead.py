@@ -199,10 +199,25 @@ def specialisation_table(specialisation: dict[int, Tensor]) -> Table:
                   ["heads", "head", *names, "looks at"],
                   formats={name: ".2f" for name in names})
     for n_heads, offset_weights in specialisation.items():
-        looks_at = dominant_offsets(offset_weights)
+        looks_at = looked_at(offset_weights)
         for head, row in enumerate(offset_weights.tolist()):
-            table.add_row(n_heads, head, *row, names[looks_at[head]].removeprefix("w "))
+            table.add_row(n_heads, head, *row, looks_at[head])
     return table
+
+
+def looked_at(offset_weights: Tensor) -> list[str]:
+    """Where each head looks most, as the table's last column says it: "t-4" (the token 4
+    back), "t-0" (itself) or "t-5.." (further back). (H, O) -> H names."""
+    names = offset_names()
+    return [names[o].removeprefix("w ") for o in dominant_offsets(offset_weights)]
+
+
+def looks_back(offset_weights: Tensor) -> list[str]:
+    """The same offsets as `looked_at` (one source: `dominant_offsets`), as the picture's
+    titles say them: "looks 4 back", "looks at itself", "looks 5+ back"."""
+    furthest = max(OFFSETS) + 1  # the last column: that far back or further
+    return ["looks at itself" if o == 0 else f"looks {o}{'+' if o == furthest else ''} back"
+            for o in dominant_offsets(offset_weights)]
 
 
 def expected_outcomes(accuracy: dict[int, list[list[float]]], params: dict[int, int],
@@ -227,16 +242,9 @@ def expected_outcomes(accuracy: dict[int, list[list[float]]], params: dict[int, 
     return checks
 
 
-def strongest_offset(weights: Tensor) -> int:
-    """The offset o (query t looks at key t - o) that holds the most weight of a causal map
-    (T, T), averaged over the queries that have such a key: the head's specialty."""
-    T = weights.shape[-1]
-    mass = [weights.diagonal(offset=-o).mean().item() for o in range(T)]
-    return max(range(T), key=mass.__getitem__)
-
-
 def head_maps_figure(maps: dict[int, Tensor]) -> Figure:
-    """One row per head count, one panel per head: the attention map averaged over sequences."""
+    """One row per head count, one panel per head: the attention map averaged over sequences,
+    titled with where the head looks as the specialisation table measures it (`looks_back`)."""
     head_counts = list(maps)
     n_cols = max(head_counts)
     width = 1.7 * n_cols + 1.2
@@ -244,6 +252,7 @@ def head_maps_figure(maps: dict[int, Tensor]) -> Figure:
     axes = fig.subplots(len(head_counts), n_cols, squeeze=False)
     for row, n_heads in enumerate(head_counts):
         mean_map = maps[n_heads].mean(dim=0)  # (H, T, T)
+        looks = looks_back(weight_per_offset(maps[n_heads], max(OFFSETS)))  # H titles
         for col in range(n_cols):
             ax = axes[row][col]
             ax.set_xticks([])
@@ -254,7 +263,7 @@ def head_maps_figure(maps: dict[int, Tensor]) -> Figure:
             image = show_attention(ax, mean_map[col])
             label_axes(ax, xlabel="key s", ylabel="query t" if col == 0 else "",
                        title=f"{n_heads} head{'s' if n_heads > 1 else ''}: head {col}\n"
-                             f"looks {strongest_offset(mean_map[col])} back")
+                             f"{looks[col]}")
     labelled_colorbar(fig, image, axes, f"attention weight\n({MASKED_NOTE})", shrink=0.6)
     title = "each head's attention (mean over sequences): a diagonal = one fixed offset"
     fig.suptitle(wrap_title(title, width), fontsize=SUPTITLE_PT)

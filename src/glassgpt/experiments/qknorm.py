@@ -57,7 +57,7 @@ def largest_logit(model: GPT, idx: Tensor) -> float:
         for block, x in zip(model.blocks, streams[:-1], strict=True):  # x: the block's input
             attn = block.attn
             q, k, _ = attn.project(block.ln1(x) if block.pre_ln else x)  # (B, H, T, d), ...
-            k = repeat_kv(k, attn.n_heads // attn.n_kv_heads)  # (B, H, T, d)
+            k = repeat_kv(k, attn.groups)  # (B, H, T, d)
             logits = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, T)
             T = logits.shape[-1]
             causal = torch.ones(T, T, dtype=torch.bool, device=idx.device).tril()

@@ -1,7 +1,8 @@
 """Why residuals: 8 stacked blocks with and without skip connections, on "copy the token 3 back".
 
-Three stacks of the library's `TransformerBlock` (Pre-LN with residuals, Post-LN with residuals,
-Pre-LN with `residual=False`) are measured at initialisation and trained. Without the skip path
+Three stacks of blocks (the library's `TransformerBlock`, Pre-LN and Post-LN, and beside them
+`ResidualFreeBlock`, its Pre-LN parts with both skips taken out, which only this experiment
+wants) are measured at initialisation and trained. Without the skip path
 every block averages positions together (attention is a weighted mean), so by the top of the stack
 all positions carry nearly the same vector (representation collapse: cosine similarity ~1) and no
 gradient can tell them apart; the loss stays at chance, ln(10) = 2.30.
@@ -20,6 +21,7 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from glassgpt.block import TransformerBlock
+from glassgpt.errors import ConfigError
 from glassgpt.experiments.figures import LABEL_PT, label_axes, new_figure, save_figure
 from glassgpt.experiments.results import Check, ExperimentResult, Table
 from glassgpt.experiments.tasks import (
@@ -54,6 +56,26 @@ class ResidualSettings:
 QUICK = ResidualSettings(d_model=32, steps=100, batch_size=32, loss_window=25)
 
 
+class ResidualFreeBlock(TransformerBlock):
+    """A Pre-LN block with both skip connections removed: z = ffn(ln2(attn(ln1(x)))).
+
+    The same parts, parameters and initialisation as `TransformerBlock(C, H)`; only the two
+    residual sums are gone, so nothing carries a position's own vector past a block."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = self.attn(self.ln1(x))  # (B, T, C): every position a weighted mean of the others
+        return self.ffn(self.ln2(a))  # (B, T, C)
+
+
+def make_block(s: ResidualSettings, pre_ln: bool, residual: bool) -> TransformerBlock:
+    """One block of a variant: the library's block, or the residual-free Pre-LN one."""
+    if residual:
+        return TransformerBlock(s.d_model, s.n_heads, pre_ln=pre_ln)
+    if not pre_ln:
+        raise ConfigError("the residual-free block of this experiment is Pre-LN")
+    return ResidualFreeBlock(s.d_model, s.n_heads)
+
+
 class BlockStack(nn.Module):
     """Embeddings, `n_layers` Transformer blocks, a final LayerNorm and one output layer."""
 
@@ -61,9 +83,7 @@ class BlockStack(nn.Module):
         super().__init__()
         self.tok_emb = nn.Embedding(s.vocab_size, s.d_model)
         self.pos_emb = nn.Embedding(s.seq_len, s.d_model)
-        self.blocks = nn.ModuleList(
-            TransformerBlock(s.d_model, s.n_heads, pre_ln=pre_ln, residual=residual)
-            for _ in range(s.n_layers))
+        self.blocks = nn.ModuleList(make_block(s, pre_ln, residual) for _ in range(s.n_layers))
         self.ln_f = nn.LayerNorm(s.d_model)
         self.head = nn.Linear(s.d_model, s.vocab_size)
 

@@ -1,13 +1,40 @@
 """What an experiment hands back: tables of numbers, the claims it checked, the pictures it drew.
 
-Experiments never print; the CLI renders these objects (rich tables, JSON).
+Experiments never print; the CLI renders these objects (rich tables, JSON), and may listen to
+their training steps to show progress (`listening_to_steps`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+# Who hears of each training step an experiment takes (the CLI's progress bar), so that a demo
+# that trains for a minute shows it is moving. A context variable rather than an argument
+# threaded through every experiment: it changes no result, only what a watcher sees.
+_step_listener: ContextVar[Callable[[], None] | None] = ContextVar("step_listener",
+                                                                   default=None)
+
+
+@contextmanager
+def listening_to_steps(listener: Callable[[], None]) -> Iterator[None]:
+    """Call `listener()` after every training step the experiments take inside the block."""
+    token = _step_listener.set(listener)
+    try:
+        yield
+    finally:
+        _step_listener.reset(token)
+
+
+def step_taken() -> None:
+    """A training loop of an experiment took one step (tells the listener, if any)."""
+    listener = _step_listener.get()
+    if listener is not None:
+        listener()
 
 
 @dataclass

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from glassgpt.experiments.results import step_taken
+
 IGNORE = -1
 
 
@@ -70,4 +72,5 @@ def train_copier(model: nn.Module, offsets: tuple[int, ...], vocab_size: int, se
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
+        step_taken()
     return losses

@@ -204,7 +204,7 @@ def llama_config_from_hf(hf_config: Any, dropout: float | None = None) -> GPTCon
     model_type = hf_config.model_type
     setting = _reader(hf_config, model_type)
     hidden, heads = setting("hidden_size"), setting("num_attention_heads")
-    kv_heads = setting("num_key_value_heads") or heads
+    n_kv_head = setting("num_key_value_heads") or heads
     _check_head_width(setting("head_dim"), heads, hidden)
     act = setting("hidden_act")
     if act not in SILU_NAMES:
@@ -221,7 +221,7 @@ def llama_config_from_hf(hf_config: Any, dropout: float | None = None) -> GPTCon
         n_layer=setting("num_hidden_layers"),
         n_head=heads,
         n_embd=hidden,
-        n_kv_head=None if kv_heads == heads else kv_heads,
+        n_kv_head=None if n_kv_head == heads else n_kv_head,
         dropout=_attention_dropout(setting) if dropout is None else dropout,
         bias=_one_bias(setting, model_type),
         activation="swiglu",
@@ -351,7 +351,7 @@ def _llama_family_settings(config: GPTConfig) -> dict[str, Any]:
         intermediate_size=config.hidden_width,
         num_hidden_layers=config.n_layer,
         num_attention_heads=config.n_head,
-        num_key_value_heads=config.kv_heads,
+        num_key_value_heads=config.n_kv_head or config.n_head,
         head_dim=config.head_dim,
         hidden_act="silu",
         max_position_embeddings=config.block_size,

@@ -9,6 +9,8 @@ parser. So glassgpt reads these directories on its own:
     `model.safetensors.index.json` names, which must be plain names inside the directory;
     a directory holding only pickles is refused by name, before anything is opened;
   * tokenizer.json (or GPT-2's vocab.json + merges.txt) as bounded files.
+An export glassgpt writes carries its marker (EXPORT_MARKER); only such a directory may be
+replaced by a newer export.
 A hub name is downloaded with huggingface_hub, asking for exactly those files, into its cache.
 How the tensors map onto a glassgpt model is glassgpt.hf.interop's business.
 """
@@ -16,6 +18,7 @@ How the tensors map onto a glassgpt model is glassgpt.hf.interop's business.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -133,9 +136,7 @@ class HFDirectory:
         _check_setting("model_type", model_type, "str", path)
         if model_type not in HF_SETTINGS:
             return SimpleNamespace(model_type=model_type)
-        for alias, key in HF_ALIASES.get(model_type, {}).items():
-            if alias in raw and key not in raw:
-                raw[key] = raw[alias]
+        _apply_aliases(raw, HF_ALIASES.get(model_type, {}), path)
         settings = {"model_type": model_type}
         for key, (default, kind) in HF_SETTINGS[model_type].items():
             settings[key] = raw.get(key, default)
@@ -234,6 +235,18 @@ def _indexed_names(index: Path) -> list[str]:
         raise CheckpointError(f"{index} names {len(names):,} files; at most "
                               f"{MAX_WEIGHT_FILES:,} are read")
     return names
+
+
+def _apply_aliases(raw: dict[str, Any], aliases: dict[str, str], path: Path) -> None:
+    """Read each alias as its setting (GPT2Config's hidden_size is n_embd); both given with
+    different values is a contradiction, refused rather than settled by a guess."""
+    for alias, key in aliases.items():
+        if alias not in raw:
+            continue
+        if key in raw and raw[key] != raw[alias]:
+            raise ConfigError(f"{path}: {key}={raw[key]!r:.40} and its other name "
+                              f"{alias}={raw[alias]!r:.40} disagree; keep one of them")
+        raw[key] = raw[alias]
 
 
 _KIND_NAMES = {"int": "an integer", "int?": "an integer or null", "float": "a number",
@@ -367,14 +380,35 @@ def _built(build: Callable[[], Any], path: Path) -> Any:
 
 # --- writing an export ------------------------------------------------------------------------
 
+# glassgpt's own mark on an export: what `--force` may replace is recognised by it, never by a
+# config.json (the user's own model directory has one too).
+EXPORT_MARKER = "glassgpt-export.json"
+EXPORT_MARK = {"written_by": "glassgpt convert --to-hf",
+               "note": "glassgpt may replace this directory (with --force) by a newer export"}
+
+
+def write_export_marker(directory: Path) -> None:
+    (directory / EXPORT_MARKER).write_text(json.dumps(EXPORT_MARK, indent=2) + "\n",
+                                           encoding="utf-8")
+
+
 def check_replaceable_export(out: Path, overwrite: bool) -> None:
-    """Replace a directory only when asked, and only one that holds an earlier export."""
+    """Replace a directory only when asked, and only an earlier export glassgpt wrote."""
     if not overwrite:
         raise CheckpointError(f"{out} already exists and is not an empty directory; choose a "
                               f"new one, or replace an earlier export with overwrite=True "
                               f"(--force)")
-    config = out / "config.json"
-    if not out.is_dir() or files.entry_kind(config) != "file" or \
-            '"model_type"' not in files.read_text(config, 2**20, CheckpointError):
-        raise CheckpointError(f"{out} does not hold a Hugging Face export (no config.json with "
-                              f"a model_type); it is not replaced")
+    if not (out.is_dir() and _holds_export_marker(out)):
+        raise CheckpointError(f"{out} does not hold a Hugging Face export glassgpt wrote (no "
+                              f"{EXPORT_MARKER}); it is not replaced")
+
+
+def _holds_export_marker(out: Path) -> bool:
+    marker = out / EXPORT_MARKER
+    if files.entry_kind(marker) != "file":
+        return False
+    try:
+        mark = files.read_json_object(marker, CheckpointError, 2**16)
+    except CheckpointError:
+        return False
+    return mark.get("written_by") == EXPORT_MARK["written_by"]

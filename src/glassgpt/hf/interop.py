@@ -16,8 +16,10 @@ are checked against the config, name by name and shape by shape, before any is r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +44,7 @@ from glassgpt.hf.files import (
     StoredWeights,
     check_replaceable_export,
     open_hf_source,
+    write_export_marker,
 )
 from glassgpt.hf.files import MissingExtraError as MissingExtraError
 from glassgpt.hf.files import load_hf_tokenizer as load_hf_tokenizer
@@ -123,7 +126,7 @@ def _layer_pattern(name: str) -> tuple[str, str]:
 def _qkv_rows(config: GPTConfig) -> tuple[int, int, int]:
     """Rows of Q, K and V in our stacked qkv: n_head heads of queries, n_kv_head of keys and
     of values, each head_dim wide."""
-    kv_rows = config.kv_heads * config.head_dim
+    kv_rows = (config.n_kv_head or config.n_head) * config.head_dim
     return config.n_head * config.head_dim, kv_rows, kv_rows
 
 
@@ -182,8 +185,9 @@ def from_hf(source: PreTrainedModel | HFDirectory | str | os.PathLike[str],
     A directory (or a hub name, downloaded into the Hugging Face cache) is read by glassgpt,
     never by `transformers` (see glassgpt.hf.files): weights from local `.safetensors` files
     only, checked against config.json before any tensor is allocated; a pickled
-    `pytorch_model.bin` is never opened. The result has the dtype and device of the HF weights
-    and starts in eval mode.
+    `pytorch_model.bin` is never opened. A config that says tie_word_embeddings beside a head
+    of its own that is not the embedding gives an untied model, as transformers (5.x) loads
+    it. The result has the dtype and device of the HF weights and starts in eval mode.
     """
     if isinstance(source, str | os.PathLike):
         source = open_hf_source(source)
@@ -192,15 +196,35 @@ def from_hf(source: PreTrainedModel | HFDirectory | str | os.PathLike[str],
         arch = architecture_of(settings.model_type)
         config = arch.config_from_hf(settings, dropout)
         with source.weights(arch.base_prefix, arch.skipped) as stored:
+            if config.tie_weights and _stores_own_head(arch, stored.shapes):
+                config = _untied_if_apart(arch, config, stored.read(
+                    [arch.names["tok_emb.weight"], "lm_head.weight"]))
             return _model_from_weights(arch, config, _read_checked(arch, config, stored))
     arch = architecture_of(getattr(source.config, "model_type", None))
     config = arch.config_from_hf(source.config, dropout)
     hf_weights = {name: t for name, t in source.state_dict().items()
                   if not name.endswith(arch.skipped)}
+    if config.tie_weights and _stores_own_head(arch, hf_weights):
+        config = _untied_if_apart(arch, config, hf_weights)
     _check_same_names(arch, {n for m in weight_mappings(arch, config) for n in m.theirs},
                       set(hf_weights))
     check_finite(hf_weights, "the HF model", CheckpointError)
     return _model_from_weights(arch, config, hf_weights)
+
+
+def _stores_own_head(arch: Architecture, weights: dict[str, Any]) -> bool:
+    return arch.names["tok_emb.weight"] in weights and "lm_head.weight" in weights
+
+
+def _untied_if_apart(arch: Architecture, config: GPTConfig, weights: dict[str, Tensor]
+                     ) -> GPTConfig:
+    """`config` untied when the weights hold a head that is not the embedding, as
+    transformers (5.x) loads them: a config.json that says tie_word_embeddings beside a
+    fine-tune that untied its head computes with that head, not with the embedding."""
+    embedding, head = weights[arch.names["tok_emb.weight"]], weights["lm_head.weight"]
+    if embedding.shape == head.shape and torch.equal(embedding, head):
+        return config  # one matrix saved twice: tied it is
+    return dataclasses.replace(config, tie_weights=False)
 
 
 def _read_checked(arch: Architecture, config: GPTConfig, stored: StoredWeights
@@ -316,12 +340,14 @@ def save_hf(model: GPT | nn.Module, out_dir: str | os.PathLike[str],
             overwrite: bool = False) -> Path:
     """Write `model` (and a `tokenizers` tokenizer, if given) as a `save_pretrained` directory.
 
-    The weights go to model.safetensors; the tokenizer's `model_max_length` is the model's
-    `block_size` (transformers' `generate` then refuses a prompt the positions cannot hold,
-    where it would otherwise crash past them). `eos_token`, when the tokenizer knows it, becomes
-    the model's bos/eos token so that HF's `generate` stops on it. The directory appears whole
-    or not at all, with the permissions of the user's other files. An existing non-empty
-    directory is replaced only with `overwrite`, and only if it holds an earlier export.
+    The weights go to model.safetensors. The model's `block_size` bounds generation twice:
+    the generation config's `max_length` (transformers' `generate` and `pipeline` stop there by
+    default, where GPT-2's learned positions would otherwise run out with an IndexError) and
+    the tokenizer's `model_max_length`. `eos_token`, when the tokenizer knows it, becomes the
+    model's bos/eos token so that HF's `generate` stops on it. A marker file (EXPORT_MARKER)
+    says glassgpt wrote the directory. The directory appears whole or not at all, with the
+    permissions of the user's other files. An existing non-empty directory is replaced only
+    with `overwrite`, and only if it holds an earlier export of glassgpt's (its marker).
     """
     out = files.check_can_make_dir(Path(out_dir).expanduser(), CheckpointError)
     replacing = out.exists() and (not out.is_dir() or any(out.iterdir()))
@@ -330,12 +356,30 @@ def save_hf(model: GPT | nn.Module, out_dir: str | os.PathLike[str],
     model = unwrap_model(model)
     eos_id = tokenizer.token_to_id(eos_token) if tokenizer is not None and eos_token else None
     hf_model = to_hf(model, bos_token_id=eos_id, eos_token_id=eos_id)
-    with staged_directory(out, replacing) as staging:
+    hf_model.generation_config.max_length = model.config.block_size
+    with staged_directory(out, replacing) as staging, _disk_errors_as_os_errors():
         hf_model.save_pretrained(staging)  # safetensors by default
         if tokenizer is not None:
             _save_hf_tokenizer(tokenizer, staging, eos_token if eos_id is not None else None,
                                model.config.block_size)
+        write_export_marker(staging)
     return out
+
+
+@contextlib.contextmanager
+def _disk_errors_as_os_errors() -> Iterator[None]:
+    """The Rust writers (safetensors, tokenizers) report a full disk as a plain Exception
+    ending "(os error 28)"; as the OSError it is, staged_directory names it in one line."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as error:
+        code = re.search(r"\(os error (\d+)\)", str(error))
+        if code is None:
+            raise
+        number = int(code[1])
+        raise OSError(number, os.strerror(number)) from error
 
 
 def _save_hf_tokenizer(tokenizer: Tokenizer, out_dir: Path, eos_token: str | None,

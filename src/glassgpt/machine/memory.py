@@ -1,17 +1,18 @@
 """How much memory a device has, and how much a model or a training step needs: checked before
 anything is allocated, so that a size typed wrong is one clear line instead of an allocator
-crash (or a machine brought to its knees)."""
+crash (or a machine brought to its knees).
+
+This module sits below the model: it reads a config's sizes and is handed the parameter count
+(`glassgpt.model.parameter_count(config)`, or `count_parameters(model)` of a built one)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
 
 from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError
-from glassgpt.model import GPT, count_parameters
 
 
 def physical_memory() -> int | None:
@@ -35,36 +36,25 @@ def gib(count: int) -> str:
     return f"{count / 2**30:,.1f} GiB"
 
 
-def parameter_count(config: GPTConfig) -> int:
-    """Parameters of a GPT of `config`, counted without allocating it."""
-    try:
-        with torch.device("meta"):  # shapes only; one and two layers give the cost of a layer
-            one, two = (count_parameters(GPT(dataclasses.replace(config, n_layer=n)))
-                        for n in (1, 2))
-    except RuntimeError as error:  # sizes whose product overflows
-        raise ConfigError(f"n_embd={config.n_embd}, vocab_size={config.vocab_size}, block_size="
-                          f"{config.block_size} make tensors too large to exist "
-                          f"({error})") from None
-    return one + (config.n_layer - 1) * (two - one)
+# Host memory of one block's Python objects (its ~15 nn.Modules and ~17 hook points, their dicts
+# and the tensor objects), whatever its width: measured ~105 KB a block with torch 2.13
+# (tests/test_modern.py holds the estimate above the measurement). 100,000 layers are gigabytes
+# before any weight.
+HOST_BYTES_PER_LAYER = 128 * 1024
 
 
-# Host memory of one block's Python objects (its ~15 nn.Modules, their dicts and the tensor
-# objects), whatever its width: measured 30-40 KB a block with torch 2.13 (tests/test_modern.py
-# holds the estimate above the measurement). 100,000 layers are gigabytes before any weight.
-HOST_BYTES_PER_LAYER = 64 * 1024
-
-
-def model_memory(config: GPTConfig) -> dict[str, int]:
-    """Bytes a GPT of `config` holds once built, by part: float32 weights, the Python objects
-    of its modules, and the buffers that scale with the config (the positions' indices)."""
-    return {"weights": 4 * parameter_count(config),
+def model_memory(config: GPTConfig, parameters: int) -> dict[str, int]:
+    """Bytes a GPT of `config` with `parameters` holds once built, by part: float32 weights, the
+    Python objects of its modules, and the buffers that scale with the config (the positions'
+    indices)."""
+    return {"weights": 4 * parameters,
             "module objects": HOST_BYTES_PER_LAYER * config.n_layer,
             "buffers": 8 * config.block_size}
 
 
-def check_model_fits_memory(config: GPTConfig) -> None:
+def check_model_fits_memory(config: GPTConfig, parameters: int) -> None:
     """Refuse, before allocating, a model that alone exceeds this machine's memory."""
-    parts = model_memory(config)
+    parts = model_memory(config, parameters)
     needed, available = sum(parts.values()), physical_memory()
     if available is not None and needed > available:
         detail = ", ".join(f"{name} {gib(count)}" for name, count in parts.items())
@@ -85,7 +75,7 @@ def activation_floats_per_token(config: GPTConfig) -> int:
     and dropout mask of every head (3 H S). GPT-2's shape gives 20C a layer.
     """
     C, F = config.n_embd, config.hidden_width
-    qkv = C + 2 * config.kv_heads * config.head_dim
+    qkv = C + 2 * (config.n_kv_head or config.n_head) * config.head_dim
     per_layer = 4 * C + qkv + 2 * C + (4 if config.activation == "swiglu" else 2) * F + 3 * C
     per_layer += qkv * ((config.position == "rope") + config.qk_norm)
     if config.attn_impl == "explicit":
@@ -93,8 +83,8 @@ def activation_floats_per_token(config: GPTConfig) -> int:
     return config.n_layer * per_layer
 
 
-def training_memory(config: GPTConfig, batch_size: int,
-                    amp_dtype: torch.dtype | None) -> dict[str, int]:
+def training_memory(config: GPTConfig, batch_size: int, amp_dtype: torch.dtype | None,
+                    parameters: int) -> dict[str, int]:
     """Bytes one training step needs, by part: the model (`model_memory`), gradients and
     AdamW's two moments (12 more bytes a parameter), and the activations of one micro-batch,
     logits included.
@@ -102,21 +92,21 @@ def training_memory(config: GPTConfig, batch_size: int,
     A rough upper estimate: it exists to refuse a job that cannot fit before it is tried
     (`--batch-size 10000000`, `--n-layer 100000`), not to tune one.
     """
-    model = model_memory(config)
-    params = model["weights"] // 4
+    model = model_memory(config, parameters)
     tokens = batch_size * config.block_size
     activation_bytes = 2 if amp_dtype is not None else 4
     # float32 logits, log-softmax and gradient (and the capped copy with a soft-cap)
     logits = tokens * config.vocab_size * 4 * (3 if config.logit_softcap is None else 4)
-    return {**model, "gradients": 4 * params, "AdamW moments": 8 * params,
+    return {**model, "gradients": 4 * parameters, "AdamW moments": 8 * parameters,
             "activations": tokens * activation_floats_per_token(config) * activation_bytes
             + logits}
 
 
 def check_training_fits_memory(config: GPTConfig, batch_size: int,
-                               amp_dtype: torch.dtype | None, device: torch.device) -> None:
+                               amp_dtype: torch.dtype | None, device: torch.device,
+                               parameters: int) -> None:
     """Refuse, with the numbers, a training job whose step cannot fit in `device`'s memory."""
-    parts = training_memory(config, batch_size, amp_dtype)
+    parts = training_memory(config, batch_size, amp_dtype, parameters)
     needed, available = sum(parts.values()), device_memory(device)
     if available is not None and needed > available:
         detail = ", ".join(f"{name} {gib(count)}" for name, count in parts.items())

@@ -31,7 +31,7 @@ from glassgpt.machine.devices import resolve_device
 from glassgpt.machine.distributed import unwrap_model
 from glassgpt.machine.memory import gib, physical_memory
 from glassgpt.model import GPT
-from glassgpt.rundir.directory import commit_files, committed_paths
+from glassgpt.rundir.directory import RUN_CONFIG_KEYS, RUN_FORMAT, commit_files, committed_paths
 from glassgpt.rundir.trainstate import (
     STATE_KEYS,
     TrainState,
@@ -59,8 +59,7 @@ from glassgpt.storage.tensorfile import (
 )
 from glassgpt.tokenizers import Tokenizer, tokenizer_from_json
 
-RUN_FORMAT = "glassgpt-run/1"
-CONFIG_KEYS = ("format", "model", "train", "data_dir", "tokenizer", "extra")
+CONFIG_KEYS = RUN_CONFIG_KEYS
 # Config, state and tokenizer files are small (GPT-2's tokenizer.json is 1.4 MB); a bigger one
 # is refused before it is read, so a hostile file cannot exhaust memory.
 MAX_JSON_BYTES = files.MAX_JSON_BYTES

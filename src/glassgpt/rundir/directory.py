@@ -15,12 +15,29 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from glassgpt.errors import CheckpointError
 from glassgpt.storage import commit, files
-from glassgpt.storage.layout import DATA_MARKERS, RUN
+from glassgpt.storage.layout import (
+    CONFIG_FILE,
+    DATA_MARKERS,
+    RUN,
+    RUN_JOURNAL,
+    STATE_JSON_FILE,
+)
+
+RUN_FORMAT = "glassgpt-run/1"  # config.json's "format": the mark of a run glassgpt wrote
+RUN_FORMAT_PREFIX = "glassgpt-run/"
+RUN_CONFIG_KEYS = ("format", "model", "train", "data_dir", "tokenizer", "extra")
+
+
+def as_flag(name: str, value: Any = None) -> str:
+    """How messages name a setting by default: as `glassgpt train`'s flag."""
+    flag = "--" + name.replace("_", "-")
+    return flag if value is None else f"{flag} {value}"
 
 
 def committed_paths(run_dir: str | Path) -> dict[str, Path]:
@@ -71,39 +88,96 @@ def own_files_present(run_dir: Path) -> list[str]:
     return commit.own_files_present(run_dir, RUN)
 
 
-def check_out_dir(run_dir: Path, force: bool, init_from: Path | None = None) -> None:
+def check_out_dir(run_dir: Path, force: bool, init_from: Path | None = None,
+                  spell: Callable[..., str] = as_flag) -> None:
     """Refuse, before any work and changing nothing, a directory that cannot take a new run:
     a place no directory can be made, a data directory, a run in use, the run `init_from`
-    starts from, an existing run without `force`, a planted link without `force`, or a
-    directory under one of the run's own names."""
+    starts from, an existing run without `force`, a planted link without `force`, a directory
+    under one of the run's own names, or files under a run's names that glassgpt did not write
+    (a Hugging Face model's), even with `force`. `spell` names the settings in messages."""
     files.check_can_make_dir(run_dir, CheckpointError)
     if not run_dir.is_dir():
         return
     check_not_a_data_dir(run_dir)
     files.check_unlocked(run_dir, CheckpointError)
     if init_from is not None and init_from.is_dir() and run_dir.samefile(init_from):
-        raise CheckpointError(f"--init-from and --out both name {run_dir}; training would "
-                              f"replace the weights it starts from: give another --out")
+        raise CheckpointError(f"{spell('init_from')} and {spell('out')} both name {run_dir}; "
+                              f"training would replace the weights it starts from: give "
+                              f"another {spell('out')}")
     present = own_files_present(run_dir)
+    if present:
+        check_written_by_glassgpt(run_dir, present, spell)
     if present and not force:
         links = [name for name in present if files.entry_kind(run_dir / name) == "link"]
         if links:
             raise CheckpointError(f"{run_dir / links[0]} is a symbolic link; glassgpt never "
                                   f"follows links in a run directory: remove it, or replace "
-                                  f"the run with --force")
+                                  f"the run with {spell('force')}")
         raise CheckpointError(f"{run_dir} already holds a run ({', '.join(present[:3])}); "
-                              f"continue it with --resume or overwrite it with --force")
+                              f"continue it with {spell('resume')} or overwrite it with "
+                              f"{spell('force')}")
     check_replaceable(run_dir)
 
 
-def check_still_free(run_dir: Path, force: bool) -> None:
+def check_still_free(run_dir: Path, force: bool, spell: Callable[..., str] = as_flag) -> None:
     """Under the lock: check again (another process may have written meanwhile). Nothing is
     removed here: the new run's first commit replaces the old run's files."""
-    if own_files_present(run_dir) and not force:
-        raise CheckpointError(f"{run_dir} already holds a run; continue it with --resume or "
-                              f"overwrite it with --force")
+    present = own_files_present(run_dir)
+    if present:
+        check_written_by_glassgpt(run_dir, present, spell)
+    if present and not force:
+        raise CheckpointError(f"{run_dir} already holds a run; continue it with "
+                              f"{spell('resume')} or overwrite it with {spell('force')}")
     check_replaceable(run_dir)
     recover_interrupted_commit(run_dir)
+
+
+def is_glassgpt_run(run_dir: Path) -> bool:
+    """Whether glassgpt wrote this run, by its own marks, never by file names alone: a commit
+    journal or training state, or a config.json of glassgpt's layout (its `format`, or, in runs
+    of earlier versions without one, only glassgpt's keys around a `model` table)."""
+    if any(files.entry_kind(run_dir / name) == "file" for name in (RUN_JOURNAL, STATE_JSON_FILE)):
+        return True
+    config = _config_json(run_dir)
+    if config is None:
+        return False
+    run_format = config.get("format")
+    if isinstance(run_format, str):
+        return run_format.startswith(RUN_FORMAT_PREFIX)
+    return (isinstance(config.get("model"), dict) and "model_type" not in config["model"]
+            and set(config) <= set(RUN_CONFIG_KEYS))
+
+
+def _config_json(run_dir: Path) -> dict | None:
+    """config.json as a JSON object, or None when it is missing, a link or not JSON."""
+    path = run_dir / CONFIG_FILE
+    if files.entry_kind(path) != "file":
+        return None
+    try:
+        return files.read_json_object(path, CheckpointError, files.MAX_JSON_BYTES)
+    except CheckpointError:
+        return None
+
+
+def check_written_by_glassgpt(run_dir: Path, present: list[str],
+                              spell: Callable[..., str] = as_flag) -> None:
+    """Refuse a directory holding files under a run's names that are not a glassgpt run's:
+    `force` replaces only what glassgpt wrote."""
+    if is_glassgpt_run(run_dir):
+        return
+    config = _config_json(run_dir) or {}
+    links = [name for name in present if files.entry_kind(run_dir / name) == "link"]
+    if "model_type" in config or "architectures" in config:
+        what = (f"a Hugging Face model directory (its {CONFIG_FILE} names model_type "
+                f"{config.get('model_type')!r:.40})")
+    elif links:
+        what = (f"not a glassgpt run ({run_dir / links[0]} is a symbolic link, which glassgpt "
+                f"never follows, and no {CONFIG_FILE} of a run is there)")
+    else:
+        what = (f"not a glassgpt run (it holds {', '.join(present[:3])}, but no {CONFIG_FILE} "
+                f"or {STATE_JSON_FILE} that glassgpt wrote)")
+    raise CheckpointError(f"{run_dir} is {what}; glassgpt replaces only runs it wrote, even "
+                          f"with {spell('force')}: give {spell('out')} another directory")
 
 
 def continue_run(run_dir: Path, validated: dict[str, tuple[int, int, int] | None]) -> None:

@@ -281,13 +281,24 @@ def fsync_dir(directory: str | Path) -> None:
 
 # --- places to write ------------------------------------------------------------------------
 
+def check_path_given(path: str | Path, error: ErrorType, name: str = "") -> Path:
+    """`path` as a Path, unless it is empty: `Path("")` is the working directory, so an empty
+    string (a variable left unset) would write there; the CLI refuses `--out ''` the same way.
+    `name` says which argument it was (`out=''`)."""
+    if isinstance(path, str) and not path:
+        given = f"{name}='': " if name else ""
+        raise error(f"{given}an empty path names no file or directory; give one (\".\" for "
+                    f"the working directory)")
+    return Path(path)
+
+
 def check_can_make_dir(path: str | Path, error: ErrorType) -> Path:
     """Raise unless `path` is a directory glassgpt can write into, or one it can create.
 
-    Checked before any work starts, so a typo in `--out` costs nothing: a file, a path below a
-    file, a link, a read-only place, a name too long for the file system.
+    Checked before any work starts, so a typo in `--out` costs nothing: an empty path, a file,
+    a path below a file, a link, a read-only place, a name too long for the file system.
     """
-    path = Path(path)
+    path = check_path_given(path, error)
     _check_name_lengths(path, error)
     if path.is_symlink():
         raise error(f"{path} is a symbolic link; give the directory it points to")
@@ -307,7 +318,7 @@ def check_can_make_dir(path: str | Path, error: ErrorType) -> Path:
 
 def check_can_write_file(path: str | Path, error: ErrorType) -> Path:
     """Raise unless a file can be written at `path` (checked before a long run, not after)."""
-    path = Path(path)
+    path = check_path_given(path, error)
     _check_name_lengths(path, error)
     if path.is_dir():
         raise error(f"{path} is a directory; give a file name")

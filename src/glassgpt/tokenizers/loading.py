@@ -6,15 +6,20 @@ gets a one-line TokenizerError instead of exhausting memory or the stack.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from glassgpt.errors import TokenizerError
 from glassgpt.storage.files import parse_json, read_json_object, read_text
 from glassgpt.tokenizers.base import Tokenizer
 from glassgpt.tokenizers.bpe import MAX_BPE_VOCAB, BPETokenizer
 from glassgpt.tokenizers.char import CharTokenizer
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as HFTokenizer
 
 MAX_FILE_BYTES = 64 * 2**20  # GPT-2's tokenizer.json is 1.4 MB
 
@@ -34,12 +39,27 @@ def tokenizer_from_json(text: str, source: str = "tokenizer JSON") -> Tokenizer:
         except TokenizerError as error:
             raise TokenizerError(f"{source}: {error}") from None
     if isinstance(data.get("model"), dict):  # the Hugging Face tokenizer.json layout
-        if data["model"].get("type", "BPE") != "BPE":
-            raise TokenizerError(f"{source} holds a {data['model'].get('type')!r:.40} "
-                                 f"tokenizer; glassgpt takes byte-level BPE ones")
+        check_bpe_model(data, source)
         return BPETokenizer.from_json(text, source)
     raise TokenizerError(f"{source} is neither a glassgpt char tokenizer nor a Hugging Face "
                          f"tokenizer.json")
+
+
+def check_bpe_model(data: dict, source: str) -> None:
+    """A Hugging Face tokenizer.json (parsed) must hold a BPE model: every reader of one (a
+    run's tokenizer, `convert --from-hf`) refuses the others alike."""
+    kind = data["model"].get("type", "BPE") if isinstance(data.get("model"), dict) else None
+    if kind != "BPE":
+        raise TokenizerError(f"{source} holds a {kind!r:.40} tokenizer; glassgpt takes "
+                             f"byte-level BPE ones")
+
+
+def tokenizer_from_hf(tokenizer: HFTokenizer, source: str) -> BPETokenizer:
+    """A `tokenizers.Tokenizer` as a glassgpt tokenizer, after the checks a run's tokenizer.json
+    passes when it is read back (`check_bpe_model`, then text must round-trip), so that a
+    tokenizer accepted here is one `sample` accepts too."""
+    check_bpe_model(json.loads(tokenizer.to_str()), source)
+    return BPETokenizer(tokenizer).checked(source)
 
 
 def read_tokenizer_file(path: str | Path) -> Tokenizer:

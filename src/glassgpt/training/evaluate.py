@@ -75,6 +75,8 @@ def evaluate(model: GPT, ids: np.ndarray, tokenizer: Tokenizer, batch_size: int,
                                  model.config.vocab_size)
     windows = min((len(ids) - 1) // block_size, batch_size * max_batches)
     total, tokens, text_bytes = 0.0, 0, 0
+    if progress is not None:
+        progress(0, windows)  # the whole of the work, before its first batch
     for x, y in batches:
         with timed(tuner):
             _, loss = model(x, y, check_ids=False)  # mean over the (B, T) targets; ids checked

@@ -45,7 +45,7 @@ from glassgpt.model import count_parameters
 from glassgpt.rundir import checkpoint as ckpt
 from glassgpt.rundir import directory as rundir
 from glassgpt.storage import files
-from glassgpt.training import runs
+from glassgpt.training import arguments, runs
 from glassgpt.training.metrics import Reporter
 from glassgpt.training.trainer import Trainer, TrainResult
 
@@ -100,17 +100,25 @@ def train_run(out: str | Path | None = None, *, data: str | Path | None = None,
               resume: bool = False, force: bool = False, init_from: str | Path | None = None,
               checkpoint: str = "best", threads: int | str | None = AUTO,
               reporter: Reporter | None = None, stop: threading.Event | None = None,
-              on_start: Callable[[TrainStart], Any] | None = None) -> TrainOutcome:
+              on_start: Callable[[TrainStart], Any] | None = None,
+              wording: str = "api") -> TrainOutcome:
     """Start, resume or fine-tune a run into `out` (default: a new runs/<time>).
 
     `model` and `train` are settings by field name (GPTConfig, TrainConfig), over a `config`
     TOML file, over `preset` (default: the device's, cpu-small on a CPU). `data` is a prepared
     data directory (default: Tiny Shakespeare, prepared once into the cache). `threads` is a
     CPU thread count, "auto", or None (torch's own). `stop`, once set, saves and returns as
-    Ctrl-C does. Raises glassgpt.errors exceptions, having changed nothing, for bad input.
+    Ctrl-C does. Raises glassgpt.errors exceptions, having changed nothing, for bad input
+    (every argument is checked first); their messages name arguments as Python does
+    (`resume=True`), or as flags (`--resume`) with `wording="cli"`.
     """
+    spell = arguments.spelling(wording)
+    arguments.check_arguments(dict(out=out, data=data, preset=preset, config=config,
+                                   model=model, train=train, resume=resume, force=force,
+                                   init_from=init_from, checkpoint=checkpoint, threads=threads,
+                                   reporter=reporter, stop=stop, on_start=on_start))
     request = _Request(out, data, preset, config, dict(model or {}), dict(train or {}), force,
-                       init_from, checkpoint, threads, reporter, stop, on_start)
+                       init_from, checkpoint, threads, reporter, stop, on_start, spell)
     return _resume(request) if resume else _start(request)
 
 
@@ -129,16 +137,18 @@ class _Request:
     reporter: Reporter | None
     stop: threading.Event | None
     on_start: Callable[[TrainStart], Any] | None
+    spell: arguments.Spell = arguments.as_argument  # how messages name a setting
 
 
 # --- a new run, or a fine-tune ------------------------------------------------------------------
 
 def _start(request: _Request) -> TrainOutcome:
     if request.out is None and ddp.launched_by_torchrun():
-        raise ConfigError("under torchrun, name the run directory (--out)")
-    run_dir = Path(request.out) if request.out is not None else runs.fresh_run_dir()
+        raise ConfigError(f"under torchrun, name the run directory ({request.spell('out')})")
+    run_dir = runs.fresh_run_dir() if request.out is None else \
+        files.check_path_given(request.out, ConfigError, request.spell("out"))  # "": the cwd
     init_from = None if request.init_from is None else Path(request.init_from)
-    rundir.check_out_dir(run_dir, request.force, init_from)
+    rundir.check_out_dir(run_dir, request.force, init_from, request.spell)
     source = ckpt.Run(init_from) if init_from is not None else None
     preset = request.preset or runs.preset_for_device(request.train.get("device", AUTO))
     if source is None:
@@ -148,6 +158,7 @@ def _start(request: _Request) -> TrainOutcome:
     else:
         model_settings = runs.model_overrides(request.config, request.model)
         cfg = finetune_config(source, preset, request.config, request.train)
+    arguments.check_optimizer_settings(cfg, _user_train_settings(request), request.spell)
     warnings = recipe_warnings(cfg)
     device = resolve_device(cfg.device)
     extra = {"preset": None if source else preset,
@@ -167,11 +178,15 @@ def _start(request: _Request) -> TrainOutcome:
                            _describe_source(source, request.checkpoint), warnings)
         with _writer(run_dir, context):
             if context.is_main:
-                rundir.check_still_free(run_dir, request.force)
+                rundir.check_still_free(run_dir, request.force, request.spell)
                 _announce(request, start)
             ddp.barrier(context)
             result = trainer.run()
     return TrainOutcome(run_dir, start.action, result, start, warnings)
+
+
+def _user_train_settings(request: _Request) -> dict[str, Any]:
+    return arguments.user_train_settings(request.config, request.train, runs.read_config_file)
 
 
 def check_model_settings(settings: dict[str, Any]) -> None:
@@ -224,18 +239,21 @@ def recipe_warnings(cfg: TrainConfig) -> list[str]:
 
 def _resume(request: _Request) -> TrainOutcome:
     if request.out is None:
-        raise ConfigError("resuming needs the run directory to continue (--out)")
-    run_dir = Path(request.out)
+        raise ConfigError(f"resuming needs the run directory to continue "
+                          f"({request.spell('out')})")
+    run_dir = files.check_path_given(request.out, ConfigError, request.spell("out"))
     files.check_unlocked(run_dir, CheckpointError)  # a run in use: say so before reading it
     validated = rundir.fingerprint(run_dir)  # what is read next must be what is continued
     run = ckpt.Run(run_dir)
     cfg = resumed_config(run, request.preset, request.config, request.init_from,
-                         request.model, request.train)
+                         request.model, request.train, request.spell)
+    arguments.check_optimizer_settings(cfg, _user_train_settings(request), request.spell)
     files.check_can_make_dir(run_dir, CheckpointError)  # read-only: say so before the work
     rundir.check_recoverable(run_dir)
     data_dir = Path(request.data) if request.data is not None else run.data_dir
     if data_dir is None:
-        raise ConfigError(f"{run_dir} records no data directory; pass --data")
+        raise ConfigError(f"{run_dir} records no data directory; pass "
+                          f"{request.spell('data')}")
     device = resolve_device(cfg.device)
     with ddp.distributed(device.type) as context:
         data = PreparedData(data_dir)
@@ -261,12 +279,13 @@ def _resume(request: _Request) -> TrainOutcome:
 
 def resumed_config(run: ckpt.Run, preset: str | None, config_file: str | Path | None,
                    init_from: str | Path | None, model_flags: dict[str, Any],
-                   train_flags: dict[str, Any]) -> TrainConfig:
+                   train_flags: dict[str, Any],
+                   spell: arguments.Spell = arguments.as_flag) -> TrainConfig:
     """The recipe to continue `run` with: its own, with the settings the user repeated checked
     against it (each must equal the run's, except RESUME_MAY_CHANGE)."""
     if not run.has_train_state():
         run.train_state()  # raises the error that explains what to do
-    _check_same_start(run, preset, init_from)
+    _check_same_start(run, preset, init_from, spell)
     saved = run.train_settings
     try:
         TrainConfig.from_dict(saved)
@@ -277,22 +296,24 @@ def resumed_config(run: ckpt.Run, preset: str | None, config_file: str | Path | 
     from_file = runs.read_config_file(config_file) if config_file else {}
     model = {**tables.get("model", {}), **from_file.get("model", {}), **model_flags}
     train = {**tables.get("train", {}), **from_file.get("train", {}), **train_flags}
-    _check_repeated("model", model, run.model_config.to_dict(), run, skip=DATA_DECIDES)
+    _check_repeated("model", model, run.model_config.to_dict(), run, spell,
+                    skip=DATA_DECIDES)
     fixed = {k: v for k, v in train.items() if k not in RESUME_MAY_CHANGE}
-    _check_repeated("training", fixed, TrainConfig.from_dict(saved).to_dict(), run)
+    _check_repeated("training", fixed, TrainConfig.from_dict(saved).to_dict(), run, spell)
     return TrainConfig.from_dict({**saved, **train})
 
 
-def _check_same_start(run: ckpt.Run, preset: str | None, init_from: str | Path | None) -> None:
+def _check_same_start(run: ckpt.Run, preset: str | None, init_from: str | Path | None,
+                      spell: arguments.Spell) -> None:
     recorded = run.extra.get("preset")
     if preset is not None and preset != recorded:
         had = f"preset {recorded}" if recorded else "no preset recorded"
-        raise ConfigError(f"--preset {preset} differs from the run's ({had}); a resumed run "
-                          f"keeps its recipe: drop --preset, or start a new run with "
-                          f"--init-from {run.dir}")
+        raise ConfigError(f"{spell('preset', preset)} differs from the run's ({had}); a "
+                          f"resumed run keeps its recipe: drop {spell('preset')}, or start a "
+                          f"new run with {spell('init_from', str(run.dir))}")
     recorded_source = run.extra.get("init_from")
     if init_from is not None and not _same_path(init_from, recorded_source):
-        raise ConfigError(f"--init-from {init_from} differs from the run's "
+        raise ConfigError(f"{spell('init_from', str(init_from))} differs from the run's "
                           f"({recorded_source or 'it was not fine-tuned'}); a resumed run "
                           f"continues its own weights")
 
@@ -306,15 +327,15 @@ def _same_path(given: str | Path, recorded: str | None) -> bool:
 
 
 def _check_repeated(what: str, asked: dict[str, Any], has: dict[str, Any], run: ckpt.Run,
-                    skip: tuple[str, ...] = ()) -> None:
+                    spell: arguments.Spell, skip: tuple[str, ...] = ()) -> None:
     changed = {k: v for k, v in asked.items() if k not in skip and has.get(k, v) != v}
     if not changed:
         return
     described = ", ".join(f"{k}={v} (the run has {has.get(k)})"
                           for k, v in sorted(changed.items()))
-    hint = (f"start a new run with --init-from {run.dir}" if what == "model" else
-            f"only {', '.join(RESUME_MAY_CHANGE[:3])} and how it reports may change; start a "
-            f"new run with --init-from {run.dir} for another recipe")
+    fresh = f"start a new run with {spell('init_from', str(run.dir))}"
+    hint = (fresh if what == "model" else f"only {', '.join(RESUME_MAY_CHANGE[:3])} and how "
+            f"it reports may change; {fresh} for another recipe")
     raise ConfigError(f"cannot change {what} settings of a run when resuming: {described}; "
                       f"{hint}")
 
@@ -372,7 +393,9 @@ def summary_line(result: TrainResult, run_dir: Path) -> str:
     span = (f"{result.iterations_run} iterations" if start == 0 else
             f"{result.iterations_run} iterations ({start} -> {result.iteration})")
     stopped = " (early stop: no better val loss lately)" if result.early_stopped else ""
-    if result.target_reached:
+    if result.target_reached and result.target_iteration == 0:
+        stopped = " (target val loss already met at iteration 0, before any step)"
+    elif result.target_reached:
         stopped = (f" (target val loss reached at iteration {result.target_iteration}, "
                    f"{result.target_seconds:.1f} s in)")
     best = (f"; best val loss {result.best_val_loss:.4f} at iteration {result.best_iteration}"

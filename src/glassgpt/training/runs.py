@@ -27,7 +27,7 @@ from glassgpt.errors import CheckpointError, ConfigError, DataError
 from glassgpt.machine import distributed as ddp
 from glassgpt.machine.devices import AUTO, autocast_dtype, resolve_device
 from glassgpt.machine.memory import check_model_fits_memory, check_training_fits_memory
-from glassgpt.model import GPT
+from glassgpt.model import GPT, parameter_count
 from glassgpt.rundir import checkpoint as ckpt
 from glassgpt.storage import files
 from glassgpt.storage.layout import CONFIG_FILE, TOKENIZER_FILE
@@ -106,11 +106,12 @@ def build_model(model_settings: dict[str, Any], vocab_size: int, seed: int,
     `training`, a job whose training step cannot fit the device is refused before the model
     is built (building a huge one alone takes minutes)."""
     config = GPTConfig.from_dict({**model_settings, "vocab_size": vocab_size})
-    check_model_fits_memory(config)
+    parameters = parameter_count(config)
+    check_model_fits_memory(config, parameters)
     if training is not None:
         device = resolve_device(training.device, local_rank)
         check_training_fits_memory(config, training.batch_size,
-                                   autocast_dtype(training.dtype, device), device)
+                                   autocast_dtype(training.dtype, device), device, parameters)
     torch.manual_seed(seed)  # the same initial weights on every rank
     return GPT(config)
 

@@ -5,25 +5,22 @@ device has it (glassgpt.machine.devices), optional `torch.compile`, DDP under to
 evaluation at the start and every `eval_interval` steps, checkpoints that resume on exactly the
 same numbers, the best weights kept beside the last, and an optional early stop.
 
-`train_step` is the piece a benchmark needs; `Trainer` runs a whole job into a run directory
-(see glassgpt.rundir.checkpoint). Setting a run up (settings, data, the model) is
-glassgpt.training.runs.
+`Trainer` runs a whole job into a run directory (see glassgpt.rundir.checkpoint) from the pieces
+in glassgpt.training.steps (`train_step`, the piece a benchmark needs, is found here too).
+Setting a run up (settings, data, the model) is glassgpt.training.runs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from glassgpt.config import TrainConfig
 from glassgpt.data import BatchSampler, PreparedData
@@ -31,7 +28,6 @@ from glassgpt.errors import CheckpointError, GlassGPTError
 from glassgpt.machine import distributed as ddp
 from glassgpt.machine.devices import (
     AUTO,
-    autocast,
     autocast_dtype,
     cpu_threads,
     resolve_device,
@@ -39,7 +35,7 @@ from glassgpt.machine.devices import (
     tuner_for,
 )
 from glassgpt.machine.memory import check_training_fits_memory
-from glassgpt.model import GPT, eval_mode
+from glassgpt.model import GPT, count_parameters
 from glassgpt.rundir import checkpoint as ckpt
 from glassgpt.rundir.trainstate import TrainState, capture_rng_state, restore_rng_state
 from glassgpt.storage.layout import MODEL_FILE, STATE_TENSORS_FILE
@@ -57,88 +53,17 @@ from glassgpt.training.optim import (
     optimizer_state_shapes,
     set_lr,
 )
+from glassgpt.training.steps import estimate_loss, stop_on_sigint, train_step
 
 EVAL_SEED_OFFSET = 1_000_003  # eval batches come from their own stream, apart from training's
 
 
 class NonFiniteLossError(GlassGPTError):
-    """The loss became NaN or infinite; the last good checkpoint is kept."""
+    """The loss became NaN or infinite; the last good checkpoint, if any, is kept."""
 
 
-Batch = tuple[Tensor, Tensor]
-
-
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-               next_batch: Callable[[], Batch], cfg: TrainConfig,
-               scaler: torch.amp.GradScaler | None = None,
-               amp_dtype: torch.dtype | None = None) -> Tensor:
-    """One optimizer step over `cfg.grad_accum` micro-batches; returns their mean loss.
-
-    The loss stays on the device (no host sync): read it with `.item()` only when logging.
-    Batches come with ids already checked (`BatchSampler`), so the model does not read them
-    back (a sync per micro-batch on a GPU, and a break in a compiled graph).
-    """
-    total = None
-    for micro in range(cfg.grad_accum):
-        x, y = next_batch()  # (B, T), (B, T)
-        # With DDP, all-reduce the gradients only once, after the last micro-batch.
-        with ddp.sync_gradients(model, sync=micro == cfg.grad_accum - 1):
-            with autocast(x.device, amp_dtype):
-                _, loss = model(x, y, check_ids=False)
-            # Each micro-batch loss is a mean over B*T tokens; dividing by the number of
-            # micro-batches makes the summed gradients those of the mean over all of them.
-            loss = loss / cfg.grad_accum
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-        total = loss.detach() if total is None else total + loss.detach()
-    if cfg.grad_clip > 0:
-        if scaler is not None:
-            scaler.unscale_(optimizer)
-        nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    if scaler is not None:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return total
-
-
-@torch.no_grad()
-def estimate_loss(model: nn.Module, samplers: dict[str, BatchSampler], eval_iters: int,
-                  amp_dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-    """Mean loss over `eval_iters` batches of each split, in eval mode (no dropout).
-
-    Returns device tensors so that ranks can average them; the model's mode is restored.
-    """
-    losses = {}
-    with eval_mode(model):
-        for split, sampler in samplers.items():
-            total = torch.zeros((), device=sampler.device)
-            for _ in range(eval_iters):
-                x, y = sampler.next_batch()
-                with autocast(x.device, amp_dtype):
-                    _, loss = model(x, y, check_ids=False)
-                total += loss.float()
-            losses[split] = total / eval_iters
-    return losses
-
-
-@contextlib.contextmanager
-def stop_on_sigint(requested: threading.Event | None = None) -> Iterator[threading.Event]:
-    """An event set by Ctrl-C or SIGTERM (a scheduler's stop), instead of the signal cutting a
-    step or a checkpoint write in half: the trainer saves and returns at the next step. A
-    caller may pass its own event, to stop the same way for another reason (a closed stdout)."""
-    requested = requested if requested is not None else threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield requested
-        return
-    stop_signals = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, lambda *_: requested.set()) for sig in stop_signals}
-    try:
-        yield requested
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+class _EvaluationStoppedError(Exception):
+    """A stop (Ctrl-C, SIGTERM, the caller's event) came in the middle of an evaluation."""
 
 
 # --- the trainer ---------------------------------------------------------------------------
@@ -162,6 +87,7 @@ class TrainResult:
     # The CPU threads the last steps ran with (None on a GPU), and whether timing chose them.
     threads: int | None = None
     threads_by_timing: bool = False
+    saved: bool = True  # False only when a stop came before the run's first checkpoint
 
 
 class Trainer:
@@ -198,7 +124,8 @@ class Trainer:
         self.threads = None if threads is None else tuner_for(threads, self.device)
         self.amp_dtype = autocast_dtype(cfg.dtype, self.device)
         data.check_block_size(model.config.block_size)
-        check_training_fits_memory(model.config, cfg.batch_size, self.amp_dtype, self.device)
+        check_training_fits_memory(model.config, cfg.batch_size, self.amp_dtype, self.device,
+                                   count_parameters(model))
         self.model = model.to(self.device)  # the plain model: saved, evaluated
         self.optimizer = make_optimizer(self.model, cfg)
         use_scaler = self.amp_dtype == torch.float16
@@ -212,6 +139,8 @@ class Trainer:
         self.state = TrainState()
         self.resumed = False
         self.target: tuple[int, float] | None = None  # (iteration, seconds) of target_loss
+        self.stop_requested: threading.Event | None = None  # while `run` runs
+        self.losses: dict[str, float] = {}  # of the last evaluation
         self.tokens_per_step = (cfg.batch_size * model.config.block_size * cfg.grad_accum
                                 * self.context.world_size)
 
@@ -264,46 +193,53 @@ class Trainer:
             truncate_metrics(self.run_dir, self.state.iteration)
 
     def run(self) -> TrainResult:
-        cfg, start = self.cfg, time.perf_counter()
-        first_iteration = self.state.iteration
+        start, first_iteration = time.perf_counter(), self.state.iteration
         if self.context.is_main:
             self._prepare_run_dir()
-        losses: dict[str, float] = {}
-        self.reporter.start(cfg.max_iters, self.state.iteration)
-        first_bad = torch.full((), -1, device=self.device)  # first step with a non-finite loss
+        self.reporter.start(self.cfg.max_iters, self.state.iteration)
         try:
             with stop_on_sigint(self.stop) as stop_requested:
-                if not self.resumed:  # where training starts from, as nanoGPT does;
-                    losses = self._evaluate_and_save(0)  # saved: the run exists from here on
-                last_log, logged_at = time.perf_counter(), self.state.iteration
-                while self.state.iteration < cfg.max_iters:
-                    it = self.state.iteration
-                    lr = lr_at(it, cfg)
-                    set_lr(self.optimizer, lr)
-                    loss = self._step()
-                    first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss),
-                                            it + 1, first_bad)
-                    self.state.iteration = it = it + 1
-                    done = it == cfg.max_iters
-                    if it % cfg.log_interval == 0 or done:
-                        self._check_finite(first_bad)
-                        elapsed = time.perf_counter() - last_log
-                        self._log(it, loss, lr, (it - logged_at) * self.tokens_per_step / elapsed)
-                        last_log, logged_at = time.perf_counter(), it
-                    if it % cfg.eval_interval == 0 or done:
-                        self._check_finite(first_bad)
-                        losses = self._evaluate_and_save(it)
-                        if self._reached_target(losses, it, start):
-                            return self._result(losses, start, first_iteration)
-                        if not done and self._no_longer_improving(it):
-                            return self._result(losses, start, first_iteration, stopped=True)
-                    if self._should_stop(stop_requested.is_set(), it, done):
-                        self._check_finite(first_bad)
-                        self._save(best=False)
-                        return self._result(losses, start, first_iteration, interrupted=True)
+                self.stop_requested = stop_requested
+                try:
+                    return self._train(start, first_iteration)
+                except _EvaluationStoppedError:  # still under the handler: a save stays whole
+                    return self._stopped_during_evaluation(start, first_iteration)
         finally:
             self.reporter.stop()
-        return self._result(losses, start, first_iteration)
+
+    def _train(self, start: float, first_iteration: int) -> TrainResult:
+        cfg, stop_requested = self.cfg, self.stop_requested
+        first_bad = torch.full((), -1, device=self.device)  # first step with a non-finite loss
+        if not self.resumed:  # where training starts from, as nanoGPT does;
+            self._evaluate_and_save(0)  # saved: the run exists from here on
+            if self._reached_target(0, start):  # met before any step
+                return self._result(start, first_iteration)
+        last_log, logged_at = time.perf_counter(), self.state.iteration
+        while self.state.iteration < cfg.max_iters:
+            it = self.state.iteration
+            lr = lr_at(it, cfg)
+            set_lr(self.optimizer, lr)
+            loss = self._step()
+            first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss), it + 1, first_bad)
+            self.state.iteration = it = it + 1
+            done = it == cfg.max_iters
+            if it % cfg.log_interval == 0 or done:
+                self._check_finite(first_bad)
+                elapsed = time.perf_counter() - last_log
+                self._log(it, loss, lr, (it - logged_at) * self.tokens_per_step / elapsed)
+                last_log, logged_at = time.perf_counter(), it
+            if it % cfg.eval_interval == 0 or done:
+                self._check_finite(first_bad)
+                self._evaluate_and_save(it)
+                if self._reached_target(it, start):
+                    return self._result(start, first_iteration)
+                if not done and self._no_longer_improving(it):
+                    return self._result(start, first_iteration, stopped=True)
+            if self._should_stop(stop_requested.is_set(), it, done):
+                self._check_finite(first_bad)
+                self._save(best=False)
+                return self._result(start, first_iteration, interrupted=True)
+        return self._result(start, first_iteration)
 
     def _step(self) -> Tensor:
         """One optimizer step, timed for the thread tuner on a CPU (where a step's host time is
@@ -312,11 +248,11 @@ class Trainer:
             return train_step(self.train_model, self.optimizer, self.sampler.next_batch,
                               self.cfg, self.scaler, self.amp_dtype)
 
-    def _reached_target(self, losses: dict[str, float], it: int, start: float) -> bool:
+    def _reached_target(self, it: int, start: float) -> bool:
         """With `target_loss`, whether this evaluation's val loss is at or below it (every rank
         sees the same averaged losses, so all stop together); remembers where and when."""
         target = self.cfg.target_loss
-        if target is None or losses["val"] > target:
+        if target is None or self.losses["val"] > target:
             return False
         self.target = (it, time.perf_counter() - start)
         return True
@@ -339,12 +275,35 @@ class Trainer:
         flag = torch.tensor(int(requested), device=self.device)
         return bool(ddp.max_over_ranks(flag, self.context).item())
 
+    def _stopped_during_evaluation(self, start: float, first_iteration: int) -> TrainResult:
+        """A stop cut an evaluation short: the weights of this iteration are saved, as at any
+        other stop, except before a new run's first commit (its evaluation at step 0), which
+        saves nothing: a run replaced with `force` stays whole."""
+        saved = self.unsaved_metrics is None
+        if saved:
+            self._save(best=False)
+        return self._result(start, first_iteration, interrupted=True, saved=saved)
+
+    def _evaluation_stopped(self) -> bool:
+        """Whether a stop was asked for, after each evaluation batch (ranks agree on it)."""
+        requested = self.stop_requested is not None and self.stop_requested.is_set()
+        if not self.context.enabled:
+            return requested
+        flag = torch.tensor(int(requested), device=self.device)
+        return bool(ddp.max_over_ranks(flag, self.context).item())
+
     def _check_finite(self, first_bad: Tensor) -> None:
         bad = int(ddp.max_over_ranks(first_bad, self.context).item())
         if bad >= 0:
             raise NonFiniteLossError(f"the loss became NaN or infinite at iteration {bad}; "
-                                     f"stopped without saving, the last good checkpoint in "
-                                     f"{self.run_dir} is kept (try a lower --lr)")
+                                     f"stopped without saving, {self._kept()} (try a lower "
+                                     f"learning rate)")
+
+    def _kept(self) -> str:
+        """What a failed run leaves: its last checkpoint, or nothing before the first."""
+        if self.unsaved_metrics is not None:
+            return f"nothing was written (the run had no checkpoint yet in {self.run_dir})"
+        return f"the last good checkpoint in {self.run_dir} is kept"
 
     def _log(self, it: int, loss: Tensor, lr: float, tokens_per_s: float) -> None:
         loss_value = ddp.mean_over_ranks(loss, self.context).item()
@@ -357,28 +316,34 @@ class Trainer:
         """Train and val loss (averaged over ranks), logged in metrics.jsonl and loss.png."""
         seed = self.cfg.seed + EVAL_SEED_OFFSET + self.context.rank
         samplers = {split: self._sampler(split, seed) for split in ("train", "val")}
-        losses = estimate_loss(self.eval_model, samplers, self.cfg.eval_iters, self.amp_dtype)
+        losses = estimate_loss(self.eval_model, samplers, self.cfg.eval_iters, self.amp_dtype,
+                               self._evaluation_stopped)
+        if losses is None:
+            raise _EvaluationStoppedError
         values = {split: ddp.mean_over_ranks(v, self.context).item() for split, v in
                   losses.items()}
-        if not all(math.isfinite(v) for v in values.values()):  # the last step broke the weights
+        if not all(math.isfinite(v) for v in values.values()):
+            # At step 0 no step has run: the model's own settings give the NaN, not the lr.
+            cause = ("the freshly initialised model's settings cannot work (rope_theta, "
+                     "norm_eps, ...?)" if it == 0 and not self.resumed else
+                     "try a lower learning rate")
             raise NonFiniteLossError(f"the evaluation at iteration {it} gave a NaN or infinite "
-                                     f"loss ({values}); stopped without saving, the last good "
-                                     f"checkpoint in {self.run_dir} is kept (try a lower --lr)")
+                                     f"loss ({values}); stopped without saving, "
+                                     f"{self._kept()} ({cause})")
         record = {"iter": it, "train_loss": values["train"], "val_loss": values["val"]}
         if self.context.is_main:
             self._append_metrics(record)
         self.reporter.eval(record)
         return values
 
-    def _evaluate_and_save(self, it: int) -> dict[str, float]:
-        values = self._evaluate(it)
+    def _evaluate_and_save(self, it: int) -> None:
+        self.losses = values = self._evaluate(it)
         improved = values["val"] < self.state.best_val_loss
         if improved:
             self.state.best_val_loss, self.state.best_iteration = values["val"], it
         self._save(best=improved)
         if self.context.is_main:
             plot_losses(self.run_dir)  # after the commit: the picture of a run that exists
-        return values
 
     def _append_metrics(self, record: dict) -> None:
         if self.unsaved_metrics is not None:
@@ -403,16 +368,16 @@ class Trainer:
             self.unsaved_metrics = None
         ddp.barrier(self.context)
 
-    def _result(self, losses: dict[str, float], start: float, first_iteration: int,
-                interrupted: bool = False, stopped: bool = False) -> TrainResult:
-        best = self.state.best_val_loss
+    def _result(self, start: float, first_iteration: int, interrupted: bool = False,
+                stopped: bool = False, saved: bool = True) -> TrainResult:
+        best, losses = self.state.best_val_loss, self.losses
         target_iteration, target_seconds = self.target or (None, None)
         return TrainResult(self.state.iteration, losses.get("train"), losses.get("val"),
                            best if math.isfinite(best) else None, self.state.best_iteration,
                            interrupted, stopped, self.state.iteration - first_iteration,
                            time.perf_counter() - start, self.target is not None,
                            target_iteration, target_seconds, self._threads_used(),
-                           self.threads is not None and self.threads.probes > 0)
+                           self.threads is not None and self.threads.probes > 0, saved)
 
     def describe_threads(self) -> str:
         """For a start line: the CPU's fixed count, or how auto will choose ("" on a GPU)."""

@@ -3,6 +3,7 @@
     inspector.py  `RunView`: tokens, attention (weights, scores, every layer and head), one
                   head step by step, top-k and the logit lens, ablation, sampling, the model
                   card, as JSON-ready values (torch only, no web code)
+    checks.py     the checks of what the lens is given: integer indices, a trace of this model
     pieces.py     a token's text as the page shows it (`<0xE2>` for a byte of a character)
     requests.py   the API's request bodies: JSON objects, each field's type checked
     server.py     the Starlette app and the uvicorn server, `load_for_view`

@@ -31,22 +31,28 @@ from torch import Tensor
 from glassgpt.config import SamplingConfig
 from glassgpt.data import PreparedData, default_data_dir
 from glassgpt.decoding.generate import encode_prompt, stream_text
+from glassgpt.decoding.sampling import (
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_K,
+    DEFAULT_TOP_P,
+    check_filter,
+    sampling_distribution,
+)
 from glassgpt.errors import CheckpointError, GlassGPTError, InputError
 from glassgpt.model import GPT, count_parameters
 from glassgpt.rundir.checkpoint import read_run_config
-from glassgpt.tokenizers import Tokenizer
+from glassgpt.tokenizers import Tokenizer, same_tokenizer
 from glassgpt.training.metrics import read_metrics
+from glassgpt.view.checks import integer
 from glassgpt.view.lens import (
     Ablation,
     TopK,
     attention_scores,
     head_steps,
-    kv_heads_of,
     lens_top_k,
     parameter_counts,
     prompt_loss,
     read_out,
-    sampling_distribution,
     trace,
 )
 from glassgpt.view.pieces import piece_text
@@ -151,18 +157,13 @@ def pooled(maps: Tensor, cells: int) -> Tensor:
 
 def ablation_from(heads: list, attention: list, mlp: list) -> Ablation:
     """The page's switches as an `Ablation`: heads [[layer, head], ...], layers [l, ...]."""
-    def integer(value: Any, what: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise InputError(f"{what} must be an integer, got {value!r:.40}")
-        return value
-
     pairs = []
     for pair in heads:
         if not isinstance(pair, list) or len(pair) != 2:
             raise InputError(f"each of heads must be [layer, head], got {pair!r:.40}")
-        pairs.append((integer(pair[0], "a layer"), integer(pair[1], "a head")))
-    return Ablation(heads=pairs, attention=[integer(v, "a layer") for v in attention],
-                    mlp=[integer(v, "a layer") for v in mlp])
+        pairs.append((integer("a layer", pair[0]), integer("a head", pair[1])))
+    return Ablation(heads=pairs, attention=[integer("a layer", v) for v in attention],
+                    mlp=[integer("a layer", v) for v in mlp])
 
 
 def top_k_probabilities_of(probs: Tensor, k: int) -> TopK:
@@ -233,6 +234,11 @@ class RunView:
         try:
             data_dir = read_run_config(self.run_dir).get("data_dir")
             data = PreparedData(data_dir if data_dir else default_data_dir())
+            # A run with no data directory of its own (an imported model, say) was not trained
+            # on the default data either unless it has that data's tokenizer: ids of another
+            # tokenizer decode to garbage.
+            if not same_tokenizer(data.tokenizer, self.tokenizer):
+                return None
             ids = [int(i) for i in data.splits["val"][:4 * EXAMPLE_TOKENS]]
         except (GlassGPTError, OSError, KeyError, TypeError, ValueError):
             return None
@@ -307,7 +313,7 @@ class RunView:
 
     def _kv_head(self, layer: int, head: int) -> int:
         attn = self.model.blocks[layer].attn
-        return head // (attn.n_heads // kv_heads_of(attn))
+        return attn.kv_head_of(head)
 
     def overview(self, prompt: str) -> dict[str, Any]:
         """Every head of every layer at once, as thumbnails: weights[layer][head] is a map of
@@ -365,7 +371,7 @@ class RunView:
         ]
         sources = steps.sources
         return {"layer": layer, "head": head, "position": position, "kv_head": steps.kv_head,
-                "kv_heads": kv_heads_of(self.model.blocks[layer].attn), "head_dim": d,
+                "kv_heads": self.model.blocks[layer].attn.n_kv_head, "head_dim": d,
                 "steps": [self._step(name, title, values, sources[name])
                           for name, title, values in table]}
 
@@ -379,15 +385,17 @@ class RunView:
 
     # --- predictions and the logit lens ------------------------------------------------------
 
-    def predictions(self, prompt: str, k: int = 5, temperature: float = 1.0,
-                    top_k: int | None = None, top_p: float | None = None) -> dict[str, Any]:
+    def predictions(self, prompt: str, k: int = 5, temperature: float = DEFAULT_TEMPERATURE,
+                    top_k: int | None = DEFAULT_TOP_K, top_p: float | None = DEFAULT_TOP_P
+                    ) -> dict[str, Any]:
         """The top-k next tokens at every position, read out after the embeddings and after
         each layer (the logit lens). The last row is the model's own prediction; `sampling`
         is what `glassgpt sample` draws from at that temperature, top-k and top-p."""
         self._check_k(k)
+        check_filter(temperature, top_k, top_p)
         encoded = self.encode(prompt)
         inside = self.inside(encoded)
-        if temperature == 1 and top_k is None and top_p is None:  # the model's own: kept
+        if (temperature, top_k, top_p) == (1, None, None):  # the model's own: kept
             drawn = TopK(inside.lens.probs[-1, :, :k], inside.lens.ids[-1, :, :k])
         else:
             logits = read_out(self.model, inside.residuals[-1][0])  # (T, V)
@@ -430,7 +438,7 @@ class RunView:
 
     @staticmethod
     def _check_k(k: int) -> None:
-        if not 1 <= k <= MAX_TOP_K:
+        if not 1 <= integer("k", k) <= MAX_TOP_K:
             raise InputError(f"k must be between 1 and {MAX_TOP_K}, got {k}")
 
     # --- sampling --------------------------------------------------------------------------

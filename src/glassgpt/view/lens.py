@@ -1,9 +1,9 @@
 """Looking inside a GPT for one input: attention maps, next-token top-k and the logit lens.
 
 The logit lens (nostalgebraist, 2020) reads the residual stream after every layer with the
-model's own read-out, the final LayerNorm and the tied LM head, as if the stack ended there.
-Where the top tokens of those early read-outs start to agree with the model's final answer is
-where the layers have formed it.
+model's own read-out, the final norm (LayerNorm or RMSNorm) and the LM head, as if the stack
+ended there. Where the top tokens of those early read-outs start to agree with the model's final
+answer is where the layers have formed it.
 
 Two more ways in: `head_steps` walks one query token through one attention head with the
 model's own tensors (its residual input, the norm, q, the keys it sees, the scaled scores, the
@@ -19,29 +19,29 @@ d = head width, k = how many top tokens.
 
 from __future__ import annotations
 
-import inspect
+import linecache
 import math
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from glassgpt import attention as attention_module
-from glassgpt import block as block_module
 from glassgpt.attention import (
-    MultiHeadSelfAttention,
     build_attention_mask,
     masked_softmax,
     repeat_kv,
 )
 from glassgpt.block import TransformerBlock
-from glassgpt.decoding.generate import GREEDY_BELOW, keep_top_k, keep_top_p
 from glassgpt.errors import InputError
+from glassgpt.interp.hooked import attached, zero_heads
 from glassgpt.model import GPT, count_parameters, eval_mode
+from glassgpt.view import checks
 
 PARAMETER_PARTS = ("embeddings", "attention", "ffn", "norm", "lm_head")
 
@@ -81,9 +81,11 @@ class Ablation:
 
     def __post_init__(self) -> None:
         # Any iterables in, sets kept: the same switches given in any order are one ablation.
-        object.__setattr__(self, "heads", frozenset((int(l), int(h)) for l, h in self.heads))
-        object.__setattr__(self, "attention", frozenset(int(l) for l in self.attention))
-        object.__setattr__(self, "mlp", frozenset(int(l) for l in self.mlp))
+        # Integers only: int() would take layer 1.7 or True for layer 1 without a word.
+        object.__setattr__(self, "heads", frozenset(_layer_and_head(pair) for pair in self.heads))
+        for part in ("attention", "mlp"):
+            layers = frozenset(checks.integer(f"a layer of {part}", l) for l in getattr(self, part))
+            object.__setattr__(self, part, layers)
 
     def __bool__(self) -> bool:
         return bool(self.heads or self.attention or self.mlp)
@@ -99,15 +101,19 @@ class Ablation:
                 raise InputError(f"head {head} of layer {layer} does not exist: the model has "
                                  f"heads 0..{H - 1}")
 
-    def head_mask(self, n_layer: int, n_head: int) -> Tensor | None:
-        """(L, H) of 1.0 (kept) and 0.0 (off), what `GPT.layers` multiplies each head's output
-        by before W_O; None when no head is off."""
-        if not self.heads:
-            return None
-        mask = torch.ones(n_layer, n_head)
-        for layer, head in self.heads:
-            mask[layer, head] = 0.0
-        return mask
+    def head_hooks(self) -> list[tuple[str, Callable]]:
+        """One `hook_z` hook per layer with heads off: each head's output is 0 before W_O."""
+        by_layer: dict[int, list[int]] = {}
+        for layer, head in sorted(self.heads):
+            by_layer.setdefault(layer, []).append(head)
+        return [(f"blocks.{layer}.attn.hook_z", zero_heads(*heads))
+                for layer, heads in by_layer.items()]
+
+
+def _layer_and_head(pair: Any) -> tuple[int, int]:
+    if isinstance(pair, str | bytes) or not hasattr(pair, "__len__") or len(pair) != 2:
+        raise InputError(f"each of heads must be a (layer, head) pair, got {pair!r:.40}")
+    return checks.integer("a layer of heads", pair[0]), checks.integer("a head", pair[1])
 
 
 def _zero_output(module: nn.Module, args: tuple, output: Tensor | tuple) -> Tensor | tuple:
@@ -119,9 +125,9 @@ def _zero_output(module: nn.Module, args: tuple, output: Tensor | tuple) -> Tens
 
 @contextmanager
 def layers_switched_off(model: GPT, ablation: Ablation | None) -> Iterator[GPT]:
-    """`model` with the whole attention or MLP of the layers `ablation` names returning zeros
-    inside the `with` block (forward hooks), intact again after it, even on an error. The
-    weights are never changed. Heads are switched off by `GPT.layers`'s own `head_mask`."""
+    """`model` with the heads, the whole attention or the MLP of the layers `ablation` names
+    returning zeros inside the `with` block (forward hooks), intact again after it, even on an
+    error. The weights are never changed."""
     handles = []
     try:
         for layer, block in enumerate(model.blocks):
@@ -129,7 +135,8 @@ def layers_switched_off(model: GPT, ablation: Ablation | None) -> Iterator[GPT]:
                 handles.append(block.attn.register_forward_hook(_zero_output))
             if ablation and layer in ablation.mlp:
                 handles.append(block.ffn.register_forward_hook(_zero_output))
-        yield model
+        with attached(model, ablation.head_hooks() if ablation else []):
+            yield model
     finally:
         for handle in handles:
             handle.remove()
@@ -139,15 +146,11 @@ def layers_switched_off(model: GPT, ablation: Ablation | None) -> Iterator[GPT]:
 def trace(model: GPT, idx: Tensor, ablation: Ablation | None = None) -> Trace:
     """Run `model` on idx (B, T) in eval mode (no dropout), keeping what each layer made;
     with `ablation`, with those parts switched off."""
-    head_mask = None
     if ablation:
         ablation.check(model)
-        head_mask = ablation.head_mask(model.config.n_layer, model.config.n_head)
-        if head_mask is not None:
-            head_mask = head_mask.to(model.lm_head.weight)
     residuals, maps = [], []
     with eval_mode(model), layers_switched_off(model, ablation):
-        layers = model.layers(idx, return_attn=True, head_mask=head_mask)
+        layers = model.layers(idx, return_attn=True)
         for depth, x, weights in layers:  # (B, T, C), (B, H, T, T)
             residuals.append(x)  # depth 0: the embeddings, then after each block
             if depth > 0:
@@ -162,8 +165,12 @@ def attention_maps(model: GPT, idx: Tensor) -> Tensor:
 
 @torch.no_grad()
 def read_out(model: GPT, x: Tensor) -> Tensor:
-    """Residual stream x (..., C) -> logits (..., V) through the model's final LayerNorm and
+    """Residual stream x (..., C) -> logits (..., V) through the model's final norm and
     LM head: what the model would predict if its stack ended at x."""
+    if not isinstance(x, Tensor) or x.dim() == 0 or x.shape[-1] != model.config.n_embd:
+        shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise InputError(f"read_out takes a residual stream (..., C) with C = "
+                         f"{model.config.n_embd}, this model's width; got {shape}")
     return model.read_out(x)  # ln_f, lm_head and the logit soft-cap, as the model's forward
 
 
@@ -178,8 +185,7 @@ def logit_lens(model: GPT, idx: Tensor) -> Tensor:
 
 def top_k_probabilities(logits: Tensor, k: int) -> TopK:
     """The k most likely tokens of softmax(logits) along the last axis: (..., V) -> (..., k)."""
-    if k <= 0:
-        raise InputError(f"k must be a positive number of tokens, got {k}")
+    k = checks.count("k", k)
     probs = torch.softmax(logits.float(), dim=-1)
     values, ids = torch.topk(probs, min(k, logits.shape[-1]), dim=-1)
     return TopK(values, ids)
@@ -188,6 +194,7 @@ def top_k_probabilities(logits: Tensor, k: int) -> TopK:
 @torch.no_grad()
 def next_token_top_k(model: GPT, idx: Tensor, k: int) -> TopK:
     """The model's k most likely next tokens at every position of idx (B, T): (B, T, k)."""
+    k = checks.count("k", k)
     model.check_tokens(idx)
     with eval_mode(model):
         logits, _ = model(idx)  # (B, T, V)
@@ -199,6 +206,8 @@ def lens_top_k(model: GPT, residuals: Tensor, k: int) -> TopK:
 
     One layer at a time, so only one (B, T, V) block of logits exists at once.
     """
+    k = checks.count("k", k)
+    residuals = checks.residuals_of(model.config, residuals)
     per_layer = [top_k_probabilities(read_out(model, x), k) for x in residuals]
     return TopK(torch.stack([t.probs for t in per_layer]), torch.stack([t.ids for t in per_layer]))
 
@@ -208,36 +217,17 @@ def logit_lens_top_k(model: GPT, idx: Tensor, k: int) -> TopK:
     return lens_top_k(model, trace(model, idx).residuals, k)
 
 
-# --- what sampling draws from, and the loss on the prompt ---------------------------------
-
-def sampling_distribution(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
-                          top_p: float | None = None) -> Tensor:
-    """The distribution `glassgpt sample` draws the next token from: logits (..., V) ->
-    probabilities (..., V), by the same steps (temperature, then top-k, then top-p). A
-    temperature of 0 (or below float32's range) is greedy: all the mass on the best token."""
-    if temperature < 0:
-        raise InputError(f"temperature must be 0 or more, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise InputError(f"top_k must be at least 1, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise InputError(f"top_p must be in (0, 1], got {top_p}")
-    shape = logits.shape
-    flat = logits.float().reshape(-1, shape[-1])  # (N, V): the filters work row by row
-    if temperature < GREEDY_BELOW:
-        best = flat.argmax(dim=-1, keepdim=True)  # (N, 1)
-        return torch.zeros_like(flat).scatter_(-1, best, 1.0).view(shape)
-    flat = (flat - flat.amax(dim=-1, keepdim=True)) / temperature
-    if top_k is not None:
-        flat = keep_top_k(flat, top_k)
-    if top_p is not None and top_p < 1.0:
-        flat = keep_top_p(flat, top_p)
-    return torch.softmax(flat, dim=-1).view(shape)
-
+# --- the loss on the prompt (what sampling draws from: glassgpt.decoding.sampling) ----------
 
 @torch.no_grad()
 def prompt_loss(model: GPT, seen: Trace, idx: Tensor) -> float | None:
     """Mean cross-entropy of predicting each next token of idx (B, T) from the trace's last
     residual stream (the model's own logits); None for a one-token prompt (nothing to predict)."""
+    model.check_tokens(idx)
+    if not isinstance(seen, Trace):
+        raise InputError(f"prompt_loss takes the Trace of `trace(model, idx)`, got "
+                         f"{type(seen).__name__}")
+    checks.residuals_of(model.config, seen.residuals, idx)
     if idx.shape[1] < 2:
         return None
     logits = read_out(model, seen.residuals[-1][:, :-1])  # (B, T - 1, V)
@@ -245,11 +235,6 @@ def prompt_loss(model: GPT, seen: Trace, idx: Tensor) -> float | None:
 
 
 # --- inside one head -----------------------------------------------------------------------
-
-def kv_heads_of(attn: MultiHeadSelfAttention) -> int:
-    """How many K/V heads `attn` has (fewer than its query heads when they are shared)."""
-    return attn.n_kv_heads
-
 
 @dataclass(frozen=True)
 class SourceLine:
@@ -264,36 +249,58 @@ class SourceLine:
         return f"{self.file}:{self.line} {self.function}"
 
 
-def source_line(function: Callable, snippet: str) -> SourceLine:
-    """The first line of `function`'s source holding `snippet` (its `def` line if none does)."""
-    lines, start = inspect.getsourcelines(function)
-    found = next((i for i, line in enumerate(lines) if snippet in line), 0)
-    return SourceLine(Path(inspect.getsourcefile(function) or "?").name, start + found,
-                      function.__qualname__, lines[found].strip())
+def _calling_line() -> SourceLine:
+    """The line of glassgpt's code that called the hook point now running (the first frame
+    outside torch's module machinery): the line that computes that activation."""
+    frame = sys._getframe(2)  # past this function and the recording hook
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+        frame = frame.f_back
+    if frame is None:  # cannot happen for a point called from Python code; say so plainly
+        return SourceLine("?", 0, "?", "")
+    code = frame.f_code
+    return SourceLine(Path(code.co_filename).name, frame.f_lineno,
+                      getattr(code, "co_qualname", code.co_name),
+                      linecache.getline(code.co_filename, frame.f_lineno).strip())
 
 
-def _step_sources(module: MultiHeadSelfAttention) -> dict[str, SourceLine]:
-    """The line of attention.py / block.py that computes each step of `HeadSteps` for the
-    attention `module` (its q and k come last from rotary, or QK-norm, or the split)."""
-    attn, block = attention_module, block_module
-    forward = attn.MultiHeadSelfAttention.forward
-    projecting = attn.MultiHeadSelfAttention.project
-    last_qk = "self.rotary.rotate(q" if module.rotary is not None else \
-        "self.q_norm(q)" if module.q_norm is not None else "self.qkv(x)"
+_TORCH_DIR = str(Path(torch.__file__).parent)
+
+
+def step_points(block: TransformerBlock) -> dict[str, str]:
+    """Each step of `HeadSteps` -> the hook point (relative to the block) that the step's
+    tensor passes through; q and k come last from rotary, or QK-norm, or the projection."""
+    attn = block.attn
+    last = "attn.hook_rot_{}" if attn.rotary is not None else \
+        "attn.{}_norm.hook_normalized" if attn.q_norm is not None else "attn.hook_{}"
     return {
-        "residual": source_line(block.TransformerBlock.forward, "def forward"),
-        "normed": source_line(block.TransformerBlock.forward, "self.ln1(x)"),
-        "q": source_line(projecting, last_qk),
-        "keys": source_line(projecting, last_qk),
-        "values": source_line(projecting, "self.qkv(x)"),
-        "scores": source_line(attn.explicit_attention, "q @ k.transpose(-2, -1)"),
-        "mask": source_line(attn.build_attention_mask, ".tril("),
-        "weights": source_line(attn.masked_softmax, "torch.softmax(scores.masked_fill"),
-        "mixed": source_line(attn.explicit_attention, "weights @ v"),
-        "w_o": source_line(forward, "self.proj(y)"),
-        "contribution": source_line(forward, "self.proj(y)"),
-        "residual_after": source_line(block.TransformerBlock.forward, "x + a"),
+        "residual": "hook_resid_pre",
+        "normed": "ln1.hook_normalized" if block.pre_ln else "hook_resid_pre",
+        "q": last.format("q"), "keys": last.format("k"), "values": "attn.hook_v",
+        "scores": "attn.hook_attn_scores", "mask": "attn.hook_attn_scores",
+        "weights": "attn.hook_pattern", "mixed": "attn.hook_z",
+        "w_o": "hook_attn_out", "contribution": "hook_attn_out",
+        "residual_after": "hook_resid_mid",
     }
+
+
+def _step_sources(block: TransformerBlock, x: Tensor) -> dict[str, SourceLine]:
+    """Run `block` on x (1, T, C) once with a recorder on the hook point of every step: the
+    line that called each point is the line of attention.py / block.py / norms.py that
+    computes that step (renaming a variable there changes nothing here)."""
+    points = step_points(block)
+    modules = dict(block.named_modules())
+    lines: dict[str, SourceLine] = {}
+    handles = []
+    for point in set(points.values()):
+        def record(module, args, output, point=point):
+            lines.setdefault(point, _calling_line())
+        handles.append(modules[point].register_forward_hook(record))
+    try:
+        block(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {step: lines[point] for step, point in points.items()}
 
 
 @dataclass(frozen=True)
@@ -334,18 +341,20 @@ def head_steps(model: GPT, idx: Tensor, layer: int, head: int, position: int,
         raise InputError(f"head_steps follows one sequence: idx must be (1, T), got shape "
                          f"{tuple(idx.shape)}")
     config, T = model.config, idx.shape[1]
-    _check_range("layer", layer, config.n_layer)
-    _check_range("head", head, config.n_head)
-    _check_range("position", position, T)
+    layer = checks.index("layer", layer, config.n_layer)
+    head = checks.index("head", head, config.n_head)
+    position = checks.index("position", position, T)
     if residuals is None:
         residuals = trace(model, idx).residuals
+    checks.residuals_of(config, residuals, idx)
     block: TransformerBlock = model.blocks[layer]
     attn = block.attn
     with eval_mode(model):
         x = residuals[layer]  # (1, T, C)
         normed = block.ln1(x) if block.pre_ln else x  # (1, T, C)
         q, k, v = attn.project(normed)  # (1, H, T, d), (1, KV, T, d) x 2
-    kv_head = head // (attn.n_heads // kv_heads_of(attn))
+        sources = _step_sources(block, x)
+    kv_head = attn.kv_head_of(head)
     d = attn.head_dim
     query, keys, values = q[0, head, position], k[0, kv_head], v[0, kv_head]  # (d,), (T, d) x 2
     scores = (keys @ query) * (1.0 / math.sqrt(d))  # (T,)
@@ -356,8 +365,7 @@ def head_steps(model: GPT, idx: Tensor, layer: int, head: int, position: int,
     mixed = weights @ values  # (d,)
     w_o = attn.proj.weight[:, head * d:(head + 1) * d].T  # (C, d) -> (d, C)
     return HeadSteps(layer, head, position, kv_head, x[0, position], normed[0, position], query,
-                     keys, values, scores, visible, weights, mixed, w_o, mixed @ w_o,
-                     _step_sources(attn))
+                     keys, values, scores, visible, weights, mixed, w_o, mixed @ w_o, sources)
 
 
 @torch.no_grad()
@@ -365,22 +373,18 @@ def attention_scores(model: GPT, residuals: Tensor, layer: int) -> Tensor:
     """The scaled scores q . k / sqrt(d) of every head of `layer` before the mask and the
     softmax: (B, H, T, T), from residuals (L + 1, B, T, C) of a `trace`. Masked entries are
     -inf (what the softmax gets)."""
-    _check_range("layer", layer, model.config.n_layer)
+    layer = checks.index("layer", layer, model.config.n_layer)
+    checks.residuals_of(model.config, residuals)
     block: TransformerBlock = model.blocks[layer]
     attn = block.attn
     x = residuals[layer]  # (B, T, C)
     with eval_mode(model):
         q, k, _ = attn.project(block.ln1(x) if block.pre_ln else x)
-    k = repeat_kv(k, attn.n_heads // attn.n_kv_heads)  # (B, KV, T, d) -> (B, H, T, d)
+    k = repeat_kv(k, attn.groups)  # (B, KV, T, d) -> (B, H, T, d)
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(attn.head_dim))  # (B, H, T, T)
     T = x.shape[1]
     mask = build_attention_mask(T, T, attn.causal, None, x.device)
     return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
-
-
-def _check_range(what: str, value: int, size: int) -> None:
-    if not 0 <= value < size:
-        raise InputError(f"{what} {value} does not exist: there are {what}s 0..{size - 1}")
 
 
 def parameter_counts(model: GPT) -> dict[str, int]:

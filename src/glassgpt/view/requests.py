@@ -12,6 +12,7 @@ from collections.abc import AsyncIterable
 from dataclasses import dataclass
 from typing import Any
 
+from glassgpt.decoding.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P
 from glassgpt.errors import GlassGPTError
 
 MAX_BODY_BYTES = 256 * 2**10  # a prompt of MAX_PROMPT_CHARS characters fits with room to spare
@@ -44,8 +45,10 @@ class Field:
 PROMPT = Field((str,))
 TOKENIZE = {"prompt": PROMPT}
 NUMBER = (float, int)
-PREDICTIONS = {"prompt": PROMPT, "k": Field((int,), 5), "temperature": Field(NUMBER, 1.0),
-               "top_k": Field((int,), None, True), "top_p": Field(NUMBER, None, True)}
+# The sampling filter's settings and their defaults: glassgpt.decoding.sampling's (one table).
+FILTER = {"temperature": Field(NUMBER, DEFAULT_TEMPERATURE),
+          "top_k": Field((int,), DEFAULT_TOP_K, True), "top_p": Field(NUMBER, DEFAULT_TOP_P, True)}
+PREDICTIONS = {"prompt": PROMPT, "k": Field((int,), 5), **FILTER}
 ATTENTION = {"prompt": PROMPT, "layer": Field((int,)), "head": Field((int,), None, True),
              "kind": Field((str,), "weights")}
 OVERVIEW = {"prompt": PROMPT}
@@ -54,9 +57,8 @@ HEAD = {"prompt": PROMPT, "layer": Field((int,)), "head": Field((int,)),
         "position": Field((int,))}
 ABLATE = {"prompt": PROMPT, "k": Field((int,), 5), "heads": Field((list,), ()),
           "attention": Field((list,), ()), "mlp": Field((list,), ())}
-SAMPLE = {"prompt": PROMPT, "max_new_tokens": Field((int,), 200),
-          "temperature": Field((float, int), 0.8), "top_k": Field((int,), None, True),
-          "top_p": Field((float, int), None, True), "seed": Field((int,), None, True)}
+SAMPLE = {"prompt": PROMPT, "max_new_tokens": Field((int,), 200), **FILTER,
+          "seed": Field((int,), None, True)}
 
 
 def one_line(error: BaseException | str) -> str:

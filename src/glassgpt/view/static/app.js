@@ -640,10 +640,15 @@ function renderHeadView() {
       class: i === p ? "query" : "faint" }, label);
     add("text", { x: right + 8, y: y(i) + 4, "text-anchor": "start" }, label);
   }
+  // Each head has its own lane across a row, so heads that attend to the same key draw side
+  // by side instead of on top of each other (one colour would hide the others).
+  const lane = Math.min(6, (rowPx - 2) / heads.length);
+  const offset = (h) => (h - (heads.length - 1) / 2) * lane;
   heads.forEach((weights, h) => weights.forEach((w, k) => {
     if (w < 0.01) return;
-    const line = add("line", { x1: left, y1: y(p), x2: right, y2: y(k),
-      stroke: HEAD_COLOURS[h % HEAD_COLOURS.length], "stroke-width": 1 + 4 * w,
+    const line = add("line", { x1: left, y1: y(p) + offset(h), x2: right, y2: y(k) + offset(h),
+      stroke: HEAD_COLOURS[h % HEAD_COLOURS.length],
+      "stroke-width": Math.max(1, lane * (0.3 + 0.6 * w)),
       "stroke-opacity": Math.min(1, 0.15 + w), "data-head": h, "data-key": k });
     line.append(document.createElementNS(ns, "title"));
     line.lastChild.textContent = `head ${h} → ${tokenName(k)}: ${fmt(w)}`;
@@ -724,7 +729,10 @@ function keyTable(step, p) {
     return el("td", { dataset: { value: v }, style, class: k === p ? "self" : "" },
       v.toFixed(3));
   });
-  return el("table", { class: "keys" }, el("tr", {}, ...keys), el("tr", {}, ...cells));
+  // In a box of its own that scrolls sideways: a long prompt's row of keys is wider than the
+  // card, and the page itself must never scroll sideways.
+  return el("div", { class: "keys-box" },
+    el("table", { class: "keys" }, el("tr", {}, ...keys), el("tr", {}, ...cells)));
 }
 
 // Keys, values (rows: the keys' tokens) and the head's slice of W_O as a heat map.
@@ -956,7 +964,10 @@ async function loadCard() {
   $("config-table").replaceChildren(...Object.entries(m).map(([key, value]) =>
     el("tr", {}, el("td", {}, key), el("td", {}, String(value)))),
   el("tr", {}, el("td", {}, "tokenizer"), el("td", {}, card.tokenizer.kind)));
-  renderParameters(card.parameters);
+  renderParameters(card.parameters, m);
+  $("lens-hint").textContent = "The residual stream after each layer, read out through the " +
+    `final ${normName(m)} and the ${m.tie_weights ? "tied" : "untied"} LM head` +
+    `${m.logit_softcap ? " (and the logit soft-cap)" : ""}, as if the model ended there.`;
   const settings = card.training.settings || {};
   const shown = ["max_iters", "batch_size", "lr", "min_lr", "warmup_iters", "weight_decay",
     "dropout", "grad_clip", "eval_interval", "device", "dtype", "seed"];
@@ -968,10 +979,19 @@ async function loadCard() {
   fillLayerAndHead();
 }
 
-function renderParameters(parameters) {
-  const names = { embeddings: "embeddings (token + position)",
-    attention: "attention (qkv + proj)", ffn: "feed-forward (MLP)", norm: "LayerNorm / RMSNorm",
-    lm_head: "LM head (untied)", other: "other" };
+// The model's own names for its parts: its norm and how it knows positions are switches.
+function normName(model) {
+  return model.norm === "rmsnorm" ? "RMSNorm" : "LayerNorm";
+}
+
+const EMBEDDINGS = { learned: "embeddings (token + position)",
+  rope: "embeddings (token; rotary positions have no weights)",
+  none: "embeddings (token; no positions)" };
+
+function renderParameters(parameters, model) {
+  const names = { embeddings: EMBEDDINGS[model.position] || "embeddings",
+    attention: "attention (qkv + proj)", ffn: "feed-forward (MLP)",
+    norm: `norms (${normName(model)})`, lm_head: "LM head (untied)", other: "other" };
   const rows = Object.entries(parameters.parts).filter(([, n]) => n > 0).map(([part, n]) => {
     const share = n / parameters.total;
     return el("tr", { dataset: { part } }, el("td", {}, names[part] || part),

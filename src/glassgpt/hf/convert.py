@@ -1,0 +1,151 @@
+"""`glassgpt convert` as two library calls: a Hugging Face model into a run, a run back out.
+
+    imported = import_run("gpt2", "runs/gpt2")        # a hub name or a save_pretrained dir
+    exported = export_run("runs/mine", "exported/")   # the architecture the run has
+
+Each checks everything before it writes, writes its directory whole or not at all, and returns
+what the command line prints (ImportedRun, ExportedRun); neither prints anything itself. The
+tensors move through glassgpt.hf.interop; the directories are read by glassgpt.hf.files.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from glassgpt.config import GPTConfig
+from glassgpt.errors import CheckpointError
+from glassgpt.hf import interop
+from glassgpt.hf.files import MAX_TOKENIZER_BYTES, UNUSED_TOKEN, name_padding_ids
+from glassgpt.rundir.checkpoint import describe_weights, load_model, save_model
+from glassgpt.storage import files
+from glassgpt.storage.commit import staged_directory
+from glassgpt.tokenizers import END_OF_TEXT, BPETokenizer, Tokenizer, tokenizer_from_json
+from glassgpt.tokenizers.loading import tokenizer_from_hf
+
+
+@dataclass(frozen=True)
+class ImportedRun:
+    """What `import_run` wrote: the run, its model's config, its tokenizer, and notes worth
+    telling (padding ids named, a head untied) in words."""
+
+    run_dir: Path
+    config: GPTConfig
+    tokenizer_kind: str
+    tokenizer_size: int
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ExportedRun:
+    """What `export_run` wrote: the directory, which weights (in words), and whether the run's
+    tokenizer went with them (a character-level one has no Hugging Face equivalent)."""
+
+    out: Path
+    weights: str
+    with_tokenizer: bool
+    tokenizer_kind: str
+
+
+def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str],
+               tokenizer_file: str | os.PathLike[str] | None = None,
+               dropout: float | None = None) -> ImportedRun:
+    """A run directory at `out` holding a HF GPT-2, Llama or Qwen3 (a hub name or a local
+    save_pretrained directory) in float32, with the model's tokenizer or `tokenizer_file`.
+
+    Everything is read and checked first; the run is written beside `out` and renamed into
+    place whole, so a failure (a full disk) leaves no half-made directory. `out` must be new
+    (or an empty directory) and outside the source directory.
+    """
+    out = Path(out).expanduser()
+    files.check_can_make_dir(out, CheckpointError)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out} already exists and is not empty; choose a new run "
+                              f"directory so no run is overwritten")
+    directory = interop.open_hf_source(source)
+    check_apart(out, directory.root, f"{directory.name}, the model being imported")
+    # Runs train in float32 whatever precision the weights were published in.
+    model = interop.from_hf(directory, dropout=dropout).float()
+    notes = []
+    if not model.config.tie_weights and directory.settings().tie_word_embeddings:
+        notes.append(_untied_note(directory))
+    tokenizer, padding_note = _source_tokenizer(directory, tokenizer_file,
+                                                model.config.vocab_size)
+    check_tokenizer_fits(tokenizer.vocab_size, model.config.vocab_size)
+    with staged_directory(out) as staging:
+        save_model(staging, model, tokenizer, extra={"converted_from": str(source)})
+    return ImportedRun(out, model.config, tokenizer.kind, tokenizer.vocab_size,
+                       tuple(notes + padding_note))
+
+
+def export_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str],
+               checkpoint: str = "best", force: bool = False) -> ExportedRun:
+    """A save_pretrained directory at `out` of the run's `checkpoint` weights ("best" or
+    "last"), with its tokenizer when that is BPE (see interop.save_hf). `force` replaces an
+    earlier export of glassgpt's there, nothing else; `out` must be outside the run."""
+    run_dir, out = Path(run_dir).expanduser(), Path(out).expanduser()
+    files.check_can_make_dir(out, CheckpointError)  # before the work, not after it
+    check_apart(out, run_dir, f"{run_dir}, the run being exported")
+    model, tokenizer = load_model(run_dir, checkpoint=checkpoint)
+    weights = describe_weights(run_dir, checkpoint)
+    with_tokenizer = isinstance(tokenizer, BPETokenizer)
+    if with_tokenizer:
+        interop.save_hf(model, out, tokenizer=tokenizer.tokenizer, eos_token=END_OF_TEXT,
+                        overwrite=force)
+    else:
+        interop.save_hf(model, out, overwrite=force)
+    return ExportedRun(out, weights, with_tokenizer, tokenizer.kind)
+
+
+def check_apart(out: Path, source: Path, what: str) -> None:
+    """`out` may not be, hold or lie inside `source` (what is read while `out` is written)."""
+    mine, theirs = out.resolve(), source.resolve()
+    if mine == theirs or mine.is_relative_to(theirs) or theirs.is_relative_to(mine):
+        raise CheckpointError(f"{out} overlaps {what}; write it to a directory outside "
+                              f"{source}")
+
+
+def check_tokenizer_fits(tokenizer_size: int, vocab_size: int) -> None:
+    """A run's tokenizer must name every id its model can emit, and only those: a smaller one
+    would let `sample` draw an id it cannot decode."""
+    if tokenizer_size != vocab_size:
+        raise CheckpointError(f"the tokenizer has {tokenizer_size:,} tokens but the model's "
+                              f"vocab_size is {vocab_size:,}; give a tokenizer of exactly "
+                              f"{vocab_size:,} tokens (--tokenizer FILE)")
+
+
+def _untied_note(directory: interop.HFDirectory) -> str:
+    return (f"{directory.name}'s config.json says tie_word_embeddings=true, but its "
+            f"lm_head.weight is not its embedding: imported with that head, untied (as "
+            f"transformers loads it)")
+
+
+def _source_tokenizer(directory: interop.HFDirectory,
+                      tokenizer_file: str | os.PathLike[str] | None,
+                      vocab_size: int) -> tuple[Tokenizer, list[str]]:
+    """`tokenizer_file` as it is, or the model's own with its padding ids named (see
+    hf.files.name_padding_ids), and the note saying so."""
+    if tokenizer_file is not None:
+        return _user_tokenizer(Path(tokenizer_file)), []
+    hf_tokenizer = interop.load_hf_tokenizer(directory)
+    if hf_tokenizer is None:
+        raise CheckpointError(f"{directory.name} has no tokenizer (tokenizer.json, or "
+                              f"vocab.json and merges.txt); pass one with --tokenizer FILE")
+    # The checks `sample` makes when it reads the run's tokenizer back, made here first.
+    tokenizer = tokenizer_from_hf(hf_tokenizer, f"the tokenizer of {directory.name}")
+    named = name_padding_ids(hf_tokenizer, vocab_size)
+    if not named:
+        return tokenizer, []
+    return tokenizer, [f"the tokenizer has {vocab_size - named:,} tokens and the model "
+                       f"{vocab_size:,} ids; the {named:,} ids past the tokenizer (padding) "
+                       f"decode as {UNUSED_TOKEN.format(id='ID')}"]
+
+
+def _user_tokenizer(path: Path) -> Tokenizer:
+    """A tokenizer file the user named (a link to it is fine), read bounded."""
+    if not path.exists():
+        raise CheckpointError(f"tokenizer file not found: {path}")
+    text = files.read_text(path.resolve(), MAX_TOKENIZER_BYTES, CheckpointError)
+    files.parse_json(text, str(path), CheckpointError)
+    return tokenizer_from_json(text, source=str(path))

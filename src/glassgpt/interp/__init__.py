@@ -1,0 +1,21 @@
+"""Asking a model *why*: hook points read and replaced, activation patching, direct logit
+attribution and head scores, with TransformerLens's names, on any glassgpt model (imported
+Hugging Face models included).
+
+    from glassgpt.interp import run_with_cache, run_with_hooks
+    logits, cache = run_with_cache(model, ids)            # cache["blocks.0.attn.hook_pattern"]
+    run_with_hooks(model, ids, [("blocks.0.attn.hook_z", ablate_head_1)])
+
+`glassgpt.interp.patching` holds the patching functions, `.attribution` the logit attribution
+and `.scores` the previous-token, duplicate-token and induction scores.
+"""
+
+from glassgpt.interp.hooked import (
+    ActivationCache,
+    hook_points,
+    run_with_cache,
+    run_with_hooks,
+    zero_heads,
+)
+
+__all__ = ["ActivationCache", "hook_points", "run_with_cache", "run_with_hooks", "zero_heads"]

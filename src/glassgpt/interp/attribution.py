@@ -1,0 +1,123 @@
+"""Direct logit attribution: how much each head and each MLP pushes one token's logit.
+
+In a Pre-LN model the residual stream that reaches the final norm is a sum of parts: the
+embeddings, and what every attention head and every MLP wrote into it. With the final norm's
+scale frozen at its value on this run, the norm is linear, so the logit splits into one term
+per part (plus the norm's own shift), and the terms add up to the logit exactly:
+
+    logit(tok) = sum_parts  norm_frozen(part) . W_U[tok]  +  beta . W_U[tok]
+
+A head's part is its slice of the output projection applied to its `hook_z`. With
+`logit_softcap` the attributed number is the logit before the cap. A Post-LN model renormalises
+the stream after every block, so it is no sum of parts: it is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from glassgpt.errors import InputError, ModelError
+from glassgpt.interp.hooked import run_with_cache
+from glassgpt.norms import ManualLayerNorm
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Each part's push on the logit (or on a logit difference) at one position."""
+
+    labels: list[str]  # "embed", "pos_embed", "L0H1", "L0 attn bias", "L0 MLP", ..., "final norm"
+    values: Tensor  # (len(labels),), adding up to `logit`
+    logit: float  # the model's own logit (difference) before any soft-cap
+    heads: Tensor  # (L, H): the heads' values again, as a grid
+    mlps: Tensor  # (L,)
+
+
+def check_sum_of_parts(model: nn.Module) -> None:
+    if not getattr(model.config, "pre_ln", True):
+        raise ModelError("direct logit attribution needs a Pre-LN model: a Post-LN one "
+                         "renormalises the residual stream after every block, so the stream is "
+                         "no sum of the heads' and MLPs' outputs")
+
+
+def residual_parts(model: nn.Module, cache, pos: int) -> tuple[list[str], list[Tensor]]:
+    """The parts whose sum is the stream entering the final norm, at `pos`: each (B, C)."""
+    labels, parts = ["embed"], [cache["hook_embed"][:, pos]]
+    if "hook_pos_embed" in cache:
+        labels.append("pos_embed")
+        parts.append(cache["hook_pos_embed"][:, pos])
+    for layer, block in enumerate(model.blocks):
+        z = cache[f"blocks.{layer}.attn.hook_z"][:, pos]  # (B, H, hd)
+        proj = block.attn.proj
+        w_o = proj.weight.view(proj.out_features, z.shape[1], z.shape[2])  # (C, H, hd)
+        per_head = torch.einsum("bhd,chd->bhc", z, w_o)  # (B, H, C)
+        for head in range(z.shape[1]):
+            labels.append(f"L{layer}H{head}")
+            parts.append(per_head[:, head])
+        if proj.bias is not None:
+            labels.append(f"L{layer} attn bias")
+            parts.append(proj.bias.expand_as(parts[-1]))
+        labels.append(f"L{layer} MLP")
+        parts.append(cache[f"blocks.{layer}.hook_mlp_out"][:, pos])
+    return labels, parts
+
+
+def frozen_norm(norm: nn.Module, stream: Tensor) -> tuple[Tensor, bool]:
+    """The final norm's scale on this stream (B, 1), and whether it centres (LayerNorm)."""
+    centred = isinstance(norm, nn.LayerNorm | ManualLayerNorm)
+    wide = stream.double()
+    if centred:
+        scale = torch.sqrt(wide.var(-1, keepdim=True, unbiased=False) + norm.eps)
+    else:
+        scale = torch.sqrt(wide.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return scale, centred
+
+
+def logit_attribution(model: nn.Module, ids: Tensor, token: int, pos: int = -1, *,
+                      against: int | None = None) -> Attribution:
+    """Each head's and MLP's direct push on `token`'s logit at `pos` (minus `against`'s, when
+    given), averaged over the batch; the values add up to the logit (difference)."""
+    check_sum_of_parts(model)
+    vocab = model.config.vocab_size
+    for name, value in (("token", token), ("against", against)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 0 <= value < vocab):
+            raise InputError(f"{name} must be a token id in [0, {vocab}), got {value!r}")
+    _, cache = run_with_cache(model, ids)
+    labels, parts = residual_parts(model, cache, pos)
+    stream = cache[f"blocks.{model.config.n_layer - 1}.hook_resid_post"][:, pos]  # (B, C)
+    scale, centred = frozen_norm(model.ln_f, stream)
+    direction = model.lm_head.weight[token].double()  # (C,)
+    if against is not None:
+        direction = direction - model.lm_head.weight[against].double()
+    gamma = model.ln_f.weight.double() * direction  # (C,)
+    values = []
+    for part in parts:
+        part = part.double()
+        if centred:
+            part = part - part.mean(-1, keepdim=True)
+        values.append(((part / scale) @ gamma).mean())
+    if getattr(model.ln_f, "bias", None) is not None:
+        labels.append("final norm")
+        values.append(model.ln_f.bias.double() @ direction)
+    values = torch.stack(values)
+    return Attribution(labels, values, raw_logit(model, stream, token, against),
+                       *grids(model, labels, values))
+
+
+def raw_logit(model: nn.Module, stream: Tensor, token: int, against: int | None) -> float:
+    """The model's own logit (difference) from the final stream (B, C), before any soft-cap."""
+    with torch.no_grad():
+        logits = model.lm_head(model.ln_f(stream))  # (B, V)
+    value = logits[:, token] - (0 if against is None else logits[:, against])
+    return float(value.double().mean())
+
+
+def grids(model: nn.Module, labels: list[str], values: Tensor) -> tuple[Tensor, Tensor]:
+    L, H = model.config.n_layer, model.config.n_head
+    by_label = dict(zip(labels, values.tolist(), strict=True))
+    heads = torch.tensor([[by_label[f"L{l}H{h}"] for h in range(H)] for l in range(L)])
+    mlps = torch.tensor([by_label[f"L{l} MLP"] for l in range(L)])
+    return heads, mlps

@@ -1,0 +1,102 @@
+"""The pieces of a training loop: one optimizer step, a loss estimate, and a stop on a signal.
+
+`train_step` is the piece a benchmark needs; `estimate_loss` is the trainer's evaluation (a
+number of random batches per split, where glassgpt.training.evaluate scores a whole split);
+`stop_on_sigint` turns Ctrl-C and SIGTERM into a request the trainer acts on between batches.
+glassgpt.training.trainer runs them into a run directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from glassgpt.config import TrainConfig
+from glassgpt.data import BatchSampler
+from glassgpt.machine import distributed as ddp
+from glassgpt.machine.devices import autocast
+from glassgpt.model import eval_mode
+
+Batch = tuple[Tensor, Tensor]
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+               next_batch: Callable[[], Batch], cfg: TrainConfig,
+               scaler: torch.amp.GradScaler | None = None,
+               amp_dtype: torch.dtype | None = None) -> Tensor:
+    """One optimizer step over `cfg.grad_accum` micro-batches; returns their mean loss.
+
+    The loss stays on the device (no host sync): read it with `.item()` only when logging.
+    Batches come with ids already checked (`BatchSampler`), so the model does not read them
+    back (a sync per micro-batch on a GPU, and a break in a compiled graph).
+    """
+    total = None
+    for micro in range(cfg.grad_accum):
+        x, y = next_batch()  # (B, T), (B, T)
+        # With DDP, all-reduce the gradients only once, after the last micro-batch.
+        with ddp.sync_gradients(model, sync=micro == cfg.grad_accum - 1):
+            with autocast(x.device, amp_dtype):
+                _, loss = model(x, y, check_ids=False)
+            # Each micro-batch loss is a mean over B*T tokens; dividing by the number of
+            # micro-batches makes the summed gradients those of the mean over all of them.
+            loss = loss / cfg.grad_accum
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    if cfg.grad_clip > 0:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+@torch.no_grad()
+def estimate_loss(model: nn.Module, samplers: dict[str, BatchSampler], eval_iters: int,
+                  amp_dtype: torch.dtype | None = None,
+                  stopped: Callable[[], bool] | None = None) -> dict[str, Tensor] | None:
+    """Mean loss over `eval_iters` batches of each split, in eval mode (no dropout).
+
+    Returns device tensors so that ranks can average them; the model's mode is restored.
+    `stopped`, asked after each batch, ends the evaluation early (a signal): None is returned.
+    """
+    losses = {}
+    with eval_mode(model):
+        for split, sampler in samplers.items():
+            total = torch.zeros((), device=sampler.device)
+            for _ in range(eval_iters):
+                x, y = sampler.next_batch()
+                with autocast(x.device, amp_dtype):
+                    _, loss = model(x, y, check_ids=False)
+                total += loss.float()
+                if stopped is not None and stopped():
+                    return None
+            losses[split] = total / eval_iters
+    return losses
+
+
+@contextlib.contextmanager
+def stop_on_sigint(requested: threading.Event | None = None) -> Iterator[threading.Event]:
+    """An event set by Ctrl-C or SIGTERM (a scheduler's stop), instead of the signal cutting a
+    step or a checkpoint write in half: the trainer saves and returns at the next step. A
+    caller may pass its own event, to stop the same way for another reason (a closed stdout)."""
+    requested = requested if requested is not None else threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield requested
+        return
+    stop_signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda *_: requested.set()) for sig in stop_signals}
+    try:
+        yield requested
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
