@@ -1,15 +1,27 @@
-"""Fixtures shared by every test module. Tests are offline, seeded and fast."""
+"""Fixtures shared by every test module. Tests are offline, seeded and fast.
+
+    tiny_gpt(**overrides)   a GPT small enough for a unit test, any GPTConfig field overridden
+                            (`from conftest import tiny_gpt`); `tiny_config` is its config
+    trained_run             a tiny run trained once per session through `glassgpt train`, with
+                            the data and text it trained on; `run_copy` is a copy of it that a
+                            test may damage
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 import pytest
 import torch
 
-from glassgpt.data import TINYSHAKESPEARE_ENV, packaged_tinyshakespeare
+from glassgpt.config import GPTConfig
+from glassgpt.data import TINYSHAKESPEARE_ENV, packaged_tinyshakespeare, prepare
+from glassgpt.model import GPT
 
 matplotlib.use("Agg")
 # Tiny test models are overhead-bound: one thread is faster than two fighting over 2 cores, and
@@ -54,3 +66,55 @@ def cli_environment(shakespeare_path: Path, cache: Path) -> dict[str, str]:
 def env(shakespeare_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """`cli_environment` with a cache shared by the tests of one module."""
     return cli_environment(shakespeare_path, tmp_path_factory.mktemp("cache"))
+
+
+# The shape most unit tests need: two layers, two heads, width 16. A test whose assertion
+# depends on a size (a vocabulary, a context) names it.
+TINY_GPT: dict[str, Any] = dict(vocab_size=20, block_size=16, n_layer=2, n_head=2, n_embd=16)
+
+
+def tiny_config(**overrides: Any) -> GPTConfig:
+    """`TINY_GPT` with any GPTConfig field overridden."""
+    return GPTConfig(**{**TINY_GPT, **overrides})
+
+
+def tiny_gpt(**overrides: Any) -> GPT:
+    """A freshly initialised GPT of `tiny_config(**overrides)`, as `GPT(config)` leaves it (in
+    training mode, float32); its weights come from the global seed, set to 0 per test."""
+    return GPT(tiny_config(**overrides))
+
+
+# `glassgpt train` flags of the session's tiny run: 1 layer, 2 heads, width 16, context 16.
+TINY_TRAIN_FLAGS = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
+                    "--batch-size", "4", "--eval-iters", "2", "--log-interval", "1",
+                    "--device", "cpu"]
+TINY_TEXT = "".join(f"To be or not to be, line {i}: that is the question.\n" for i in range(200))
+
+
+@dataclass(frozen=True)
+class TrainedRun:
+    run: Path  # the run directory: read it, or copy it (`run_copy`) before changing it
+    data: Path  # the character-level data directory it trained on
+    text: Path  # the text that data was prepared from
+    flags: tuple[str, ...]  # the shape and training flags it was trained with
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
+    """A tiny run of 3 iterations (one evaluation at the end), trained once per session in this
+    process by the command line itself, as `glassgpt train` trains one."""
+    from glassgpt.cli import main
+
+    root = tmp_path_factory.mktemp("trained_run")
+    text = root / "text.txt"
+    text.write_text(TINY_TEXT, encoding="utf-8")
+    prepare(root / "data", text)
+    assert main(["train", "--data", str(root / "data"), "--out", str(root / "run"),
+                 "--max-iters", "3", "--eval-interval", "3", *TINY_TRAIN_FLAGS]) == 0
+    return TrainedRun(root / "run", root / "data", text, tuple(TINY_TRAIN_FLAGS))
+
+
+@pytest.fixture()
+def run_copy(trained_run: TrainedRun, tmp_path: Path) -> Path:
+    """A copy of the session's trained run that this test may change or break."""
+    return shutil.copytree(trained_run.run, tmp_path / "run")

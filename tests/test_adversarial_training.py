@@ -25,12 +25,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from glassgpt.cli import main
 from glassgpt.data import prepare
 from glassgpt.errors import ConfigError, GlassGPTError
 from glassgpt.rundir.checkpoint import load_model, load_train_state
 from glassgpt.training.lifecycle import summary_line, train_run
 from glassgpt.training.runs import evaluate_run
+from helpers_cli import glassgpt, one_error_line
 from helpers_dirs import assert_unchanged, snapshot
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "8",
@@ -57,18 +57,6 @@ def template(data, tmp_path_factory) -> Path:
     train_run(run, data=data, model=TINY_MODEL, threads=1,
               train={**TINY_TRAIN, "max_iters": 2, "eval_interval": 2})
     return run
-
-
-def glassgpt(*args: object, capsys) -> tuple[int, str]:
-    capsys.readouterr()
-    code = main([str(a) for a in args])
-    return code, capsys.readouterr().err
-
-
-def one_error_line(err: str) -> str:
-    lines = [line for line in err.strip().splitlines() if line]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
 
 
 class Hung(BaseException):

@@ -139,7 +139,7 @@ def test_a_run_without_data_of_its_own_opens_on_a_stock_prompt(tmp_path, monkeyp
 
 def test_the_kvheads_bars_start_at_zero():
     """The loss axis started at 1.83, so a gap of 0.013 looked like 10% of the bar."""
-    numbers = {"kv_heads": [4, 2, 1], **{
+    numbers = {"kv_head_counts": [4, 2, 1], **{
         str(kv): {"cache_bytes_per_token": 256 * kv, "tokens_per_second": 2700.0 + kv,
                   "val_loss": 2.037 + 0.013 * (kv == 1)} for kv in (4, 2, 1)}}
     fig = kvheads.kvheads_figure(numbers)

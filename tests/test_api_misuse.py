@@ -8,10 +8,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from conftest import tiny_config, tiny_gpt
 from glassgpt.attention import MultiHeadSelfAttention
 from glassgpt.block import TransformerBlock
 from glassgpt.cli import main
-from glassgpt.config import GPTConfig
 from glassgpt.decoding.generate import generate, sample_next_token
 from glassgpt.errors import ConfigError, GlassGPTError, InputError
 from glassgpt.machine.devices import resolve_device
@@ -23,7 +23,7 @@ V = 13
 @pytest.fixture(scope="module")
 def model() -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=V, block_size=8, n_layer=1, n_head=2, n_embd=8)).eval()
+    return tiny_gpt(vocab_size=V, block_size=8, n_layer=1, n_embd=8).eval()
 
 
 IDX = torch.tensor([[1, 2, 3]])
@@ -146,7 +146,7 @@ def test_gpt_takes_a_gptconfig_only(config):
 
 
 def test_a_config_field_changed_after_construction_is_checked():
-    config = GPTConfig(vocab_size=V, block_size=8, n_layer=1, n_head=2, n_embd=8)
+    config = tiny_config(vocab_size=V, block_size=8, n_layer=1, n_embd=8)
     with pytest.raises(ConfigError, match="n_layer must be positive, got -3"):
         config.n_layer = -3
     assert config.n_layer == 1

@@ -23,15 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cli_environment
+from conftest import TINY_TRAIN_FLAGS, cli_environment
 from glassgpt.cli import main
 from glassgpt.data import prepare
 from glassgpt.errors import GlassGPTError
 from glassgpt.rundir.checkpoint import load_model, load_train_state
 from helpers_dirs import Snapshot, assert_unchanged, snapshot
 
-TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
-        "--batch-size", "4", "--eval-iters", "2", "--log-interval", "1", "--device", "cpu"]
+TINY = TINY_TRAIN_FLAGS  # the shape of the session's trained run
 PARALLEL_PROCESSES = 4
 
 
@@ -415,7 +414,7 @@ CASES: dict[str, Case] = {
         sample(), "tok_emb.weight has shape (1073741824, 16), config.json needs (29, 16)",
         damage=weights_promising_64_gib),
     "config and weights asking for 1 TiB together": Case(
-        sample(), "needs 2,048.0 GiB of memory to load, more than",
+        sample(), "needs 1,024.0 GiB of memory to load, more than",  # the file once, no copy
         damage=config_and_weights_of_1_tib),
     "a pending link the journal names": Case(sample(), "is a symbolic link",
                                              damage=pending_link_the_journal_names),
@@ -552,18 +551,12 @@ def run_in_a_process(name: str, setup: Setup, case_dir: Path) -> tuple[Outcome, 
 
 
 @pytest.fixture(scope="module")
-def setup(shakespeare_path, tmp_path_factory) -> Setup:
+def setup(shakespeare_path, trained_run, tmp_path_factory) -> Setup:
+    """The session's trained run (3 iterations of TINY), copied per row; its data and text."""
     root = tmp_path_factory.mktemp("bad_inputs")
     env = cli_environment(shakespeare_path, root / "cache")
-    text = write(root / "text.txt", "".join(f"To be or not to be, line {i}: that is the "
-                                            f"question.\n" for i in range(200)))
-    data, bpe_data, template = root / "data", root / "bpe_data", root / "template"
-    prepare(data, text)
-    prepare(bpe_data, text, tokenizer="bpe", vocab_size=300)
-    # Trained in-process: the same code as the CLI without one more interpreter start.
-    assert main(["train", "--data", str(data), "--out", str(template), "--max-iters", "3",
-                 "--eval-interval", "3", *TINY]) == 0
-    return Setup(template, data, bpe_data, text, env)
+    prepare(root / "bpe_data", trained_run.text, tokenizer="bpe", vocab_size=300)
+    return Setup(trained_run.run, trained_run.data, root / "bpe_data", trained_run.text, env)
 
 
 @pytest.fixture(scope="module")
@@ -588,11 +581,12 @@ def run_in_process(name: str, setup: Setup, case_dir: Path, capsys, monkeypatch
     return Outcome(code, capsys.readouterr().err, before, around(case_dir, setup)), where
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_bad_input(name, setup, process_outcomes, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow)
+                                  if name in THROUGH_A_PROCESS else name for name in CASES])
+def test_bad_input(name, setup, tmp_path, capsys, monkeypatch, request):
     case = CASES[name]
-    if name in THROUGH_A_PROCESS:
-        outcome, where = process_outcomes[name]
+    if name in THROUGH_A_PROCESS:  # the processes run together, once, for the first such row
+        outcome, where = request.getfixturevalue("process_outcomes")[name]
     else:
         outcome, where = run_in_process(name, setup, tmp_path / "row", capsys, monkeypatch)
     message = case.message.replace("{work}", str(where.work))
@@ -613,6 +607,7 @@ def test_the_table_is_large_and_mostly_failing():
     assert len(CASES) >= 110 and sum(not c.succeeds for c in CASES.values()) == len(CASES) - 1
 
 
+@pytest.mark.slow
 def test_debug_shows_the_traceback(tmp_path):
     """`--debug` is the one way to see where an error came from."""
     result = subprocess.run([sys.executable, "-m", "glassgpt", "--debug", "sample",

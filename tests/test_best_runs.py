@@ -122,6 +122,7 @@ def test_a_config_file_dropout_reaches_a_fine_tune(trained, tmp_path, capsys):
     assert tuned["model"]["dropout"] == 0.25
 
 
+@pytest.mark.slow
 def test_threads_auto_times_the_first_steps_and_uses_the_faster(data, tmp_path, capsys,
                                                                monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the user chose nothing

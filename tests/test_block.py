@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import tiny_config
 from glassgpt.block import FeedForward, ManualLayerNorm, TransformerBlock, make_activation
-from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError
 from glassgpt.model import count_parameters
 
@@ -143,7 +143,7 @@ def test_pre_ln_or_post_ln_is_decided_once_when_the_block_is_built():
 
 @pytest.mark.parametrize("pre_ln", [True, False])
 def test_a_block_from_the_config_is_the_standalone_block(pre_ln):
-    config = GPTConfig(n_embd=C, n_head=H, pre_ln=pre_ln, activation="gelu", dropout=0.0)
+    config = tiny_config(n_embd=C, n_head=H, pre_ln=pre_ln, activation="gelu", dropout=0.0)
     torch.manual_seed(0)
     standalone = TransformerBlock(C, H, pre_ln=pre_ln)
     torch.manual_seed(0)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from glassgpt.config import GPTConfig
+from conftest import tiny_gpt
 from glassgpt.errors import CheckpointError, ConfigError
 from glassgpt.model import GPT
 from glassgpt.rundir import checkpoint
@@ -33,9 +33,9 @@ TOKENIZER = CharTokenizer.from_text("abcdefghij \n")
 
 
 def tiny_model(**overrides) -> GPT:
-    settings = dict(vocab_size=TOKENIZER.vocab_size, block_size=8, n_layer=2, n_head=2,
-                    n_embd=8)
-    return GPT(GPTConfig(**{**settings, **overrides}))
+    """The shared tiny GPT over this module's characters, context 8, width 8."""
+    return tiny_gpt(**{"vocab_size": TOKENIZER.vocab_size, "block_size": 8, "n_embd": 8,
+                       **overrides})
 
 
 def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -68,6 +68,7 @@ def test_untied_head_is_stored(tmp_path):
     assert same_weights(model, load_model(tmp_path)[0])
 
 
+@pytest.mark.slow
 def test_wrapped_models_save_without_prefixes(tmp_path):
     model = tiny_model()
     save_model(tmp_path, torch.compile(model), TOKENIZER)  # compiles lazily: no work here

@@ -71,6 +71,7 @@ def test_prepare_writes_a_data_directory(data_dir):
     assert (data_dir / "train.bin").is_file() and (data_dir / "tokenizer.json").is_file()
 
 
+@pytest.mark.slow
 def test_prepare_bpe(text, env, tmp_path):
     glassgpt("prepare", "--text", text, "--tokenizer", "bpe", "--vocab-size", "300",
              "--out", tmp_path, env=env)
@@ -89,6 +90,7 @@ def test_train_writes_a_complete_run_directory(run_dir):
     assert [r["iter"] for r in metrics if "val_loss" in r] == [0, 3, 6]  # nanoGPT's eval at 0
 
 
+@pytest.mark.slow
 def test_sample_streams_the_same_text_it_prints(run_dir, env, capsys):
     args = ["sample", run_dir, "--prompt", "To be", "--max-new-tokens", "40", "--seed", "4"]
     printed = in_process(*args, capsys=capsys)
@@ -97,6 +99,7 @@ def test_sample_streams_the_same_text_it_prints(run_dir, env, capsys):
     assert len(printed) == len("To be") + 40 + 1  # char level: one character per token
 
 
+@pytest.mark.slow
 def test_sample_stops_before_the_stop_text(run_dir, env, capsys):
     args = ["sample", run_dir, "--prompt", "T", "--max-new-tokens", "60", "--seed", "1",
             "--temperature", "1.5"]
@@ -116,11 +119,13 @@ def test_sample_in_bfloat16_decodes_the_same_greedy_text(run_dir, capsys):
     assert half[:8] == full[:8]
 
 
+@pytest.mark.slow
 def test_sample_with_a_compiled_step_prints_the_same_text(run_dir, capsys):
     args = ["sample", run_dir, "--prompt", "To be", "--max-new-tokens", "30", "--seed", "5"]
     assert in_process(*args, "--compile", capsys=capsys) == in_process(*args, capsys=capsys)
 
 
+@pytest.mark.slow
 def test_several_samples_and_a_prompt_longer_than_the_context(run_dir, env):
     result = glassgpt("sample", run_dir, "--prompt", "to be " * 10, "--max-new-tokens", "3",
                       "--num-samples", "2", env=env)
@@ -128,6 +133,7 @@ def test_several_samples_and_a_prompt_longer_than_the_context(run_dir, env):
     assert result.stdout.count("-" * 40) == 1 and result.stdout.count("to be " * 10) == 2
 
 
+@pytest.mark.slow
 def test_eval_prints_loss_and_perplexity(run_dir, env, capsys):
     line = in_process("eval", run_dir, capsys=capsys)
     assert line.startswith("val loss") and "perplexity" in line
@@ -160,6 +166,7 @@ def losses(run: Path) -> list[float]:
             if '"loss"' in line]
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(data_dir, env, tmp_path, capsys):
     """6 iterations in one go == 3, stop, then --resume up to 6: same losses, same weights."""
     common = [*TINY, "--data", data_dir, "--eval-interval", "3", "--lr-decay-iters", "6",
@@ -175,6 +182,7 @@ def test_resume_continues_exactly(data_dir, env, tmp_path, capsys):
     assert all((whole[k] == split[k]).all() for k in whole)
 
 
+@pytest.mark.slow
 def test_an_existing_run_is_kept_unless_forced(data_dir, env, tmp_path, capsys):
     in_process("train", "--data", data_dir, "--out", tmp_path, "--max-iters", "3", *TINY,
                capsys=capsys)
@@ -187,6 +195,7 @@ def test_an_existing_run_is_kept_unless_forced(data_dir, env, tmp_path, capsys):
     assert len(losses(tmp_path)) == 2
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_that_resumes(data_dir, env, tmp_path):
     run = tmp_path / "run"
     process = subprocess.Popen(
@@ -207,6 +216,7 @@ def test_ctrl_c_saves_a_checkpoint_that_resumes(data_dir, env, tmp_path):
     assert len(losses(run)) == state["iteration"] + 1
 
 
+@pytest.mark.slow
 def test_train_without_data_uses_tiny_shakespeare_and_a_fresh_run_dir(env, tmp_path):
     # On a CPU the default preset is cpu-small (on a GPU machine the test pins the CPU).
     result = glassgpt("train", "--max-iters", "1", "--eval-interval", "1", "--device", "cpu",
@@ -255,7 +265,8 @@ THROUGH_A_PROCESS = ("non-UTF-8 text", "unknown flag", "sampling without a check
                      "text shorter than the context")
 
 
-@pytest.mark.parametrize("case", BAD_INPUTS)
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow)
+                                  if case in THROUGH_A_PROCESS else case for case in BAD_INPUTS])
 def test_bad_input_is_one_line_and_no_traceback(case, data_dir, run_dir, env, tmp_path, capsys,
                                                 monkeypatch):
     make_args, message = BAD_INPUTS[case]
@@ -281,6 +292,7 @@ def test_debug_is_a_global_flag_wherever_it_is_given(run_dir, capsys):
         main(["sample", str(run_dir / "nope"), "--debug"])
 
 
+@pytest.mark.slow
 def test_a_closed_pipe_ends_sampling_quietly(run_dir, env):
     process = subprocess.Popen([sys.executable, "-m", "glassgpt", "sample", str(run_dir),
                                 "--stream", "--max-new-tokens", "400", "--threads", "1"],

@@ -36,8 +36,11 @@ def expected_parameters(c: GPTConfig) -> int:
     """The parameter count of a config, by hand. GPT-2's shape gives
     (V + block_size) * C + L * (12C^2 + 13C) + 2C."""
     C, F, kv = c.n_embd, c.hidden_width, (c.n_kv_head or c.n_head) * c.head_dim
+    Q = c.n_head * c.head_dim  # C unless head_dim is set
+    qkv_bias = c.bias if c.qkv_bias is None else c.qkv_bias
     norm = C * (2 if c.norm == "layernorm" and c.bias else 1)
-    attention = C * (C + 2 * kv) + C * C + (C + 2 * kv + C) * c.bias + 2 * c.head_dim * c.qk_norm
+    attention = (C * (Q + 2 * kv) + Q * C + (Q + 2 * kv) * qkv_bias + C * c.bias
+                 + 2 * c.head_dim * c.qk_norm)
     if c.activation == "swiglu":
         mlp = 3 * C * F + (2 * F + C) * c.bias
     else:

@@ -21,6 +21,7 @@ from glassgpt.decoding import (
     CPUEngine,
     CUDAGraphEngine,
     EagerEngine,
+    choice,
     engine_for,
 )
 from glassgpt.decoding import cpu as cpu_engines
@@ -298,9 +299,56 @@ def test_compiled_bf16_decoding_runs_and_mostly_agrees():
 
 def test_auto_picks_the_engine_of_the_device():
     model = tiny_gpt()
-    assert type(engine_for(model)) is CPUEngine
+    assert type(engine_for(model)) is EagerEngine  # one thread (conftest): nothing to split
+    assert type(engine_for(model, "cpu")) is CPUEngine
     assert type(engine_for(model, compiled=True)) is CompiledCPUEngine
     assert type(engine_for(model, "eager")) is EagerEngine
+
+
+@pytest.mark.parametrize(("plain", "threaded", "chosen"), [
+    ([0.010, 0.011, 0.009], [0.008, 0.007, 0.008], CPUEngine),  # threaded faster: taken
+    ([0.010, 0.010, 0.010], [0.012, 0.004, 0.013], EagerEngine),  # slower median: refused
+    ([0.010, 0.010, 0.010], [0.010, 0.010, 0.010], EagerEngine),  # a tie: the plain model
+    ([0.010, 0.010, 0.010], [0.0097, 0.0097, 0.0097], EagerEngine),  # within the noise margin
+])
+def test_auto_on_a_cpu_takes_the_threaded_engine_only_where_it_is_faster(
+        two_threads, plain, threaded, chosen):
+    calls = []
+
+    def timer(engines):
+        calls.append(sorted(engines))
+        return {"eager": plain, "cpu": threaded}
+
+    choice.forget_choices()
+    try:
+        model = tiny_gpt()
+        assert type(choice.measured_cpu_engine(model, timer)) is chosen
+        assert type(choice.measured_cpu_engine(model, timer)) is chosen
+        assert calls == [["cpu", "eager"]]  # measured once for this shape, dtype and threads
+        torch.set_num_threads(1)
+        assert type(choice.measured_cpu_engine(model, timer)) is EagerEngine
+        assert len(calls) == 1  # one thread: the plain model, without timing
+        torch.set_num_threads(2)
+        half = tiny_gpt().to(torch.bfloat16)
+        assert type(choice.measured_cpu_engine(half, timer)) is EagerEngine
+        assert len(calls) == 1  # bf16 weights: nothing is threaded, nothing to time
+    finally:
+        choice.forget_choices()
+
+
+def test_the_choice_times_real_steps_and_auto_gives_the_eager_tokens(two_threads):
+    choice.forget_choices()
+    try:
+        model = tiny_gpt()
+        seconds = choice.step_seconds({"eager": EagerEngine(model), "cpu": CPUEngine(model)})
+        assert {k: len(v) for k, v in seconds.items()} == {"eager": 3, "cpu": 3}
+        assert all(t > 0 for times in seconds.values() for t in times)
+        assert all(block.attn.kv_cache is None for block in model.blocks)  # left as it was
+        idx = prompt(1, 5)
+        expected = generate(model, idx, max_new_tokens=12, temperature=0.0, engine="eager")
+        assert torch.equal(generate(model, idx, max_new_tokens=12, temperature=0.0), expected)
+    finally:
+        choice.forget_choices()
 
 
 @pytest.mark.parametrize(("name", "compiled", "message"), [

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import tiny_gpt
 from glassgpt.cli import main
-from glassgpt.config import GPTConfig
 from glassgpt.data import PreparedData, prepare
 from glassgpt.errors import CheckpointError
 from glassgpt.model import GPT
@@ -31,8 +31,7 @@ def datasets(tmp_path_factory) -> dict[str, PreparedData]:
 
 def tiny_model(vocab_size: int) -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=vocab_size, block_size=16, n_layer=1, n_head=2,
-                         n_embd=16)).eval()
+    return tiny_gpt(vocab_size=vocab_size, n_layer=1).eval()
 
 
 def test_bits_per_byte_formula():

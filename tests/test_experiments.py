@@ -48,6 +48,7 @@ def test_shapes_rejects_width_not_divisible_by_heads(tmp_path: Path) -> None:
         run_experiment("shapes", tmp_path, d_model=10, n_heads=4)
 
 
+@pytest.mark.slow
 def test_parity_every_reference_agrees_in_float64(tmp_path: Path) -> None:
     result = run_quick("parity", tmp_path)
     for mask in ("causal", "bidirectional"):
@@ -60,6 +61,7 @@ def test_parity_every_reference_agrees_in_float64(tmp_path: Path) -> None:
             assert weights_diff is None or weights_diff <= 1e-12
 
 
+@pytest.mark.slow
 def test_multihead_one_head_fails_a_target_and_three_heads_solve_all(tmp_path: Path) -> None:
     result = run_quick("multihead", tmp_path)
     worst = result.numbers["worst_target"]
@@ -119,6 +121,7 @@ def test_params_formula_and_gpt2_small_total(tmp_path: Path) -> None:
     assert 0.30 < result.numbers["embedding_share"] < 0.33
 
 
+@pytest.mark.slow
 def test_residual_collapse_without_skips_and_learning_with_them(tmp_path: Path) -> None:
     result = run_quick("residual", tmp_path)
     chance = math.log(10)
@@ -186,4 +189,4 @@ def test_unknown_experiment_and_option_are_config_errors(tmp_path: Path) -> None
         run_experiment("params", tmp_path, d_model=32)
     assert list(EXPERIMENTS) == ["shapes", "parity", "multihead", "layernorm", "params",
                                  "residual", "dropout", "sharing", "positions", "norms", "mlps",
-                                 "kvheads", "qknorm"]
+                                 "kvheads", "qknorm", "induction"]

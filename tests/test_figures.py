@@ -27,6 +27,7 @@ from glassgpt.experiments import (
     EXPERIMENTS,
     attention_maps,
     dropout,
+    induction,
     kvheads,
     layernorm,
     mlps,
@@ -41,7 +42,7 @@ from glassgpt.experiments import (
     sharing,
 )
 from glassgpt.experiments.attention_maps import Page, page_figure, plan_pages, select_panels
-from glassgpt.experiments.figures import DPI
+from glassgpt.figures import DPI
 
 MIN_POINTS = 8.0  # the floor for every text, tick labels included
 SLACK_PIXELS = 0.5  # anti-aliasing: a box may touch the edge
@@ -171,7 +172,7 @@ NORM_NUMBERS = {"seeds": [0, 1, 2], "counts": {
 MLP_NUMBERS = {a: {"val_steps": STEPS, "val_curves": [curve(4.2, 2.1), curve(4.1, 2.2)],
                    "mlp_parameters": 18_432, "mlp_hidden": h}
                for a, h in zip(mlps.VARIANTS, (192, 128, 192), strict=True)}
-KV_NUMBERS = {"kv_heads": [4, 2, 1], **{
+KV_NUMBERS = {"kv_head_counts": [4, 2, 1], **{
     str(kv): {"cache_bytes_per_token": 512 * kv, "tokens_per_second": 900.0 + kv,
               "val_loss": 2.03 + 0.01 / kv} for kv in (4, 2, 1)}}
 QK_NUMBERS = {"lr": 0.03, **{
@@ -180,6 +181,14 @@ QK_NUMBERS = {"lr": 0.03, **{
                               for s in range(0, 1001, 25)],
            "val_steps": STEPS, "val_curve": curve(4.2, 1.9 + 0.3 * (1 - i))}
     for i, name in enumerate(qknorm.VARIANTS.values())}}
+IND_STEPS = list(range(0, 1001, 25))
+IND_NUMBERS = {"chance_loss": 4.16, "tolerance": 50, **{
+    name: {"steps": IND_STEPS, "repeated_loss": [4.2 - 3.5 * (s > 300) for s in IND_STEPS],
+           "scores": [[[0.02 + 0.8 * (s > 300 and layer == 1 == head) for head in range(4)]
+                       for layer in range(n_layer)] for s in IND_STEPS]}
+    for n_layer, name in induction.LAYERS.items()},
+    "shakespeare": {"n_layer": 4, "steps": list(range(250, 2001, 250)),
+                    "scores": [[[0.02, 0.3, 0.1, 0.05]] * 4 for _ in range(8)]}}
 
 
 # Every figure-drawing function, keyed by the experiment (or command) it belongs to.
@@ -205,6 +214,7 @@ FIGURES: dict[str, dict[str, Callable[[], list[Figure]]]] = {
     "mlps": {"three MLPs": lambda: [mlps.mlps_figure(MLP_NUMBERS)]},
     "kvheads": {"4, 2, 1": lambda: [kvheads.kvheads_figure(KV_NUMBERS)]},
     "qknorm": {"with and without": lambda: [qknorm.qknorm_figure(QK_NUMBERS)]},
+    "induction": {"2 and 1 layers": lambda: [induction.induction_figure(IND_NUMBERS)]},
     "attention": {
         "2 layers x 2 heads, 12 chars": lambda: attention_pages(2, 2, char_labels(12)),
         "cpu-small, 27 chars, one grid": lambda: attention_pages(4, 4, char_labels(27)),
@@ -218,9 +228,18 @@ FIGURES: dict[str, dict[str, Callable[[], list[Figure]]]] = {
         "200 tokens, thinned labels": lambda: attention_pages(1, 1, char_labels(200)),
     },
 }
-CASES = [pytest.param(name, draw, id=f"{name}: {case}")
+# The pictures that take over ~3 s each to draw here (marked slow: `-m "not slow"` skips them).
+SLOW_FIGURES = {"attention: 200 tokens, thinned labels", "attention: 36 chars, split per layer",
+                "attention: cpu-small, 27 chars, one grid",
+                "attention: cpu-small context, 64 chars"}
+CASES = [pytest.param(name, draw, id=f"{name}: {case}",
+                      marks=pytest.mark.slow if f"{name}: {case}" in SLOW_FIGURES else ())
          for name, cases in FIGURES.items() for case, draw in cases.items()]
 ATTENTION_TITLES = {"query (looking)", "key (attended to)"}
+
+
+def test_the_slow_figures_are_cases():
+    assert SLOW_FIGURES.issubset(case.id for case in CASES)
 
 
 @pytest.mark.parametrize(("name", "draw"), CASES)
@@ -237,7 +256,7 @@ def test_every_text_is_on_the_canvas_and_readable(name: str,
 def test_every_experiment_and_every_figure_function_is_covered() -> None:
     assert set(FIGURES) == {*EXPERIMENTS, "attention"}
     modules = [shapes, parity, multihead, layernorm, params, residual, dropout, sharing,
-               positions, norms, mlps, kvheads, qknorm, attention_maps]
+               positions, norms, mlps, kvheads, qknorm, induction, attention_maps]
     figure_functions = {f"{module.__name__}.{name}" for module in modules
                         for name, function in inspect.getmembers(module, inspect.isfunction)
                         if function.__module__ == module.__name__
@@ -256,6 +275,7 @@ def test_every_experiment_and_every_figure_function_is_covered() -> None:
         "glassgpt.experiments.mlps.mlps_figure",
         "glassgpt.experiments.kvheads.kvheads_figure",
         "glassgpt.experiments.qknorm.qknorm_figure",
+        "glassgpt.experiments.induction.induction_figure",
         "glassgpt.experiments.attention_maps.page_figure",
     }
 

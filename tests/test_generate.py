@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from glassgpt.config import GPTConfig
+from conftest import tiny_gpt
 from glassgpt.decoding.generate import (
     generate,
     generate_stream,
@@ -28,8 +28,7 @@ V, BLOCK = 23, 10
 @pytest.fixture(scope="module")
 def model() -> GPT:
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=V, block_size=BLOCK, n_layer=2, n_head=2, n_embd=16)
-    return GPT(config).eval()
+    return tiny_gpt(vocab_size=V, block_size=BLOCK).eval()
 
 
 def prompt(B: int, T: int) -> Tensor:
@@ -86,8 +85,8 @@ def test_a_huge_token_budget_allocates_no_huge_buffer(model):
 @pytest.mark.parametrize("attn_impl", ["fused", "explicit"])
 def test_kv_cached_logits_equal_full_forward_position_by_position(attn_impl):
     torch.manual_seed(1)
-    model = GPT(GPTConfig(vocab_size=V, block_size=BLOCK, n_layer=3, n_head=4, n_embd=32,
-                          attn_impl=attn_impl)).eval()
+    model = tiny_gpt(vocab_size=V, block_size=BLOCK, n_layer=3, n_head=4, n_embd=32,
+                     attn_impl=attn_impl).eval()
     idx = prompt(3, BLOCK)
     with torch.no_grad():
         full, _ = model(idx)  # (B, T, V)

@@ -32,6 +32,7 @@ from glassgpt.rundir.checkpoint import load_model
 from glassgpt.storage import files
 from glassgpt.tokenizers import BPETokenizer
 from glassgpt.training.metrics import read_metrics
+from helpers_cli import glassgpt, one_error_line
 from helpers_dirs import assert_unchanged, changes, snapshot
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "8",
@@ -64,19 +65,6 @@ def place(template, tmp_path) -> dict[str, Path]:
     outside.mkdir()
     (outside / "secret.txt").write_text("not glassgpt's")
     return {"run": run, "outside": outside}
-
-
-def glassgpt(*args: object, capsys) -> tuple[int, str]:
-    """`glassgpt ARGS` in this process: exit code and stderr."""
-    capsys.readouterr()
-    code = main([str(a) for a in args])
-    return code, capsys.readouterr().err
-
-
-def one_error_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
 
 
 # --- row 1: a planted pending link is removed as a link, never written through ---------------

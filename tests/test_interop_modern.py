@@ -170,18 +170,21 @@ def test_a_glassgpt_config_round_trips_through_its_hf_config() -> None:
 
 
 @pytest.mark.parametrize(("arch", "setting", "named"), [
-    ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "'linear'"),
+    ("llama", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "'dynamic'"),
+    ("llama", dict(rope_scaling={"type": "yarn", "factor": 2.0}), "'yarn'"),
     ("llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
-     "'llama3'"),
+     "'llama3' needs low_freq_factor"),
+    ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4,
+                                    "attention_factor": 0.5}), "attention_factor"),
     ("llama", dict(hidden_act="gelu"), "hidden_act='gelu'"),
-    ("llama", dict(head_dim=16), "head_dim=16 x num_attention_heads=4 = 64 is not hidden_size"),
     ("llama", dict(attention_bias=True), "attention_bias=True with mlp_bias=False"),
     ("llama", dict(attention_dropout=0.1), "attention_dropout=0.1"),
     ("llama", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),
     ("qwen3", dict(attention_bias=True), "attention_bias=True with mlp_bias=False"),
     ("qwen3", dict(use_sliding_window=True), "use_sliding_window=True"),
     ("qwen3", dict(layer_types=["full_attention", "sliding_attention"]), "sliding_attention"),
-    ("qwen3", dict(head_dim=128), "head_dim=128"),
+    ("qwen2", dict(use_sliding_window=True), "use_sliding_window=True"),
+    ("smollm3", dict(no_rope_layers=[2]), "no_rope_layers must hold a 0 or 1"),
 ])
 def test_import_refuses_what_glassgpt_cannot_mirror(arch, setting, named) -> None:
     settings = dict(vocab_size=11, hidden_size=32, intermediate_size=40, num_hidden_layers=1,

@@ -197,3 +197,40 @@ def test_an_induction_head_built_by_hand_scores_as_one() -> None:
     assert repeated_random_tokens(29, 4, 2)[:, :4].equal(repeated_random_tokens(29, 4, 2)[:, 4:])
     with pytest.raises(InputError, match="half must be an int"):
         head_scores(model, half=9)
+    # tokens of one's own, repeated, give the same scores as the random ones they are
+    given = head_scores(model, tokens=repeated_random_tokens(29, 8, 8))
+    torch.testing.assert_close(given.induction, head_scores(model, half=8).induction)
+    with pytest.raises(InputError, match="second half must equal"):
+        head_scores(model, tokens=torch.arange(8).view(1, 8))
+
+
+def test_the_walk_in_the_docs_runs_on_a_run_trained_by_the_command_line(tmp_path, capsys) -> None:
+    """docs/interpretability.md's Python walk, as pasted, on a tiny run of its corpus's kind."""
+    import random
+    import re
+    from pathlib import Path
+
+    from glassgpt.cli import main
+
+    rng = random.Random(0)
+    lines = []
+    for _ in range(300):
+        word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(6, 20)))
+        lines.append(f"{word} {word}\n")
+    (tmp_path / "repeats.txt").write_text("".join(lines), encoding="utf-8")
+    assert main(["prepare", "--text", str(tmp_path / "repeats.txt"), "--out",
+                 str(tmp_path / "data")]) == 0
+    assert main(["train", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"),
+                 "--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "48",
+                 "--position", "rope", "--batch-size", "4", "--max-iters", "2",
+                 "--eval-interval", "2", "--eval-iters", "1", "--device", "cpu"]) == 0
+    page = (Path(__file__).resolve().parents[1] / "docs" / "interpretability.md").read_text()
+    walk = page.split("<!-- section: walk -->")[1]
+    code = re.search(r"```python\n(.*?)```", walk, re.DOTALL).group(1)
+    assert '"runs/repeats"' in code
+    exec(compile(code.replace('"runs/repeats"', repr(str(tmp_path / "run"))),
+                 "docs/interpretability.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "strongest induction head: L" in printed and "of the clean answer" in printed
+    total, logit = re.search(r"sum (-?[\d.]+) = logit difference (-?[\d.]+)", printed).groups()
+    assert abs(float(total) - float(logit)) <= 1e-3

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import tiny_gpt
 from glassgpt import attention as attention_module
 from glassgpt import block as block_module
 from glassgpt import norms as norms_module
@@ -35,9 +36,10 @@ from glassgpt.view.lens import (
 L, H, C, V, T = 2, 2, 16, 11, 7
 
 
-def tiny_gpt(**overrides) -> GPT:
-    settings = dict(vocab_size=V, block_size=8, n_layer=L, n_head=H, n_embd=C) | overrides
-    return GPT(GPTConfig(**settings)).eval()
+def lens_gpt(**overrides) -> GPT:
+    """The shared tiny GPT with this module's vocabulary and context, in eval mode."""
+    return tiny_gpt(**{"vocab_size": V, "block_size": 8, "n_layer": L, "n_head": H,
+                       "n_embd": C, **overrides}).eval()
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def idx() -> torch.Tensor:
                                        {"bias": False}], ids=["pre-ln", "post-ln", "untied",
                                                               "no-bias"])
 def test_logit_lens_after_the_last_layer_is_the_models_own_logits(idx, overrides):
-    model = tiny_gpt(**overrides)
+    model = lens_gpt(**overrides)
     lens = logit_lens(model, idx)  # (L + 1, B, T, V)
     assert lens.shape == (L + 1, 2, T, V)
     logits, _ = model(idx)
@@ -59,7 +61,7 @@ def test_logit_lens_after_the_last_layer_is_the_models_own_logits(idx, overrides
 
 
 def test_trace_keeps_the_residual_stream_of_every_layer(idx):
-    model = tiny_gpt()
+    model = lens_gpt()
     seen = trace(model, idx)
     assert seen.residuals.shape == (L + 1, 2, T, C)
     x = model.embed(idx, torch.arange(T))
@@ -70,7 +72,7 @@ def test_trace_keeps_the_residual_stream_of_every_layer(idx):
 
 
 def test_attention_maps_rows_sum_to_one_and_never_look_ahead(idx):
-    model = tiny_gpt()
+    model = lens_gpt()
     maps = attention_maps(model, idx)  # (L, B, H, T, T)
     assert maps.shape == (L, 2, H, T, T)
     torch.testing.assert_close(maps.sum(-1), torch.ones(L, 2, H, T))
@@ -81,7 +83,7 @@ def test_attention_maps_rows_sum_to_one_and_never_look_ahead(idx):
 
 
 def test_trace_runs_without_dropout_and_leaves_the_mode_as_it_was(idx):
-    model = tiny_gpt(dropout=0.5)
+    model = lens_gpt(dropout=0.5)
     expected = trace(model, idx)
     model.train()
     again = trace(model, idx)
@@ -107,7 +109,7 @@ def test_top_k_refuses_a_k_that_is_not_positive():
 
 
 def test_next_token_top_k_reads_the_models_logits(idx):
-    model = tiny_gpt()
+    model = lens_gpt()
     top = next_token_top_k(model, idx, 3)
     expected = torch.softmax(model(idx)[0], dim=-1).topk(3, dim=-1)
     torch.testing.assert_close(top.probs, expected.values)
@@ -115,7 +117,7 @@ def test_next_token_top_k_reads_the_models_logits(idx):
 
 
 def test_logit_lens_top_k_matches_the_full_lens_layer_by_layer(idx):
-    model = tiny_gpt()
+    model = lens_gpt()
     top = logit_lens_top_k(model, idx, 5)  # (L + 1, B, T, 5)
     full = top_k_probabilities(logit_lens(model, idx), 5)
     torch.testing.assert_close(top.probs, full.probs)
@@ -129,7 +131,7 @@ def test_logit_lens_top_k_matches_the_full_lens_layer_by_layer(idx):
 
 
 def test_too_long_input_is_an_input_error():
-    model = tiny_gpt()
+    model = lens_gpt()
     with pytest.raises(InputError, match="longer than block_size"):
         trace(model, torch.zeros(1, 9, dtype=torch.long))
 
@@ -137,7 +139,7 @@ def test_too_long_input_is_an_input_error():
 @pytest.mark.parametrize("overrides", [{}, {"tie_weights": False}, {"bias": False}],
                          ids=["tied", "untied", "no-bias"])
 def test_parameter_counts_by_part_add_up_to_count_parameters(overrides):
-    model = tiny_gpt(**overrides)
+    model = lens_gpt(**overrides)
     parts = parameter_counts(model)
     assert sum(parts.values()) == count_parameters(model)
     assert "other" not in parts
@@ -168,7 +170,7 @@ ARCHITECTURES = {"gpt2": {}, "post-ln": {"pre_ln": False},
 @pytest.mark.parametrize("overrides", ARCHITECTURES.values(), ids=ARCHITECTURES.keys())
 def test_one_head_step_by_step_has_the_models_own_numbers(idx, overrides):
     torch.manual_seed(0)
-    model = tiny_gpt(**overrides)
+    model = lens_gpt(**overrides)
     one = idx[:1]  # (1, T)
     seen = trace(model, one)
     layer, position = 1, 5
@@ -200,7 +202,7 @@ def test_one_head_step_by_step_has_the_models_own_numbers(idx, overrides):
 def test_each_step_names_the_line_that_computes_it(idx, switches):
     """The line is the one that calls the step's hook point (found while the block runs, not
     by searching the source for text), so renaming a variable there cannot break it."""
-    model = tiny_gpt(**switches)
+    model = lens_gpt(**switches)
     steps = head_steps(model, idx[:1], 0, 1, 3)
     points = step_points(model.blocks[0])
     files = {"attention.py": Path(attention_module.__file__),
@@ -214,7 +216,7 @@ def test_each_step_names_the_line_that_computes_it(idx, switches):
 
 
 def test_one_head_refuses_what_does_not_exist(idx):
-    model = tiny_gpt()
+    model = lens_gpt()
     for layer, head, position in [(L, 0, 0), (0, H, 0), (0, 0, T)]:
         with pytest.raises(InputError, match="does not exist"):
             head_steps(model, idx[:1], layer, head, position)
@@ -223,7 +225,7 @@ def test_one_head_refuses_what_does_not_exist(idx):
 
 
 def test_scores_before_the_softmax_give_the_weights_and_mask_the_future(idx):
-    model = tiny_gpt()
+    model = lens_gpt()
     seen = trace(model, idx)
     scores = attention_scores(model, seen.residuals, 1)  # (B, H, T, T)
     assert torch.isinf(scores.triu(1)[..., 0, 1:]).all()
@@ -240,7 +242,7 @@ def logits_of(model: GPT, idx: torch.Tensor, ablation: Ablation | None = None) -
 @pytest.mark.parametrize("overrides", ARCHITECTURES.values(), ids=ARCHITECTURES.keys())
 def test_a_head_switched_off_is_a_model_whose_head_rows_of_w_o_are_zero(idx, overrides):
     torch.manual_seed(0)
-    model = tiny_gpt(**overrides)
+    model = lens_gpt(**overrides)
     layer, head = 1, 1
     by_hand = copy.deepcopy(model)
     d = model.config.n_embd // model.config.n_head
@@ -254,7 +256,7 @@ def test_a_head_switched_off_is_a_model_whose_head_rows_of_w_o_are_zero(idx, ove
 
 @pytest.mark.parametrize("part", ["attention", "mlp"])
 def test_a_layers_attention_or_mlp_switched_off_is_that_output_zeroed_by_hand(idx, part):
-    model = tiny_gpt()
+    model = lens_gpt()
     by_hand = copy.deepcopy(model)
     sub_layer = by_hand.blocks[0].attn if part == "attention" else by_hand.blocks[0].ffn
     with torch.no_grad():
@@ -268,7 +270,7 @@ def test_a_layers_attention_or_mlp_switched_off_is_that_output_zeroed_by_hand(id
 
 
 def test_an_ablation_of_what_does_not_exist_is_refused(idx):
-    model = tiny_gpt()
+    model = lens_gpt()
     for ablation in [Ablation(heads=[(L, 0)]), Ablation(heads=[(0, H)]), Ablation(mlp=[-1])]:
         with pytest.raises(InputError, match="does not exist"):
             trace(model, idx, ablation)
@@ -277,7 +279,7 @@ def test_an_ablation_of_what_does_not_exist_is_refused(idx):
 
 
 def test_the_loss_on_the_prompt_is_the_models_loss(idx):
-    model = tiny_gpt()
+    model = lens_gpt()
     with torch.no_grad():
         _, loss = model(idx[:, :-1], idx[:, 1:])
     assert prompt_loss(model, trace(model, idx), idx) == pytest.approx(loss.item(), abs=1e-5)

@@ -22,12 +22,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import tiny_gpt
 from glassgpt.cli import build_parser, main
-from glassgpt.config import GPTConfig, TrainConfig
+from glassgpt.config import TrainConfig
 from glassgpt.data import PreparedData, prepare
 from glassgpt.errors import CheckpointError, ConfigError, DataError, GlassGPTError
 from glassgpt.machine import devices
-from glassgpt.model import GPT
 from glassgpt.rundir.checkpoint import Run, load_model, load_train_state, save_model
 from glassgpt.storage import layout
 from glassgpt.storage.files import read_json_object
@@ -35,6 +35,7 @@ from glassgpt.tokenizers import load_tokenizer_files, read_tokenizer_file
 from glassgpt.training import runs
 from glassgpt.training.lifecycle import finetune_config, recipe_warnings, train_run
 from glassgpt.training.metrics import read_metrics
+from helpers_cli import glassgpt, one_error_line
 from helpers_dirs import assert_unchanged, snapshot
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "8",
@@ -61,18 +62,6 @@ def template(data, tmp_path_factory) -> Path:
     assert done.action == "train" and done.result.iteration == 2
     assert done.start.preset == "cpu-small" and done.threads == torch.get_num_threads()
     return run
-
-
-def glassgpt(*args: object, capsys) -> tuple[int, str]:
-    capsys.readouterr()
-    code = main([str(a) for a in args])
-    return code, capsys.readouterr().err
-
-
-def one_error_line(err: str) -> str:
-    lines = [line for line in err.strip().splitlines() if line]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
 
 
 # --- D1: --force keeps the old run until the new one commits; a closed stdout saves -----------
@@ -104,6 +93,7 @@ def test_force_keeps_the_old_run_until_the_new_run_commits(template, data, tmp_p
     assert load_train_state(run).best_iteration in (0, 3)
 
 
+@pytest.mark.slow
 def test_a_closed_stdout_saves_and_says_so_on_stderr(data, tmp_path):
     run = tmp_path / "run"
     process = subprocess.Popen(
@@ -266,6 +256,7 @@ def test_resume_takes_the_runs_own_command_line_and_refuses_a_change(data, tmp_p
         assert_unchanged(before, snapshot(run))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif((os.cpu_count() or 1) < 2,
                     reason="thread counts to choose between need two cores")
 def test_n_steps_then_resume_equals_2n_steps_with_threads_auto(data, tmp_path, capsys,
@@ -358,8 +349,8 @@ def test_evaluate_run_opens_the_run_once_and_reports_its_threads(template, monke
 
 def test_a_converted_run_can_be_fine_tuned_with_the_presets_recipe(data, tmp_path):
     tokenizer = PreparedData(data).tokenizer
-    save_model(tmp_path / "converted", GPT(GPTConfig(vocab_size=tokenizer.vocab_size,
-                                                     **TINY_MODEL)), tokenizer)
+    save_model(tmp_path / "converted", tiny_gpt(vocab_size=tokenizer.vocab_size, **TINY_MODEL),
+               tokenizer)
     cfg = finetune_config(Run(tmp_path / "converted"), "cpu-small", None, {"max_iters": 50})
     assert cfg.lr == pytest.approx(1e-4) and cfg.warmup_iters == 5
     assert json.loads((tmp_path / "converted" / layout.CONFIG_FILE).read_text())["train"] is None
@@ -396,6 +387,7 @@ def test_the_tour_in_the_cli_docs_runs(tmp_path, capsys, monkeypatch):
     assert Run(tmp_path / "runs" / "tuned").extra["init_from"] == "runs/mine"
 
 
+@pytest.mark.slow
 def test_the_python_example_in_the_api_docs_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my.txt").write_text(TEXT, encoding="utf-8")

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from conftest import tiny_config, tiny_gpt
 from glassgpt.config import GPTConfig
 from glassgpt.errors import InputError
 from glassgpt.model import GPT, TransformerLM, count_parameters
@@ -21,13 +22,9 @@ from glassgpt.norms import RMSNorm
 GPT2_SMALL_PARAMS = 124_439_808
 
 
-def tiny_config(**overrides) -> GPTConfig:
-    values = dict(vocab_size=20, block_size=12, n_layer=2, n_head=2, n_embd=16)
-    return GPTConfig(**{**values, **overrides})
-
-
-def tiny_gpt(**overrides) -> GPT:
-    return GPT(tiny_config(**overrides)).double().eval()
+def exact_gpt(**overrides) -> GPT:
+    """The shared tiny GPT with a context of 12, in float64 and eval mode: exact comparisons."""
+    return tiny_gpt(**{"block_size": 12, **overrides}).double().eval()
 
 
 def gpt_param_formula(V: int, max_len: int, L: int, C: int) -> int:
@@ -70,14 +67,14 @@ def past_and_future(changes: Tensor) -> tuple[Tensor, Tensor]:
 @pytest.mark.parametrize("attn_impl", ["fused", "explicit"])
 @pytest.mark.parametrize("pre_ln", [True, False], ids=["pre-ln", "post-ln"])
 def test_gpt_is_causal(attn_impl, pre_ln):
-    model = tiny_gpt(attn_impl=attn_impl, pre_ln=pre_ln)
+    model = exact_gpt(attn_impl=attn_impl, pre_ln=pre_ln)
     past, future = past_and_future(logit_changes(model, torch.randint(0, 20, (1, 12))))
     assert past.max() <= 1e-12, "changing token t + 1 changed logits at positions <= t"
     assert future.min() > 1e-6  # while the change does reach position t + 1 and later
 
 
 def test_norm_over_time_and_width_breaks_causality():
-    model = tiny_gpt()
+    model = exact_gpt()
     for block in model.blocks:
         block.ln1, block.ln2 = SequenceNorm(), SequenceNorm()
     changes = logit_changes(model, torch.randint(0, 20, (1, 12)))
@@ -89,6 +86,7 @@ def test_norm_over_time_and_width_breaks_causality():
 
 # --- parameter counts ----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_gpt2_small_has_124_439_808_parameters_both_ways():
     with torch.device("meta"):  # shapes only: no 500 MB of memory, no random init
         from_preset = GPT(GPTConfig.from_preset("gpt2"))
@@ -110,13 +108,13 @@ def test_gpt_parameter_formula(V, max_len, L, C, H):
 
 
 def test_count_parameters_skips_frozen_ones():
-    model = tiny_gpt()
+    model = exact_gpt()
     model.pos_emb.weight.requires_grad_(False)
     assert count_parameters(model) == gpt_param_formula(20, 12, 2, 16) - 12 * 16
 
 
 def test_every_block_is_its_own_module():
-    model = tiny_gpt(n_layer=4)
+    model = exact_gpt(n_layer=4)
     blocks = list(model.blocks)
     assert len({id(b) for b in blocks}) == 4
     pointers = [p.data_ptr() for b in blocks for p in b.parameters()]
@@ -130,8 +128,8 @@ def test_every_block_is_its_own_module():
 
 
 def test_transformer_lm_builds_the_same_model_as_gpt():
-    config = GPTConfig(vocab_size=30, block_size=8, n_layer=2, n_head=4, n_embd=32,
-                       activation="relu", pre_ln=False)
+    config = tiny_config(vocab_size=30, block_size=8, n_head=4, n_embd=32, activation="relu",
+                         pre_ln=False)
     torch.manual_seed(5)
     gpt = GPT(config)
     torch.manual_seed(5)
@@ -145,13 +143,13 @@ def test_transformer_lm_builds_the_same_model_as_gpt():
 # --- tied head and GPT-2 initialisation ----------------------------------------------------
 
 def test_lm_head_is_tied_to_the_token_embedding():
-    model = tiny_gpt()
+    model = exact_gpt()
     assert model.lm_head.weight is model.tok_emb.weight
     assert model.lm_head.bias is None
     # The head scores a hidden state against every token's embedding row.
     h = torch.randn(16, dtype=torch.float64)
     assert torch.allclose(model.lm_head(h), model.tok_emb.weight @ h)
-    untied = tiny_gpt(tie_weights=False)
+    untied = exact_gpt(tie_weights=False)
     assert untied.lm_head.weight is not untied.tok_emb.weight
 
 
@@ -178,7 +176,7 @@ def test_gpt2_initialisation_statistics():
 
 
 def test_initial_loss_is_near_uniform():
-    model = GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    model = tiny_gpt(vocab_size=50, n_embd=32)
     idx = torch.randint(0, 50, (4, 16))
     _, loss = model(idx, targets=torch.randint(0, 50, (4, 16)))
     assert abs(loss.item() - math.log(50)) < 0.1
@@ -187,7 +185,7 @@ def test_initial_loss_is_near_uniform():
 # --- forward -------------------------------------------------------------------------------
 
 def test_loss_is_cross_entropy_and_ignores_minus_one():
-    model = tiny_gpt()
+    model = exact_gpt()
     idx = torch.randint(0, 20, (2, 12))
     targets = torch.randint(0, 20, (2, 12))
     targets[0, :4] = -1
@@ -200,7 +198,7 @@ def test_loss_is_cross_entropy_and_ignores_minus_one():
 
 
 def test_last_only_returns_the_last_position():
-    model = tiny_gpt()
+    model = exact_gpt()
     idx = torch.randint(0, 20, (3, 9))
     full, _ = model(idx)
     last, _ = model(idx, last_only=True)
@@ -209,7 +207,7 @@ def test_last_only_returns_the_last_position():
 
 
 def test_attention_maps_are_causal_distributions():
-    model = tiny_gpt(n_layer=3)
+    model = exact_gpt(n_layer=3)
     idx = torch.randint(0, 20, (2, 7))
     maps = model.attention_maps(idx)
     assert len(maps) == 3 and all(m.shape == (2, 2, 7, 7) for m in maps)
@@ -224,7 +222,7 @@ def test_attention_maps_are_causal_distributions():
 # --- bad input -----------------------------------------------------------------------------
 
 def test_sequence_longer_than_block_size_is_an_error():
-    model = tiny_gpt()
+    model = exact_gpt()
     with pytest.raises(InputError, match=r"13 tokens.*block_size=12"):
         model(torch.zeros(1, 13, dtype=torch.long))
     with pytest.raises(InputError, match=r"14 tokens.*block_size=12"):
@@ -233,7 +231,7 @@ def test_sequence_longer_than_block_size_is_an_error():
 
 @pytest.mark.parametrize("bad", [-1, 20, 1000])
 def test_token_outside_the_vocabulary_is_an_error(bad):
-    model = tiny_gpt()
+    model = exact_gpt()
     idx = torch.zeros(2, 5, dtype=torch.long)
     idx[1, 3] = bad
     with pytest.raises(InputError, match=rf"token id {bad} .*\[0, 20\)"):
@@ -243,7 +241,7 @@ def test_token_outside_the_vocabulary_is_an_error(bad):
 
 
 def test_float_token_ids_are_an_input_error():
-    model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=1, n_embd=8))
+    model = tiny_gpt(vocab_size=11, block_size=8, n_layer=1, n_head=1, n_embd=8)
     with pytest.raises(InputError, match="token ids must be integers, got dtype torch.float32"):
         model(torch.zeros(1, 3))
 
@@ -251,7 +249,7 @@ def test_float_token_ids_are_an_input_error():
 def test_ids_checked_where_they_entered_are_not_read_back(monkeypatch):
     """check_ids=False (the trainer, the decoders, eval: their ids were checked on the host)
     never reads ids back from the device: that would be a host sync per step on a GPU."""
-    model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=1, n_embd=8))
+    model = tiny_gpt(vocab_size=11, block_size=8, n_layer=1, n_head=1, n_embd=8)
     idx = torch.randint(0, 11, (2, 8))
 
     def no_reading_back(*args, **kwargs):
@@ -265,7 +263,7 @@ def test_ids_checked_where_they_entered_are_not_read_back(monkeypatch):
 
 def test_token_ids_must_be_two_dimensional():
     with pytest.raises(InputError, match=r"got shape \(5,\)"):
-        tiny_gpt()(torch.zeros(5, dtype=torch.long))
+        exact_gpt()(torch.zeros(5, dtype=torch.long))
 
 
 # --- the examples of the README and the API page ---------------------------------------------
@@ -293,7 +291,7 @@ def test_the_input_checks_live_in_their_own_module_and_model_py_opens_with_gpt()
     """`glassgpt.inputs` checks ids and targets once each; model.py says what it builds."""
     import glassgpt.model as model_module
     from glassgpt import inputs
-    model = tiny_gpt()
+    model = exact_gpt()
     idx = torch.randint(0, 20, (2, 5))
     for targets, message in [(idx.float(), "targets must be integers"),
                              (idx[:, :4], r"targets must have the shape .*\(2, 5\)"),
@@ -306,4 +304,4 @@ def test_the_input_checks_live_in_their_own_module_and_model_py_opens_with_gpt()
     source = Path(model_module.__file__).read_text("utf-8")
     assert "def check_" not in source.split("class GPT")[0]  # no checks before the model
     assert "final LayerNorm" not in model_module.__doc__  # the final norm may be RMSNorm
-    assert isinstance(GPT(tiny_config(norm="rmsnorm")).ln_f, RMSNorm)
+    assert isinstance(tiny_gpt(block_size=12, norm="rmsnorm").ln_f, RMSNorm)

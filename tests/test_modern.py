@@ -419,14 +419,16 @@ def test_one_name_for_the_kv_head_count_and_one_home_for_its_groups():
     import re
     from pathlib import Path
     root = Path(__file__).parents[1]
-    spellings = re.compile(r"\bn_kv_heads\b|\bkv_heads_of\b|\b(?:c|config|cfg)\.kv_heads\b")
+    spellings = re.compile(r"\bn_kv_heads\b|\bkv_heads_of\b|\bkv_heads\b")
     group_size = re.compile(r"n_heads? // |// \(?\w*\.?n_kv_head")
-    for path in [*(root / "src" / "glassgpt").rglob("*.py"), *(root / "tests").glob("*.py")]:
+    package = root / "src" / "glassgpt"
+    for path in [*package.rglob("*.py"), *package.rglob("*.js"), *(root / "tests").glob("*.py"),
+                 *(root / "docs").glob("*.md")]:
         if path.name == Path(__file__).name:
             continue
         text = path.read_text("utf-8")
         assert not spellings.search(text), f"{path.name}: {spellings.search(text)[0]}"
-        if "src" in path.parts and path.name != "attention.py":
+        if "src" in path.parts and path.suffix == ".py" and path.name != "attention.py":
             assert not group_size.search(text), f"{path.name}: {group_size.search(text)[0]}"
 
 
@@ -468,7 +470,7 @@ def test_adding_a_switch_as_reading_the_code_says_is_true_to_the_code():
         obj = where
         for part in name.split("."):
             obj = getattr(obj, part)
-    shown = "nn.Linear(C, C + 2 * kv_width, bias=config.bias"
+    shown = "nn.Linear(C, self.q_width + 2 * kv_width, bias=config.has_qkv_bias)"
     assert shown in section and shown in inspect.getsource(attention.MultiHeadSelfAttention._build)
     built = inspect.getsource(model.GPT.__init__) + inspect.getsource(block.TransformerBlock._build)
     assert "from_config(config" in built and "make_norm(config)" in built

@@ -12,7 +12,13 @@ from glassgpt.data import PreparedData, prepare
 from glassgpt.errors import ConfigError
 from glassgpt.model import GPT, count_parameters
 from glassgpt.training.metrics import read_metrics
-from glassgpt.training.muon import Muon, lr_scale, orthogonalise
+from glassgpt.training.muon import (
+    Muon,
+    lr_scale,
+    orthogonalise,
+    orthogonalise_all,
+    orthogonalise_batched,
+)
 from glassgpt.training.optim import make_optimizer, muon_parameter_split, set_lr
 from glassgpt.training.runs import build_model
 from glassgpt.training.trainer import Trainer
@@ -151,3 +157,49 @@ def test_resume_with_muon_is_bitwise_exact(tmp_path, small_text):
     buffers = [s["momentum_buffer"] for s in split.optimizer.state.values()
                if "momentum_buffer" in s]
     assert len(buffers) == 4 * TINY["n_layer"]  # qkv, proj, fc, proj of each block
+
+
+MIXED_SHAPES = [(12, 12), (8, 20), (24, 6), (12, 12), (8, 20), (24, 6), (24, 6), (5, 7)]
+
+
+def test_batched_newton_schulz_equals_the_per_matrix_one():
+    """One batched iteration per shape gives each matrix's own `orthogonalise`, whatever the
+    order and mix of shapes (repeated, square, wide, tall, alone)."""
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(s, generator=generator) * (i + 1) for i, s in enumerate(MIXED_SHAPES)]
+    grads.append(torch.zeros(12, 12))  # all zeros: the eps keeps it finite, as alone
+    batched = orthogonalise_all(grads, steps=4)
+    assert len(batched) == len(grads)
+    for grad, ortho in zip(grads, batched, strict=True):
+        torch.testing.assert_close(ortho, orthogonalise(grad, steps=4), rtol=1e-2, atol=1e-3)
+    with pytest.raises(ConfigError, match="stack of matrices"):
+        orthogonalise_batched(torch.zeros(3, 4))
+
+
+class PerMatrixMuon(Muon):
+    """The reference: each update orthogonalised alone."""
+
+    def orthogonalise_updates(self, updates, group):
+        return [orthogonalise(u, group["ns_steps"], group["ns_coefficients"], group["eps"])
+                for u in updates]
+
+
+def test_a_batched_muon_training_step_equals_the_per_matrix_one():
+    """Three steps of a tiny GPT (its blocks' matrices share shapes, so they are batched):
+    the same weights as with one Newton-Schulz iteration per matrix."""
+    models = [GPT(GPTConfig(vocab_size=20, **TINY)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    optimizers = []
+    for optimizer_class, model in zip((Muon, PerMatrixMuon), models, strict=True):
+        split = muon_parameter_split(model)
+        optimizers.append(optimizer_class([
+            {"params": split["muon"]},
+            {"params": split["adamw_decay"] + split["adamw"], "use_muon": False}]))
+    batch = torch.randint(0, 20, (2, 17), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        for model, optimizer in zip(models, optimizers, strict=True):
+            optimizer.zero_grad()
+            model(batch[:, :-1], batch[:, 1:])[1].backward()
+            optimizer.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -20,7 +20,9 @@ CLAIMS = ["same as the module: True True", "parallel == per-head loop (<= 1e-12)
           "over (T, C), earlier outputs unchanged:  False", "by hand == block(x): True",
           "parameters: 3280 = 12C^2 + 13C = 3280",
           "GPT-2 small: 124,439,808 counted, 124,439,808 by the formula",
-          "sum of the heads' contributions == the attention's output: True"]
+          "sum of the heads' contributions == the attention's output: True",
+          "attribution adds up to the logit: True", "patched with its own clean cache: 1.0",
+          "resid_pre at the changed position, layer 0: 1.0"]
 
 
 def printed(notebook) -> str:

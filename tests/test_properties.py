@@ -20,6 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import tiny_gpt
 from glassgpt.config import GPTConfig, TrainConfig
 from glassgpt.errors import GlassGPTError
 from glassgpt.model import GPT
@@ -123,7 +124,7 @@ def test_tokenizer_file_parsing(text):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("run")
-    save_model(run, GPT(GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=2, n_embd=8)),
+    save_model(run, tiny_gpt(vocab_size=8, block_size=8, n_layer=1, n_embd=8),
                CharTokenizer(list("abcdefgh")))
     return run
 
@@ -178,7 +179,7 @@ def mutated(draw, value: object) -> object:
 def resumable_run(tmp_path_factory) -> Path:
     """A run a trainer could resume: weights, a stepped AdamW's state, random states."""
     run = tmp_path_factory.mktemp("resumable")
-    model = GPT(GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    model = tiny_gpt(vocab_size=8, block_size=8, n_layer=1, n_embd=8)
     optimizer = make_optimizer(model, TrainConfig())
     take_a_step(model, optimizer)
     state = TrainState(iteration=1, best_val_loss=2.0, optimizer=optimizer.state_dict(),
@@ -266,7 +267,7 @@ def hf_dir(tmp_path_factory) -> Path:
     from glassgpt.hf.interop import weight_names
 
     path = tmp_path_factory.mktemp("hf")
-    model = GPT(GPTConfig(vocab_size=8, block_size=8, n_layer=2, n_head=2, n_embd=8))
+    model = tiny_gpt(vocab_size=8, block_size=8, n_embd=8)
     ours = model.state_dict()
     save_file({theirs: (ours[name].t() if conv1d else ours[name]).contiguous()
                for name, theirs, conv1d in weight_names(2, True)}, path / "model.safetensors")

@@ -6,12 +6,12 @@ import os
 import pytest
 import torch
 
-from glassgpt.config import GPTConfig, SamplingConfig
+from conftest import tiny_gpt
+from glassgpt.config import SamplingConfig
 from glassgpt.decoding.generate import stream_text
 from glassgpt.experiments import run_experiment
 from glassgpt.experiments.attention_maps import draw_prompt_attention
 from glassgpt.machine import devices
-from glassgpt.model import GPT
 from glassgpt.rundir.checkpoint import save_model
 from glassgpt.tokenizers import CharTokenizer
 from glassgpt.view.server import load_for_view
@@ -33,8 +33,7 @@ def _restore_threads(monkeypatch):
 @pytest.fixture()
 def tiny():
     tokenizer = CharTokenizer.from_text(TEXT)
-    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, block_size=16, n_layer=1, n_head=2,
-                          n_embd=16, dropout=0.0)).eval()
+    model = tiny_gpt(vocab_size=tokenizer.vocab_size, n_layer=1, dropout=0.0).eval()
     return model, tokenizer
 
 

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from glassgpt.config import GPTConfig, TrainConfig, load_preset
+from conftest import TINY_GPT, tiny_config, tiny_gpt
+from glassgpt.config import TrainConfig, load_preset
 from glassgpt.data import BatchSampler, PreparedData, prepare
 from glassgpt.errors import CheckpointError, ConfigError, DataError
 from glassgpt.machine.devices import autocast_dtype
@@ -26,11 +27,7 @@ from glassgpt.training.runs import (
 )
 from glassgpt.training.trainer import NonFiniteLossError, Trainer, estimate_loss, train_step
 
-TINY = dict(block_size=16, n_layer=2, n_head=2, n_embd=16)
-
-
-def tiny_gpt(vocab_size: int = 20, **overrides) -> GPT:
-    return GPT(GPTConfig(vocab_size=vocab_size, **{**TINY, **overrides}))
+TINY = {k: v for k, v in TINY_GPT.items() if k != "vocab_size"}  # the shared shape
 
 
 @pytest.fixture()
@@ -95,7 +92,7 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 
 def test_estimate_loss_uses_eval_mode_and_restores_it(data):
-    model = tiny_gpt(data.vocab_size, dropout=0.5)
+    model = tiny_gpt(vocab_size=data.vocab_size, dropout=0.5)
     samplers = {s: BatchSampler(data.splits[s], 16, 4, seed=0)
                 for s in ("train", "val")}
     seen = []
@@ -154,6 +151,7 @@ def run_tiny(data, run_dir, max_iters, resume=False, **overrides) -> Trainer:
     return trainer
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_exact(tmp_path, data):
     """8 steps in one go == 4 steps, then a fresh process-like resume for 4 more."""
     whole = run_tiny(data, tmp_path / "whole", 8)
@@ -217,6 +215,7 @@ def test_autocast_dtype_on_a_cpu_is_opt_in_bf16():
         autocast_dtype("float16", cpu)
 
 
+@pytest.mark.slow
 def test_bf16_autocast_training_on_a_cpu_keeps_fp32_weights_and_follows_fp32(tmp_path, data):
     """`train --dtype bfloat16` on a CPU: matmuls in bf16, weights and optimizer in fp32, and
     losses that track the fp32 run's closely."""
@@ -231,7 +230,7 @@ def test_bf16_autocast_training_on_a_cpu_keeps_fp32_weights_and_follows_fp32(tmp
 
 
 def test_training_memory_counts_16_bytes_a_parameter_and_one_micro_batch():
-    config = GPTConfig(vocab_size=50, **TINY)
+    config = tiny_config(vocab_size=50)
     params = count_parameters(GPT(config))
     parts = training_memory(config, batch_size=4, amp_dtype=None, parameters=params)
     assert parts["weights"] == parts["gradients"] == 4 * params

@@ -17,6 +17,7 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
+from glassgpt.bench import view as bench
 from glassgpt.cli import build_parser, main
 from glassgpt.config import GPTConfig, SamplingConfig
 from glassgpt.data import PreparedData
@@ -26,7 +27,6 @@ from glassgpt.model import GPT, count_parameters
 from glassgpt.rundir.checkpoint import load_model
 from glassgpt.tokenizers import CharTokenizer, train_tokenizer
 from glassgpt.training.metrics import read_metrics
-from glassgpt.view import bench
 from glassgpt.view.inspector import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, RunView, pooled
 from glassgpt.view.lens import (
     attention_maps,
@@ -85,7 +85,9 @@ def test_the_page_and_its_assets_are_served_from_the_package(client):
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     assert "default-src 'self'" in page.headers["content-security-policy"]
     assert '<script src="/static/app.js"' in page.text
-    for asset, kind in [("app.js", "javascript"), ("style.css", "text/css")]:
+    assert '<script src="/static/causal.js"' in page.text
+    for asset, kind in [("app.js", "javascript"), ("causal.js", "javascript"),
+                        ("style.css", "text/css")]:
         answer = client.get(f"/static/{asset}")
         assert answer.status_code == 200 and kind in answer.headers["content-type"]
         # Offline: nothing is loaded from another site (the SVG namespace is a name, not a URL
@@ -165,7 +167,7 @@ def test_inside_one_head_has_the_models_own_numbers(client, view):
     # the line that calls each step's hook point (attention scores: masked, then the softmax)
     assert steps["scores"]["source"]["function"] == "masked_softmax"
     assert "hook_pattern(" in steps["weights"]["source"]["text"]
-    assert answer["kv_head"] == 1 and answer["kv_heads"] == 2
+    assert answer["kv_head"] == 1 and answer["n_kv_head"] == 2
 
 
 def test_scores_are_before_the_softmax_and_say_their_scale(client, view):
@@ -178,7 +180,7 @@ def test_scores_are_before_the_softmax_and_say_their_scale(client, view):
         torch.testing.assert_close(torch.tensor(row), scores[i, :i + 1], rtol=0, atol=5e-5)
     flat = [v for row in rows for v in row]
     assert answer["scale"] == {"min": min(flat), "max": max(flat)}
-    assert answer["kind"] == "scores" and answer["kv_heads"] == [1]
+    assert answer["kind"] == "scores" and answer["kv_head_of"] == [1]
     weights = client.post("/api/attention", json={**body, "kind": "weights"}).json()
     assert weights["scale"] == {"min": 0.0, "max": 1.0}
 
@@ -266,11 +268,11 @@ def test_a_modern_model_with_shared_kv_heads_is_seen_through_the_same_way():
     view = RunView(GPT(config), tokenizer)
     prompt = "abc fed hag"
     inside = view.head(prompt, layer=1, head=3, position=10)
-    assert (inside["kv_head"], inside["kv_heads"]) == (1, 2)  # heads 2 and 3 share K/V head 1
+    assert (inside["kv_head"], inside["n_kv_head"]) == (1, 2)  # heads 2 and 3 share K/V head 1
     maps = attention_maps(view.model, ids_of(view, prompt))[:, 0]  # (L, H, T, T)
     weights = next(s for s in inside["steps"] if s["name"] == "weights")["values"]
     torch.testing.assert_close(torch.tensor(weights), maps[1, 3, 10], rtol=0, atol=5e-5)
-    assert view.attention(prompt, 0)["kv_heads"] == [0, 0, 1, 1]
+    assert view.attention(prompt, 0)["kv_head_of"] == [0, 0, 1, 1]
     assert view.card()["parameters"]["parts"]["norm"] == (2 * 2 + 1) * 16
     ablated = view.ablate(prompt, heads=[[1, 2], [1, 3]])
     assert ablated["ablated"]["loss"] != ablated["intact"]["loss"]
@@ -420,7 +422,7 @@ def test_only_the_documented_endpoints_exist_and_none_takes_a_file(client):
     paths = {route.path for route in client.app.routes}
     assert paths == {"/", "/api/card", "/api/tokenize", "/api/predictions", "/api/attention",
                      "/api/overview", "/api/attends", "/api/head", "/api/ablate", "/api/sample",
-                     "/static"}
+                     "/api/mlp", "/api/patching", "/api/attribution", "/static"}
 
 
 def test_a_page_of_another_site_is_refused_by_its_host_name(client):

@@ -35,7 +35,7 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--disable-component-update", "--disable-sync", "--window-size=1280,900"]
 INSTALL_HINT = ("install Debian's Chromium and its driver (`apt-get install -y chromium "
                 "chromium-driver`, as .ci/run does) and Selenium (`pip install -e .[dev]`)")
-WAIT_S = 20
+WAIT_S = 60  # a loaded machine can take long over the first page; only a failure waits so long
 SERVER_START_S = 60
 
 
@@ -360,6 +360,59 @@ def test_a_sample_streams_into_the_page(page, model_and_tokenizer):
                                                                sampling))
     assert text_of(page, "sample-prompt") == PROMPT
     assert text_of(page, "sample-status").startswith("done: 20 pieces")
+
+
+def test_each_head_wears_its_previous_token_and_induction_scores(page, model_and_tokenizer):
+    from glassgpt.interp.scores import head_scores
+    from glassgpt.view.causal import score_half
+
+    model, _ = model_and_tokenizer
+    scores = head_scores(model, half=score_half(model.config.block_size))
+    shown = values(page, "#overview .badge", "dataset.value")
+    kinds = values(page, "#overview .badge", "dataset.kind")
+    assert kinds == ["previous", "induction"] * 4  # 2 layers x 2 heads, in reading order
+    expected = torch.stack([scores.previous_token.flatten(), scores.induction.flatten()], 1)
+    torch.testing.assert_close(torch.tensor([float(v) for v in shown]), expected.flatten(),
+                               rtol=0, atol=1e-4)
+
+
+def test_inside_the_mlp_follows_the_selected_token(page):
+    mlp = by_id(page, "mlp")
+    wait_for(page, lambda d: mlp.get_attribute("data-position") == "4", "the MLP at position 4")
+    assert values(page, "#mlp .step", "dataset.step") == ["resid_mid", "normed", "pre", "post",
+                                                           "mlp_out", "resid_post"]
+    assert all(w.startswith(("block.py:", "norms.py:")) for w in values(page, "#mlp .where"))
+
+
+def test_attribution_bars_add_up_to_the_logit(page):
+    wait_for(page, lambda d: values(d, "#attribution tr", "dataset.label"), "attribution bars")
+    labels = values(page, "#attribution tr", "dataset.label")
+    assert labels[:2] == ["embed", "pos_embed"] and "L1H1" in labels and "L1 MLP" in labels
+    total, logit = float(text_of(page, "attribution-total")), float(text_of(page,
+                                                                            "attribution-logit"))
+    assert abs(total - logit) < 2e-4
+    parts = sum(float(v) for v in values(page, "#attribution tr", "dataset.value"))
+    assert abs(parts - logit) < 1e-3
+
+
+def test_patching_draws_its_maps_and_a_click_opens_the_head(page):
+    by_id(page, "patch-clean").clear()
+    by_id(page, "patch-clean").send_keys(PROMPT)
+    by_id(page, "patch-corrupted").clear()
+    by_id(page, "patch-button").click()
+    wait_for(page, lambda d: len(values(d, "#patching .patch-map", "dataset.map")) == 4,
+             "four patching maps")
+    corrupted = by_id(page, "patch-corrupted").get_attribute("value")
+    assert len(corrupted) == len(PROMPT) and corrupted != PROMPT  # one character changed
+    first = values(page, '#patching [data-map="resid_pre"] td[data-layer="0"]', "dataset.value")
+    changed = len(PROMPT) - 2
+    assert [float(v) for v in first] == [1.0 if t == changed else 0.0 for t in range(len(PROMPT))]
+    page.find_element("css selector",
+                      '#patching [data-map="heads"] td[data-layer="1"][data-head="1"]').click()
+    inside = by_id(page, "inside")
+    wait_for(page, lambda d: (inside.get_attribute("data-layer"),
+                              inside.get_attribute("data-head")) == ("1", "1"),
+             "inside layer 1 head 1 from the patching map")
 
 
 def test_the_page_logged_no_errors(page):

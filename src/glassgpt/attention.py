@@ -2,7 +2,7 @@
 
 Notation used in every shape comment of this file:
     B = batch, T = query positions, S = key positions (T, or more when a KV cache holds the past),
-    C = model width (d_model), H = heads, d = C // H = head width.
+    C = model width (d_model), H = heads, d = head width (C // H unless `head_dim` is set).
 
 `MultiHeadSelfAttention` keeps two paths that compute the same numbers:
   * explicit: scores = q @ k^T / sqrt(d), mask, softmax, dropout, weights @ v  (you can see it all)
@@ -16,7 +16,11 @@ The modern switches (docs/modern.md) are steps added to the same path, each off 
     key/value heads, each serving `groups` = H // n_kv_head query heads (repeated just before
     attention);
   * `qk_norm`: RMSNorm over the head width on q and k (Qwen3);
-  * `rotary`: q and k rotated by their positions (`glassgpt.rotary`).
+  * `rotary`: q and k rotated by their positions (`glassgpt.rotary`), in every layer but the
+    config's `nope_layers` (the layer's `AttentionKind`);
+  * `head_dim`: heads of width d apart from C (Qwen3), so q is H * d wide and `proj` maps
+    H * d back to C;
+  * `qkv_bias`: biases on q, k and v only (Qwen2), none on `proj`.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from torch import Tensor, nn
 
 from glassgpt.config import GPTConfig, check_heads_divide_width
 from glassgpt.errors import InputError
-from glassgpt.hooks import HookPoint
+from glassgpt.hooks import add_hook_points
 from glassgpt.norms import RMSNorm
 from glassgpt.rotary import RotaryEmbedding
 
@@ -200,47 +204,58 @@ class MultiHeadSelfAttention(nn.Module):
                               norm_eps=norm_eps), causal)
 
     @classmethod
-    def from_config(cls, config: GPTConfig, causal: bool = True) -> MultiHeadSelfAttention:
-        """The attention of a block of `config`: the config passed whole, no field unpacked."""
+    def from_config(cls, config: GPTConfig, causal: bool = True,
+                    layer: int = 0) -> MultiHeadSelfAttention:
+        """The attention of block `layer` of `config`: the config passed whole, no field
+        unpacked (the layer picks its per-layer kind, `config.attention_kind(layer)`)."""
         attn = cls.__new__(cls)
         nn.Module.__init__(attn)
-        attn._build(config, causal)
+        attn._build(config, causal, layer)
         return attn
 
-    def _build(self, config: GPTConfig, causal: bool) -> None:
+    def _build(self, config: GPTConfig, causal: bool, layer: int = 0) -> None:
         C, H, d = config.n_embd, config.n_head, config.head_dim
         self.d_model, self.n_heads, self.head_dim, self.causal = C, H, d, causal
+        self.q_width = H * d  # C unless head_dim is set
         self.n_kv_head = config.n_kv_head or H  # None: every query head has its own K and V
         self.groups = H // self.n_kv_head  # query heads per K/V head
         self.impl, self.dropout_p = config.attn_impl, config.dropout
         kv_width = self.n_kv_head * d  # C when every head has its own K and V
-        self.qkv = nn.Linear(C, C + 2 * kv_width, bias=config.bias)
-        self.proj = nn.Linear(C, C, bias=config.bias)
+        self.qkv = nn.Linear(C, self.q_width + 2 * kv_width, bias=config.has_qkv_bias)
+        self.proj = nn.Linear(self.q_width, C, bias=config.bias)
         self.attn_dropout = nn.Dropout(config.dropout)  # on the attention weights
         self.resid_dropout = nn.Dropout(config.dropout)  # on the output, before the residual
         self.q_norm = RMSNorm(d, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.norm_eps) if config.qk_norm else None
-        rotary = config.position == "rope"
-        self.rotary = RotaryEmbedding(d, config.rope_theta) if rotary else None
+        rotary = config.attention_kind(layer).rotary
+        self.rotary = RotaryEmbedding.from_config(config) if rotary else None
         self.kv_cache: KVCache | None = None
         # Hook points (glassgpt.hooks), TransformerLens's names; q, k, v and z as
         # (B, T, heads, d), scores and pattern as (B, H, T, S).
-        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
+        add_hook_points(self, "hook_q", "hook_k", "hook_v")
         if rotary:
-            self.hook_rot_q, self.hook_rot_k = HookPoint(), HookPoint()
-        self.hook_attn_scores, self.hook_pattern = HookPoint(), HookPoint()
-        self.hook_z = HookPoint()
+            add_hook_points(self, "hook_rot_q", "hook_rot_k", transpose=(1, 2))
+        add_hook_points(self, "hook_attn_scores", "hook_pattern", decides_path=True)
+        add_hook_points(self, "hook_z")
 
     def kv_head_of(self, head: int) -> int:
         """The K/V head that query head `head` reads: each serves `groups` heads in a row."""
         return head // self.groups
 
+    def is_classic(self) -> bool:
+        """Whether this is the attention of "Attention is all you need": one K and V per head,
+        heads splitting C, no QK-norm or rotary, biases on all projections or none."""
+        return (self.n_kv_head == self.n_heads and self.q_width == self.d_model
+                and self.q_norm is None and self.rotary is None
+                and (self.qkv.bias is None) == (self.proj.bias is None))
+
     def to_torch_multihead(self) -> nn.MultiheadAttention:
         """An `nn.MultiheadAttention` (batch_first) computing the same: qkv -> in_proj, proj ->
         out_proj, copied 1:1 because both keep Q, K, V stacked in that order."""
-        if self.n_kv_head != self.n_heads or self.q_norm is not None or self.rotary is not None:
-            raise InputError("nn.MultiheadAttention has no grouped K/V, QK-norm or rotary "
-                             "positions; only a classic attention module converts")
+        if not self.is_classic():
+            raise InputError("nn.MultiheadAttention has no grouped K/V, QK-norm, rotary "
+                             "positions, own head width or q/k/v-only biases; only a classic "
+                             "attention module converts")
         bias = self.qkv.bias is not None
         weight = self.qkv.weight
         mha = nn.MultiheadAttention(self.d_model, self.n_heads, dropout=self.dropout_p,
@@ -278,7 +293,7 @@ class MultiHeadSelfAttention(nn.Module):
         k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)  # 2 x (B, H, S, d)
         y, weights = self.attend(q, k, v, pad_mask, return_attn)  # (B, H, T, d)
         z = self.hook_z(y.transpose(1, 2))  # (B, T, H, d): each head's output, side by side
-        y = self.resid_dropout(self.proj(z.reshape(B, T, C)))  # (B, T, H * d) -> (B, T, C)
+        y = self.resid_dropout(self.proj(z.reshape(B, T, self.q_width)))  # (B, T, H*d) -> C
         return (y, weights) if return_attn else y
 
     def project(self, x: Tensor,
@@ -290,7 +305,7 @@ class MultiHeadSelfAttention(nn.Module):
         """
         B, T, _ = x.shape
         kv_width = self.n_kv_head * self.head_dim
-        q, k, v = self.qkv(x).split([self.d_model, kv_width, kv_width], dim=2)  # (B, T, .)
+        q, k, v = self.qkv(x).split([self.q_width, kv_width, kv_width], dim=2)  # (B, T, .)
         q = self.hook_q(q.view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, H, T, d)
         k = self.hook_k(k.view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, H_kv, T, d)
         v = self.hook_v(v.view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, H_kv, T, d)
@@ -300,8 +315,7 @@ class MultiHeadSelfAttention(nn.Module):
             positions = positions_of(start_pos, T, x.device)  # (T,)
             cos, sin = self.rotary.cos_sin(positions, q.dtype)  # 2 x (T, d), for q and k alike
             q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)  # unchanged
-            q = self.hook_rot_q(q.transpose(1, 2)).transpose(1, 2)  # seen as (B, T, H, d)
-            k = self.hook_rot_k(k.transpose(1, 2)).transpose(1, 2)
+            q, k = self.hook_rot_q(q), self.hook_rot_k(k)  # seen as (B, T, heads, d)
         return q, k, v
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, pad_mask: Tensor | None,
@@ -359,9 +373,9 @@ class PerHeadSelfAttention(nn.Module):
     @classmethod
     def from_parallel(cls, attn: MultiHeadSelfAttention) -> PerHeadSelfAttention:
         """A per-head module holding exactly the weights of `attn`, sliced head by head."""
-        if attn.n_kv_head != attn.n_heads or attn.q_norm is not None or attn.rotary is not None:
+        if not attn.is_classic():
             raise InputError("the per-head reference is the classic form: no grouped K/V, "
-                             "QK-norm or rotary positions")
+                             "QK-norm, rotary positions, own head width or q/k/v-only biases")
         bias = attn.qkv.bias is not None
         ref = cls(attn.d_model, attn.n_heads, attn.causal, bias).to(attn.qkv.weight)
         C, d = attn.d_model, attn.head_dim

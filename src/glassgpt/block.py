@@ -22,7 +22,7 @@ from glassgpt.config import (
     check_size,
 )
 from glassgpt.errors import ConfigError
-from glassgpt.hooks import HookPoint
+from glassgpt.hooks import add_hook_points
 from glassgpt.norms import ManualLayerNorm, make_norm
 
 __all__ = ["FeedForward", "ManualLayerNorm", "ReLUSquared", "SwiGLUFeedForward",
@@ -62,7 +62,7 @@ class FeedForward(nn.Module):
         self.proj = nn.Linear(hidden, d_model, bias=bias)
         check_dropout(dropout)
         self.dropout = nn.Dropout(dropout)
-        self.hook_pre, self.hook_post = HookPoint(), HookPoint()
+        add_hook_points(self, "hook_pre", "hook_post")
 
     def forward(self, x: Tensor) -> Tensor:
         pre = self.hook_pre(self.fc(x))  # (B, T, F): before the activation
@@ -87,8 +87,7 @@ class SwiGLUFeedForward(nn.Module):
         self.act = nn.SiLU()
         check_dropout(dropout)
         self.dropout = nn.Dropout(dropout)
-        self.hook_pre, self.hook_pre_linear = HookPoint(), HookPoint()
-        self.hook_post = HookPoint()
+        add_hook_points(self, "hook_pre", "hook_pre_linear", "hook_post")
 
     def forward(self, x: Tensor) -> Tensor:
         pre = self.hook_pre(self.gate(x))  # (B, T, F): the gate before its SiLU
@@ -133,23 +132,24 @@ class TransformerBlock(nn.Module):
                     causal)
 
     @classmethod
-    def from_config(cls, config: GPTConfig, causal: bool = True) -> TransformerBlock:
-        """A block of `config`: the config passed whole, no field unpacked."""
+    def from_config(cls, config: GPTConfig, causal: bool = True,
+                    layer: int = 0) -> TransformerBlock:
+        """Block `layer` of `config`: the config passed whole, no field unpacked (the index
+        picks the layer's attention kind, e.g. a NoPE layer)."""
         block = cls.__new__(cls)
         nn.Module.__init__(block)
-        block._build(config, causal)
+        block._build(config, causal, layer)
         return block
 
-    def _build(self, config: GPTConfig, causal: bool) -> None:
+    def _build(self, config: GPTConfig, causal: bool, layer: int = 0) -> None:
         self.pre_ln, self.d_model = config.pre_ln, config.n_embd
         self.ln1 = make_norm(config)
-        self.attn = MultiHeadSelfAttention.from_config(config, causal)
+        self.attn = MultiHeadSelfAttention.from_config(config, causal, layer)
         self.ln2 = make_norm(config)
         self.ffn = make_mlp(config)
         # Hook points (glassgpt.hooks) on the residual stream and on what each sub-layer adds.
-        self.hook_resid_pre, self.hook_attn_out = HookPoint(), HookPoint()
-        self.hook_resid_mid, self.hook_mlp_out = HookPoint(), HookPoint()
-        self.hook_resid_post = HookPoint()
+        add_hook_points(self, "hook_resid_pre", "hook_attn_out", "hook_resid_mid",
+                        "hook_mlp_out", "hook_resid_post")
         if not config.pre_ln:  # decided once, here: this block's forward is the Post-LN one
             self.forward = self.post_ln_forward
 

@@ -80,6 +80,72 @@ def check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"unknown {what} {value!r}; choose one of {list(choices)}")
 
 
+ROPE_SCALINGS = ("llama3", "linear")  # the rotary scalings glassgpt.rotary computes
+# Which settings each scaling takes; the others must stay None.
+ROPE_SCALING_SETTINGS = {
+    "linear": ("rope_factor",),
+    "llama3": ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+               "rope_original_context"),
+}
+ALL_ROPE_SCALING_SETTINGS = ROPE_SCALING_SETTINGS["llama3"]
+
+
+@dataclass(frozen=True)
+class AttentionKind:
+    """What one layer's attention does with positions (`GPTConfig.attention_kind(layer)`).
+
+    Per-layer variants are fields here, read by the attention built for that layer; today
+    whether it rotates q and k (a NoPE layer does not)."""
+
+    rotary: bool
+
+
+def check_rope_scaling(config: Any) -> None:
+    """Raise ConfigError unless rope_scaling names a scaling glassgpt computes and exactly its
+    settings are given, each in range."""
+    kind = config.rope_scaling
+    given = [name for name in ALL_ROPE_SCALING_SETTINGS if getattr(config, name) is not None]
+    if kind is None:
+        if given:
+            raise ConfigError(f"{given[0]}={getattr(config, given[0])} needs rope_scaling "
+                              f"(one of {list(ROPE_SCALINGS)})")
+        return
+    check_choice("rope_scaling", kind, ROPE_SCALINGS)
+    if config.position != "rope":
+        raise ConfigError(f"rope_scaling={kind!r} scales rotary positions, but position="
+                          f"{config.position!r}")
+    wanted = ROPE_SCALING_SETTINGS[kind]
+    for name in ALL_ROPE_SCALING_SETTINGS:
+        value = getattr(config, name)
+        if name in wanted and value is None:
+            raise ConfigError(f"rope_scaling={kind!r} needs {name}")
+        if name not in wanted and value is not None:
+            raise ConfigError(f"{name} is not a setting of rope_scaling={kind!r} (it takes "
+                              f"{list(wanted)})")
+        if value is not None and not value > 0:
+            raise ConfigError(f"{name} must be positive, got {value}")
+    if kind == "llama3" and not config.rope_low_freq_factor < config.rope_high_freq_factor:
+        raise ConfigError(f"rope_low_freq_factor={config.rope_low_freq_factor} must be below "
+                          f"rope_high_freq_factor={config.rope_high_freq_factor}: the band "
+                          f"between them is interpolated")
+
+
+def check_nope_layers(config: Any) -> None:
+    """Raise ConfigError unless nope_layers names distinct layers of a rotary model."""
+    layers = config.nope_layers
+    if layers is None:
+        return
+    if config.position != "rope":
+        raise ConfigError(f"nope_layers leaves out rotary positions in some layers, but "
+                          f"position={config.position!r} has none to leave out")
+    outside = [i for i in layers if not 0 <= i < config.n_layer]
+    if outside:
+        raise ConfigError(f"nope_layers holds {outside[0]}, not a layer of n_layer="
+                          f"{config.n_layer} (layers count from 0)")
+    if len(set(layers)) != len(layers) or list(layers) != sorted(layers):
+        raise ConfigError(f"nope_layers must list distinct layers in order, got {list(layers)}")
+
+
 def setting(default: Any, doc: str) -> Any:
     """A dataclass field with a help text: its `--flag`'s help in `glassgpt train --help`."""
     return dataclasses.field(default=default, metadata={"help": doc})
@@ -115,13 +181,29 @@ class GPTConfig:
     qk_norm: bool = setting(False, "RMSNorm on queries and keys (Qwen3)")
     logit_softcap: float | None = setting(None, "cap * tanh(logits / cap) (default: none)")
     zero_init_proj: bool = setting(False, "output projections start at zero")
+    # The widths and rotary variants of published models (Qwen3, Llama 3, SmolLM3, Qwen2).
+    head_dim: int | None = setting(None, "head width d, independent of n_embd (Qwen3: 128 "
+                                   "beside 1024 / 16 heads; default n_embd // n_head)")
+    qkv_bias: bool | None = setting(None, "biases on q, k and v only (Qwen2: True beside "
+                                    "bias=False; default: bias)")
+    rope_scaling: str | None = setting(None, "rotary scaling: llama3 or linear (default none)")
+    rope_factor: float | None = setting(None, "rope_scaling's factor: wavelengths stretched "
+                                        "this many times")
+    rope_low_freq_factor: float | None = setting(None, "llama3: wavelengths beyond "
+                                                 "original context / this are all scaled")
+    rope_high_freq_factor: float | None = setting(None, "llama3: wavelengths below "
+                                                  "original context / this are kept")
+    rope_original_context: int | None = setting(None, "llama3: the context trained before "
+                                                "scaling (original_max_position_embeddings)")
+    nope_layers: tuple[int, ...] | None = setting(None, "layers (from 0) without rotary "
+                                                  "positions, e.g. 3,7,11 (SmolLM3's NoPE)")
 
     def __post_init__(self) -> None:
         check_field_types(self)
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        check_heads_divide_width(self.n_embd, self.n_head)
+        self._derive_head_dim()
         check_n_kv_head(self.n_head, self.n_head if self.n_kv_head is None else self.n_kv_head)
         check_dropout(self.dropout)
         for name in ("norm_eps", "rope_theta"):
@@ -137,7 +219,9 @@ class GPTConfig:
         check_choice("norm", self.norm, NORMS)
         if self.position == "rope" and self.head_dim % 2:
             raise ConfigError(f"rotary positions turn pairs of features, so the head width "
-                              f"n_embd / n_head = {self.head_dim} must be even")
+                              f"head_dim = {self.head_dim} must be even")
+        check_rope_scaling(self)
+        check_nope_layers(self)
         if self.mlp_hidden is not None:
             check_size("mlp_hidden", self.mlp_hidden, 4 * MAX_WIDTH)
         if self.logit_softcap is not None and not self.logit_softcap > 0:
@@ -151,17 +235,57 @@ class GPTConfig:
         if not self.__dict__.get("_checked"):
             object.__setattr__(self, name, value)
             return
-        old = self.__dict__.get(name)
+        before = {key: self.__dict__.get(key) for key in (name, "head_dim", "_head_dim_derived")}
         object.__setattr__(self, name, value)
+        if name == "head_dim":  # a head width set by hand is the config's own from now on
+            object.__setattr__(self, "_head_dim_derived", False)
         try:
             self.__post_init__()
         except GlassGPTError:
-            object.__setattr__(self, name, old)
+            for key, old in before.items():  # the derived head width too
+                object.__setattr__(self, key, old)
             raise
 
+    def _derive_head_dim(self) -> None:
+        """head_dim left None is n_embd // n_head, and stays derived: it follows a later
+        change of n_embd or n_head (`to_dict` writes None for it, a config.json as before the
+        switch). `dataclasses.replace` passes the value on: give head_dim=None beside new
+        widths."""
+        if self.head_dim is None or self.__dict__.get("_head_dim_derived"):
+            d = check_heads_divide_width(self.n_embd, self.n_head)
+            object.__setattr__(self, "head_dim", d)
+            object.__setattr__(self, "_head_dim_derived", True)
+        else:
+            check_size("head_dim", self.head_dim)
+            check_size("n_head * head_dim", self.n_head * self.head_dim)
+
     @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+    def q_width(self) -> int:
+        """Width of all query heads side by side, H * d: n_embd unless head_dim is set."""
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the keys (or the values) of every K/V head side by side, H_kv * d."""
+        return (self.n_kv_head or self.n_head) * self.head_dim
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        """Whether q, k and v have biases: qkv_bias, or bias when it is None."""
+        return self.bias if self.qkv_bias is None else self.qkv_bias
+
+    def attention_kind(self, layer: int) -> AttentionKind:
+        """How layer `layer`'s attention places positions: the per-layer switches read once,
+        here, so a block is built from the config and its index."""
+        rotary = self.position == "rope" and layer not in (self.nope_layers or ())
+        return AttentionKind(rotary=rotary)
+
+    def with_layers(self, n_layer: int) -> GPTConfig:
+        """This config with `n_layer` layers (the first ones: per-layer lists are cut), for
+        the shape checks that build one or two layers of a model to learn the rest."""
+        nope = None if self.nope_layers is None else tuple(i for i in self.nope_layers
+                                                           if i < n_layer)
+        return dataclasses.replace(self, n_layer=n_layer, nope_layers=nope or None)
 
     @property
     def hidden_width(self) -> int:
@@ -169,7 +293,12 @@ class GPTConfig:
         return 4 * self.n_embd if self.mlp_hidden is None else self.mlp_hidden
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        values = dataclasses.asdict(self)
+        if self.n_head * self.head_dim == self.n_embd:
+            values["head_dim"] = None  # n_embd // n_head: what a config.json said before
+        if self.nope_layers is not None:
+            values["nope_layers"] = list(self.nope_layers)  # JSON and TOML hold lists
+        return values
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> GPTConfig:
@@ -212,6 +341,8 @@ class TrainConfig:
     dtype: str = setting("auto", "autocast dtype: auto (bf16/fp16 on CUDA, float32 "
                          "elsewhere), float32, bfloat16, float16")
     compile: bool = setting(False, "torch.compile the model")
+    fsdp: bool = setting(False, "under torchrun, shard weights, gradients and optimizer state "
+                         "over the ranks (FSDP2) instead of a replica per rank (DDP)")
     seed: int = setting(1337, "seed of initialisation, batches and dropout")
     early_stop: int = setting(0, "stop after this many evaluations without a better val loss "
                               "(0: never)")
@@ -330,9 +461,12 @@ def check_field_types(settings: Any, error: type[GlassGPTError] = ConfigError) -
     for field in dataclasses.fields(settings):
         value = getattr(settings, field.name)
         name, _, optional = field.type.partition(" | ")
-        expected = _FIELD_TYPES[name]
         if value is None and optional == "None":
             continue
+        if name == "tuple[int, ...]":  # a list from JSON, TOML or a flag: kept as a tuple
+            _check_int_tuple(settings, field.name, value, error)
+            continue
+        expected = _FIELD_TYPES[name]
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             try:
                 value = float(value)
@@ -346,6 +480,15 @@ def check_field_types(settings: Any, error: type[GlassGPTError] = ConfigError) -
             raise error(f"{field.name}={_int_text(value)} is too large (at most 2**63 - 1)")
         if expected is float and not math.isfinite(value):
             raise error(f"{field.name} must be a finite number, got {value}")
+
+
+def _check_int_tuple(settings: Any, name: str, value: Any,
+                     error: type[GlassGPTError]) -> None:
+    if not isinstance(value, list | tuple) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and abs(v) <= INT64_MAX
+            for v in value):
+        raise error(f"{name} must be a list of integers, got {value!r:.80}")
+    object.__setattr__(settings, name, tuple(value))  # a tuple: no change behind the checks
 
 
 def _int_text(value: int) -> str:

@@ -22,11 +22,31 @@ LENS_MODULE_NAMES = {"ffn": "mlp", "ln_f": "ln_final"}
 
 class HookPoint(nn.Module):
     """An activation with a name: identity, unless a hook attached by glassgpt.interp replaces it.
+
+    `transpose=(a, b)`: hooks see x.transpose(a, b) (to show TransformerLens's layout, e.g.
+    (B, T, H, d) of a tensor the model keeps as (B, H, T, d)), and a replacement is turned back;
+    with no hook attached, nothing is transposed.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, transpose: tuple[int, int] | None = None,
+                 decides_path: bool = False) -> None:
         super().__init__()
         self.name = ""  # set by name_hook_points once the point's place in the model is known
+        self.transpose = transpose
+        # True where a hook changes how the owner computes (the fused kernel never forms the
+        # activation, so a watched point takes the written-out path): glassgpt.interp watches
+        # these in every run, so that all its runs compute alike.
+        self.decides_path = decides_path
+
+    def __call__(self, x: Tensor) -> Tensor:
+        # With no hook attached a point is one attribute test: it skips nn.Module's call
+        # machinery (global module hooks are not run here), which costs ~2 us a point a step,
+        # measurable in a small model's decoding.
+        if not self._forward_hooks:
+            return x
+        if self.transpose is None:
+            return super().__call__(x)
+        return super().__call__(x.transpose(*self.transpose)).transpose(*self.transpose)
 
     def forward(self, x: Tensor) -> Tensor:
         return x
@@ -39,6 +59,17 @@ class HookPoint(nn.Module):
 
     def extra_repr(self) -> str:
         return self.name
+
+
+def add_hook_points(module: nn.Module, *names: str, **options: object) -> None:
+    """Give `module` a HookPoint under each name (a child module: `named_modules` and
+    `print(model)` show it), kept in the instance dict as well, so that reading it in a forward
+    skips `nn.Module.__getattr__` (~0.3 us a read: per point, per layer, per decoding step).
+    `options` are HookPoint's (`transpose`, `decides_path`)."""
+    for name in names:
+        point = HookPoint(**options)
+        module.add_module(name, point)
+        module.__dict__[name] = point
 
 
 def lens_name(module_path: str) -> str:

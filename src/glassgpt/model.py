@@ -14,7 +14,6 @@ products, compiled and CUDA-graph steps) are `glassgpt.decoding`, which runs thi
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from collections.abc import Iterator
 
@@ -26,7 +25,7 @@ from glassgpt.attention import KVCache
 from glassgpt.block import TransformerBlock
 from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError, InputError
-from glassgpt.hooks import HookPoint, name_hook_points
+from glassgpt.hooks import add_hook_points, name_hook_points
 from glassgpt.inputs import check_id_tensor, check_targets, check_token_ids
 from glassgpt.norms import make_norm
 
@@ -56,8 +55,7 @@ def parameter_count(config: GPTConfig) -> int:
     on the meta device, which holds shapes but no values."""
     try:
         with torch.device("meta"):  # one and two layers give the cost of a layer
-            one, two = (count_parameters(GPT(dataclasses.replace(config, n_layer=n)))
-                        for n in (1, 2))
+            one, two = (count_parameters(GPT(config.with_layers(n))) for n in (1, 2))
     except RuntimeError as error:  # sizes whose product overflows
         raise ConfigError(f"n_embd={config.n_embd}, vocab_size={config.vocab_size}, block_size="
                           f"{config.block_size} make tensors too large to exist "
@@ -91,8 +89,8 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(config.block_size, C) if config.position == "learned" else None
         self.drop = nn.Dropout(config.dropout)
         # A fresh block per layer: `[block] * L` would make every layer the same module.
-        self.blocks = nn.ModuleList(TransformerBlock.from_config(config)
-                                    for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(TransformerBlock.from_config(config, layer=i)
+                                    for i in range(config.n_layer))
         self.ln_f = make_norm(config)
         self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
         if config.tie_weights:
@@ -100,9 +98,9 @@ class GPT(nn.Module):
             self.lm_head.weight = self.tok_emb.weight
         # Slicing a stored range is cheaper per decoding step than building a new arange.
         self.register_buffer("positions", torch.arange(config.block_size), persistent=False)
-        self.hook_embed = HookPoint()
+        add_hook_points(self, "hook_embed")
         if self.pos_emb is not None:
-            self.hook_pos_embed = HookPoint()
+            add_hook_points(self, "hook_pos_embed")
         self._init_gpt2_weights()
         name_hook_points(self)  # "blocks.0.attn.hook_q", ...: TransformerLens's names
 

@@ -13,10 +13,11 @@ for reading, and the tests hold each to its PyTorch sibling. Each has a hook poi
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glassgpt.config import GPTConfig
-from glassgpt.hooks import HookPoint
+from glassgpt.hooks import HookPoint, add_hook_points
 
 
 class ManualLayerNorm(nn.Module):
@@ -31,7 +32,7 @@ class ManualLayerNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d_model))  # gamma
         self.bias = nn.Parameter(torch.zeros(d_model)) if bias else None  # beta
-        self.hook_normalized = HookPoint()
+        add_hook_points(self, "hook_normalized")
 
     def forward(self, x: Tensor) -> Tensor:
         return layer_norm_steps(x, self.weight, self.bias, self.eps, self.hook_normalized)
@@ -56,12 +57,12 @@ class LayerNorm(nn.LayerNorm):
 
     def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True):
         super().__init__(dim, eps=eps, bias=bias)
-        self.hook_normalized = HookPoint()
+        add_hook_points(self, "hook_normalized", decides_path=True)
 
     def forward(self, x: Tensor) -> Tensor:
-        if not self.hook_normalized.active:
-            return super().forward(x)
-        return layer_norm_steps(x, self.weight, self.bias, self.eps, self.hook_normalized)
+        if self.hook_normalized._forward_hooks:  # watched: x_hat must exist to be seen
+            return layer_norm_steps(x, self.weight, self.bias, self.eps, self.hook_normalized)
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
 class RMSNorm(nn.Module):
@@ -76,7 +77,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))  # gamma
-        self.hook_normalized = HookPoint()
+        add_hook_points(self, "hook_normalized")
 
     def forward(self, x: Tensor) -> Tensor:
         wide = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16/fp16 -> fp32

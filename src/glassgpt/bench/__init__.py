@@ -17,6 +17,9 @@ utilisation is measured against are probed in the same rounds as the contenders.
 Time to loss (`glassgpt bench ladder`: wall seconds to a target val loss, one speedrun change at
 a time) is `glassgpt.bench.ladder`, imported on its own: it trains models, so it needs the
 trainer, which the speed measurements here do not.
+
+How fast `glassgpt view` answers (`python -m glassgpt.bench.view [RUN_DIR]`) is
+`glassgpt.bench.view`, also imported on its own: it starts the view's server.
 """
 
 from glassgpt.bench.decoding import (

@@ -40,7 +40,7 @@ from glassgpt.choices import (
 from glassgpt.config import GPTConfig, TrainConfig, load_preset
 from glassgpt.data import PreparedData
 from glassgpt.errors import ConfigError
-from glassgpt.experiments.figures import LABEL_PT, label_axes, new_figure, save_figure
+from glassgpt.figures import LABEL_PT, label_axes, new_figure, save_figure
 from glassgpt.model import GPT, count_parameters
 from glassgpt.training.evaluate import evaluate
 from glassgpt.training.trainer import NonFiniteLossError, Trainer

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from glassgpt.cli.common import (
     DEFAULT_PROMPT,
@@ -17,7 +18,7 @@ from glassgpt.cli.common import (
     warn_about_bf16,
 )
 from glassgpt.config import INT64_MAX, SamplingConfig
-from glassgpt.errors import ConfigError
+from glassgpt.errors import CommandLineError, ConfigError
 
 SAMPLE_DTYPES = ("float32", "bfloat16")
 # Compiling the CPU step took 31 s cold and ~6 s from torch's cache on a 2-core machine; it saves
@@ -38,8 +39,15 @@ def _register_sample(subparsers: argparse._SubParsersAction) -> None:
                               formatter_class=DefaultsHelpFormatter,
                               description="Continue a prompt with the model of RUN_DIR.")
     p.add_argument("run_dir", type=path_arg, metavar="RUN_DIR")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT,
-                   help="text to continue (default: a newline)")
+    given = p.add_mutually_exclusive_group()
+    given.add_argument("--prompt", default=DEFAULT_PROMPT,
+                       help="text to continue (default: a newline)")
+    given.add_argument("--chat", metavar="MESSAGE",
+                       help="a user message, rendered through the run's chat template (an "
+                       "imported instruct model's); the reply ends at the template's "
+                       "end-of-turn token")
+    p.add_argument("--system", metavar="TEXT",
+                   help="with --chat: a system message before it")
     p.add_argument("--max-new-tokens", type=int, default=500, help="tokens to sample")
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
     p.add_argument("--top-k", type=int, default=200, help="sample among the k likeliest")
@@ -65,27 +73,33 @@ def run_sample(args: argparse.Namespace) -> int:
     # Imported here, not at the top: `sample --help` and a mistyped flag should not load torch.
     import torch
 
-    from glassgpt.decoding.generate import encode_prompt, stream_text
+    from glassgpt.decoding.generate import encode_prompt, stream_text, until_stop
     from glassgpt.machine.devices import resolve_device
     from glassgpt.rundir import checkpoint as ckpt
 
     if args.num_samples <= 0:
         raise ConfigError(f"--num-samples must be positive, got {args.num_samples}")
+    if args.system is not None and args.chat is None:
+        raise CommandLineError("--system goes with --chat MESSAGE (a system message before "
+                               "the user's)")
     device = resolve_device(args.device)
-    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                              compiled=args.compile)
     if args.seed + args.num_samples - 1 > INT64_MAX:  # sample i uses seed + i
         raise ConfigError(f"--num-samples {args.num_samples} from --seed {args.seed} needs seeds "
                           f"past 2**63 - 1, the largest there is")
     run = ckpt.Run(args.run_dir)  # resolved once
-    model, tokenizer = run.load_model(device, checkpoint=args.checkpoint)
+    text, end_of_turn, stop_token = args.prompt or DEFAULT_PROMPT, None, None
+    if args.chat is not None:  # before the model is read: a run without a template fails fast
+        text, end_of_turn, stop_token = chat_prompt(run, args.chat, args.system)
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                              compiled=args.compile, stop_token=stop_token)
+    # bfloat16 weights are read straight into bfloat16: no float32 model first.
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
+    model, tokenizer = run.load_model(device, checkpoint=args.checkpoint, dtype=dtype)
     block_size = model.config.block_size
-    prompt, length = encode_prompt(tokenizer, args.prompt or DEFAULT_PROMPT, block_size, device)
+    prompt, length = encode_prompt(tokenizer, text, block_size, device)
     say(f"sampling from {run.describe_weights(args.checkpoint)}")
-    if args.dtype == "bfloat16":
-        warn_about_bf16(args.dtype, device)
-        model = model.to(torch.bfloat16)  # half the bytes read per token
+    warn_about_bf16(args.dtype, device)
     if length > block_size:
         say(f"note: the prompt has {length} tokens, more than the context of {block_size}; "
             f"the model sees its last {block_size}")
@@ -96,17 +110,39 @@ def run_sample(args: argparse.Namespace) -> int:
     for i in range(args.num_samples):
         if i:
             print("\n" + "-" * 40)
-        print(args.prompt, end="", flush=True)
-        pieces = stream_text(model, tokenizer, prompt, sampling, stop=args.stop,
-                             threads=threads, seed=args.seed + i)
+        if args.chat is None:
+            print(args.prompt, end="", flush=True)  # a reply is printed alone
+        # A reply's end-of-turn token ends decoding and is not printed; --stop cuts within it.
+        stream = stream_text(model, tokenizer, prompt, sampling,
+                             stop=end_of_turn or args.stop, threads=threads, seed=args.seed + i)
+        pieces = until_stop(stream, args.stop) if end_of_turn and args.stop else stream
         if args.stream:
             for piece in pieces:
                 print(piece, end="", flush=True)
         else:
             print("".join(pieces), end="")
         print(flush=True)
-        threads = pieces.threads  # auto is settled by the first sample, not timed again
+        threads = stream.threads  # auto is settled by the first sample, not timed again
     return 0
+
+
+def chat_prompt(run: Any, message: str, system: str | None) -> tuple[str, str, int]:
+    """The text the run's model reads for `message` (after `system`), rendered through its
+    chat template, and the token a reply ends with (its text and its id)."""
+    from glassgpt.errors import CheckpointError
+    from glassgpt.tokenizers.chat import chat_messages
+
+    chat = run.chat_template()
+    if chat is None:
+        raise CommandLineError(f"{run.dir} has no chat template (only a run imported from an "
+                               f"instruct model that has one does); continue text with "
+                               f"--prompt instead")
+    ids = [] if chat.end_of_turn is None else run.tokenizer().encode(chat.end_of_turn)
+    if len(ids) != 1:
+        raise CheckpointError(f"{run.dir}: the chat template's end-of-turn token "
+                              f"{chat.end_of_turn!r:.40} is not one token of the run's "
+                              f"tokenizer; a reply could not stop")
+    return chat.render(chat_messages(message, system)), chat.end_of_turn, ids[0]
 
 
 def compile_note(prompt_len: int, block_size: int, new_tokens: int, samples: int,

@@ -14,7 +14,17 @@ from typing import Any
 from glassgpt.cli.common import add_checkpoint_flag, add_threads_flag, path_arg, say
 from glassgpt.config import GPTConfig, TrainConfig, load_preset, preset_names
 
-FLAG_TYPES = {"int": int, "float": float, "str": str}
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """A flag's "3,7,11" as (3, 7, 11) (a per-layer setting such as --nope-layers)."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got "
+                                         f"{text!r:.80}") from None
+
+
+FLAG_TYPES = {"int": int, "float": float, "str": str, "tuple[int, ...]": _int_list}
 DATA_DECIDES = ("vocab_size",)  # set by the tokenizer of the data, never by a flag
 HELP_PRESET = "cpu-small"  # what a bare `glassgpt train` uses on a CPU: its defaults are shown
 INTERRUPTED_EXIT_CODE = 130
@@ -66,14 +76,15 @@ def _add_dataclass_flags(group: argparse._ArgumentGroup, cls: type, prefix: str,
         default = shown.get(field.name, field.default)
         if default not in (dataclasses.MISSING, None) and "(default" not in help_text:
             help_text += f" (default {default})"
-        if field.type == "bool":
+        if field.type.startswith("bool"):  # "bool | None" too: unset is None either way
             group.add_argument(flag, dest=f"{prefix}_{field.name}",
                                action=argparse.BooleanOptionalAction, default=None,
                                help=help_text)
         else:
             kind = field.type.partition(" | ")[0]  # "float | None": a float flag, unset None
             group.add_argument(flag, dest=f"{prefix}_{field.name}", type=FLAG_TYPES[kind],
-                               default=None, metavar=kind.upper(), help=help_text)
+                               default=None, metavar="LIST" if "," in kind else kind.upper(),
+                               help=help_text)
 
 
 def _flags(args: argparse.Namespace, prefix: str) -> dict[str, Any]:

@@ -6,6 +6,7 @@ decoding lives here, one module per device:
     cpu.py     `CPUEngine` (one-row products on every thread), `CompiledCPUEngine` (one compiled
                graph per step, products and attention as fused reductions)
     cuda.py    `CUDAGraphEngine` (a static KV cache and the step captured as a CUDA graph)
+    choice.py  which eager CPU engine "auto" takes: the plain model or the threaded one, timed
 An engine prepares a plain `GPT` without changing its weights' values and gives exactly the
 tokens of `EagerEngine` (tested for each). `glassgpt.decoding.generate` picks one with `engine_for`.
 """
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from glassgpt.config import ENGINES
+from glassgpt.decoding.choice import measured_cpu_engine
 from glassgpt.decoding.cpu import CompiledCPUEngine, CPUEngine
 from glassgpt.decoding.cuda import CUDAGraphEngine
 from glassgpt.decoding.engine import EagerEngine
@@ -27,13 +29,17 @@ __all__ = ["ENGINES", "CPUEngine", "CUDAGraphEngine", "CompiledCPUEngine", "Eage
 
 
 def engine_for(model: Any, name: str = "auto", compiled: bool = False) -> EagerEngine:
-    """The decoding engine `name` for `model`; "auto" picks the one made for its device.
+    """The decoding engine `name` for `model`; "auto" picks the one made for its device (on a
+    CPU, uncompiled: the threaded engine or the plain model, whichever a few timed steps find
+    faster on this host, `decoding.choice`).
 
     `compiled` asks for the engine's torch.compile'd variant (the CPU's compiled step, or a
     compiled step inside the CUDA graph); the eager reference has none.
     """
     device = next(model.parameters(), torch.empty(0)).device.type
     if name == "auto":
+        if device == "cpu" and not compiled:
+            return measured_cpu_engine(model)
         name = {"cpu": "cpu", "cuda": "cuda-graph"}.get(device, "eager")
     if name == "eager":
         if compiled:

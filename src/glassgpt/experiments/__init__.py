@@ -30,6 +30,8 @@ EXPERIMENTS: dict[str, str] = {
     "mlps": "GELU vs SwiGLU vs ReLU² MLPs at equal parameter count",
     "kvheads": "4, 2, 1 key/value heads: cache bytes, decoding speed, loss",
     "qknorm": "a high learning rate: attention logits with and without QK-norm",
+    # Asking why (issue 29): the circuit that made the field.
+    "induction": "induction heads: a 2-layer attention-only model's phase change, 1 layer cannot",
 }
 
 # Extra keyword arguments an experiment accepts beyond out_dir, seed and quick.

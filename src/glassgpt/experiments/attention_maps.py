@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from glassgpt.errors import InputError
-from glassgpt.experiments.figures import (
+from glassgpt.figures import (
     MASKED_NOTE,
     SUPTITLE_PT,
     TICK_PT,

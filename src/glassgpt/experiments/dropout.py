@@ -18,7 +18,8 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from glassgpt.attention import MultiHeadSelfAttention
-from glassgpt.experiments.figures import (
+from glassgpt.experiments.results import Check, ExperimentResult, Table
+from glassgpt.figures import (
     MASKED_NOTE,
     TICK_PT,
     label_axes,
@@ -27,7 +28,6 @@ from glassgpt.experiments.figures import (
     save_figure,
     show_attention,
 )
-from glassgpt.experiments.results import Check, ExperimentResult, Table
 
 P = 0.5
 SAME = 1e-6

@@ -22,16 +22,16 @@ from matplotlib.figure import Figure
 
 from glassgpt.decoding.generate import generate
 from glassgpt.experiments.charlm import CharLMSettings, model_config, train_char_lm
-from glassgpt.experiments.figures import TICK_PT, label_axes, new_figure, save_figure
 from glassgpt.experiments.results import Check, ExperimentResult, Table
 from glassgpt.experiments.tasks import single_thread
+from glassgpt.figures import TICK_PT, label_axes, new_figure, save_figure
 from glassgpt.model import GPT, count_parameters
 
 
 @dataclass(frozen=True)
 class KVHeadSettings:
     lm: CharLMSettings = CharLMSettings()
-    kv_heads: tuple[int, ...] = (4, 2, 1)
+    kv_head_counts: tuple[int, ...] = (4, 2, 1)
     decode_repeats: int = 5  # the best of these timings is shown
 
 
@@ -75,10 +75,10 @@ def run(out_dir: Path, seed: int = 0, quick: bool = False) -> ExperimentResult:
     s = QUICK if quick else KVHeadSettings()
     numbers: dict[str, Any] = {"n_head": s.lm.n_head, "n_layer": s.lm.n_layer,
                                "head_dim": s.lm.n_embd // s.lm.n_head,
-                               "kv_heads": list(s.kv_heads)}
+                               "kv_head_counts": list(s.kv_head_counts)}
     with single_thread():
         trained = {kv: train_char_lm(model_config(s.lm, n_kv_head=kv), s.lm, seed)
-                   for kv in s.kv_heads}
+                   for kv in s.kv_head_counts}
         speeds = decoding_tokens_per_second({kv: t.model for kv, t in trained.items()},
                                             s.decode_repeats)
     for kv, t in trained.items():
@@ -88,7 +88,7 @@ def run(out_dir: Path, seed: int = 0, quick: bool = False) -> ExperimentResult:
     pictures = [save_figure(kvheads_figure(numbers), out_dir / "kvheads.png")]
     return ExperimentResult(
         name="kvheads",
-        summary=f"{s.lm.n_head} query heads with {', '.join(map(str, s.kv_heads))} key/value "
+        summary=f"{s.lm.n_head} query heads with {', '.join(map(str, s.kv_head_counts))} key/value "
                 f"heads: cache, decoding speed, loss ({s.lm.steps} steps, seed {seed})",
         tables=[results_table(numbers, s)], pictures=pictures, numbers=numbers,
         checks=expected_outcomes(numbers, s))
@@ -109,7 +109,7 @@ def results_table(numbers: dict[str, Any], s: KVHeadSettings) -> Table:
                   ["KV heads", "attention", "parameters", "cache bytes per token",
                    "decoding tokens/s", "val loss"],
                   formats={"decoding tokens/s": ",.0f", "val loss": ".3f"})
-    for kv in s.kv_heads:
+    for kv in s.kv_head_counts:
         n = numbers[str(kv)]
         table.add_row(kv, kind_of(kv, s.lm.n_head), n["parameters"], n["cache_bytes_per_token"],
                       n["tokens_per_second"], n["val_loss"])
@@ -121,13 +121,13 @@ def expected_outcomes(numbers: dict[str, Any], s: KVHeadSettings) -> list[Check]
     full = numbers[str(H)]["cache_bytes_per_token"]
     shrinks = all(numbers[str(kv)]["cache_bytes_per_token"] * H == full * kv
                   and numbers[str(kv)]["cache_bytes_per_token"] == 2 * L * kv * d * 4
-                  for kv in s.kv_heads)
-    fewest = min(s.kv_heads)
+                  for kv in s.kv_head_counts)
+    fewest = min(s.kv_head_counts)
     worst = numbers[str(fewest)]["val_loss"] - numbers[str(H)]["val_loss"]
+    sizes = ", ".join(str(numbers[str(kv)]["cache_bytes_per_token"]) for kv in s.kv_head_counts)
     return [
-        Check(f"the cache shrinks by n_head / n_kv_head exactly ("
-              f"{', '.join(str(numbers[str(kv)]['cache_bytes_per_token']) for kv in s.kv_heads)}"
-              f" bytes per token; = 2 x L x H_kv x d x 4)", shrinks),
+        Check(f"the cache shrinks by n_head / n_kv_head exactly ({sizes} bytes per token; "
+              f"= 2 x L x H_kv x d x 4)", shrinks),
         Check(f"{fewest} KV head costs little loss: val within 0.05 of {H} KV heads "
               f"(+{worst:.3f})", worst <= 0.05),
     ]
@@ -136,13 +136,13 @@ def expected_outcomes(numbers: dict[str, Any], s: KVHeadSettings) -> list[Check]
 def kvheads_figure(numbers: dict[str, Any]) -> Figure:
     fig = new_figure(9.0, 3.0)
     panels = fig.subplots(1, 3)
-    kv_heads = numbers["kv_heads"]
-    names = [f"{kv} KV" for kv in kv_heads]
+    kv_head_counts = numbers["kv_head_counts"]
+    names = [f"{kv} KV" for kv in kv_head_counts]
     measured = [("cache_bytes_per_token", "bytes per token", "KV cache"),
                 ("tokens_per_second", "tokens / s", "decoding speed (this machine)"),
                 ("val_loss", "validation loss", "loss")]
     for ax, (key, ylabel, title) in zip(panels, measured, strict=True):
-        values = [numbers[str(kv)][key] for kv in kv_heads]
+        values = [numbers[str(kv)][key] for kv in kv_head_counts]
         bars = ax.bar(names, values, color=["C0", "C1", "C2"][:len(names)])
         # Every bar starts at 0, so its height is its value: an axis cut at 1.8 made a loss gap
         # of 0.013 look like 10%. The values are written on the bars, for the small differences.

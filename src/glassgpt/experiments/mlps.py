@@ -22,9 +22,9 @@ from matplotlib.figure import Figure
 from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError
 from glassgpt.experiments.charlm import CharLMSettings, model_config, train_char_lm
-from glassgpt.experiments.figures import LABEL_PT, label_axes, new_figure, save_figure
 from glassgpt.experiments.results import Check, ExperimentResult, Table
 from glassgpt.experiments.tasks import single_thread
+from glassgpt.figures import LABEL_PT, label_axes, new_figure, save_figure
 from glassgpt.model import GPT, count_parameters
 
 VARIANTS = {"gelu": "GELU", "swiglu": "SwiGLU", "relu2": "ReLU²"}

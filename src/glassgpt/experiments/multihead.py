@@ -18,7 +18,14 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from glassgpt.attention import MultiHeadSelfAttention
-from glassgpt.experiments.figures import (
+from glassgpt.experiments.results import Check, ExperimentResult, Table
+from glassgpt.experiments.tasks import (
+    accuracy_per_target,
+    copy_back_batch,
+    single_thread,
+    train_copier,
+)
+from glassgpt.figures import (
     MASKED_NOTE,
     SUPTITLE_PT,
     label_axes,
@@ -27,13 +34,6 @@ from glassgpt.experiments.figures import (
     save_figure,
     show_attention,
     wrap_title,
-)
-from glassgpt.experiments.results import Check, ExperimentResult, Table
-from glassgpt.experiments.tasks import (
-    accuracy_per_target,
-    copy_back_batch,
-    single_thread,
-    train_copier,
 )
 from glassgpt.model import count_parameters
 

@@ -22,9 +22,9 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from glassgpt.experiments.charlm import CharLMSettings, model_config, train_char_lm
-from glassgpt.experiments.figures import LABEL_PT, label_axes, new_figure, save_figure
 from glassgpt.experiments.results import Check, ExperimentResult, Table
 from glassgpt.experiments.tasks import single_thread
+from glassgpt.figures import LABEL_PT, label_axes, new_figure, save_figure
 from glassgpt.model import count_parameters
 from glassgpt.norms import ManualLayerNorm, RMSNorm
 

@@ -18,8 +18,8 @@ from matplotlib.figure import Figure
 
 from glassgpt.block import TransformerBlock
 from glassgpt.config import GPTConfig
-from glassgpt.experiments.figures import TICK_PT, label_axes, new_figure, save_figure
 from glassgpt.experiments.results import Check, ExperimentResult, Table
+from glassgpt.figures import TICK_PT, label_axes, new_figure, save_figure
 from glassgpt.model import GPT, count_parameters
 
 WIDTHS = (64, 128, 256, 384, 512, 768, 1024)

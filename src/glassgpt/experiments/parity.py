@@ -15,8 +15,8 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from glassgpt.attention import MultiHeadSelfAttention, PerHeadSelfAttention
-from glassgpt.experiments.figures import LABEL_PT, label_axes, new_figure, save_figure
 from glassgpt.experiments.results import Check, ExperimentResult, Table
+from glassgpt.figures import LABEL_PT, label_axes, new_figure, save_figure
 
 TOLERANCE = 1e-12  # float64; the per-head loop reaches exactly 0
 

@@ -30,9 +30,9 @@ from glassgpt.experiments.charlm import (
     unigram_loss,
     validation_windows,
 )
-from glassgpt.experiments.figures import LABEL_PT, label_axes, new_figure, save_figure
 from glassgpt.experiments.results import Check, ExperimentResult, Table
 from glassgpt.experiments.tasks import single_thread
+from glassgpt.figures import LABEL_PT, label_axes, new_figure, save_figure
 from glassgpt.model import GPT, count_parameters
 
 VARIANTS = {"learned": "learned table", "rope": "rotary", "none": "none (NoPE)"}

@@ -28,9 +28,9 @@ from glassgpt.experiments.charlm import (
     train_char_lm,
     validation_windows,
 )
-from glassgpt.experiments.figures import LABEL_PT, label_axes, new_figure, save_figure
 from glassgpt.experiments.results import Check, ExperimentResult, Table
 from glassgpt.experiments.tasks import single_thread
+from glassgpt.figures import LABEL_PT, label_axes, new_figure, save_figure
 from glassgpt.model import GPT, eval_mode
 
 VARIANTS = {False: "without QK-norm", True: "with QK-norm"}

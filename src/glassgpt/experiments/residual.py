@@ -22,7 +22,6 @@ from torch import Tensor, nn
 
 from glassgpt.block import TransformerBlock
 from glassgpt.errors import ConfigError
-from glassgpt.experiments.figures import LABEL_PT, label_axes, new_figure, save_figure
 from glassgpt.experiments.results import Check, ExperimentResult, Table
 from glassgpt.experiments.tasks import (
     accuracy_per_target,
@@ -30,6 +29,7 @@ from glassgpt.experiments.tasks import (
     single_thread,
     train_copier,
 )
+from glassgpt.figures import LABEL_PT, label_axes, new_figure, save_figure
 
 OFFSET = 3
 VARIANTS = {  # name -> (pre_ln, residual)

@@ -16,7 +16,8 @@ from torch import Tensor
 
 from glassgpt.attention import MultiHeadSelfAttention, check_heads_divide_width
 from glassgpt.errors import ConfigError
-from glassgpt.experiments.figures import (
+from glassgpt.experiments.results import Check, ExperimentResult, Table
+from glassgpt.figures import (
     MASKED_NOTE,
     SUPTITLE_PT,
     grid_shape,
@@ -28,7 +29,6 @@ from glassgpt.experiments.figures import (
     text_height,
     wrap_title,
 )
-from glassgpt.experiments.results import Check, ExperimentResult, Table
 
 EXACT = 1e-6  # float32 walk vs module: the same operations in the same order
 PANEL_INCHES = 2.2

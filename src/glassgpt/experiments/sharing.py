@@ -18,14 +18,14 @@ from matplotlib.lines import Line2D
 from torch import nn
 
 from glassgpt.block import TransformerBlock
-from glassgpt.experiments.figures import (
+from glassgpt.experiments.results import Check, ExperimentResult, Table
+from glassgpt.figures import (
     LABEL_PT,
     TICK_PT,
     label_axes,
     new_figure,
     save_figure,
 )
-from glassgpt.experiments.results import Check, ExperimentResult, Table
 from glassgpt.model import count_parameters
 
 WIDTH, HEADS, LAYERS = 32, 4, 4

@@ -1,26 +1,28 @@
 """What each Hugging Face architecture is in glassgpt's terms: its settings and its weight names.
 
-Three architectures have a glassgpt twin, all of them Pre-LN decoders with one weight per
+Five architectures have a glassgpt twin, all of them Pre-LN decoders with one weight per
 glassgpt weight:
   * GPT-2 (`GPT2LMHeadModel`): learned positions, LayerNorm, a GELU MLP, biases everywhere.
     Its projections are `Conv1D` modules, which store the weight as (in, out) where `nn.Linear`
     stores (out, in): those weights are transposed on the way through, nothing else is.
-  * Llama (`LlamaForCausalLM`, SmolLM2 too): rotary positions, RMSNorm, a SwiGLU MLP, grouped
-    K/V heads, no biases (or biases in every projection).
+  * Llama (`LlamaForCausalLM`, SmolLM2 too): rotary positions (plain, or Llama 3's or linear
+    scaling), RMSNorm, a SwiGLU MLP, grouped K/V heads, no biases (or biases in every
+    projection), heads of their own width where `head_dim` says so.
   * Qwen3 (`Qwen3ForCausalLM`): Llama with an RMSNorm over each head's q and k (`qk_norm`).
-Llama and Qwen3 keep Q, K and V in three matrices where glassgpt stacks them in one `qkv`
+  * Qwen2 (`Qwen2ForCausalLM`, Qwen2.5 too): Llama with biases on q, k and v only.
+  * SmolLM3 (`SmolLM3ForCausalLM`): Llama with layers that skip rotary (`nope_layers`).
+The four rotary ones keep Q, K and V in three matrices where glassgpt stacks them in one `qkv`
 (rows [Q, K, V]); their rotary layout is glassgpt's (rotate-half), so no weight is permuted.
 
 Each translation refuses, with one line naming the setting, what the other side would compute
-differently (a scaled rotary, sliding windows, a head width that does not split the model's).
+differently (a rotary scaling glassgpt lacks, sliding windows, biases glassgpt cannot place).
 Settings come from config.json as glassgpt.hf.files reads it, or from a `transformers` config
-object: both are read by attribute, with transformers' defaults for what is left out.
+object: both are read by attribute, with transformers' defaults for what is left out. The
+rotary settings are glassgpt.hf.rotary's.
 """
 
 from __future__ import annotations
 
-import inspect
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +30,7 @@ from typing import Any
 from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError
 from glassgpt.hf.files import HF_SETTINGS, MASK_BUFFER_SUFFIXES
+from glassgpt.hf.rotary import rotary_from_hf
 
 # HF activation names that compute the same function as one of ours. "gelu_new" is GPT-2's own
 # (tanh approximation); "gelu_fast" is left out because it rounds sqrt(2/pi) to 10 digits.
@@ -43,7 +46,8 @@ ACTIVATION_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
 SILU_NAMES = ("silu", "swish")  # transformers' two names for x * sigmoid(x), SwiGLU's gate
 # Old Llama checkpoints (transformers < 4.31) saved each layer's rotary frequencies.
 ROTARY_BUFFER_SUFFIXES = (".rotary_emb.inv_freq",)
-IMPORTABLE = "GPT-2 (gpt2), Llama (llama) and Qwen3 (qwen3)"
+IMPORTABLE = ("GPT-2 (gpt2), Llama (llama), Qwen3 (qwen3), Qwen2 (qwen2) and SmolLM3 "
+              "(smollm3)")
 # Rotary positions have no table in the weights to bound the context, and the model keeps a
 # position index per position: a config.json's context is bounded here (the longest models
 # published hold about 10M positions).
@@ -196,16 +200,16 @@ def gpt2_settings(config: GPTConfig) -> dict[str, Any]:
     )
 
 
-# --- Llama and Qwen3 ------------------------------------------------------------------------
+# --- Llama, Qwen3, Qwen2 and SmolLM3 ----------------------------------------------------------
 
 
 def llama_config_from_hf(hf_config: Any, dropout: float | None = None) -> GPTConfig:
-    """The GPTConfig of a model that computes what a Llama or Qwen3 config describes."""
+    """The GPTConfig of a model that computes what a Llama, Qwen3, Qwen2 or SmolLM3 config
+    describes."""
     model_type = hf_config.model_type
     setting = _reader(hf_config, model_type)
     hidden, heads = setting("hidden_size"), setting("num_attention_heads")
     n_kv_head = setting("num_key_value_heads") or heads
-    _check_head_width(setting("head_dim"), heads, hidden)
     act = setting("hidden_act")
     if act not in SILU_NAMES:
         raise ConfigError(f"hidden_act={act!r} is not supported: glassgpt's SwiGLU gates with "
@@ -215,15 +219,17 @@ def llama_config_from_hf(hf_config: Any, dropout: float | None = None) -> GPTCon
     if isinstance(context, int) and context > MAX_ROTARY_CONTEXT:
         raise ConfigError(f"max_position_embeddings={context:,} is more than glassgpt holds "
                           f"(at most {MAX_ROTARY_CONTEXT:,} positions)")
+    n_layer = setting("num_hidden_layers")
     return GPTConfig(
         vocab_size=setting("vocab_size"),
         block_size=context,
-        n_layer=setting("num_hidden_layers"),
+        n_layer=n_layer,
         n_head=heads,
         n_embd=hidden,
+        head_dim=_own_head_width(setting("head_dim"), heads, hidden),
         n_kv_head=None if n_kv_head == heads else n_kv_head,
         dropout=_attention_dropout(setting) if dropout is None else dropout,
-        bias=_one_bias(setting, model_type),
+        **_biases(setting, model_type),
         activation="swiglu",
         mlp_hidden=_unless_usual(setting("intermediate_size"), 4 * hidden),
         pre_ln=True,
@@ -231,7 +237,8 @@ def llama_config_from_hf(hf_config: Any, dropout: float | None = None) -> GPTCon
         norm="rmsnorm",
         norm_eps=float(setting("rms_norm_eps")),
         position="rope",
-        rope_theta=rope_theta(hf_config),
+        **rotary_from_hf(hf_config, setting),
+        nope_layers=_nope_layers(setting, n_layer) if model_type == "smollm3" else None,
         qk_norm=model_type == "qwen3",
     )
 
@@ -247,15 +254,35 @@ def _unless_usual(value: int, usual: int) -> int | None:
     return None if value == usual else value
 
 
-def _check_head_width(head_dim: int | None, heads: int, hidden: int) -> None:
-    if head_dim is not None and head_dim * heads != hidden:
-        raise ConfigError(f"head_dim={head_dim} x num_attention_heads={heads} = "
-                          f"{head_dim * heads} is not hidden_size={hidden}: glassgpt's heads "
-                          f"split the model's width (head_dim = hidden_size / heads)")
+def _own_head_width(head_dim: Any, heads: Any, hidden: Any) -> int | None:
+    """head_dim, or None where it is hidden_size / heads (GPTConfig's default)."""
+    if head_dim is None or not isinstance(heads, int) or not isinstance(hidden, int):
+        return head_dim  # GPTConfig's checks name a width that is no integer
+    return None if head_dim * heads == hidden else head_dim
+
+
+def _nope_layers(setting: Callable[[str], Any], n_layer: Any) -> tuple[int, ...] | None:
+    """SmolLM3's layers without rotary: its `no_rope_layers` holds 1 where a layer rotates and 0
+    where it does not (made from `no_rope_layer_interval` when left out, as transformers does)."""
+    flags = setting("no_rope_layers")
+    if not isinstance(n_layer, int):
+        return None  # GPTConfig names the bad n_layer
+    if flags is None:
+        interval = setting("no_rope_layer_interval")
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval <= 0:
+            raise ConfigError(f"no_rope_layer_interval must be a positive integer, got "
+                              f"{interval!r:.40}")
+        flags = [int((i + 1) % interval != 0) for i in range(n_layer)]
+    if len(flags) < n_layer or any(flag not in (0, 1) or isinstance(flag, float)
+                                   for flag in flags[:n_layer]):
+        raise ConfigError(f"no_rope_layers must hold a 0 or 1 for each of the {n_layer} layers, "
+                          f"got {flags!r:.80}")
+    return tuple(i for i, flag in enumerate(flags[:n_layer]) if not flag) or None
 
 
 def _reject_windows(setting: Callable[[str], Any]) -> None:
-    """Sliding-window attention (Qwen3's option) sees only recent keys; glassgpt sees all."""
+    """Sliding-window attention (Qwen's and SmolLM3's option) sees only recent keys; glassgpt
+    sees all."""
     if setting("use_sliding_window"):
         raise ConfigError("use_sliding_window=True is not supported: glassgpt's attention "
                           "sees every earlier position")
@@ -267,14 +294,20 @@ def _reject_windows(setting: Callable[[str], Any]) -> None:
                               f"every layer only")
 
 
-def _one_bias(setting: Callable[[str], Any], model_type: str) -> bool:
-    """glassgpt's `bias` covers every projection: attention's and the MLP's must agree."""
+def _biases(setting: Callable[[str], Any], model_type: str) -> dict[str, bool]:
+    """GPTConfig's `bias` (every projection) and `qkv_bias` (q, k, v alone) of the family.
+
+    Qwen2 has biases on q, k and v and nowhere else. Llama and SmolLM3 put `attention_bias` on
+    q, k, v and o and `mlp_bias` on the MLP; Qwen3 has no MLP bias. glassgpt's `bias` covers o
+    and the MLP together, so those two must agree."""
+    if model_type == "qwen2":
+        return {"bias": False, "qkv_bias": True}
     attention = bool(setting("attention_bias"))
-    mlp = bool(setting("mlp_bias")) if model_type == "llama" else False  # Qwen3's MLP has none
+    mlp = bool(setting("mlp_bias")) if model_type != "qwen3" else False  # Qwen3's MLP has none
     if attention != mlp:
         raise ConfigError(f"attention_bias={attention} with mlp_bias={mlp} is not supported: "
-                          f"glassgpt's bias is one switch for every projection")
-    return attention
+                          f"glassgpt's bias is one switch for the output projection and the MLP")
+    return {"bias": attention}
 
 
 def _attention_dropout(setting: Callable[[str], Any]) -> float:
@@ -286,46 +319,15 @@ def _attention_dropout(setting: Callable[[str], Any]) -> float:
     return 0.0
 
 
-def rope_theta(hf_config: Any) -> float:
-    """The rotary base of a Llama/Qwen3 config, wherever the transformers that wrote it keeps it:
-    `rope_parameters["rope_theta"]` (5.x), or `rope_theta` beside a `rope_scaling` (4.x).
-    Any rotary other than the plain one (linear, dynamic, yarn, llama3 scaling; a partial
-    rotary) is a ConfigError naming it."""
-    theta = getattr(hf_config, "rope_theta", 10000.0)
-    for key in ("rope_parameters", "rope_scaling"):
-        table = getattr(hf_config, key, None)
-        if table is None:
-            continue
-        if not isinstance(table, dict):
-            raise ConfigError(f"{key} must be a JSON object or null, got {table!r:.40}")
-        kind = table.get("rope_type", table.get("type", "default"))
-        extra = sorted(set(table) - {"rope_type", "type", "rope_theta"})
-        if kind != "default" or extra:
-            raise ConfigError(f"{key}={table!r:.120} is not supported: glassgpt's rotary is the "
-                              f"plain one (rope_type 'default', no scaling)")
-        theta = table.get("rope_theta", theta)
-    partial = getattr(hf_config, "partial_rotary_factor", 1.0)
-    if partial != 1.0:
-        raise ConfigError(f"partial_rotary_factor={partial} is not supported: glassgpt rotates "
-                          f"every feature of q and k")
-    if isinstance(theta, bool) or not isinstance(theta, int | float) or not math.isfinite(theta):
-        raise ConfigError(f"rope_theta must be a finite number, got {theta!r:.40}")
-    return float(theta)
-
-
 def llama_settings(config: GPTConfig) -> dict[str, Any]:
     """LlamaConfig's settings for `config`; a ConfigError names any switch Llama lacks."""
-    _check_llama_family(config, "Llama")
-    if config.qk_norm:  # architecture_for sends those to Qwen3; kept for direct callers
-        raise ConfigError("qk_norm=True cannot be exported as Llama: that is Qwen3")
+    _check_llama_family(config, "Llama", qk_norm=False, nope_layers=None)
     return {**_llama_family_settings(config), "mlp_bias": config.bias}
 
 
 def qwen3_settings(config: GPTConfig) -> dict[str, Any]:
     """Qwen3Config's settings for `config`; a ConfigError names any switch Qwen3 lacks."""
-    _check_llama_family(config, "Qwen3")
-    if not config.qk_norm:
-        raise ConfigError("qk_norm=False cannot be exported as Qwen3: that is Llama")
+    _check_llama_family(config, "Qwen3", qk_norm=True, nope_layers=None)
     if config.bias:
         raise ConfigError("bias=True with qk_norm cannot be exported: Qwen3 has biases in "
                           "attention only, never in its MLP")
@@ -333,7 +335,28 @@ def qwen3_settings(config: GPTConfig) -> dict[str, Any]:
             "layer_types": ["full_attention"] * config.n_layer}
 
 
-def _check_llama_family(config: GPTConfig, title: str) -> None:
+def qwen2_settings(config: GPTConfig) -> dict[str, Any]:
+    """Qwen2Config's settings for `config`: biases on q, k and v, none elsewhere."""
+    _check_llama_family(config, "Qwen2", qk_norm=False, nope_layers=None)
+    if config.bias or not config.has_qkv_bias:
+        raise ConfigError(f"bias={config.bias}, qkv_bias={config.qkv_bias} cannot be exported "
+                          f"as Qwen2, which has biases on q, k and v and nowhere else")
+    settings = _llama_family_settings(config)
+    del settings["attention_bias"]  # Qwen2's q, k, v biases are not a setting
+    return {**settings, "use_sliding_window": False,
+            "layer_types": ["full_attention"] * config.n_layer}
+
+
+def smollm3_settings(config: GPTConfig) -> dict[str, Any]:
+    """SmolLM3Config's settings for `config`: Llama with layers that skip rotary (NoPE)."""
+    _check_llama_family(config, "SmolLM3", qk_norm=False)
+    nope = set(config.nope_layers or ())
+    return {**_llama_family_settings(config), "mlp_bias": config.bias,
+            "no_rope_layers": [int(i not in nope) for i in range(config.n_layer)],
+            "use_sliding_window": False, "layer_types": ["full_attention"] * config.n_layer}
+
+
+def _check_llama_family(config: GPTConfig, title: str, **plain: Any) -> None:
     required = {"position": "rope", "norm": "rmsnorm", "activation": "swiglu", "pre_ln": True}
     for switch, value in required.items():
         if getattr(config, switch) != value:
@@ -341,7 +364,10 @@ def _check_llama_family(config: GPTConfig, title: str) -> None:
                               f"{title} has {switch}={value!r}, and GPT-2 (learned positions, "
                               f"LayerNorm, a GELU MLP) is the other architecture glassgpt "
                               f"exports")
-    _refuse_if_set(config, title, logit_softcap=None)
+    if title != "Qwen2" and config.has_qkv_bias != config.bias:
+        raise ConfigError(f"qkv_bias={config.qkv_bias} beside bias={config.bias} cannot be "
+                          f"exported as {title}: biases on q, k and v alone are Qwen2's")
+    _refuse_if_set(config, title, logit_softcap=None, **plain)
 
 
 def _llama_family_settings(config: GPTConfig) -> dict[str, Any]:
@@ -363,14 +389,6 @@ def _llama_family_settings(config: GPTConfig) -> dict[str, Any]:
     )
 
 
-def rope_kwargs(config_class: Any, theta: float) -> dict[str, Any]:
-    """How the installed transformers takes a rotary base: `rope_parameters` (5.x) or
-    `rope_theta` (4.x), told by the config class's own signature."""
-    if "rope_parameters" in inspect.signature(config_class.__init__).parameters:
-        return {"rope_parameters": {"rope_type": "default", "rope_theta": theta}}
-    return {"rope_theta": theta}
-
-
 def _refuse_if_set(config: GPTConfig, title: str, **plain: Any) -> None:
     """ConfigError for the first switch that differs from the value `title` hard-codes
     (None counts as that value where the switch means "the usual")."""
@@ -390,7 +408,12 @@ LLAMA = Architecture("llama", "Llama", "LlamaForCausalLM", "LlamaConfig", "model
                      frozenset(), ROTARY_BUFFER_SUFFIXES, llama_config_from_hf, llama_settings)
 QWEN3 = Architecture("qwen3", "Qwen3", "Qwen3ForCausalLM", "Qwen3Config", "model.", LLAMA_NAMES,
                      frozenset(), ROTARY_BUFFER_SUFFIXES, llama_config_from_hf, qwen3_settings)
-ARCHITECTURES = {arch.model_type: arch for arch in (GPT2, LLAMA, QWEN3)}
+QWEN2 = Architecture("qwen2", "Qwen2", "Qwen2ForCausalLM", "Qwen2Config", "model.", LLAMA_NAMES,
+                     frozenset(), ROTARY_BUFFER_SUFFIXES, llama_config_from_hf, qwen2_settings)
+SMOLLM3 = Architecture("smollm3", "SmolLM3", "SmolLM3ForCausalLM", "SmolLM3Config", "model.",
+                       LLAMA_NAMES, frozenset(), ROTARY_BUFFER_SUFFIXES, llama_config_from_hf,
+                       smollm3_settings)
+ARCHITECTURES = {arch.model_type: arch for arch in (GPT2, LLAMA, QWEN3, QWEN2, SMOLLM3)}
 
 
 def architecture_of(model_type: Any) -> Architecture:
@@ -402,9 +425,13 @@ def architecture_of(model_type: Any) -> Architecture:
 
 
 def architecture_for(config: GPTConfig) -> Architecture:
-    """The HF architecture that computes what `config` does: GPT-2 for learned positions, Qwen3
-    for rotary ones with QK-norm, Llama for rotary ones without. Whether it can hold every
-    other switch is its settings' check."""
+    """The HF architecture that computes what `config` does: GPT-2 for learned positions; for
+    rotary ones Qwen3 with QK-norm, SmolLM3 with NoPE layers, Qwen2 with biases on q, k and v
+    alone, Llama otherwise. Whether it can hold every other switch is its settings' check."""
     if config.position == "learned":
         return GPT2
-    return QWEN3 if config.qk_norm else LLAMA
+    if config.qk_norm:
+        return QWEN3
+    if config.nope_layers:
+        return SMOLLM3
+    return QWEN2 if config.has_qkv_bias and not config.bias else LLAMA

@@ -19,9 +19,12 @@ from glassgpt.errors import CheckpointError
 from glassgpt.hf import interop
 from glassgpt.hf.files import MAX_TOKENIZER_BYTES, UNUSED_TOKEN, name_padding_ids
 from glassgpt.rundir.checkpoint import describe_weights, load_model, save_model
+from glassgpt.rundir.directory import commit_files
 from glassgpt.storage import files
 from glassgpt.storage.commit import staged_directory
+from glassgpt.storage.layout import CHAT_TEMPLATE_FILE
 from glassgpt.tokenizers import END_OF_TEXT, BPETokenizer, Tokenizer, tokenizer_from_json
+from glassgpt.tokenizers.chat import ChatTemplate
 from glassgpt.tokenizers.loading import tokenizer_from_hf
 
 
@@ -73,10 +76,30 @@ def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str],
     tokenizer, padding_note = _source_tokenizer(directory, tokenizer_file,
                                                 model.config.vocab_size)
     check_tokenizer_fits(tokenizer.vocab_size, model.config.vocab_size)
+    chat = None if tokenizer_file is not None else directory.chat_template()
+    if chat is not None:
+        notes.append(_chat_note(chat, tokenizer))
+        chat = chat if _ends_turns(chat, tokenizer) else None
     with staged_directory(out) as staging:
         save_model(staging, model, tokenizer, extra={"converted_from": str(source)})
+        if chat is not None:  # a second commit in the staging directory: it appears whole
+            commit_files(staging, {CHAT_TEMPLATE_FILE: chat.to_json().encode("utf-8")})
     return ImportedRun(out, model.config, tokenizer.kind, tokenizer.vocab_size,
                        tuple(notes + padding_note))
+
+
+def _ends_turns(chat: ChatTemplate, tokenizer: Tokenizer) -> bool:
+    """Whether the template's end-of-turn token is one token of the tokenizer: where
+    `sample --chat` stops a reply. A template without one is not kept."""
+    return chat.end_of_turn is not None and len(tokenizer.encode(chat.end_of_turn)) == 1
+
+
+def _chat_note(chat: ChatTemplate, tokenizer: Tokenizer) -> str:
+    if _ends_turns(chat, tokenizer):
+        return f"kept its chat template (`sample --chat`; a reply ends at {chat.end_of_turn})"
+    return (f"its chat template is not kept: its end-of-turn token (tokenizer_config.json's "
+            f"eos_token, {chat.end_of_turn!r:.40}) is not one token of the tokenizer, so a "
+            f"reply could not stop")
 
 
 def export_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str],

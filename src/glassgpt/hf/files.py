@@ -8,7 +8,9 @@ parser. So glassgpt reads these directories on its own:
   * weights from `.safetensors` files only: `model.safetensors`, or the files that
     `model.safetensors.index.json` names, which must be plain names inside the directory;
     a directory holding only pickles is refused by name, before anything is opened;
-  * tokenizer.json (or GPT-2's vocab.json + merges.txt) as bounded files.
+  * tokenizer.json (or GPT-2's vocab.json + merges.txt) as bounded files;
+  * the chat template (chat_template.jinja, or tokenizer_config.json's `chat_template`) as
+    text, never run here (glassgpt.tokenizers.chat renders it in a sandbox).
 An export glassgpt writes carries its marker (EXPORT_MARKER); only such a directory may be
 replaced by a newer export.
 A hub name is downloaded with huggingface_hub, asking for exactly those files, into its cache.
@@ -29,11 +31,12 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from glassgpt.choices import INSTALL_HINT as INSTALL_HINT  # its home: no torch, for --help
-from glassgpt.errors import CheckpointError, ConfigError, GlassGPTError
+from glassgpt.errors import CheckpointError, ConfigError, GlassGPTError, TokenizerError
 from glassgpt.rundir.checkpoint import check_fits_memory
 from glassgpt.storage import files
 from glassgpt.storage.tensorfile import SafetensorsFile, check_finite, check_float_dtypes
 from glassgpt.tokenizers import END_OF_TEXT
+from glassgpt.tokenizers.chat import SPECIAL_TOKEN_NAMES, ChatTemplate, checked_template
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -43,8 +46,10 @@ HF_WEIGHTS_FILE = "model.safetensors"
 HF_INDEX_FILE = "model.safetensors.index.json"
 SAFETENSORS_SUFFIX = ".safetensors"
 # All a hub download may fetch: JSON, text and safetensors, never a pickle.
+HF_TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+HF_CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves the template
 HUB_FILES = [HF_CONFIG_FILE, "*" + SAFETENSORS_SUFFIX, HF_INDEX_FILE, "tokenizer.json",
-             "vocab.json", "merges.txt"]
+             "vocab.json", "merges.txt", HF_TOKENIZER_CONFIG_FILE, HF_CHAT_TEMPLATE_FILE]
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 MAX_WEIGHT_FILES = 10_000
 MAX_TOKENIZER_BYTES = 64 * 2**20
@@ -86,6 +91,26 @@ HF_SETTINGS: dict[str, dict[str, tuple[Any, str]]] = {
         "attention_dropout": (0.0, "float"), "use_sliding_window": (False, "bool"),
         "layer_types": (None, "list?"),
         **_ROPE_SETTINGS},
+    "qwen2": {  # no head_dim (hidden_size / heads) and no bias settings: q, k, v have biases
+        "vocab_size": (151936, "int"), "hidden_size": (4096, "int"),
+        "intermediate_size": (22016, "int"), "num_hidden_layers": (32, "int"),
+        "num_attention_heads": (32, "int"), "num_key_value_heads": (32, "int?"),
+        "head_dim": (None, "int?"), "hidden_act": ("silu", "str"),
+        "max_position_embeddings": (32768, "int"), "rms_norm_eps": (1e-6, "float"),
+        "tie_word_embeddings": (False, "bool"), "attention_dropout": (0.0, "float"),
+        "use_sliding_window": (False, "bool"), "layer_types": (None, "list?"),
+        **_ROPE_SETTINGS},
+    "smollm3": {
+        "vocab_size": (128256, "int"), "hidden_size": (2048, "int"),
+        "intermediate_size": (11008, "int"), "num_hidden_layers": (36, "int"),
+        "num_attention_heads": (16, "int"), "num_key_value_heads": (4, "int?"),
+        "head_dim": (None, "int?"), "hidden_act": ("silu", "str"),
+        "max_position_embeddings": (32768, "int"), "rms_norm_eps": (1e-6, "float"),
+        "tie_word_embeddings": (True, "bool"), "attention_bias": (False, "bool"),
+        "mlp_bias": (False, "bool"), "attention_dropout": (0.0, "float"),
+        "use_sliding_window": (False, "bool"), "layer_types": (None, "list?"),
+        "no_rope_layers": (None, "list?"), "no_rope_layer_interval": (4, "int"),
+        **_ROPE_SETTINGS, "rope_theta": (2000000.0, "float")},  # SmolLM3's own base
 }
 # Other names GPT2Config accepts for its settings.
 HF_ALIASES = {"gpt2": {"hidden_size": "n_embd", "num_attention_heads": "n_head",
@@ -142,6 +167,28 @@ class HFDirectory:
             settings[key] = raw.get(key, default)
             _check_setting(key, settings[key], kind, path)
         return SimpleNamespace(**settings)
+
+    def chat_template(self) -> ChatTemplate | None:
+        """The tokenizer's chat template (chat_template.jinja, else tokenizer_config.json's
+        `chat_template`, its default when it names several), with the special tokens that
+        tokenizer_config.json names; None when the model has none (a base model)."""
+        config_path = self.path(HF_TOKENIZER_CONFIG_FILE)
+        config = {} if config_path is None else \
+            files.read_json_object(config_path, CheckpointError, MAX_TOKENIZER_BYTES)
+        jinja = self.path(HF_CHAT_TEMPLATE_FILE)
+        if jinja is not None:
+            template = files.read_text(jinja, MAX_TOKENIZER_BYTES, CheckpointError)
+        else:
+            template = _default_template(config.get("chat_template"), config_path)
+        if template is None:
+            return None
+        special = {name: _token_text(config.get(name)) for name in SPECIAL_TOKEN_NAMES}
+        special = {name: text for name, text in special.items() if text is not None}
+        try:
+            return ChatTemplate(checked_template(template, self.name),
+                                special.get("eos_token"), special)
+        except TokenizerError as error:
+            raise CheckpointError(str(error)) from None
 
     @contextlib.contextmanager
     def weights(self, base_prefix: str = "transformer.",
@@ -223,6 +270,27 @@ class StoredWeights:
         tensors = {name: self._where[name][0].read(self._where[name][1]) for name in names}
         check_finite(tensors, self.source, CheckpointError)
         return tensors
+
+
+def _default_template(value: Any, path: Path | None) -> str | None:
+    """tokenizer_config.json's `chat_template`: a string, or a list of {"name", "template"}
+    of which transformers uses the one named "default"."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(t, dict) for t in value):
+        named = {t.get("name"): t.get("template") for t in value}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+    raise CheckpointError(f"{path}: chat_template must be a string, or a list of "
+                          f"{{name, template}} with one named 'default'")
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json gives it: its text, or an AddedToken's
+    {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 def _indexed_names(index: Path) -> list[str]:

@@ -1,8 +1,8 @@
 """Hugging Face <-> glassgpt: the same weights, read and written both ways.
 
-Three architectures have a glassgpt twin: GPT-2, Llama (SmolLM2 too) and Qwen3; what each is in
-glassgpt's terms (its settings, its weight names, the one layout that differs) is
-glassgpt.hf.architectures' table. Here the weights move: every glassgpt tensor is one HF tensor,
+Five architectures have a glassgpt twin: GPT-2, Llama (SmolLM2 too), Qwen3, Qwen2 and SmolLM3;
+what each is in glassgpt's terms (its settings, its weight names, the one layout that differs)
+is glassgpt.hf.architectures' table. Here the weights move: every glassgpt tensor is one HF tensor,
 transposed where GPT-2 stores a Conv1D (in, out) matrix, or three HF tensors stacked along its
 rows (Llama's q_proj, k_proj, v_proj make our `qkv`: [Q, K, V]).
 
@@ -35,8 +35,6 @@ from glassgpt.hf.architectures import (
     Architecture,
     architecture_for,
     architecture_of,
-    rope_kwargs,
-    rope_theta,
 )
 from glassgpt.hf.files import INSTALL_HINT as INSTALL_HINT
 from glassgpt.hf.files import (
@@ -48,9 +46,10 @@ from glassgpt.hf.files import (
 )
 from glassgpt.hf.files import MissingExtraError as MissingExtraError
 from glassgpt.hf.files import load_hf_tokenizer as load_hf_tokenizer
+from glassgpt.hf.rotary import rope_kwargs, rotary_from_hf, rotary_of
 from glassgpt.machine.distributed import unwrap_model
 from glassgpt.model import GPT
-from glassgpt.rundir.checkpoint import expected_shapes
+from glassgpt.rundir.checkpoint import expected_shapes, model_holding
 from glassgpt.storage import files
 from glassgpt.storage.commit import staged_directory
 from glassgpt.storage.tensorfile import check_each_shape, check_finite
@@ -156,8 +155,9 @@ def config_from_hf(hf_config: PretrainedConfig | Any, dropout: float | None = No
 
 def hf_config_from_glassgpt(config: GPTConfig, bos_token_id: int | None = None,
                             eos_token_id: int | None = None) -> PretrainedConfig:
-    """The `transformers` config of the architecture `config` is (GPT2Config, LlamaConfig or
-    Qwen3Config); a ConfigError names any switch that architecture lacks."""
+    """The `transformers` config of the architecture `config` is (GPT2Config, LlamaConfig,
+    Qwen3Config, Qwen2Config or SmolLM3Config; see `architecture_for`); a ConfigError names
+    any switch that architecture lacks."""
     arch = architecture_for(config)
     settings = arch.hf_settings(config)
     for name, token_id in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)):
@@ -166,12 +166,19 @@ def hf_config_from_glassgpt(config: GPTConfig, bos_token_id: int | None = None,
                               f"[0, {config.vocab_size})")
     config_class = _transformers_class(arch.hf_config_class)
     if arch is not GPT2:
-        settings.update(rope_kwargs(config_class, config.rope_theta))
+        settings.update(rope_kwargs(config_class, config))
     hf_config = config_class(**settings, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
-    if arch is not GPT2 and rope_theta(hf_config) != config.rope_theta:
-        raise ConfigError(f"the installed transformers did not take rope_theta="
-                          f"{config.rope_theta} (it reads {rope_theta(hf_config)})")
+    if arch is not GPT2:
+        _check_rotary_taken(hf_config, config)
     return hf_config
+
+
+def _check_rotary_taken(hf_config: PretrainedConfig, config: GPTConfig) -> None:
+    """ConfigError unless the transformers config reads back the rotary of `config`."""
+    theirs = rotary_from_hf(hf_config, lambda key: getattr(hf_config, key, None))
+    if theirs != rotary_of(config):
+        raise ConfigError(f"the installed transformers did not take the rotary "
+                          f"{rotary_of(config)} (it reads {theirs})")
 
 
 # --- weights --------------------------------------------------------------------------------
@@ -179,8 +186,8 @@ def hf_config_from_glassgpt(config: GPTConfig, bos_token_id: int | None = None,
 
 def from_hf(source: PreTrainedModel | HFDirectory | str | os.PathLike[str],
             dropout: float | None = None) -> GPT:
-    """A glassgpt GPT holding the weights of a HF GPT-2, Llama or Qwen3: a model, a local
-    directory or a hub name.
+    """A glassgpt GPT holding the weights of a HF GPT-2, Llama, Qwen3, Qwen2 or SmolLM3: a
+    model, a local directory or a hub name.
 
     A directory (or a hub name, downloaded into the Hugging Face cache) is read by glassgpt,
     never by `transformers` (see glassgpt.hf.files): weights from local `.safetensors` files
@@ -209,7 +216,7 @@ def from_hf(source: PreTrainedModel | HFDirectory | str | os.PathLike[str],
     _check_same_names(arch, {n for m in weight_mappings(arch, config) for n in m.theirs},
                       set(hf_weights))
     check_finite(hf_weights, "the HF model", CheckpointError)
-    return _model_from_weights(arch, config, hf_weights)
+    return _model_from_weights(arch, config, hf_weights, copy=True)
 
 
 def _stores_own_head(arch: Architecture, weights: dict[str, Any]) -> bool:
@@ -242,7 +249,7 @@ def _read_checked(arch: Architecture, config: GPTConfig, stored: StoredWeights
         found[embedding] = found.pop("lm_head.weight")
     # Every layer has a tensor of its own, so the files bound the layers worth naming.
     probe = config if config.n_layer <= len(found) else \
-        dataclasses.replace(config, n_layer=len(found) + 1)
+        config.with_layers(len(found) + 1)
     _check_none_missing(weight_mappings(arch, probe), found, config, stored.source)
     mappings = weight_mappings(arch, config)
     ours = expected_shapes(config)
@@ -275,25 +282,38 @@ def _check_none_missing(mappings: list[WeightMapping], found: dict[str, Any],
                               f"{len(found):,} tensors, {per_layer} per layer)")
 
 
-def _model_from_weights(arch: Architecture, config: GPTConfig, hf_weights: dict[str, Tensor]
-                        ) -> GPT:
-    """A GPT of `config` holding `hf_weights` (HF names and layout), checked already."""
+def _model_from_weights(arch: Architecture, config: GPTConfig, hf_weights: dict[str, Tensor],
+                        copy: bool = False) -> GPT:
+    """A GPT of `config` holding `hf_weights` (HF names and layout), checked already, in
+    their dtype (the embedding's) and on their device.
+
+    The model is built around the tensors (see rundir.checkpoint.model_holding): no random
+    initialisation to overwrite, and a tensor that needs no rearranging is taken as it is,
+    not copied (with `copy`, every tensor is: a live HF model's weights stay its own).
+    `hf_weights` is emptied as it is read, so a stacked or transposed tensor's parts are freed
+    once it is made.
+    """
     reference = hf_weights[arch.names["tok_emb.weight"]]
-    model = GPT(config).to(device=reference.device, dtype=reference.dtype)
-    ours = model.state_dict()
+    ours = {}
     with torch.no_grad():
         for m in weight_mappings(arch, config):
-            parts = [hf_weights[name] for name in m.theirs]
-            value = parts[0].t() if m.conv1d else torch.cat(parts) if len(parts) > 1 \
-                else parts[0]  # q, k, v stacked: (H*d + 2*Hkv*d, C)
-            _copy_weight(ours[m.ours], value, m.ours)
-    return model.eval()
+            parts = [hf_weights.pop(name) for name in m.theirs]
+            value = parts[0].t().contiguous() if m.conv1d else torch.cat(parts) \
+                if len(parts) > 1 else parts[0]  # q, k, v stacked: (H*d + 2*Hkv*d, C)
+            value = value.to(device=reference.device, dtype=reference.dtype)
+            ours[m.ours] = value.clone() if copy and _shares_memory(value, parts[0]) else value
+    return model_holding(config, ours, f"the {arch.title} weights").eval()
+
+
+def _shares_memory(a: Tensor, b: Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def to_hf(model: GPT | nn.Module, bos_token_id: int | None = None,
           eos_token_id: int | None = None) -> PreTrainedModel:
     """A `transformers` model of the architecture `model` is (GPT2LMHeadModel,
-    LlamaForCausalLM or Qwen3ForCausalLM) holding exactly its weights, in eval mode.
+    LlamaForCausalLM, Qwen3ForCausalLM, Qwen2ForCausalLM or SmolLM3ForCausalLM) holding
+    exactly its weights, in eval mode.
 
     `model` may be wrapped in DDP or `torch.compile`; the plain GPT inside is what is copied.
     """

@@ -107,11 +107,24 @@ def logits_of(model: nn.Module, ids: Tensor) -> Tensor:
     return logits
 
 
+def _watch(tensor: Tensor, name: str) -> None:
+    return None
+
+
+def watching_every_path(model: nn.Module) -> list[tuple[str, HookFn]]:
+    """Do-nothing hooks on every point whose being watched changes how its activation is
+    computed (the attention pattern: the explicit path; a LayerNorm's x_hat: the norm in steps).
+    Every run of glassgpt.interp carries them, so a patched run and its clean run compute alike
+    (patching a run with its own cache gives exactly 1)."""
+    return [(name, _watch) for name, point in hook_points(model).items() if point.decides_path]
+
+
 def run_with_hooks(model: nn.Module, ids: Tensor,
                    hooks: Iterable[tuple[str, HookFn]] = ()) -> Tensor:
     """ids (B, T) -> logits (B, T, V), with each `fn(tensor, name)` run at its hook point (its
-    return value, when not None, replaces the activation)."""
-    with eval_mode(model), attached(model, hooks):
+    return value, when not None, replaces the activation). Attention runs its explicit path
+    and LayerNorm its written-out one (`watching_every_path`)."""
+    with eval_mode(model), attached(model, [*watching_every_path(model), *hooks]):
         return logits_of(model, ids)
 
 

@@ -36,6 +36,19 @@ def repeated_random_tokens(vocab_size: int, half: int, batch: int,
     return torch.cat([first, first], dim=1)
 
 
+def check_repeated(tokens: Tensor, block_size: int) -> Tensor:
+    """tokens (B, 2n) whose halves are equal, n >= 2, 2n <= block_size; else InputError."""
+    if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.shape[1] % 2 \
+            or not 4 <= tokens.shape[1] <= block_size:
+        shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+        raise InputError(f"tokens must be (batch, 2n) with 4 <= 2n <= block_size = "
+                         f"{block_size}, got {shape}")
+    half = tokens.shape[1] // 2
+    if not torch.equal(tokens[:, :half], tokens[:, half:]):
+        raise InputError("tokens must repeat: their second half must equal their first")
+    return tokens
+
+
 def diagonal_mean(pattern: Tensor, offset: int, start: int) -> Tensor:
     """pattern (B, H, T, T) -> (H,): the mean of pattern[:, :, i, i - offset] for i >= start."""
     T = pattern.shape[-1]
@@ -44,14 +57,22 @@ def diagonal_mean(pattern: Tensor, offset: int, start: int) -> Tensor:
 
 
 def head_scores(model: nn.Module, half: int | None = None, batch: int = 8,
-                seed: int = 0) -> HeadScores:
-    """Every head's previous-token, duplicate-token and induction score (each (L, H))."""
+                seed: int = 0, tokens: Tensor | None = None) -> HeadScores:
+    """Every head's previous-token, duplicate-token and induction score (each (L, H)).
+
+    `tokens` (B, 2n), whose second half repeats the first, replaces the random ones: a model
+    trained on text may copy only what looks like its text (a character model's words, say)."""
     block_size = model.config.block_size
-    half = block_size // 2 if half is None else half
-    if isinstance(half, bool) or not isinstance(half, int) or not 2 <= half <= block_size // 2:
-        raise InputError(f"half must be an int in [2, block_size // 2 = {block_size // 2}], "
-                         f"got {half!r}")
-    ids = repeated_random_tokens(model.config.vocab_size, half, batch, seed)
+    if tokens is not None:
+        ids = check_repeated(tokens, block_size)
+        half = ids.shape[1] // 2
+    else:
+        half = block_size // 2 if half is None else half
+        if isinstance(half, bool) or not isinstance(half, int) \
+                or not 2 <= half <= block_size // 2:
+            raise InputError(f"half must be an int in [2, block_size // 2 = "
+                             f"{block_size // 2}], got {half!r}")
+        ids = repeated_random_tokens(model.config.vocab_size, half, batch, seed)
     ids = ids.to(next(model.parameters()).device)
     _, cache = run_with_cache(model, ids, names=lambda n: n.endswith("attn.hook_pattern"))
     patterns = [cache[f"blocks.{l}.attn.hook_pattern"].float()

@@ -1,7 +1,9 @@
 """Data-parallel plumbing: one process per device, launched by torchrun; one process by default.
 
 torchrun sets RANK, LOCAL_RANK and WORLD_SIZE. Every rank holds a full model replica and reads its
-own batches; DDP averages the gradients during backward. Rank 0 alone writes files.
+own batches; DDP averages the gradients during backward. Rank 0 alone writes files. (Sharding
+the model instead of replicating it, `--fsdp`, is glassgpt.training.fsdp: it wraps the model,
+which this layer knows nothing of.)
 """
 
 from __future__ import annotations

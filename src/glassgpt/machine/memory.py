@@ -68,15 +68,17 @@ def check_model_fits_memory(config: GPTConfig, parameters: int) -> None:
 def activation_floats_per_token(config: GPTConfig) -> int:
     """Floats kept for backward per token, over all layers: an upper estimate from the config.
 
-    Per layer, in features: norm inputs and outputs (4C); q, k and v (C + 2 KV widths), once
-    more for each of rotary and QK-norm when on; the attention output and projection (2C); the
+    Per layer, in features: norm inputs and outputs (4C); q, k and v (H d + 2 KV widths, d the
+    head width), once more for each of rotary and QK-norm when on; the attention output (H d)
+    and projection (C); the
     MLP's hidden tensors (2F before and after the activation; 4F for SwiGLU's gate, up, SiLU and
     product); dropout masks and residual sums (3C). The explicit path adds the scores, softmax
     and dropout mask of every head (3 H S). GPT-2's shape gives 20C a layer.
     """
     C, F = config.n_embd, config.hidden_width
-    qkv = C + 2 * (config.n_kv_head or config.n_head) * config.head_dim
-    per_layer = 4 * C + qkv + 2 * C + (4 if config.activation == "swiglu" else 2) * F + 3 * C
+    qkv = config.q_width + 2 * config.kv_width
+    per_layer = 4 * C + qkv + config.q_width + C + 3 * C
+    per_layer += (4 if config.activation == "swiglu" else 2) * F
     per_layer += qkv * ((config.position == "rope") + config.qk_norm)
     if config.attn_impl == "explicit":
         per_layer += 3 * config.n_head * config.block_size

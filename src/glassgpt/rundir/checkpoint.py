@@ -15,9 +15,9 @@ glassgpt.rundir.directory's business: loading a run never changes it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from glassgpt.rundir.trainstate import (
 from glassgpt.storage import files
 from glassgpt.storage.layout import (
     BEST_FILE,
+    CHAT_TEMPLATE_FILE,
     CHECKPOINTS,
     CONFIG_FILE,
     METRICS_FILE,
@@ -58,6 +59,7 @@ from glassgpt.storage.tensorfile import (
     check_float_dtypes,
 )
 from glassgpt.tokenizers import Tokenizer, tokenizer_from_json
+from glassgpt.tokenizers.chat import ChatTemplate
 
 CONFIG_KEYS = RUN_CONFIG_KEYS
 # Config, state and tokenizer files are small (GPT-2's tokenizer.json is 1.4 MB); a bigger one
@@ -68,10 +70,12 @@ PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".pkl", ".bin")
 
 # --- the model -----------------------------------------------------------------------------
 
-def model_tensors(model: nn.Module) -> dict[str, Tensor]:
-    """The weights to write: no wrapper prefixes, and a tied LM head stored once (as tok_emb)."""
+def model_tensors(model: nn.Module, state: dict[str, Tensor] | None = None
+                  ) -> dict[str, Tensor]:
+    """The weights to write: no wrapper prefixes, and a tied LM head stored once (as tok_emb).
+    `state`, when given, is the model's whole state dict gathered already (from FSDP shards)."""
     model = unwrap_model(model)
-    state = model.state_dict()
+    state = model.state_dict() if state is None else dict(state)
     if getattr(model.config, "tie_weights", False):
         state.pop("lm_head.weight", None)
     return {name: tensor.detach().cpu().contiguous() for name, tensor in state.items()}
@@ -84,8 +88,8 @@ def expected_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
     config asking for 10**5 layers costs only the dictionary. Callers bound n_layer first.
     """
     try:
-        with torch.device("meta"):
-            state = GPT(dataclasses.replace(config, n_layer=1)).state_dict()
+        with torch.device("meta"), initialisation_skipped():
+            state = GPT(config.with_layers(1)).state_dict()
     except RuntimeError as error:  # sizes whose product overflows
         raise CheckpointError(f"config.json asks for tensors too large to exist "
                               f"({error})") from None
@@ -117,25 +121,87 @@ def check_shapes(config: GPTConfig, found: dict[str, tuple[int, ...]], path: Pat
     check_each_shape(found, expected, path)
 
 
-def read_weights(path: Path, config: GPTConfig) -> dict[str, Tensor]:
-    """The tensors of a model file, checked against `config` before any is read."""
+def read_weights(path: Path, config: GPTConfig, dtype: torch.dtype | None = None
+                 ) -> dict[str, Tensor]:
+    """The tensors of a model file, checked against `config` before any is read; as `dtype`
+    when given (each converted as it is read: bfloat16 weights never pass through a float32
+    copy of the model)."""
     with SafetensorsFile(path, CheckpointError) as file:
         check_shapes(config, {name: info.shape for name, info in file.header.items()}, path)
         check_float_dtypes(file.header, path, CheckpointError)
-        params = sum(math.prod(info.shape) for info in file.header.values())
-        check_fits_memory(file.nbytes + 4 * params, f"the model in {path}")
-        tensors = file.read_all()
+        check_fits_memory(_loaded_bytes(file, dtype), f"the model in {path}")
+        tensors = {name: file.read(name, dtype) for name in file.header}
     check_finite(tensors, path, CheckpointError)
     return tensors
 
 
+def _loaded_bytes(file: SafetensorsFile, dtype: torch.dtype | None) -> int:
+    """What reading `file` as `dtype` allocates: the model becomes these very tensors."""
+    if dtype is None:
+        return file.nbytes
+    return sum(math.prod(info.shape) for info in file.header.values()) * dtype.itemsize
+
+
 def check_fits_memory(needed: int, what: str) -> None:
     """Refuse, before reading, tensors this machine cannot hold (`needed` bytes: for weights,
-    what is read plus the float32 model it is copied into)."""
+    the tensors read, which the model then holds as they are)."""
     available = physical_memory()
     if available is not None and needed > available:
         raise CheckpointError(f"{what} needs {gib(needed)} of memory to load, more than this "
                               f"machine's {gib(available)}")
+
+
+@contextlib.contextmanager
+def initialisation_skipped() -> Iterator[None]:
+    """torch.nn.init's functions do nothing inside: for parameters on the meta device, where
+    there is nothing to fill, yet each call still costs a Python-level meta kernel (7 s for
+    a 28-layer model on two busy cores)."""
+    saved = {name: getattr(nn.init, name) for name in dir(nn.init)
+             if name.endswith("_") and not name.startswith("_")}
+    for name in saved:
+        setattr(nn.init, name, _left_as_it_is)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
+def _left_as_it_is(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    return tensor
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device, uninitialised, for a
+    model whose weights are about to be loaded: no memory and no random numbers drawn only
+    to be overwritten. Buffers (the model's position table) are made as usual."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        with initialisation_skipped():
+            yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def model_holding(config: GPTConfig, tensors: dict[str, Tensor], source: object) -> GPT:
+    """A GPT of `config` whose weights are `tensors` themselves (names and shapes checked
+    first): built without a random initialisation and without a second copy, so loading
+    costs the tensors' bytes and nothing more. A tied head is tied again to the embedding."""
+    check_shapes(config, {name: tuple(t.shape) for name, t in tensors.items()}, source)
+    with parameters_on_meta():
+        model = GPT(config)
+    model.load_state_dict(tensors, strict=False, assign=True)  # a tied head is not stored
+    if config.tie_weights:
+        model.lm_head.weight = model.tok_emb.weight
+    return model
 
 
 def load_model_tensors(model: GPT, tensors: dict[str, Tensor], path: Path) -> None:
@@ -272,6 +338,19 @@ class Run:
             self._tokenizer = _read_tokenizer(self.paths[TOKENIZER_FILE])
         return self._tokenizer
 
+    def chat_template(self) -> ChatTemplate | None:
+        """The chat template an imported instruct model came with, or None (a run trained
+        here, or a base model's)."""
+        path = self.paths[CHAT_TEMPLATE_FILE]
+        if files.entry_kind(path) == "missing":
+            return None
+        text = files.read_text(path, MAX_JSON_BYTES, CheckpointError)
+        data = files.parse_json(text, str(path), CheckpointError)
+        try:
+            return ChatTemplate.from_json(data, str(path))
+        except TokenizerError as error:
+            raise CheckpointError(str(error)) from None
+
     def weights_file(self, checkpoint: str = "best") -> tuple[str, Path]:
         """Which weights `checkpoint` ("best" or "last") names, and where they are: the best
         ones when the run kept them (a trained run does from its first evaluation on), else the
@@ -306,9 +385,10 @@ class Run:
                                                   "best_iteration", "threads")}
         return {}
 
-    def load_model(self, device: str | torch.device = "cpu",
-                   checkpoint: str = "best") -> tuple[GPT, Tokenizer]:
-        """The run's model, in eval mode on `device`, and its tokenizer."""
+    def load_model(self, device: str | torch.device = "cpu", checkpoint: str = "best",
+                   dtype: torch.dtype | None = None) -> tuple[GPT, Tokenizer]:
+        """The run's model, in eval mode on `device` (its weights as `dtype` when given, read
+        straight into it), and its tokenizer."""
         target = resolve_device(str(device))
         _, weights = self.weights_file(checkpoint)
         tokenizer = self.tokenizer()
@@ -316,9 +396,9 @@ class Run:
             raise CheckpointError(f"{self.dir}: tokenizer has {tokenizer.vocab_size} tokens, "
                                   f"more than the model's vocab_size="
                                   f"{self.model_config.vocab_size}")
-        tensors = read_weights(weights, self.model_config)
-        model = GPT(self.model_config)
-        load_model_tensors(model, tensors, weights)
+        tensors = read_weights(weights, self.model_config, dtype)
+        model = model_holding(self.model_config, tensors, weights)
+        del tensors  # the model holds them now
         return model.to(target).eval(), tokenizer
 
     def has_train_state(self) -> bool:
@@ -367,13 +447,14 @@ def describe_weights(run_dir: str | Path | Run, checkpoint: str = "best") -> str
 
 
 def load_model(run_dir: str | Path | Run, device: str | torch.device = "cpu",
-               checkpoint: str = "best") -> tuple[GPT, Tokenizer]:
+               checkpoint: str = "best", dtype: torch.dtype | None = None
+               ) -> tuple[GPT, Tokenizer]:
     """The model of a run directory, in eval mode on `device`, and its tokenizer.
 
     `checkpoint` "best" takes the weights of the run's best evaluation where it kept them
     (else the last), "last" the weights of its last checkpoint (`describe_weights` says which).
     """
-    return open_run(run_dir).load_model(device, checkpoint)
+    return open_run(run_dir).load_model(device, checkpoint, dtype)
 
 
 def read_tokenizer(run_dir: str | Path | Run) -> Tokenizer:
@@ -419,7 +500,8 @@ def save_model(run_dir: str | Path, model: nn.Module, tokenizer: Tokenizer,
 def save_checkpoint(run_dir: str | Path, model: nn.Module, tokenizer: Tokenizer,
                     train_config: dict, data_dir: str | None, state: TrainState,
                     best: bool = False, extra: dict | None = None,
-                    new_metrics: str | None = None) -> None:
+                    new_metrics: str | None = None,
+                    weights: dict[str, Tensor] | None = None) -> None:
     """Commit weights, config, tokenizer and training state together (all or nothing); with
     `best`, these weights are also the run's best (best.safetensors), in the same commit.
 
@@ -427,18 +509,21 @@ def save_checkpoint(run_dir: str | Path, model: nn.Module, tokenizer: Tokenizer,
     it writes metrics.jsonl afresh and removes every other own file of a run that was there
     before, in the same commit. So `train --force` replaces the old run only once the new
     one has a checkpoint: a crash before that leaves the old run whole.
+
+    `weights`, when given, is the model's whole state dict (a sharded model's, gathered by
+    glassgpt.training.fsdp.full_weights), written in place of `model.state_dict()`.
     """
     model = unwrap_model(model)
     config = run_config(model.config, tokenizer, train=train_config, data_dir=data_dir,
                         extra=extra)
     tensors, state_json = split_train_state(state)
-    weights = _model_bytes(model)
-    contents = {CONFIG_FILE: _json_bytes(config), MODEL_FILE: weights,
+    weights_bytes = _model_bytes(model, weights)
+    contents = {CONFIG_FILE: _json_bytes(config), MODEL_FILE: weights_bytes,
                 TOKENIZER_FILE: tokenizer.to_json().encode("utf-8"),
                 STATE_TENSORS_FILE: save_safetensors_bytes(tensors),
                 STATE_JSON_FILE: _json_bytes(state_json)}
     if best:
-        contents[BEST_FILE] = weights
+        contents[BEST_FILE] = weights_bytes
     remove: tuple[str, ...] = ()
     if new_metrics is not None:
         contents[METRICS_FILE] = new_metrics.encode("utf-8")
@@ -457,6 +542,6 @@ def _json_bytes(data: dict[str, Any]) -> bytes:
     return (text + "\n").encode("utf-8")
 
 
-def _model_bytes(model: nn.Module) -> bytes:
-    return save_safetensors_bytes(model_tensors(model), metadata={"format": "pt"})
+def _model_bytes(model: nn.Module, state: dict[str, Tensor] | None = None) -> bytes:
+    return save_safetensors_bytes(model_tensors(model, state), metadata={"format": "pt"})
 

@@ -5,6 +5,7 @@ A run directory (`glassgpt train`, `convert`):
     model.safetensors         weights of the last checkpoint (what --resume continues)
     best.safetensors          weights of the evaluation with the lowest val loss
     tokenizer.json            the tokenizer the model was trained with
+    chat_template.json        an imported instruct model's chat template (only those runs)
     train_state.safetensors   optimizer tensors and RNG states          } only for runs that
     train_state.json          iteration, best val loss, the rest        } can be resumed
     metrics.jsonl, loss.png   what the trainer logged, and its picture
@@ -29,13 +30,14 @@ CONFIG_FILE = "config.json"
 MODEL_FILE = "model.safetensors"
 BEST_FILE = "best.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
+CHAT_TEMPLATE_FILE = "chat_template.json"
 STATE_TENSORS_FILE = "train_state.safetensors"
 STATE_JSON_FILE = "train_state.json"
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 RUN_JOURNAL = "checkpoint.journal"
 CHECKPOINT_FILES = (CONFIG_FILE, MODEL_FILE, BEST_FILE, TOKENIZER_FILE, STATE_TENSORS_FILE,
-                    STATE_JSON_FILE)
+                    STATE_JSON_FILE, CHAT_TEMPLATE_FILE)
 CHECKPOINTS = ("best", "last")  # which weights of a run to load
 # Files only a run holds: `prepare` never writes beside them (its tokenizer.json would replace
 # the run's, which could then no longer sample, evaluate or resume).

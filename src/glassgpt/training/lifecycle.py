@@ -51,10 +51,10 @@ from glassgpt.training.trainer import Trainer, TrainResult
 
 # Settings a resumed run may change: how far to train and how it reports, not the recipe.
 RESUME_MAY_CHANGE = ("max_iters", "eval_interval", "eval_iters", "log_interval", "early_stop",
-                     "device", "compile", "target_loss")
+                     "device", "compile", "target_loss", "fsdp")
 DATA_DECIDES = ("vocab_size",)  # set by the tokenizer of the data, never by a setting
 # Settings of the machine, not the recipe: a fine-tune does not inherit them from its source.
-MACHINE_SETTINGS = ("device", "dtype", "compile")
+MACHINE_SETTINGS = ("device", "dtype", "compile", "fsdp")
 FINETUNE_LR_FACTOR = 0.1  # a fine-tune's default peak lr: a tenth of its source's
 FINETUNE_WARMUP_FRACTION = 0.1  # ... and warm-up over a tenth of its iterations
 FINETUNE_DEFAULTS = ("lr", "min_lr", "warmup_iters", "eval_interval")

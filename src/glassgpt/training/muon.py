@@ -5,7 +5,9 @@ usually dominated by a few directions: its singular values spread over orders of
 step that is small enough for the strongest direction barely moves the others. Muon replaces
 M = U S V^T by its nearest orthogonal matrix U V^T: every direction the gradient points along
 moves by the same amount. Computing U V^T exactly (an SVD) is slow; a few steps of a
-Newton-Schulz iteration, only matrix products, get close enough (`orthogonalise`).
+Newton-Schulz iteration, only matrix products, get close enough (`orthogonalise`). A step
+orthogonalises all of a group's matrices of one shape in one batched iteration
+(`orthogonalise_all`), which gives each the result of `orthogonalise` with far fewer calls.
 
 Muon is for 2-D weights inside the network. Embeddings (a lookup, not a linear map of the
 stream), the output head, norms and biases are stepped by AdamW in the same optimizer: each
@@ -24,7 +26,7 @@ The conventions follow `torch.optim.Muon` (torch >= 2.9), so that a step here eq
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -69,6 +71,48 @@ def orthogonalise(grad: Tensor, steps: int = NS_STEPS,
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.addmm(x, poly, x, beta=a)
     return x.T if tall else x
+
+
+def orthogonalise_batched(grads: Tensor, steps: int = NS_STEPS,
+                          coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+                          eps: float = NS_EPS) -> Tensor:
+    """`orthogonalise` of each matrix of grads (n, rows, cols) at once, in bf16.
+
+    The same iteration with batched products (`bmm`, `baddbmm`): for a model's many small
+    matrices one call per product instead of one per matrix and product, which is where
+    their time went (BENCHMARKS.md, "Muon's Newton-Schulz, batched"). Each matrix is
+    normalised by its own Frobenius norm, so the result equals `orthogonalise` of each one.
+    """
+    if grads.dim() != 3:
+        raise ConfigError(f"orthogonalise_batched takes a stack of matrices (n, rows, cols); "
+                          f"got a tensor of shape {tuple(grads.shape)}")
+    a, b, c = coefficients
+    x = grads.bfloat16()
+    tall = grads.size(1) > grads.size(2)
+    if tall:
+        x = x.mT
+    x = x / torch.linalg.vector_norm(x, dim=(1, 2), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = torch.bmm(x, x.mT)  # (n, r, r)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, poly, x, beta=a)
+    return x.mT if tall else x
+
+
+def orthogonalise_all(grads: Sequence[Tensor], steps: int = NS_STEPS,
+                      coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+                      eps: float = NS_EPS) -> list[Tensor]:
+    """`orthogonalise` of every matrix in `grads`, one batched iteration per shape."""
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, grad in enumerate(grads):
+        by_shape.setdefault(tuple(grad.shape), []).append(i)
+    result: list[Tensor] = list(grads)
+    for indices in by_shape.values():
+        stacked = torch.stack([grads[i] for i in indices])  # (n, rows, cols)
+        for i, ortho in zip(indices, orthogonalise_batched(stacked, steps, coefficients, eps),
+                            strict=True):
+            result[i] = ortho
+    return result
 
 
 def lr_scale(shape: torch.Size | tuple[int, ...], rule: str | None = None) -> float:
@@ -126,28 +170,39 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if group["use_muon"]:
-                    self._muon_step(param, group)
-                else:
+            params = [p for p in group["params"] if p.grad is not None]
+            if group["use_muon"]:
+                self._muon_steps(params, group)
+            else:
+                for param in params:
                     self._adamw_step(param, group)
         return loss
 
-    def _muon_step(self, param: Tensor, group: dict[str, Any]) -> None:
+    def _muon_steps(self, params: list[Tensor], group: dict[str, Any]) -> None:
+        """Momentum per matrix, then every update orthogonalised in one batched iteration per
+        shape (`orthogonalise_all`: the same result as one matrix at a time), then applied."""
+        updates = [self._momentum_update(param, group) for param in params]
+        updates = self.orthogonalise_updates(updates, group)
+        lr = group["lr"]
+        for param, update in zip(params, updates, strict=True):
+            param.mul_(1 - lr * group["weight_decay"])  # decoupled weight decay
+            param.add_(update, alpha=-lr * lr_scale(param.shape, group["adjust_lr_fn"]))
+
+    def orthogonalise_updates(self, updates: list[Tensor], group: dict[str, Any]
+                              ) -> list[Tensor]:
+        """The orthogonalised updates, batched by shape (a subclass may do it otherwise: the
+        tests step one with `orthogonalise` per matrix to check this one against it)."""
+        return orthogonalise_all(updates, group["ns_steps"], group["ns_coefficients"],
+                                 group["eps"])
+
+    def _momentum_update(self, param: Tensor, group: dict[str, Any]) -> Tensor:
         grad, state, mu = param.grad, self.state[param], group["momentum"]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(grad)
         buf = state["momentum_buffer"]
         buf.lerp_(grad, 1 - mu)  # buf = mu * buf + (1 - mu) * grad: an average of gradients
         # Nesterov: step from where the momentum is about to carry the weights, not from here.
-        update = grad.lerp(buf, mu) if group["nesterov"] else buf
-        update = orthogonalise(update, group["ns_steps"], group["ns_coefficients"],
-                               group["eps"])
-        lr = group["lr"]
-        param.mul_(1 - lr * group["weight_decay"])  # decoupled weight decay
-        param.add_(update, alpha=-lr * lr_scale(param.shape, group["adjust_lr_fn"]))
+        return grad.lerp(buf, mu) if group["nesterov"] else buf
 
     def _adamw_step(self, param: Tensor, group: dict[str, Any]) -> None:
         """torch.optim.AdamW's update, one tensor at a time."""

@@ -1,9 +1,10 @@
 """The trainer, as a library: nanoGPT's recipe without its globals.
 
 AdamW (glassgpt.training.optim), gradient accumulation, clipping, autocast (bf16/fp16) where the
-device has it (glassgpt.machine.devices), optional `torch.compile`, DDP under torchrun, an
-evaluation at the start and every `eval_interval` steps, checkpoints that resume on exactly the
-same numbers, the best weights kept beside the last, and an optional early stop.
+device has it (glassgpt.machine.devices), optional `torch.compile`, DDP or FSDP
+(glassgpt.training.fsdp) under torchrun, an evaluation at the start and every `eval_interval`
+steps, checkpoints that resume on exactly the same numbers, the best weights kept beside the
+last, and an optional early stop.
 
 `Trainer` runs a whole job into a run directory (see glassgpt.rundir.checkpoint) from the pieces
 in glassgpt.training.steps (`train_step`, the piece a benchmark needs, is found here too).
@@ -39,6 +40,7 @@ from glassgpt.model import GPT, count_parameters
 from glassgpt.rundir import checkpoint as ckpt
 from glassgpt.rundir.trainstate import TrainState, capture_rng_state, restore_rng_state
 from glassgpt.storage.layout import MODEL_FILE, STATE_TENSORS_FILE
+from glassgpt.training import fsdp
 from glassgpt.training.metrics import (
     Reporter,
     SilentReporter,
@@ -126,13 +128,17 @@ class Trainer:
         data.check_block_size(model.config.block_size)
         check_training_fits_memory(model.config, cfg.batch_size, self.amp_dtype, self.device,
                                    count_parameters(model))
-        self.model = model.to(self.device)  # the plain model: saved, evaluated
+        if cfg.fsdp:  # sharded in place (each shard moved to the device, never the whole
+            fsdp.check_can_shard(cfg, self.context)  # model), before the optimizer sees it
+            self.model = fsdp.shard_model(model, self.device, self.context)
+        else:
+            self.model = model.to(self.device)  # the plain model: saved, evaluated
         self.optimizer = make_optimizer(self.model, cfg)
         use_scaler = self.amp_dtype == torch.float16
         self.scaler = torch.amp.GradScaler("cuda") if use_scaler else None
         fast = torch.compile(self.model) if cfg.compile else self.model
         self.eval_model = fast
-        self.train_model = ddp.wrap_model(fast, self.context, self.device)
+        self.train_model = fast if cfg.fsdp else ddp.wrap_model(fast, self.context, self.device)
         # Each rank reads its own batches and drops its own dropout masks.
         self.sampler = self._sampler("train", cfg.seed + self.context.rank)
         torch.manual_seed(cfg.seed + self.context.rank)
@@ -158,11 +164,10 @@ class Trainer:
         run = run or ckpt.Run(self.run_dir)  # a caller that opened the run already passes it
         state = run.train_state(optimizer_state_shapes(self.optimizer))
         if weights:
-            path = run.paths[MODEL_FILE]
-            ckpt.load_model_tensors(self.model, ckpt.read_weights(path, self.model.config),
-                                    path)
-        load_optimizer_state(self.optimizer, state.optimizer,
-                             self.run_dir / STATE_TENSORS_FILE)
+            self._load_weights(run.paths[MODEL_FILE])
+        saved = fsdp.shard_optimizer_state(self.optimizer, state.optimizer) if self.cfg.fsdp \
+            else state.optimizer
+        load_optimizer_state(self.optimizer, saved, self.run_dir / STATE_TENSORS_FILE)
         if self.threads_setting == AUTO and state.threads and self.device.type == "cpu":
             self.threads = tuner_for(state.threads, self.device)  # the count it ran with
         if self.scaler is not None and state.scaler:
@@ -181,6 +186,13 @@ class Trainer:
         self.state = state
         self.resumed = True
         self.unsaved_metrics = None  # metrics.jsonl is the run's already
+
+    def _load_weights(self, path: Path) -> None:
+        tensors = ckpt.read_weights(path, self.model.config)  # names and shapes checked
+        if self.cfg.fsdp:
+            fsdp.load_full_weights(self.model, tensors)
+        else:
+            ckpt.load_model_tensors(self.model, tensors, path)
 
     def _prepare_run_dir(self) -> None:
         """Create the run directory; a resumed run drops metrics logged after its checkpoint
@@ -355,8 +367,9 @@ class Trainer:
         """Rank 0 writes the checkpoint (and, with `best`, the best weights in the same commit),
         with the RNG states of every rank."""
         rng = ddp.gather_objects(capture_rng_state(self.sampler.get_state()), self.context)
+        weights, optimizer_state = self._whole_state()
         if self.context.is_main:
-            self.state.optimizer = self.optimizer.state_dict()
+            self.state.optimizer = optimizer_state
             self.state.rng = rng
             self.state.scaler = self.scaler.state_dict() if self.scaler is not None else None
             self.state.threads = torch.get_num_threads() if self.device.type == "cpu" else None
@@ -364,9 +377,18 @@ class Trainer:
                            "".join(json.dumps(r) + "\n" for r in self.unsaved_metrics))
             ckpt.save_checkpoint(self.run_dir, self.model, self.data.tokenizer,
                                  self.cfg.to_dict(), str(self.data.dir.resolve()), self.state,
-                                 best=best, extra=self.extra, new_metrics=new_metrics)
+                                 best=best, extra=self.extra, new_metrics=new_metrics,
+                                 weights=weights)
             self.unsaved_metrics = None
         ddp.barrier(self.context)
+
+    def _whole_state(self) -> tuple[dict[str, Tensor] | None, dict | None]:
+        """The weights (None: the model's own) and the optimizer state to save, whole: under
+        FSDP gathered from every rank's shards (each rank takes part), and on rank 0 only."""
+        if self.cfg.fsdp:
+            return (fsdp.full_weights(self.model),
+                    fsdp.full_optimizer_state(self.optimizer, self.context))
+        return None, self.optimizer.state_dict() if self.context.is_main else None
 
     def _result(self, start: float, first_iteration: int, interrupted: bool = False,
                 stopped: bool = False, saved: bool = True) -> TrainResult:

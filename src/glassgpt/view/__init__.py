@@ -3,12 +3,15 @@
     inspector.py  `RunView`: tokens, attention (weights, scores, every layer and head), one
                   head step by step, top-k and the logit lens, ablation, sampling, the model
                   card, as JSON-ready values (torch only, no web code)
+    causal.py     the panels that ask why: patching, logit attribution, head scores, inside
+                  the MLP, q and k before QK-norm and the rotation (glassgpt.interp's numbers)
+    values.py     tensors as the page's JSON: rounded numbers, one step with its source line
     checks.py     the checks of what the lens is given: integer indices, a trace of this model
     pieces.py     a token's text as the page shows it (`<0xE2>` for a byte of a character)
     requests.py   the API's request bodies: JSON objects, each field's type checked
     server.py     the Starlette app and the uvicorn server, `load_for_view`
-    bench.py      `python -m glassgpt.view.bench`: the API's response times
-    static/       the page: index.html, style.css, app.js (no build step, nothing from a CDN)
+    static/       the page: index.html, style.css, app.js, causal.js (no build step, nothing
+                  from a CDN)
 
 The computations themselves are `glassgpt.view.lens`, usable from Python without any of this.
 """

@@ -39,10 +39,12 @@ from glassgpt.decoding.sampling import (
     sampling_distribution,
 )
 from glassgpt.errors import CheckpointError, GlassGPTError, InputError
+from glassgpt.interp.scores import HeadScores
 from glassgpt.model import GPT, count_parameters
 from glassgpt.rundir.checkpoint import read_run_config
 from glassgpt.tokenizers import Tokenizer, same_tokenizer
 from glassgpt.training.metrics import read_metrics
+from glassgpt.view import causal
 from glassgpt.view.checks import integer
 from glassgpt.view.lens import (
     Ablation,
@@ -56,13 +58,13 @@ from glassgpt.view.lens import (
     trace,
 )
 from glassgpt.view.pieces import piece_text
+from glassgpt.view.values import DECIMALS, rounded, step_answer
 
 MAX_PROMPT_CHARS = 20_000  # refused before tokenizing: longer than any context glassgpt trains
 MAX_TOP_K = 20
 MAX_NEW_TOKENS = 2_000
 CURVE_POINTS = 500  # training-loss points sent for the card's curve (evaluations all kept)
 TRACE_CACHE_BYTES = 256 * 2**20
-DECIMALS = 4  # probabilities and attention weights are sent rounded to this many places
 # The page starts with a piece of the run's own validation text, this many tokens long at most:
 # short enough that every token of a map is labelled at the page's first zoom.
 EXAMPLE_TOKENS = 32
@@ -122,11 +124,6 @@ class TraceCache:
 
     def _total(self) -> int:
         return sum(inside.nbytes for inside in self.entries.values())
-
-
-def rounded(values: Tensor) -> Any:
-    """A tensor as nested lists of floats with DECIMALS places (short JSON)."""
-    return values.double().mul(10**DECIMALS).round().div(10**DECIMALS).tolist()
 
 
 def lower_triangle(weights: Tensor) -> list[list[float]]:
@@ -190,6 +187,7 @@ class RunView:
         # attention and predictions together): the first computes, the others find it cached.
         self._computing = threading.Lock()
         self._card: dict[str, Any] | None = None
+        self._scores: tuple[HeadScores | None] | None = None  # head_scores(), once computed
         self.threads = threads  # the CPU threads it serves with (load_for_view chooses them)
 
     @property
@@ -307,7 +305,7 @@ class RunView:
         heads = list(range(config.n_head)) if head is None else [head]
         shown = maps[heads]  # (heads, T, T)
         return {"layer": layer, "heads": heads, "tokens": len(encoded.ids), "kind": kind,
-                "kv_heads": [self._kv_head(layer, h) for h in heads],
+                "kv_head_of": [self._kv_head(layer, h) for h in heads],
                 "scale": {"min": 0.0, "max": 1.0} if kind == "weights" else scale_of(shown),
                 "weights": [lower_triangle(maps[h]) for h in heads]}
 
@@ -322,7 +320,8 @@ class RunView:
         maps = pooled(self.inside(encoded).attention, THUMBNAIL_CELLS)  # (L, H, n, n)
         n = maps.shape[-1]
         return {"tokens": len(encoded.ids), "cells": n, "pooled": n < len(encoded.ids),
-                "weights": [[lower_triangle(head) for head in layer] for layer in maps]}
+                "weights": [[lower_triangle(head) for head in layer] for layer in maps],
+                "scores": causal.scores_answer(self.head_scores())}
 
     def attends(self, prompt: str, position: int) -> dict[str, Any]:
         """What the token at `position` attends to in every head of every layer:
@@ -353,11 +352,14 @@ class RunView:
         after = [name for name, module in (("QK-norm", attn.q_norm), ("rotary", attn.rotary))
                  if module is not None]
         turned = f", after {' and '.join(after)}" if after else ""
+        stages = causal.qk_stages(self, encoded, layer, head, position, seen)
         table = [
             ("residual", "residual stream entering the block", steps.residual),
             ("normed", f"ln1(x) ({norm}): what attention reads" if pre_ln
              else "x itself (Post-LN: attention reads the residual stream)", steps.normed),
+            *stages["q"],
             ("q", f"q: the query of head {head}{turned}", steps.q),
+            *stages["k"],
             ("keys", f"k: the keys it can see (K/V head {steps.kv_head}){turned}",
              steps.keys[seen]),
             ("scores", f"q . k / sqrt({d}): scaled scores", steps.scores[seen]),
@@ -371,17 +373,34 @@ class RunView:
         ]
         sources = steps.sources
         return {"layer": layer, "head": head, "position": position, "kv_head": steps.kv_head,
-                "kv_heads": self.model.blocks[layer].attn.n_kv_head, "head_dim": d,
-                "steps": [self._step(name, title, values, sources[name])
+                "n_kv_head": self.model.blocks[layer].attn.n_kv_head, "head_dim": d,
+                "steps": [step_answer(name, title, values, sources[name])
                           for name, title, values in table]}
 
-    @staticmethod
-    def _step(name: str, title: str, values: Tensor, source: Any) -> dict[str, Any]:
-        values = values.detach().float().cpu()
-        shown = values.tolist() if values.dtype == torch.bool else rounded(values)
-        return {"name": name, "title": title, "shape": list(values.shape), "values": shown,
-                "source": {"file": source.file, "line": source.line,
-                           "function": source.function, "text": source.text}}
+    # --- why: patching, attribution, head scores, the MLP (glassgpt.view.causal) --------------
+
+    def patching(self, clean: str, corrupted: str | None = None, answer: int | None = None,
+                 wrong: int | None = None) -> dict[str, Any]:
+        """Activation patching of `corrupted` (None: the clean prompt with one token changed)
+        from `clean`, normalised: 0 = the corrupted run, 1 = the clean one."""
+        return causal.patching(self, clean, corrupted, answer, wrong)
+
+    def attribution(self, prompt: str, position: int, token: int | None = None
+                    ) -> dict[str, Any]:
+        """Each head's and MLP's direct push on `token`'s logit at `position`."""
+        return causal.attribution(self, prompt, position, token)
+
+    def mlp(self, prompt: str, layer: int, position: int) -> dict[str, Any]:
+        """The token at `position` through the MLP of `layer`, step by step."""
+        return causal.mlp(self, prompt, layer, position)
+
+    def head_scores(self) -> HeadScores | None:
+        """Every head's previous-token, duplicate-token and induction scores, computed once
+        for this model (None: a context too short to repeat a sequence in)."""
+        with self._computing:
+            if self._scores is None:
+                self._scores = (causal.scores_of(self.model),)
+            return self._scores[0]
 
     # --- predictions and the logit lens ------------------------------------------------------
 

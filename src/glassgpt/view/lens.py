@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from glassgpt import hooks
 from glassgpt.attention import (
     build_attention_mask,
     masked_softmax,
@@ -251,9 +252,9 @@ class SourceLine:
 
 def _calling_line() -> SourceLine:
     """The line of glassgpt's code that called the hook point now running (the first frame
-    outside torch's module machinery): the line that computes that activation."""
+    outside torch's module machinery and the point's own call): the line that computes it."""
     frame = sys._getframe(2)  # past this function and the recording hook
-    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_DIR):
+    while frame is not None and frame.f_code.co_filename.startswith(_PLUMBING):
         frame = frame.f_back
     if frame is None:  # cannot happen for a point called from Python code; say so plainly
         return SourceLine("?", 0, "?", "")
@@ -263,18 +264,28 @@ def _calling_line() -> SourceLine:
                       linecache.getline(code.co_filename, frame.f_lineno).strip())
 
 
-_TORCH_DIR = str(Path(torch.__file__).parent)
+# Frames between a hook and the line that called the point: torch's module machinery and the
+# point's own `__call__` (glassgpt/hooks.py).
+_PLUMBING = (str(Path(torch.__file__).parent), str(Path(hooks.__file__)))
 
 
 def step_points(block: TransformerBlock) -> dict[str, str]:
     """Each step of `HeadSteps` -> the hook point (relative to the block) that the step's
-    tensor passes through; q and k come last from rotary, or QK-norm, or the projection."""
+    tensor passes through; q and k come last from rotary, or QK-norm, or the projection.
+    Before them, `q_proj`/`k_proj` (the projection) and, with QK-norm, `q_normed`/`k_normed`
+    (normalised, before the gain): the stages a learner sees q and k go through."""
     attn = block.attn
     last = "attn.hook_rot_{}" if attn.rotary is not None else \
         "attn.{}_norm.hook_normalized" if attn.q_norm is not None else "attn.hook_{}"
+    stages = {}
+    for part in ("q", "k"):
+        stages[f"{part}_proj"] = f"attn.hook_{part}"
+        if attn.q_norm is not None:
+            stages[f"{part}_normed"] = f"attn.{part}_norm.hook_normalized"
     return {
         "residual": "hook_resid_pre",
         "normed": "ln1.hook_normalized" if block.pre_ln else "hook_resid_pre",
+        **stages,
         "q": last.format("q"), "keys": last.format("k"), "values": "attn.hook_v",
         "scores": "attn.hook_attn_scores", "mask": "attn.hook_attn_scores",
         "weights": "attn.hook_pattern", "mixed": "attn.hook_z",
@@ -284,10 +295,16 @@ def step_points(block: TransformerBlock) -> dict[str, str]:
 
 
 def _step_sources(block: TransformerBlock, x: Tensor) -> dict[str, SourceLine]:
-    """Run `block` on x (1, T, C) once with a recorder on the hook point of every step: the
-    line that called each point is the line of attention.py / block.py / norms.py that
-    computes that step (renaming a variable there changes nothing here)."""
-    points = step_points(block)
+    """The line computing each step of `step_points` (see `point_sources`)."""
+    return point_sources(block, x, step_points(block))
+
+
+def point_sources(block: TransformerBlock, x: Tensor,
+                  points: dict[str, str]) -> dict[str, SourceLine]:
+    """Run `block` on x (1, T, C) once with a recorder on the hook point of every step
+    (`points`: step -> the point's module path in the block): the line that called each point
+    is the line of attention.py / block.py / norms.py that computes that step (renaming a
+    variable there changes nothing here)."""
     modules = dict(block.named_modules())
     lines: dict[str, SourceLine] = {}
     handles = []
@@ -296,7 +313,8 @@ def _step_sources(block: TransformerBlock, x: Tensor) -> dict[str, SourceLine]:
             lines.setdefault(point, _calling_line())
         handles.append(modules[point].register_forward_hook(record))
     try:
-        block(x)
+        with torch.no_grad(), eval_mode(block):
+            block(x)
     finally:
         for handle in handles:
             handle.remove()

@@ -11,6 +11,11 @@
     POST /api/attends      {prompt, position}               -> that token, every layer/head
     POST /api/head         {prompt, layer, head, position}  -> inside one head, step by step
     POST /api/ablate       {prompt, k, heads, attention, mlp} -> intact beside ablated
+    POST /api/mlp          {prompt, layer, position}        -> inside the MLP, step by step
+    POST /api/patching     {clean, corrupted|null, answer|null, wrong|null}
+                           -> patching maps, layer x position and layer x head, 0..1
+    POST /api/attribution  {prompt, position, token|null}   -> each head's and MLP's push on
+                           that token's logit, adding up to it
     POST /api/sample       {prompt, max_new_tokens, temperature, top_k, top_p, seed}
                            -> server-sent events: token ..., then done (or error)
 
@@ -92,6 +97,9 @@ def create_app(view: RunView, allowed_hosts: tuple[str, ...] = LOOPBACK_NAMES) -
         Route("/api/attends", api.attends, methods=["POST"]),
         Route("/api/head", api.head, methods=["POST"]),
         Route("/api/ablate", api.ablate, methods=["POST"]),
+        Route("/api/mlp", api.mlp, methods=["POST"]),
+        Route("/api/patching", api.patching, methods=["POST"]),
+        Route("/api/attribution", api.attribution, methods=["POST"]),
         Route("/api/sample", api.sample, methods=["POST"]),
         Mount("/static", StaticFiles(packages=[("glassgpt.view", "static")]), name="static"),
     ]
@@ -227,6 +235,15 @@ class Api:
 
     async def ablate(self, request: Request) -> Response:
         return await self._answer(request, req.ABLATE, self.view.ablate)
+
+    async def mlp(self, request: Request) -> Response:
+        return await self._answer(request, req.MLP, self.view.mlp)
+
+    async def patching(self, request: Request) -> Response:
+        return await self._answer(request, req.PATCHING, self.view.patching)
+
+    async def attribution(self, request: Request) -> Response:
+        return await self._answer(request, req.ATTRIBUTION, self.view.attribution)
 
     async def _answer(self, request: Request, fields: dict[str, req.Field],
                       compute: Callable[..., dict[str, Any]]) -> Response:

@@ -29,6 +29,7 @@ const state = {
   // Switched off in the Ablation panel: "layer,head" for heads, layer numbers for the rest.
   ablation: { heads: new Set(), attention: new Set(), mlp: new Set() },
   ablated: null,
+  patching: null, // the last answer of the Patching panel
   generation: 0, // bumps on every prompt change; answers for older prompts are dropped
   sampler: null, // AbortController of the running sample
 };
@@ -148,8 +149,8 @@ function debounce(fn, ms) {
 
 // --- the prompt and its tokens ---------------------------------------------------------------
 
-const PANELS = ["attention-section", "overview-section", "head-section", "predictions-section",
-  "ablation-section"];
+const PANELS = ["attention-section", "overview-section", "head-section", "mlp-section",
+  "predictions-section", "ablation-section", "attribution-section"];
 
 function showPromptError(message) {
   const box = $("prompt-error");
@@ -184,7 +185,7 @@ async function promptChanged() {
     renderTokens();
     await Promise.all([loadAttention(generation), loadPredictions(generation),
       loadAttends(generation), loadOverview(generation), loadInside(generation),
-      loadAblation(generation)]);
+      loadMlp(generation), loadAblation(generation), loadAttribution(generation)]);
   } catch (error) {
     if (generation === state.generation) showPromptError(error.message);
   }
@@ -209,6 +210,8 @@ function select(position) {
   renderAblation();
   loadAttends(state.generation).catch((e) => showPromptError(e.message));
   loadInside(state.generation).catch((e) => showPromptError(e.message));
+  loadMlp(state.generation).catch((e) => showPromptError(e.message));
+  loadAttribution(state.generation).catch((e) => showPromptError(e.message));
 }
 
 function tokenName(i) { return `'${visible(state.tokens[i].text)}' (position ${i})`; }
@@ -276,8 +279,8 @@ function renderAttention() {
       const at = mapCell(e, canvas);
       if (at) select(at.row);
     });
-    const shared = answer.kv_heads[i] !== head || state.card.model.n_kv_head
-      ? ` · K/V head ${answer.kv_heads[i]}` : "";
+    const shared = answer.kv_head_of[i] !== head || state.card.model.n_kv_head
+      ? ` · K/V head ${answer.kv_head_of[i]}` : "";
     return el("div", { class: "map-panel", dataset: { head } },
       el("p", { class: "panel-title" }, `layer ${answer.layer}, head ${head}${shared}`), canvas);
   }));
@@ -569,7 +572,8 @@ function renderOverview() {
   const header = el("tr", {}, el("th", {}, ""),
     ...Array.from({ length: H }, (_, h) => el("th", {}, `head ${h}`)));
   const rows = O.weights.map((heads, layer) => el("tr", {}, el("th", {}, `layer ${layer}`),
-    ...heads.map((rows, head) => el("td", {}, thumbnail(rows, n, px, layer, head)))));
+    ...heads.map((rows, head) => el("td", {}, thumbnail(rows, n, px, layer, head),
+      ...scoreBadges(O.scores, layer, head)))));
   const legend = legendCanvas();
   const note = O.pooled ? `each cell averages ${Math.ceil(O.tokens / n)} tokens` : "";
   $("overview").replaceChildren(legend, el("p", { class: "hint" }, note),
@@ -611,10 +615,11 @@ function openHead(layer, head) {
   $("inside-layer").value = String(layer);
   $("inside-head").value = String(head);
   const generation = state.generation;
-  Promise.all([loadAttention(generation), loadInside(generation)]).then(() => {
-    renderHeadView();
-    $("attention-section").scrollIntoView();
-  }).catch((e) => showPromptError(e.message));
+  Promise.all([loadAttention(generation), loadInside(generation), loadMlp(generation)])
+    .then(() => {
+      renderHeadView();
+      $("attention-section").scrollIntoView();
+    }).catch((e) => showPromptError(e.message));
 }
 
 // The head view: the selected token on the left, every key it can see on the right, a line
@@ -674,27 +679,19 @@ const VECTOR_SHOWN = 12; // values of a vector written out; hover for the rest
 
 function renderInside(answer) {
   const p = answer.position;
-  const grouped = answer.kv_heads < state.card.model.n_head
+  const grouped = answer.n_kv_head < state.card.model.n_head
     ? ` · shares K/V head ${answer.kv_head} with heads ${sharing(answer)}` : "";
   $("inside-query").textContent =
     `query ${tokenName(p)} · layer ${answer.layer}, head ${answer.head} · d = ${answer.head_dim}` +
     grouped;
-  $("inside").replaceChildren(...answer.steps.map((step) => el("li",
-    { class: "step", dataset: { step: step.name } },
-    el("div", { class: "step-head" },
-      el("span", { class: "step-title" }, step.title),
-      el("span", { class: "shape" }, `(${step.shape.join(", ")})`),
-      el("code", { class: "where", title: step.source.text },
-        `${step.source.file}:${step.source.line} ${step.source.function}`)),
-    el("pre", { class: "code" }, step.source.text),
-    stepBody(step, p))));
+  $("inside").replaceChildren(...answer.steps.map((step) => stepItem(step, p)));
   $("inside").dataset.layer = answer.layer;
   $("inside").dataset.head = answer.head;
   $("inside").dataset.position = p;
 }
 
 function sharing(answer) {
-  const group = state.card.model.n_head / answer.kv_heads;
+  const group = state.card.model.n_head / answer.n_kv_head;
   const first = answer.kv_head * group;
   return Array.from({ length: group }, (_, i) => first + i).join(", ");
 }
@@ -1106,8 +1103,13 @@ async function start() {
       state.inside = { layer: Number($("inside-layer").value),
         head: Number($("inside-head").value) };
       loadInside(state.generation).catch((e) => showPromptError(e.message));
+      loadMlp(state.generation).catch((e) => showPromptError(e.message));
     });
   }
+  $("patch-button").addEventListener("click", runPatching);
+  $("attribution-token").addEventListener("change", () =>
+    loadAttribution(state.generation, Number($("attribution-token").value))
+      .catch((e) => showPromptError(e.message)));
   $("ablation-reset").addEventListener("click", resetSwitches);
   $("sample-form").addEventListener("submit", sample);
   $("stop-button").addEventListener("click", stopSampling);
@@ -1118,6 +1120,7 @@ async function start() {
     return;
   }
   $("prompt").value = state.card.example_prompt;
+  $("patch-clean").value = state.card.example_prompt;
   await promptChanged();
   document.body.dataset.ready = "true";
 }

@@ -1,4 +1,4 @@
-"""How fast `glassgpt view` answers: `python -m glassgpt.view.bench [RUN_DIR]`.
+"""How fast `glassgpt view` answers: `python -m glassgpt.bench.view [RUN_DIR]`.
 
 A benchmark, not a test: it starts the real server (uvicorn on 127.0.0.1, a free port) and
 times each API request over HTTP, as the page sends them, for prompts of `--prompt-chars`
@@ -209,7 +209,7 @@ def report(view: RunView, times: dict[str, list[float]], sample: dict[str, list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m glassgpt.view.bench",
+    parser = argparse.ArgumentParser(prog="python -m glassgpt.bench.view",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", nargs="?", type=Path,
                         help="a trained run (default: a random shakespeare-char model)")

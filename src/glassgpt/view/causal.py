@@ -1,0 +1,277 @@
+"""The page's questions of *why*, as JSON-ready values: activation patching, direct logit
+attribution, each head's previous-token and induction scores, and the walk inside one MLP.
+
+The numbers are `glassgpt.interp`'s (TransformerLens's names and functions), run on the model
+`RunView` holds: nothing is recomputed here in a second way. User mistakes (prompts of
+different lengths, an answer token the tokenizer lacks, too much work for one request, a
+Post-LN model asked for attribution) raise `glassgpt.errors` exceptions with one-line messages.
+Notation: L = layers, H = heads, T = prompt tokens, C = width, F = the MLP's hidden width.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from glassgpt.block import SwiGLUFeedForward
+from glassgpt.errors import GlassGPTError, InputError
+from glassgpt.hooks import lens_name
+from glassgpt.interp import patching as patch
+from glassgpt.interp.attribution import logit_attribution
+from glassgpt.interp.hooked import run_with_cache
+from glassgpt.interp.scores import HeadScores, head_scores
+from glassgpt.view import checks
+from glassgpt.view.lens import point_sources
+from glassgpt.view.values import rounded, step_answer
+
+if TYPE_CHECKING:
+    from glassgpt.view.inspector import Prompt, RunView
+
+# One patching request runs the model once per cell of its four maps (3 L T + L H runs): more
+# than this many is refused rather than keeping the page (and the model thread) busy for long.
+MAX_PATCH_RUNS = 4096
+CANDIDATES = 10  # answer tokens offered: the top of the clean and of the corrupted prediction
+# Head scores on a repeated random sequence of 2 x this many tokens at most (the context's
+# half when it is shorter): enough positions for a steady mean, little memory for patterns.
+SCORE_HALF = 32
+TRIES = 64  # replacement tokens tried when making the default corrupted prompt
+
+
+# --- activation patching -----------------------------------------------------------------------
+
+def default_corruption(view: RunView, clean: Prompt) -> str:
+    """The clean prompt with its next-to-last token replaced (by another token of the prompt,
+    else a neighbouring id) such that the text encodes back to as many tokens: the answer
+    at the last position then depends on a token the model has to carry forward."""
+    ids = clean.ids
+    at = max(0, len(ids) - 2)
+    others = [i for i in dict.fromkeys(ids) if i != ids[at]]
+    neighbours = [(ids[at] + step) % view.model.config.vocab_size for step in range(1, TRIES)]
+    for token in [*others, *neighbours][:TRIES]:
+        changed = [*ids[:at], token, *ids[at + 1:]]
+        text = view.tokenizer.decode(changed)
+        try:
+            if text != clean.text and view.encode(text).ids == changed:
+                return text
+        except GlassGPTError:
+            continue
+    raise InputError("found no one-token change of the clean prompt that encodes back to as "
+                     "many tokens; type a corrupted prompt")
+
+
+def top_tokens(view: RunView, logits: Tensor, k: int) -> list[int]:
+    """The k most likely ids of logits (V,) that the tokenizer has (a model's vocabulary may
+    be padded past the tokenizer's)."""
+    known = logits[:view.tokenizer.vocab_size]
+    return torch.topk(known, min(k, known.shape[-1])).indices.tolist()
+
+
+def check_token(view: RunView, what: str, token: int) -> int:
+    vocab = view.tokenizer.vocab_size
+    if not 0 <= token < vocab:
+        raise InputError(f"{what} {token} is no token: the tokenizer has ids 0..{vocab - 1}")
+    return token
+
+
+def _answer_ids(view: RunView, clean_logits: Tensor, corrupted_logits: Tensor,
+                answer: int | None, wrong: int | None) -> tuple[int, int]:
+    """The clean answer (default: the clean run's top token at the last position) and the
+    corrupted one (default: the corrupted run's top token, or the clean run's second)."""
+    clean_top = top_tokens(view, clean_logits[0, -1], 2)
+    if answer is None:
+        answer = clean_top[0]
+    if wrong is None:
+        wrong = top_tokens(view, corrupted_logits[0, -1], 1)[0]
+        if wrong == answer:
+            wrong = clean_top[1] if clean_top[0] == answer else clean_top[0]
+    check_token(view, "answer", answer)
+    check_token(view, "wrong", wrong)
+    if answer == wrong:
+        raise InputError(f"the answer and the wrong token are both {answer}: patching compares "
+                         "two different tokens")
+    return answer, wrong
+
+
+def _check_same_length(clean: Prompt, corrupted: Prompt) -> None:
+    if len(clean.ids) != len(corrupted.ids):
+        raise InputError(f"the clean prompt is {len(clean.ids)} tokens long and the corrupted "
+                         f"one {len(corrupted.ids)}: patching needs prompts of the same length")
+
+
+def _check_work(view: RunView, tokens: int) -> None:
+    L, H = view.model.config.n_layer, view.model.blocks[0].attn.n_heads
+    runs = 3 * L * tokens + L * H
+    if runs > MAX_PATCH_RUNS:
+        raise InputError(f"patching {tokens} tokens through {L} layers takes {runs:,} forward "
+                         f"passes; this page runs at most {MAX_PATCH_RUNS:,}: use a shorter "
+                         "prompt")
+
+
+def patching(view: RunView, clean: str, corrupted: str | None = None,
+             answer: int | None = None, wrong: int | None = None) -> dict[str, Any]:
+    """Activation patching of the corrupted prompt from the clean one: for each layer and
+    position (the residual stream entering the block, the attention's and the MLP's output)
+    and each layer and head (its output at every position), the normalised logit difference
+    of `answer` over `wrong` at the last position: 0 = the corrupted run, 1 = the clean run."""
+    model = view.model
+    clean_p = view.encode(clean)
+    corrupted_p = view.encode(corrupted if corrupted else default_corruption(view, clean_p))
+    _check_same_length(clean_p, corrupted_p)
+    _check_work(view, len(clean_p.ids))
+    L = model.config.n_layer
+    kinds = ("resid_pre", "attn_out", "mlp_out", "z")
+    names = [patch.act_name(kind, layer) for kind in kinds for layer in range(L)]
+    clean_logits, clean_cache = run_with_cache(model, clean_p.idx, names=names)
+    corrupted_logits, _ = run_with_cache(model, corrupted_p.idx, names=[])
+    answer, wrong = _answer_ids(view, clean_logits, corrupted_logits, answer, wrong)
+    metric = patch.normalized_logit_diff(clean_logits, corrupted_logits, answer, wrong)
+    run = (model, corrupted_p.idx, clean_cache, metric)
+    maps = {"resid_pre": patch.get_act_patch_resid_pre(*run),
+            "attn_out": patch.get_act_patch_attn_out(*run),
+            "mlp_out": patch.get_act_patch_mlp_out(*run),
+            "heads": patch.get_act_patch_attn_head_out_all_pos(*run)}
+    tops = [i for logits in (clean_logits, corrupted_logits)
+            for i in top_tokens(view, logits[0, -1], CANDIDATES)]
+    candidates = list(dict.fromkeys([answer, wrong, *tops]))
+    return {"clean": _prompt_answer(view, clean_p), "corrupted": _prompt_answer(view, corrupted_p),
+            "answer": _token(view, answer), "wrong": _token(view, wrong),
+            "logit_diff": {"clean": float(patch.logit_diff(clean_logits, answer, wrong)),
+                           "corrupted": float(patch.logit_diff(corrupted_logits, answer, wrong))},
+            "candidates": [_token(view, i) for i in candidates],
+            **{name: rounded(values) for name, values in maps.items()}}
+
+
+def _prompt_answer(view: RunView, prompt: Prompt) -> dict[str, Any]:
+    return {"text": prompt.text, "tokens": [_token(view, i) for i in prompt.ids]}
+
+
+def _token(view: RunView, token_id: int) -> dict[str, Any]:
+    return {"id": token_id, "text": view.token_text(token_id)}
+
+
+# --- direct logit attribution ------------------------------------------------------------------
+
+def attribution(view: RunView, prompt: str, position: int,
+                token: int | None = None) -> dict[str, Any]:
+    """Each head's, MLP's, embedding's and bias's direct push on `token`'s logit at `position`
+    (default token: the model's top prediction there); the parts add up to the logit."""
+    encoded = view.encode(prompt)
+    checks.index("position", position, len(encoded.ids))
+    logits, _ = run_with_cache(view.model, encoded.idx, names=[])
+    shown = top_tokens(view, logits[0, position], CANDIDATES)
+    token = shown[0] if token is None else check_token(view, "token", token)
+    with torch.no_grad():
+        found = logit_attribution(view.model, encoded.idx, token, pos=position)
+    values = found.values.double()
+    return {"position": position, "token": _token(view, token),
+            "candidates": [_token(view, i) for i in dict.fromkeys([token, *shown])],
+            "labels": found.labels, "values": rounded(values),
+            "sum": float(values.sum()), "logit": found.logit,
+            "softcap": view.model.config.logit_softcap,
+            "heads": rounded(found.heads), "mlps": rounded(found.mlps)}
+
+
+# --- head scores -------------------------------------------------------------------------------
+
+def score_half(block_size: int) -> int | None:
+    """The random half's length for the view's head scores (None: a context under 4 tokens
+    has no second half to score)."""
+    half = min(SCORE_HALF, block_size // 2)
+    return half if half >= 2 else None
+
+
+def scores_of(model: Any) -> HeadScores | None:
+    half = score_half(model.config.block_size)
+    return None if half is None else head_scores(model, half=half)
+
+
+def scores_answer(scores: HeadScores | None) -> dict[str, Any] | None:
+    if scores is None:
+        return None
+    return {"previous_token": rounded(scores.previous_token),
+            "induction": rounded(scores.induction), "half": scores.half}
+
+
+# --- inside the MLP ----------------------------------------------------------------------------
+
+def mlp_table(view: RunView, layer: int) -> list[tuple[str, str, str]]:
+    """(step, the hook point relative to the block, title) for the MLP of `layer`."""
+    block = view.model.blocks[layer]
+    gated = isinstance(block.ffn, SwiGLUFeedForward)
+    activation = view.model.config.activation
+    norm = type(block.ln2).__name__
+    rows = [("resid_mid", "hook_resid_mid", "the residual stream after attention (u)")]
+    if block.pre_ln:
+        rows.append(("normed", "ln2.hook_normalized",
+                     f"ln2 ({norm}): u normalised, before its gain: what the MLP reads, scaled"))
+    if gated:
+        rows += [("pre", "ffn.hook_pre", "gate(x): the gate projection, before its SiLU"),
+                 ("pre_linear", "ffn.hook_pre_linear", "up(x): the up projection"),
+                 ("post", "ffn.hook_post", "silu(gate) * up: the gate lets each feature through")]
+    else:
+        rows += [("pre", "ffn.hook_pre", f"fc(x): the up projection, before the {activation}"),
+                 ("post", "ffn.hook_post", f"{activation}(pre): the activation")]
+    rows.append(("mlp_out", "hook_mlp_out",
+                 "proj(post): the down projection, what the MLP adds to the residual stream"))
+    rows.append(("resid_post", "hook_resid_post", "u + mlp_out: the stream leaving the block"
+                 if block.pre_ln else f"ln2(u + mlp_out) ({norm}, Post-LN): leaving the block"))
+    return rows
+
+
+def mlp(view: RunView, prompt: str, layer: int, position: int) -> dict[str, Any]:
+    """The token at `position` through the MLP of `layer`, step by step: each step's values
+    from `run_with_cache` and the line that computes it (the caller of its hook point)."""
+    checks.index("layer", layer, view.model.config.n_layer)
+    encoded = view.encode(prompt)
+    checks.index("position", position, len(encoded.ids))
+    table = mlp_table(view, layer)
+    names = {point: lens_name(f"blocks.{layer}.{point}") for _, point, _ in table}
+    names["hook_resid_pre"] = f"blocks.{layer}.hook_resid_pre"
+    _, cache = run_with_cache(view.model, encoded.idx, names=list(names.values()))
+    block = view.model.blocks[layer]
+    sources = point_sources(block, cache[names["hook_resid_pre"]],
+                            {step: point for step, point, _ in table})
+    hidden = cache[names["ffn.hook_post"]].shape[-1]
+    return {"layer": layer, "position": position, "hidden": hidden,
+            "gated": isinstance(block.ffn, SwiGLUFeedForward),
+            "steps": [step_answer(step, title, cache[names[point]][0, position], sources[step])
+                      for step, point, title in table]}
+
+
+# --- inside one head: q and k before QK-norm and the rotation -----------------------------------
+
+def qk_stages(view: RunView, prompt: Prompt, layer: int, head: int, position: int,
+              seen: slice) -> dict[str, list[tuple[str, str, Tensor]]]:
+    """The stages q and k pass before the ones attention scores (`HeadSteps.q`, `.keys`):
+    the projection (`hook_q`, `hook_k`) and, with QK-norm, normalised before its gain
+    (`q_norm.hook_normalized`); none when q and k are the projection itself. From
+    `run_with_cache`: {"q": [(step, title, values (d,))], "k": [... values (seen, d)]}."""
+    attn = view.model.blocks[layer].attn
+    if attn.q_norm is None and attn.rotary is None:
+        return {"q": [], "k": []}
+    kv_head = attn.kv_head_of(head)
+    at = f"blocks.{layer}.attn"
+    names = [f"{at}.hook_q", f"{at}.hook_k"]
+    if attn.q_norm is not None:
+        names += [f"{at}.q_norm.hook_normalized", f"{at}.k_norm.hook_normalized"]
+    _, cache = run_with_cache(view.model, prompt.idx, names=names)
+    stages: dict[str, list[tuple[str, str, Tensor]]] = {
+        "q": [("q_proj", f"q = x W_Q: head {head}'s projection, before "
+               f"{_turns(attn)}", cache[f"{at}.hook_q"][0, position, head])],
+        "k": [("k_proj", f"k = x W_K: the keys' projection (K/V head {kv_head}), before "
+               f"{_turns(attn)}", cache[f"{at}.hook_k"][0, seen, kv_head])]}
+    if attn.q_norm is not None:  # QK-norm runs on (B, heads, T, d)
+        then = ", then the rotation" if attn.rotary is not None else ""
+        stages["q"].append(("q_normed", f"q / rms(q): QK-norm, before its gain{then}",
+                            cache[f"{at}.q_norm.hook_normalized"][0, head, position]))
+        stages["k"].append(("k_normed", f"k / rms(k): QK-norm, before its gain{then}",
+                            cache[f"{at}.k_norm.hook_normalized"][0, kv_head, seen]))
+    return stages
+
+
+def _turns(attn: Any) -> str:
+    parts = [name for name, module in (("QK-norm", attn.q_norm), ("the rotation", attn.rotary))
+             if module is not None]
+    return " and ".join(parts)

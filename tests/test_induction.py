@@ -1,0 +1,80 @@
+"""`glassgpt demo induction` at its reduced (--quick) size: over three seeds the 2-layer
+attention-only model must change phase (its repeated-part loss falls as an induction head forms,
+in the same steps) while the 1-layer control cannot, and the Tiny Shakespeare model's best
+induction head sits above layer 0. Plus the data, the attention-only model and the picture.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from glassgpt.config import GPTConfig
+from glassgpt.experiments import EXPERIMENTS, run_experiment
+from glassgpt.experiments.induction import (
+    LAYERS,
+    AttentionOnlyGPT,
+    crossing_step,
+    repeat_batch,
+)
+from glassgpt.interp.hooked import hook_points
+from glassgpt.interp.scores import head_scores
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_quick_size_shows_the_phase_change_for_every_seed(tmp_path: Path, seed: int) -> None:
+    result = run_experiment("induction", tmp_path, seed=seed, quick=True)
+    failed = [check.claim for check in result.checks if not check.holds]
+    assert not failed, f"seed {seed}: expected outcomes not shown: {failed}"
+    assert len(result.checks) == 4  # three on the repeats, one on layer 0 of Shakespeare
+    assert [p.name for p in result.pictures] == ["induction.png"]
+    assert (tmp_path / "induction.png").read_bytes()[:8] == PNG_MAGIC
+    two, one = result.numbers[LAYERS[2]], result.numbers[LAYERS[1]]
+    assert two["steps"] == one["steps"] and two["steps"][0] == 0
+    assert len(two["scores"][0]) == 2 and len(one["scores"][0]) == 1  # (L, H) per reading
+    assert two["repeated_loss"][0] > two["final_loss"]
+    assert [row[0] for row in result.tables[1].rows] == list(
+        range(result.numbers["shakespeare"]["n_layer"]))
+
+
+def test_demo_is_listed() -> None:
+    assert "induction" in EXPERIMENTS
+
+
+def test_repeat_batch_repeats_a_variable_stretch_at_the_end() -> None:
+    tokens, predictable = repeat_batch(64, 8, 2, 50, torch.Generator().manual_seed(0))
+    assert tokens.shape == predictable.shape == (64, 16)
+    lengths = set()
+    for row, wanted in zip(tokens, predictable, strict=True):
+        n = int(wanted.sum()) + 1  # the first repeated token is not predictable
+        lengths.add(n)
+        assert torch.equal(row[16 - n:], row[16 - 2 * n:16 - n])
+        assert wanted[16 - n + 1:].all() and not wanted[:16 - n + 1].any()
+    assert lengths <= set(range(2, 9)) and len(lengths) > 3  # the offset varies
+
+
+def test_attention_only_model_has_no_mlp_and_keeps_the_hook_names() -> None:
+    torch.manual_seed(0)
+    model = AttentionOnlyGPT(GPTConfig(vocab_size=20, block_size=16, n_layer=2, n_head=2,
+                                       n_embd=16, position="rope"))
+    names = set(hook_points(model))
+    assert {"blocks.1.attn.hook_pattern", "blocks.0.hook_attn_out",
+            "blocks.1.hook_resid_post"} <= names
+    assert not any("mlp" in name or "ln2" in name or "resid_mid" in name for name in names)
+    assert not any(".ffn." in name or ".ln2." in name for name, _ in model.named_parameters())
+    ids = torch.randint(20, (3, 16))
+    block = model.blocks[0]
+    x = model.embed(ids, model.positions[:16])
+    assert torch.allclose(block(x), x + block.attn(block.ln1(x)))
+    scores = head_scores(model, half=8, batch=2)
+    assert scores.induction.shape == (2, 2)
+
+
+def test_crossing_step_is_where_a_curve_went_half_way() -> None:
+    assert crossing_step([0, 10, 20, 30], [4.0, 3.9, 1.0, 0.8]) == 20
+    assert crossing_step([0, 10, 20, 30], [0.0, 0.1, 0.7, 0.8]) == 20
+    assert crossing_step([0, 10, 20], [0.02, 0.03, 0.05]) is None  # nothing happened

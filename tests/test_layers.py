@@ -1,0 +1,190 @@
+"""docs/reading-the-code.md is true to the tree: the modules it names exist, and the layer
+table it draws is the one the imports draw.
+
+The imports are read with `ast` (every `import glassgpt...`, also those inside functions and
+under `TYPE_CHECKING`), one node per top-level module or folder of the package.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "glassgpt"
+PAGE = ROOT / "docs" / "reading-the-code.md"
+OUTSIDE = {"__init__.py", "__main__.py"}  # the package's face: the public names, `python -m`
+GLASS = {"hooks.py", "rotary.py", "norms.py", "attention.py", "block.py", "inputs.py", "model.py"}
+TICKED = re.compile(r"`([^`]+)`")
+
+
+def section(title: str) -> str:
+    text = PAGE.read_text("utf-8")
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+@cache
+def layer_rows() -> list[tuple[list[str], str]]:
+    """(the nodes of a row, what the row says lives there), bottom row first."""
+    rows = []
+    for line in section("The layers").splitlines():
+        if line.startswith("| `"):
+            first, rest = line[1:].split(" | ", 1)
+            rows.append((TICKED.findall(first), rest))
+    return rows
+
+
+def layer_of() -> dict[str, int]:
+    return {node: rank for rank, (nodes, _) in enumerate(layer_rows()) for node in nodes}
+
+
+def node_of(module: str) -> str | None:
+    """`glassgpt.view.lens` -> "view/", `glassgpt.model` -> "model.py"; None for the package."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return None
+    return f"{parts[1]}/" if (PACKAGE / parts[1]).is_dir() else f"{parts[1]}.py"
+
+
+def node_of_file(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return f"{rel.parts[0]}/" if len(rel.parts) > 1 else rel.name
+
+
+def imported(tree: ast.AST) -> set[str]:
+    """Every glassgpt module a module's source imports."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names if a.name.startswith("glassgpt.")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "glassgpt":  # `from glassgpt import bench` or `__version__`
+                names |= {f"glassgpt.{a.name}" for a in node.names
+                          if (PACKAGE / a.name).is_dir() or (PACKAGE / f"{a.name}.py").exists()}
+            elif node.module.startswith("glassgpt."):
+                names.add(node.module)
+    return names
+
+
+@cache
+def import_edges() -> dict[str, set[str]]:
+    """node -> the other nodes it imports from."""
+    edges: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = node_of_file(path)
+        targets = {node_of(m) for m in imported(ast.parse(path.read_text("utf-8")))}
+        edges.setdefault(source, set()).update(targets - {None, source})
+    return edges
+
+
+def test_every_module_of_the_package_sits_in_one_layer():
+    named = [node for nodes, _ in layer_rows() for node in nodes]
+    assert len(named) == len(set(named)), "a module is named in two rows"
+    assert set(import_edges()) - OUTSIDE == set(named)
+
+
+def test_the_imports_point_one_way_down_the_table():
+    rank = layer_of()
+    upward = [f"{src} imports {dst}" for src, dsts in import_edges().items() if src not in OUTSIDE
+              for dst in dsts if dst in OUTSIDE or rank[dst] > rank[src]]
+    assert upward == []
+
+
+def test_machine_sits_below_the_model():
+    rank = layer_of()
+    assert rank["machine/"] < rank["model.py"]
+    assert import_edges()["machine/"] & GLASS == set()
+
+
+def test_bench_sits_beside_experiments_not_above_them():
+    assert layer_of()["bench/"] == layer_of()["experiments/"]
+    assert "experiments/" not in import_edges()["bench/"]
+    assert "bench/" not in import_edges()["experiments/"]
+
+
+def test_the_layers_the_issue_names_are_where_the_page_says():
+    rank = layer_of()
+    assert rank["model.py"] < rank["interp/"] < rank["view/"] < rank["bench/"]
+    assert rank["figures/"] < rank["experiments/"]
+    cli = next(text for nodes, text in layer_rows() if nodes == ["cli/"])
+    assert "`glassgpt.hf.convert`" in cli
+    assert "hf.convert" in "".join(imported(ast.parse((PACKAGE / "cli/convert.py").read_text())))
+
+
+def exists(name: str) -> bool:
+    """A file, folder or dotted module the page names, looked for where a reader would."""
+    name = name.split("(")[0].rstrip("/")
+    if name.startswith("glassgpt."):
+        parts = name.split(".")
+        for cut in range(len(parts), 1, -1):  # the longest importable prefix, then attributes
+            try:
+                thing = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            for attribute in parts[cut:]:
+                if not hasattr(thing, attribute):
+                    return False
+                thing = getattr(thing, attribute)
+            return True
+        return False
+    if "/" in name or "." in name:
+        return any((base / name).exists() for base in (PACKAGE, ROOT))
+    return (PACKAGE / name).is_dir()
+
+
+def named_paths() -> list[str]:
+    found = set()
+    for name in TICKED.findall(PAGE.read_text("utf-8")):
+        if re.fullmatch(r"glassgpt(\.\w+)+|[\w/]+\.py|\w+/|[\w/]+/\w+\.\w+", name):
+            found.add(name)
+    return sorted(found)
+
+
+@pytest.mark.parametrize("name", named_paths())
+def test_every_module_the_page_names_exists(name):
+    assert exists(name) or list(PACKAGE.rglob(name)), f"{PAGE.name} names {name}"
+
+
+def test_each_layer_rows_files_are_in_its_folders():
+    for nodes, text in layer_rows():
+        folders = [PACKAGE, *(PACKAGE / n for n in nodes if n.endswith("/"))]
+        for name in TICKED.findall(text):
+            if re.fullmatch(r"\w+\.py", name):
+                assert any((f / name).exists() for f in folders), f"{name} not in {nodes}"
+
+
+def concept_rows() -> list[tuple[list[str], list[Path]]]:
+    """(the names a row of the glass's table gives, the files it says they are in)."""
+    rows = []
+    for line in section("The glass").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) == 3 and cells[2].startswith("`"):
+            rows.append((TICKED.findall(cells[1]), [PACKAGE / f for f in TICKED.findall(cells[2])]))
+    return rows
+
+
+def test_the_glass_table_names_what_its_files_define():
+    assert len(concept_rows()) > 20
+    for names, files in concept_rows():
+        source = "".join(f.read_text("utf-8") for f in files)
+        for name in names:
+            if name.startswith("glassgpt.") or not re.fullmatch(r"[\w.]+(\(.*\))?", name):
+                continue  # a module (named above) or a piece of code, as `is_causal=True`
+            for word in name.split("(")[0].split("."):
+                assert re.search(rf"\b{word}\b", source), f"{name} is not in {files}"
+
+
+def test_the_figure_helpers_old_address_is_the_same_helpers():
+    import glassgpt.experiments.figures as old
+    import glassgpt.figures as new
+
+    names = [n for n, v in vars(new).items()
+             if n.isupper() or getattr(v, "__module__", "") == "glassgpt.figures"]
+    assert names and all(getattr(old, n) is getattr(new, n) for n in names)
