@@ -122,7 +122,12 @@ def torchrun(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node", "2", *args]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    # each rank's own last lines: the rank that failed first is the one to read
+    ranks = {rank: [line for line in result.stderr.splitlines() if f"[rank{rank}]" in line]
+             for rank in (0, 1)}
+    said = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 0, "\n".join(
+        [*said, *ranks[1][-25:], *ranks[0][-25:], result.stderr[-1500:]])
     return result
 
 
@@ -215,3 +220,19 @@ def test_fsdp_refuses_muon_and_a_torch_without_fully_shard(monkeypatch):
     monkeypatch.setattr(fsdp, "_fsdp_api", lambda: None)
     with pytest.raises(ConfigError, match=re.escape(f"torch {torch.__version__}")):
         fsdp.check_can_shard(TrainConfig(fsdp=True), ranks)
+
+
+def test_only_the_writing_rank_asks_whether_the_run_is_in_use(tmp_path) -> None:
+    """Under torchrun rank 0 takes the run's lock as soon as it reaches the training; a rank
+    still checking its arguments then must not read that lock as another writer's (it did:
+    "is in use by another glassgpt process", now and then, in the two-rank tests)."""
+    from glassgpt.errors import CheckpointError
+    from glassgpt.rundir import directory
+    from glassgpt.storage import files
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with files.locked_directory(run, CheckpointError):  # rank 0, already writing
+        directory.check_out_dir(run, force=False, writer=False)  # rank 1: fine
+        with pytest.raises(CheckpointError, match="in use by another glassgpt process"):
+            directory.check_out_dir(run, force=False)  # a second writer is still refused

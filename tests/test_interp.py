@@ -234,3 +234,18 @@ def test_the_walk_in_the_docs_runs_on_a_run_trained_by_the_command_line(tmp_path
     assert "strongest induction head: L" in printed and "of the clean answer" in printed
     total, logit = re.search(r"sum (-?[\d.]+) = logit difference (-?[\d.]+)", printed).groups()
     assert abs(float(total) - float(logit)) <= 1e-3
+
+
+def test_the_tools_hold_for_a_head_width_of_its_own_and_layers_without_rotary() -> None:
+    """Qwen3-0.6B's own head width, SmolLM3's NoPE layers and Qwen2's q/k/v-only biases."""
+    model = tiny(**MODERN, head_dim=12, nope_layers=[1], qkv_bias=True)
+    _, cache = run_with_cache(model, ids())
+    assert cache["blocks.0.attn.hook_q"].shape == (2, 9, 4, 12)
+    assert cache["blocks.0.attn.hook_z"].shape == (2, 9, 4, 12)
+    assert "blocks.0.attn.hook_rot_q" in cache and "blocks.1.attn.hook_rot_q" not in cache
+    parts = logit_attribution(model, ids(), token=5)
+    assert abs(parts.values.sum().item() - parts.logit) <= 1e-10
+    off = run_with_hooks(model, ids(), [("blocks.0.attn.hook_z", zero_heads(2))])
+    with torch.no_grad():
+        model.blocks[0].attn.proj.weight[:, 24:36] = 0  # head 2's columns of W_O
+    assert torch.allclose(off, model(ids())[0], atol=1e-12, rtol=0)

@@ -89,17 +89,20 @@ def own_files_present(run_dir: Path) -> list[str]:
 
 
 def check_out_dir(run_dir: Path, force: bool, init_from: Path | None = None,
-                  spell: Callable[..., str] = as_flag) -> None:
+                  spell: Callable[..., str] = as_flag, writer: bool = True) -> None:
     """Refuse, before any work and changing nothing, a directory that cannot take a new run:
     a place no directory can be made, a data directory, a run in use, the run `init_from`
     starts from, an existing run without `force`, a planted link without `force`, a directory
     under one of the run's own names, or files under a run's names that glassgpt did not write
-    (a Hugging Face model's), even with `force`. `spell` names the settings in messages."""
+    (a Hugging Face model's), even with `force`. `spell` names the settings in messages.
+    Only the `writer` asks whether the run is in use: under torchrun the other ranks write
+    nothing there, and rank 0 may already hold the lock for this very run."""
     files.check_can_make_dir(run_dir, CheckpointError)
     if not run_dir.is_dir():
         return
     check_not_a_data_dir(run_dir)
-    files.check_unlocked(run_dir, CheckpointError)
+    if writer:
+        files.check_unlocked(run_dir, CheckpointError)
     if init_from is not None and init_from.is_dir() and run_dir.samefile(init_from):
         raise CheckpointError(f"{spell('init_from')} and {spell('out')} both name {run_dir}; "
                               f"training would replace the weights it starts from: give "

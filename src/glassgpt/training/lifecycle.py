@@ -148,7 +148,8 @@ def _start(request: _Request) -> TrainOutcome:
     run_dir = runs.fresh_run_dir() if request.out is None else \
         files.check_path_given(request.out, ConfigError, request.spell("out"))  # "": the cwd
     init_from = None if request.init_from is None else Path(request.init_from)
-    rundir.check_out_dir(run_dir, request.force, init_from, request.spell)
+    rundir.check_out_dir(run_dir, request.force, init_from, request.spell,
+                         writer=ddp.rank_from_env() == 0)
     source = ckpt.Run(init_from) if init_from is not None else None
     preset = request.preset or runs.preset_for_device(request.train.get("device", AUTO))
     if source is None:
@@ -242,7 +243,8 @@ def _resume(request: _Request) -> TrainOutcome:
         raise ConfigError(f"resuming needs the run directory to continue "
                           f"({request.spell('out')})")
     run_dir = files.check_path_given(request.out, ConfigError, request.spell("out"))
-    files.check_unlocked(run_dir, CheckpointError)  # a run in use: say so before reading it
+    if ddp.rank_from_env() == 0:  # a run in use: say so before reading it (rank 0 writes it,
+        files.check_unlocked(run_dir, CheckpointError)  # and may hold its lock already)
     validated = rundir.fingerprint(run_dir)  # what is read next must be what is continued
     run = ckpt.Run(run_dir)
     cfg = resumed_config(run, request.preset, request.config, request.init_from,

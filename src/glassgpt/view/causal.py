@@ -2,15 +2,16 @@
 attribution, each head's previous-token and induction scores, and the walk inside one MLP.
 
 The numbers are `glassgpt.interp`'s (TransformerLens's names and functions), run on the model
-`RunView` holds: nothing is recomputed here in a second way. User mistakes (prompts of
-different lengths, an answer token the tokenizer lacks, too much work for one request, a
-Post-LN model asked for attribution) raise `glassgpt.errors` exceptions with one-line messages.
+of the viewed run (`values.View`; `inspector.RunView` is one): nothing is recomputed here in a
+second way. User mistakes (prompts of different lengths, an answer token the tokenizer lacks,
+too much work for one request, a Post-LN model asked for attribution) raise `glassgpt.errors`
+exceptions with one-line messages.
 Notation: L = layers, H = heads, T = prompt tokens, C = width, F = the MLP's hidden width.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -24,10 +25,7 @@ from glassgpt.interp.hooked import run_with_cache
 from glassgpt.interp.scores import HeadScores, head_scores
 from glassgpt.view import checks
 from glassgpt.view.lens import point_sources
-from glassgpt.view.values import rounded, step_answer
-
-if TYPE_CHECKING:
-    from glassgpt.view.inspector import Prompt, RunView
+from glassgpt.view.values import Prompt, View, rounded, step_answer
 
 # One patching request runs the model once per cell of its four maps (3 L T + L H runs): more
 # than this many is refused rather than keeping the page (and the model thread) busy for long.
@@ -41,7 +39,7 @@ TRIES = 64  # replacement tokens tried when making the default corrupted prompt
 
 # --- activation patching -----------------------------------------------------------------------
 
-def default_corruption(view: RunView, clean: Prompt) -> str:
+def default_corruption(view: View, clean: Prompt) -> str:
     """The clean prompt with its next-to-last token replaced (by another token of the prompt,
     else a neighbouring id) such that the text encodes back to as many tokens: the answer
     at the last position then depends on a token the model has to carry forward."""
@@ -61,21 +59,21 @@ def default_corruption(view: RunView, clean: Prompt) -> str:
                      "many tokens; type a corrupted prompt")
 
 
-def top_tokens(view: RunView, logits: Tensor, k: int) -> list[int]:
+def top_tokens(view: View, logits: Tensor, k: int) -> list[int]:
     """The k most likely ids of logits (V,) that the tokenizer has (a model's vocabulary may
     be padded past the tokenizer's)."""
     known = logits[:view.tokenizer.vocab_size]
     return torch.topk(known, min(k, known.shape[-1])).indices.tolist()
 
 
-def check_token(view: RunView, what: str, token: int) -> int:
+def check_token(view: View, what: str, token: int) -> int:
     vocab = view.tokenizer.vocab_size
     if not 0 <= token < vocab:
         raise InputError(f"{what} {token} is no token: the tokenizer has ids 0..{vocab - 1}")
     return token
 
 
-def _answer_ids(view: RunView, clean_logits: Tensor, corrupted_logits: Tensor,
+def _answer_ids(view: View, clean_logits: Tensor, corrupted_logits: Tensor,
                 answer: int | None, wrong: int | None) -> tuple[int, int]:
     """The clean answer (default: the clean run's top token at the last position) and the
     corrupted one (default: the corrupted run's top token, or the clean run's second)."""
@@ -100,7 +98,7 @@ def _check_same_length(clean: Prompt, corrupted: Prompt) -> None:
                          f"one {len(corrupted.ids)}: patching needs prompts of the same length")
 
 
-def _check_work(view: RunView, tokens: int) -> None:
+def _check_work(view: View, tokens: int) -> None:
     L, H = view.model.config.n_layer, view.model.blocks[0].attn.n_heads
     runs = 3 * L * tokens + L * H
     if runs > MAX_PATCH_RUNS:
@@ -109,7 +107,7 @@ def _check_work(view: RunView, tokens: int) -> None:
                          "prompt")
 
 
-def patching(view: RunView, clean: str, corrupted: str | None = None,
+def patching(view: View, clean: str, corrupted: str | None = None,
              answer: int | None = None, wrong: int | None = None) -> dict[str, Any]:
     """Activation patching of the corrupted prompt from the clean one: for each layer and
     position (the residual stream entering the block, the attention's and the MLP's output)
@@ -143,17 +141,17 @@ def patching(view: RunView, clean: str, corrupted: str | None = None,
             **{name: rounded(values) for name, values in maps.items()}}
 
 
-def _prompt_answer(view: RunView, prompt: Prompt) -> dict[str, Any]:
+def _prompt_answer(view: View, prompt: Prompt) -> dict[str, Any]:
     return {"text": prompt.text, "tokens": [_token(view, i) for i in prompt.ids]}
 
 
-def _token(view: RunView, token_id: int) -> dict[str, Any]:
+def _token(view: View, token_id: int) -> dict[str, Any]:
     return {"id": token_id, "text": view.token_text(token_id)}
 
 
 # --- direct logit attribution ------------------------------------------------------------------
 
-def attribution(view: RunView, prompt: str, position: int,
+def attribution(view: View, prompt: str, position: int,
                 token: int | None = None) -> dict[str, Any]:
     """Each head's, MLP's, embedding's and bias's direct push on `token`'s logit at `position`
     (default token: the model's top prediction there); the parts add up to the logit."""
@@ -196,7 +194,7 @@ def scores_answer(scores: HeadScores | None) -> dict[str, Any] | None:
 
 # --- inside the MLP ----------------------------------------------------------------------------
 
-def mlp_table(view: RunView, layer: int) -> list[tuple[str, str, str]]:
+def mlp_table(view: View, layer: int) -> list[tuple[str, str, str]]:
     """(step, the hook point relative to the block, title) for the MLP of `layer`."""
     block = view.model.blocks[layer]
     gated = isinstance(block.ffn, SwiGLUFeedForward)
@@ -220,7 +218,7 @@ def mlp_table(view: RunView, layer: int) -> list[tuple[str, str, str]]:
     return rows
 
 
-def mlp(view: RunView, prompt: str, layer: int, position: int) -> dict[str, Any]:
+def mlp(view: View, prompt: str, layer: int, position: int) -> dict[str, Any]:
     """The token at `position` through the MLP of `layer`, step by step: each step's values
     from `run_with_cache` and the line that computes it (the caller of its hook point)."""
     checks.index("layer", layer, view.model.config.n_layer)
@@ -242,7 +240,7 @@ def mlp(view: RunView, prompt: str, layer: int, position: int) -> dict[str, Any]
 
 # --- inside one head: q and k before QK-norm and the rotation -----------------------------------
 
-def qk_stages(view: RunView, prompt: Prompt, layer: int, head: int, position: int,
+def qk_stages(view: View, prompt: Prompt, layer: int, head: int, position: int,
               seen: slice) -> dict[str, list[tuple[str, str, Tensor]]]:
     """The stages q and k pass before the ones attention scores (`HeadSteps.q`, `.keys`):
     the projection (`hook_q`, `hook_k`) and, with QK-norm, normalised before its gain

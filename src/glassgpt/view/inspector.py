@@ -58,7 +58,7 @@ from glassgpt.view.lens import (
     trace,
 )
 from glassgpt.view.pieces import piece_text
-from glassgpt.view.values import DECIMALS, rounded, step_answer
+from glassgpt.view.values import DECIMALS, Prompt, rounded, step_answer
 
 MAX_PROMPT_CHARS = 20_000  # refused before tokenizing: longer than any context glassgpt trains
 MAX_TOP_K = 20
@@ -73,15 +73,6 @@ EXAMPLE_PROMPTS = ("ROMEO:\nBut soft, what light through yonder window breaks?",
                    "To be, or not to be, that is the question", "to be or not to be")
 THUMBNAIL_CELLS = 48  # an overview map of a longer prompt averages blocks of cells
 ATTENTION_KINDS = ("weights", "scores")
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """A prompt as the model sees it."""
-
-    text: str
-    ids: list[int]
-    idx: Tensor  # (1, T)
 
 
 @dataclass(frozen=True)

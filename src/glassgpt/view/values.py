@@ -1,16 +1,39 @@
-"""Tensors as the JSON the page reads: rounded numbers, and one step of a walk with its line.
-
-Shared by `inspector.RunView` and `causal` (the page's patching, attribution and MLP panels).
+"""What `inspector.RunView` and `causal` (the page's patching, attribution and MLP panels)
+share: a prompt as the model sees it, and tensors as the JSON the page reads (rounded numbers,
+one step of a walk with its line).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+from glassgpt.tokenizers import Tokenizer
 
 DECIMALS = 4  # probabilities, weights and activations are sent rounded to this many places
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt as the model sees it."""
+
+    text: str
+    ids: list[int]
+    idx: Tensor  # (1, T)
+
+
+class View(Protocol):
+    """What the panels of `causal` ask of the run being viewed (`inspector.RunView` is one)."""
+
+    model: nn.Module
+    tokenizer: Tokenizer
+
+    def encode(self, text: str) -> Prompt: ...
+
+    def token_text(self, token_id: int) -> str: ...
 
 
 def rounded(values: Tensor) -> Any:
