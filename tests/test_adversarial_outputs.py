@@ -100,6 +100,19 @@ def test_force_replaces_an_existing_output_file(tmp_path, capsys):
     assert json.loads(mine.read_text())["experiments"]["shapes"]
 
 
+def test_a_demo_never_draws_over_a_picture_it_did_not_just_make(tmp_path, capsys):
+    """A picture already in --out (the user's, or an earlier demo's) is kept without --force:
+    the demo draws into a folder of its own inside --out and moves only what may be replaced."""
+    mine = tmp_path / "shapes_weights.png"
+    mine.write_bytes(b"the user's own picture")
+    assert main(["demo", "shapes", "--out", str(tmp_path)]) == 2
+    assert "--force" in one_error_line(capsys)
+    assert mine.read_bytes() == b"the user's own picture"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shapes_weights.png"]  # no leftovers
+    assert main(["demo", "shapes", "--out", str(tmp_path), "--force"]) == 0
+    assert mine.read_bytes().startswith(b"\x89PNG")
+
+
 # --- 6. an empty path in the library ------------------------------------------------------
 
 def test_library_functions_refuse_an_empty_path(place, tmp_path, monkeypatch):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,7 +64,7 @@ def add_demo_command(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--json", type=path_arg, metavar="FILE",
                       help="also write the numbers as JSON")
     demo.add_argument("--force", action="store_true",
-                      help="replace the --json file if it exists")
+                      help="replace pictures in --out and the --json file if they exist")
     add_threads_flag(demo)
     shapes = demo.add_argument_group("shapes only")
     shapes.add_argument("--batch-size", type=int, metavar="B", help="batch (default 2)")
@@ -125,9 +127,10 @@ def run_demo(args: argparse.Namespace) -> int:
     threads = args.threads
     for number, name in enumerate(names, 1):
         started = time.perf_counter()
-        with experiment_progress(name, number, len(names)):
-            result = run_experiment(name, args.out, seed=args.seed, quick=args.quick,
+        with experiment_progress(name, number, len(names)), staged_pictures(args) as staging:
+            result = run_experiment(name, staging, seed=args.seed, quick=args.quick,
                                     threads=threads, **options)
+            result.pictures = deliver_pictures(result.pictures, staging, args.out, args.force)
         if not results:
             console.print(f"[dim]{cpu_threads(result.threads)}[/dim]")
         threads = result.threads  # auto is settled once, by the first experiment
@@ -146,6 +149,34 @@ def run_demo(args: argparse.Namespace) -> int:
         console.print(f"[red]expected outcome not shown by: {', '.join(failed)}[/red]")
         return 1
     return 0
+
+
+@contextlib.contextmanager
+def staged_pictures(args: argparse.Namespace) -> Iterator[Path]:
+    """A fresh folder inside --out for one experiment's pictures, removed afterwards: what the
+    experiment draws reaches --out only through `deliver_pictures`. An --out made here and
+    left empty (the experiment refused its options, say) is removed again."""
+    made = not args.out.exists()
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        with tempfile.TemporaryDirectory(dir=args.out, prefix=".glassgpt-demo-") as staging:
+            yield Path(staging)
+    finally:
+        if made and not any(args.out.iterdir()):
+            args.out.rmdir()
+
+
+def deliver_pictures(pictures: list[Path], staging: Path, out: Path, force: bool) -> list[Path]:
+    """Move an experiment's pictures from `staging` into `out`. Every destination is checked
+    first (a file that is already there, from an earlier run or the user's, is replaced only
+    with --force), so a refusal leaves `out` as it was."""
+    destinations = [out / picture.relative_to(staging) for picture in pictures]
+    for destination in destinations:
+        check_output_file(destination, force, CommandLineError)
+    for picture, destination in zip(pictures, destinations, strict=True):
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(picture, destination)
+    return destinations
 
 
 @contextlib.contextmanager
