@@ -221,3 +221,29 @@ def test_a_template_is_kept_only_when_a_reply_can_stop(qwen3_source: Path, tmp_p
     (qwen3_source / "chat_template.jinja").write_text(SMOLLM2_TEMPLATE, encoding="utf-8")
     assert main(["convert", "--from-hf", str(qwen3_source), "--out", str(tmp_path / "c")]) == 0
     assert Run(tmp_path / "c").chat_template().template == SMOLLM2_TEMPLATE
+
+
+def with_bos(tokenizer: BPETokenizer) -> BPETokenizer:
+    """The tokenizer with a post-processor that starts every text with <bos>, as Llama 3's and
+    Gemma's tokenizer.json do (and one that would end it with <eos>, which a prompt leaves off)."""
+    from tokenizers import processors
+    tokenizer.tokenizer.add_special_tokens(["<bos>", "<eos>"])
+    bos, eos = (tokenizer.tokenizer.token_to_id(t) for t in ("<bos>", "<eos>"))
+    tokenizer.tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A <eos>", special_tokens=[("<bos>", bos), ("<eos>", eos)])
+    return tokenizer
+
+
+def test_a_prompt_starts_as_transformers_tokenizer_starts_it_and_a_chat_as_its_template(
+        small_text: Path) -> None:
+    from glassgpt.decoding.generate import encode_prompt
+    tokenizer = with_bos(chat_tokenizer(small_text.read_text(encoding="utf-8")))
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.tokenizer)
+    bos = tokenizer.tokenizer.token_to_id("<bos>")
+    ids, _ = encode_prompt(tokenizer, "To be, or not", 64)
+    expected = hf("To be, or not").input_ids
+    assert ids[0].tolist() == expected[:-1] and ids[0, 0] == bos  # <bos> first, no <eos>
+    rendered, _ = encode_prompt(tokenizer, "<bos>Hi", 64, special=False)
+    assert rendered[0].tolist().count(bos) == 1  # a chat template's own <bos>, not a second
+    plain = chat_tokenizer(small_text.read_text(encoding="utf-8"))  # glassgpt's own BPE
+    assert encode_prompt(plain, "To be", 64)[0][0].tolist() == plain.encode("To be")

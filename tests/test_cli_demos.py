@@ -54,7 +54,7 @@ def test_demo_all_quick_runs_every_experiment_and_sums_up(tmp_path: Path, capsys
     data = json.loads((tmp_path / "all.json").read_text())
     assert list(data["experiments"]) == ["shapes", "parity", "multihead", "layernorm", "params",
                                          "residual", "dropout", "sharing", "positions", "norms",
-                                         "mlps", "kvheads", "qknorm", "induction"]
+                                         "mlps", "kvheads", "qknorm", "induction", "windows"]
     assert data["seed"] == 1 and data["quick"] is True
     for name, result in data["experiments"].items():
         assert result["checks"] and all(c["holds"] for c in result["checks"]), name
@@ -64,7 +64,7 @@ def test_demo_all_quick_runs_every_experiment_and_sums_up(tmp_path: Path, capsys
     assert params["gpt2_small_total"] == 124_439_808
     assert "124,439,808" in out
     assert "[block] * L" in out  # printed as written, not eaten as rich markup
-    assert out.rstrip().endswith("14/14 experiments showed what they claim")
+    assert out.rstrip().endswith("15/15 experiments showed what they claim")
 
 
 def test_demo_all_summary_names_what_was_not_shown(tmp_path: Path, capsys,

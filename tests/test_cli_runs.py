@@ -336,13 +336,14 @@ def test_eval_says_when_the_bound_leaves_part_of_the_split_out(run_dir, capsys):
     assert main(["eval", str(run_dir), "--split", "train", "--max-batches", "1",
                  "--batch-size", "2", "--threads", "1"]) == 0
     captured = capsys.readouterr()
-    assert "(a part: raise --max-batches for all of it)" in captured.out
+    assert "tokens; a part: raise --max-batches for all of it)" in captured.out
     assert "evaluated the best weights" in captured.err
 
 
 @pytest.mark.parametrize(("command", "defaults"), [
     ("sample", ["(default: 500)", "(default: 0.8)", "(default: 200)", "(default: 1337)"]),
-    ("eval", ["(default: 32)", "(default: 200)", "(default: val)"]),
+    ("eval", ["(default: 32, fewer where their logits would pass 1 GiB)", "(default: 200)",
+              "(default: val)"]),
     ("prepare", ["(default 1024; BPE only)", "(default: 0.1)"]),
 ])
 def test_help_shows_the_defaults(command, defaults, capsys):

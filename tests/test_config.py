@@ -41,13 +41,14 @@ def expected_parameters(c: GPTConfig) -> int:
     norm = C * (2 if c.norm == "layernorm" and c.bias else 1)
     attention = (C * (Q + 2 * kv) + Q * C + (Q + 2 * kv) * qkv_bias + C * c.bias
                  + 2 * c.head_dim * c.qk_norm)
-    if c.activation == "swiglu":
+    if c.activation in ("swiglu", "geglu"):  # gated: gate, up and down matrices
         mlp = 3 * C * F + (2 * F + C) * c.bias
     else:
         mlp = 2 * C * F + (F + C) * c.bias
     embeddings = c.vocab_size * C * (1 if c.tie_weights else 2)
     positions = c.block_size * C if c.position == "learned" else 0
-    return embeddings + positions + c.n_layer * (attention + 2 * norm + mlp) + norm
+    norms = 4 if c.post_norms else 2  # Gemma normalises the sub-layers' outputs too
+    return embeddings + positions + c.n_layer * (attention + norms * norm + mlp) + norm
 
 
 def test_the_hand_count_is_gpt2s_formula_for_gpt2():

@@ -336,6 +336,30 @@ def test_auto_on_a_cpu_takes_the_threaded_engine_only_where_it_is_faster(
         choice.forget_choices()
 
 
+def test_a_short_decoding_is_not_worth_timing_the_engines_for(two_threads, monkeypatch):
+    timed = []
+
+    def timer(engines):
+        timed.append(1)
+        return {"eager": [1.0], "cpu": [0.1]}
+
+    monkeypatch.setattr("glassgpt.decoding.measured_cpu_engine",
+                        lambda model: choice.measured_cpu_engine(model, timer))
+    choice.forget_choices()
+    try:
+        model = tiny_gpt()
+        short = choice.MEASURED_FROM - 1
+        assert choice.auto_engine_name(model, short, compiled=False) == "eager"
+        assert choice.auto_engine_name(model, short, compiled=True) == "auto"
+        assert choice.auto_engine_name(model, choice.MEASURED_FROM, compiled=False) == "auto"
+        generate(model, prompt(1, 3), max_new_tokens=short, temperature=0.0)
+        assert timed == []  # eight timed steps would cost more than a few tokens win back
+        generate(model, prompt(1, 3), max_new_tokens=choice.MEASURED_FROM, temperature=0.0)
+        assert timed == [1]
+    finally:
+        choice.forget_choices()
+
+
 def test_the_choice_times_real_steps_and_auto_gives_the_eager_tokens(two_threads):
     choice.forget_choices()
     try:

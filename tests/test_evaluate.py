@@ -12,7 +12,7 @@ import torch
 from conftest import tiny_gpt
 from glassgpt.cli import main
 from glassgpt.data import PreparedData, prepare
-from glassgpt.errors import CheckpointError
+from glassgpt.errors import CheckpointError, ConfigError
 from glassgpt.model import GPT
 from glassgpt.rundir.checkpoint import save_model
 from glassgpt.training.evaluate import bits_per_byte, evaluate
@@ -114,3 +114,28 @@ def test_eval_windows_cover_the_split_without_overlap(datasets):
     ids = np.asarray(data.splits["val"])
     result = evaluate(tiny_model(data.vocab_size), ids, data.tokenizer, 64, 100)
     assert result.tokens == (len(ids) - 1) // 16 * 16
+
+
+def test_eval_windows_take_the_context_asked_and_say_so(run_dirs, capsys):
+    args = ["eval", str(run_dirs["good"]), "--data", str(run_dirs["data"]), "--device", "cpu",
+            "--batch-size", "4", "--max-batches", "2", "--json"]
+    capsys.readouterr()
+    assert main([*args, "--context", "8"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["context"] == 8 and result["tokens"] == 2 * 4 * 8
+    assert main([*args[:-1], "--context", "8"]) == 0
+    assert "windows of 8 tokens" in capsys.readouterr().out
+    assert main([*args, "--context", "17"]) == 2  # the model holds 16
+    assert "context=17 is longer than the model's block_size=16" in capsys.readouterr().err
+
+
+def test_a_long_context_and_a_large_vocabulary_make_smaller_default_windows_and_batches():
+    from glassgpt.training.evaluate import eval_batch_size, eval_context
+    assert eval_context(64) == 64 and eval_context(40_960) == 2048  # Qwen3-0.6B's context
+    assert eval_context(40_960, 512) == 512
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(ConfigError, match="positive number of tokens"):
+            eval_context(64, bad)
+    assert eval_batch_size(64, 65) == 32  # a char model: the old default
+    assert eval_batch_size(1024, 50_257) == 5  # GPT-2: five windows' logits within 1 GiB
+    assert eval_batch_size(2048, 151_936) == 1  # one window of Qwen3's, never none

@@ -40,6 +40,7 @@ from glassgpt.experiments import (
     residual,
     shapes,
     sharing,
+    windows,
 )
 from glassgpt.experiments.attention_maps import Page, page_figure, plan_pages, select_panels
 from glassgpt.figures import DPI
@@ -190,6 +191,16 @@ IND_NUMBERS = {"chance_loss": 4.16, "tolerance": 50, **{
     "shakespeare": {"n_layer": 4, "steps": list(range(250, 2001, 250)),
                     "scores": [[[0.02, 0.3, 0.1, 0.05]] * 4 for _ in range(8)]}}
 
+WIN_NUMBERS = {"window": 3, "local_reach": 4, "chance": 0.125, "steps": 400,
+               "receptive_field": {name: {"gradient": [max(0.0, 1 - d / reach) for d in range(16)]}
+                                   for name, reach in (("all local", 5), ("last layer global", 16),
+                                                       ("all global", 16))},
+               "accuracy": {"all local": [1.0] * 3 + [0.125] * 13, "last layer global": [1.0] * 16},
+               "cache": {"contexts": [16, 1024, 8192, 32768],
+                         "all_global": [4096, 262144, 2097152, 8388608],
+                         "windowed": [2432, 131456, 1048960, 4194688],
+                         "glassgpt_allocates": 4096, "glassgpt_context": 16}}
+
 
 # Every figure-drawing function, keyed by the experiment (or command) it belongs to.
 FIGURES: dict[str, dict[str, Callable[[], list[Figure]]]] = {
@@ -215,6 +226,7 @@ FIGURES: dict[str, dict[str, Callable[[], list[Figure]]]] = {
     "kvheads": {"4, 2, 1": lambda: [kvheads.kvheads_figure(KV_NUMBERS)]},
     "qknorm": {"with and without": lambda: [qknorm.qknorm_figure(QK_NUMBERS)]},
     "induction": {"2 and 1 layers": lambda: [induction.induction_figure(IND_NUMBERS)]},
+    "windows": {"local and global": lambda: [windows.windows_figure(WIN_NUMBERS)]},
     "attention": {
         "2 layers x 2 heads, 12 chars": lambda: attention_pages(2, 2, char_labels(12)),
         "cpu-small, 27 chars, one grid": lambda: attention_pages(4, 4, char_labels(27)),
@@ -256,7 +268,7 @@ def test_every_text_is_on_the_canvas_and_readable(name: str,
 def test_every_experiment_and_every_figure_function_is_covered() -> None:
     assert set(FIGURES) == {*EXPERIMENTS, "attention"}
     modules = [shapes, parity, multihead, layernorm, params, residual, dropout, sharing,
-               positions, norms, mlps, kvheads, qknorm, induction, attention_maps]
+               positions, norms, mlps, kvheads, qknorm, induction, windows, attention_maps]
     figure_functions = {f"{module.__name__}.{name}" for module in modules
                         for name, function in inspect.getmembers(module, inspect.isfunction)
                         if function.__module__ == module.__name__
@@ -276,6 +288,7 @@ def test_every_experiment_and_every_figure_function_is_covered() -> None:
         "glassgpt.experiments.kvheads.kvheads_figure",
         "glassgpt.experiments.qknorm.qknorm_figure",
         "glassgpt.experiments.induction.induction_figure",
+        "glassgpt.experiments.windows.windows_figure",
         "glassgpt.experiments.attention_maps.page_figure",
     }
 

@@ -106,7 +106,9 @@ def test_cpu_speedrun_preset_is_the_ladders_best_rung_and_stops_at_the_target():
     best = ladder.ladder_rungs()[-1]
     assert preset["model"] == best.model
     train = TrainConfig.from_dict(preset["train"])
-    assert train.target_loss == ladder.TARGET_LOSS
+    # Its own 15,360-token evaluation reads about 0.02 below the whole val split: it stops
+    # lower, so that `glassgpt eval` of the run says the ladder's target there.
+    assert train.target_loss == ladder.SPEEDRUN_TARGET < ladder.TARGET_LOSS
     recipe = {k: v for k, v in best.train.items() if k not in ("eval_interval", "eval_iters")}
     recipe.update(ladder.SPEEDRUN_LEAVES_OUT)
     assert {k: preset["train"][k] for k in recipe} == recipe

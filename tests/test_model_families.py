@@ -205,8 +205,9 @@ def test_cached_decoding_equals_recomputing_everything(kind):
                                         **SAMPLING[kind]))
 
 
-def test_every_engine_gives_exactly_the_eager_tokens(monkeypatch):
-    model = tiny_gpt(**ALL_FOUR)
+def check_every_engine_gives_the_eager_tokens(model, monkeypatch) -> None:
+    """The threaded CPU engine and the CUDA engine's static step (run here without a graph)
+    give exactly the eager tokens, greedy and sampled, and past block_size."""
     for (B, T, new), kind in (((1, 5, 12), "greedy"), ((2, 3, 8), "top_k+top_p"),
                               ((1, 4, 28), "greedy")):  # the last runs past block_size
         idx, sampling = prompt(B, T), SAMPLING[kind]
@@ -223,6 +224,10 @@ def test_every_engine_gives_exactly_the_eager_tokens(monkeypatch):
                           StaticStepEngine(m) if name == "cuda-graph" else EagerEngine(m))
             static = generate(model, idx, max_new_tokens=new, engine="cuda-graph", **sampling)
         assert torch.equal(static, expected)
+
+
+def test_every_engine_gives_exactly_the_eager_tokens(monkeypatch):
+    check_every_engine_gives_the_eager_tokens(tiny_gpt(**ALL_FOUR), monkeypatch)
 
 
 @pytest.mark.slow  # a compilation: about 20 s on two shared cores
@@ -257,6 +262,13 @@ PUBLISHED = {
         vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
         rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1e6)),
+    "gemma-3-270m": ("Gemma3TextConfig", dict(  # as transformers 4.55 wrote it
+        vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        query_pre_attn_scalar=256, sliding_window=512, rope_theta=1e6,
+        rope_local_base_freq=1e4, layer_types=["full_attention" if (i + 1) % 6 == 0 else
+                                                "sliding_attention" for i in range(18)])),
 }
 
 

@@ -343,7 +343,7 @@ def test_a_legacy_ln_eps_key_reads_as_norm_eps():
 @pytest.mark.parametrize(("settings", "message"), [
     (dict(position="alibi"), "unknown position 'alibi'"),
     (dict(norm="batchnorm"), "unknown norm 'batchnorm'"),
-    (dict(activation="geglu"), "unknown activation 'geglu'"),
+    (dict(activation="reglu"), "unknown activation 'reglu'"),
     (dict(position="rope", n_head=4, n_embd=12), "head width .* 3 must be even"),
     (dict(mlp_hidden=0), "mlp_hidden must be positive"),
     (dict(n_kv_head=0), "n_kv_head must be positive"),

@@ -20,7 +20,11 @@ The modern switches (docs/modern.md) are steps added to the same path, each off 
     config's `nope_layers` (the layer's `AttentionKind`);
   * `head_dim`: heads of width d apart from C (Qwen3), so q is H * d wide and `proj` maps
     H * d back to C;
-  * `qkv_bias`: biases on q, k and v only (Qwen2), none on `proj`.
+  * `qkv_bias`: biases on q, k and v only (Qwen2), none on `proj`;
+  * a local layer (`sliding_window`, `local_layers`, Gemma): each query sees itself and the
+    W - 1 keys before it, a band under the diagonal; decoding past W reads only those keys;
+  * `query_pre_attn_scalar` scales the scores by 1/sqrt(it) rather than 1/sqrt(d), and
+    `attn_softcap` bounds them, cap * tanh(scores / cap), before the mask (Gemma).
 """
 
 from __future__ import annotations
@@ -33,9 +37,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glassgpt.config import GPTConfig, check_heads_divide_width
-from glassgpt.errors import InputError
+from glassgpt.errors import ConfigError, InputError
 from glassgpt.hooks import add_hook_points
-from glassgpt.norms import RMSNorm
+from glassgpt.norms import RMSNorm, autocast_enabled
 from glassgpt.rotary import RotaryEmbedding
 
 
@@ -69,17 +73,22 @@ class KVCache(nn.Module):
 
 
 def build_attention_mask(q_len: int, k_len: int, causal: bool, pad_mask: Tensor | None,
-                         device: torch.device) -> Tensor | None:
+                         device: torch.device, window: int | None = None) -> Tensor | None:
     """Boolean mask (B or 1, 1, T, S), True where a query may attend to a key; None if all may.
 
     Queries are the last `q_len` of `k_len` positions (a KV cache holds the earlier ones), so with
     `causal` query i sits at absolute position k_len - q_len + i and sees keys up to there.
+    `window` W (a causal local layer) hides the keys W or more positions before the query: a
+    band of W keys under the diagonal.
     `pad_mask` is (B, S) with True on padding keys, the `key_padding_mask` convention.
     """
     mask = None
-    if causal and q_len > 1:
-        offset = k_len - q_len
+    offset = k_len - q_len
+    banded = window is not None and k_len > window
+    if causal and (q_len > 1 or banded):
         mask = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(diagonal=offset)
+        if banded:  # key j is visible from query i when i + offset - W < j
+            mask = mask.triu(diagonal=offset - window + 1)
         mask = mask.view(1, 1, q_len, k_len)
     if pad_mask is not None:
         if pad_mask.shape[-1] != k_len:
@@ -108,14 +117,19 @@ Hook = Callable[[Tensor], Tensor]
 
 def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                        dropout: nn.Module, hook_attn_scores: Hook = _unchanged,
-                       hook_pattern: Hook = _unchanged) -> tuple[Tensor, Tensor]:
+                       hook_pattern: Hook = _unchanged, scale: float | None = None,
+                       softcap: float | None = None) -> tuple[Tensor, Tensor]:
     """softmax(q k^T / sqrt(d)) v, written out. Returns (output (B,H,T,d), weights (B,H,T,S)).
 
-    The weights returned are the ones multiplied into v, so after dropout when it is active.
-    `hook_attn_scores` sees the masked scores (-inf where a key is hidden), `hook_pattern` the
-    weights before dropout: the attention module's hook points.
+    `scale` replaces 1/sqrt(d) (Gemma's query_pre_attn_scalar), and `softcap` bounds the
+    scores to +-cap before the mask. The weights returned are the ones multiplied into v, so
+    after dropout when it is active. `hook_attn_scores` sees the masked scores (-inf where a
+    key is hidden), `hook_pattern` the weights before dropout: the module's hook points.
     """
-    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, T, S)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     weights = dropout(hook_pattern(masked_softmax(scores, mask, hook_attn_scores)))
     return weights @ v, weights  # (B, H, T, d), (B, H, T, S)
 
@@ -131,12 +145,14 @@ def masked_softmax(scores: Tensor, mask: Tensor | None,
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
-                    dropout_p: float) -> Tensor:
+                    dropout_p: float, scale: float | None = None) -> Tensor:
     """The same computation through PyTorch's fused kernel. Returns (B, H, T, d)."""
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal,
+                                              scale=scale)
     mask, empty_rows = _open_empty_rows(mask)
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                       scale=scale)
     return y.masked_fill(empty_rows, 0.0)
 
 
@@ -152,13 +168,6 @@ def check_stream(x: object, d_model: int, weight: Tensor, what: str) -> None:
     if x.dtype != weight.dtype and not autocast_enabled(x.device.type):
         raise InputError(f"{what}: x is {x.dtype} but its weights are {weight.dtype}; cast one "
                          f"to the other (e.g. x.to({weight.dtype}))")
-
-
-def autocast_enabled(device_type: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except TypeError:  # an older torch without the device argument
-        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
 
 
 def positions_of(start_pos: int | Tensor | None, T: int, device: torch.device) -> Tensor:
@@ -225,10 +234,20 @@ class MultiHeadSelfAttention(nn.Module):
         self.proj = nn.Linear(self.q_width, C, bias=config.bias)
         self.attn_dropout = nn.Dropout(config.dropout)  # on the attention weights
         self.resid_dropout = nn.Dropout(config.dropout)  # on the output, before the residual
-        self.q_norm = RMSNorm(d, config.norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(d, config.norm_eps) if config.qk_norm else None
-        rotary = config.attention_kind(layer).rotary
-        self.rotary = RotaryEmbedding.from_config(config) if rotary else None
+        offset = config.norm_offset  # Gemma's 1 + w, on q and k as everywhere
+        self.q_norm = RMSNorm(d, config.norm_eps, offset) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.norm_eps, offset) if config.qk_norm else None
+        kind = config.attention_kind(layer)
+        if kind.local and not causal:
+            raise ConfigError("a sliding window hides the keys long before a query, which "
+                              "only a causal attention has")
+        self.window = kind.window  # None, or W: this layer is local
+        rotary = kind.rotary
+        self.rotary = RotaryEmbedding.from_kind(config, kind) if rotary else None
+        # None: 1/sqrt(d), SDPA's own scale
+        self.scale = (None if config.query_pre_attn_scalar is None
+                      else config.query_pre_attn_scalar ** -0.5)
+        self.softcap = config.attn_softcap
         self.kv_cache: KVCache | None = None
         # Hook points (glassgpt.hooks), TransformerLens's names; q, k, v and z as
         # (B, T, heads, d), scores and pattern as (B, H, T, S).
@@ -246,7 +265,8 @@ class MultiHeadSelfAttention(nn.Module):
         """Whether this is the attention of "Attention is all you need": one K and V per head,
         heads splitting C, no QK-norm or rotary, biases on all projections or none."""
         return (self.n_kv_head == self.n_heads and self.q_width == self.d_model
-                and self.q_norm is None and self.rotary is None
+                and self.q_norm is None and self.rotary is None and self.window is None
+                and self.scale is None and self.softcap is None
                 and (self.qkv.bias is None) == (self.proj.bias is None))
 
     def to_torch_multihead(self) -> nn.MultiheadAttention:
@@ -290,11 +310,33 @@ class MultiHeadSelfAttention(nn.Module):
             if self.kv_cache is None:
                 raise InputError("start_pos given but no KV cache is set up on this module")
             k, v = self.kv_cache.update(start_pos, k, v)  # 2 x (B, H_kv, S, d)
+            if self.window is not None and not return_attn:
+                k, v, pad_mask = self._window_keys(k, v, pad_mask, start_pos, T)
         k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)  # 2 x (B, H, S, d)
-        y, weights = self.attend(q, k, v, pad_mask, return_attn)  # (B, H, T, d)
+        # A static cache's whole buffers are no prefix of the sequence: its old keys are
+        # hidden as padding (`_window_keys`), never by the band.
+        window = None if isinstance(start_pos, Tensor) else self.window
+        y, weights = self.attend(q, k, v, pad_mask, return_attn, window)  # (B, H, T, d)
         z = self.hook_z(y.transpose(1, 2))  # (B, T, H, d): each head's output, side by side
         y = self.resid_dropout(self.proj(z.reshape(B, T, self.q_width)))  # (B, T, H*d) -> C
         return (y, weights) if return_attn else y
+
+    def _window_keys(self, k: Tensor, v: Tensor, pad_mask: Tensor | None,
+                     start_pos: int | Tensor, T: int) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The cached keys a local layer's T new queries can see: from W - 1 before the first
+        query on (a cache past the window is read only there, which is what makes decoding a
+        local layer cost W keys, not S). A static cache (positions as a tensor, whole buffers)
+        instead hides the keys W or more before the query as padding."""
+        S, W = k.shape[2], self.window
+        if isinstance(start_pos, Tensor):  # one static step: the query is at start_pos[-1]
+            old = torch.arange(S, device=k.device) <= start_pos[-1] - W  # (S,)
+            old = old.expand(k.shape[0], S)
+            return k, v, old if pad_mask is None else pad_mask | old
+        lo = max(0, S - T - W + 1)
+        if lo == 0:
+            return k, v, pad_mask
+        pad_mask = None if pad_mask is None else pad_mask[:, lo:]
+        return k[:, :, lo:], v[:, :, lo:], pad_mask  # 2 x (B, H_kv, S - lo, d)
 
     def project(self, x: Tensor,
                 start_pos: int | Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -319,24 +361,28 @@ class MultiHeadSelfAttention(nn.Module):
         return q, k, v
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, pad_mask: Tensor | None,
-               return_attn: bool) -> tuple[Tensor, Tensor | None]:
-        """softmax(q k^T / sqrt(d)) v for q (B, H, T, d) over keys k, v (B, H, S, d).
+               return_attn: bool, window: int | None = None) -> tuple[Tensor, Tensor | None]:
+        """softmax(q k^T / sqrt(d)) v for q (B, H, T, d) over keys k, v (B, H, S, d), the
+        queries the last T of the S positions; `window` (a local layer's) masks the band.
 
         Returns the output (B, H, T, d) and, on the explicit path, the weights (B, H, T, S).
         """
         T, S = q.shape[2], k.shape[2]
-        # The fused kernel never forms the scores: a hook on them takes the explicit path.
+        # The fused kernel never forms the scores: a hook on them, or a soft-cap of them, takes
+        # the explicit path.
         looked_at = self.hook_attn_scores.active or self.hook_pattern.active
-        if return_attn or self.impl == "explicit" or looked_at:
-            mask = build_attention_mask(T, S, self.causal, pad_mask, q.device)
+        if return_attn or self.impl == "explicit" or looked_at or self.softcap is not None:
+            mask = build_attention_mask(T, S, self.causal, pad_mask, q.device, window)
             return explicit_attention(q, k, v, mask, self.attn_dropout, self.hook_attn_scores,
-                                      self.hook_pattern)
+                                      self.hook_pattern, self.scale, self.softcap)
         dropout_p = self.dropout_p if self.training else 0.0  # never drop at eval time
-        # With no padding and T == S, is_causal=True lets SDPA pick its flash kernel.
-        plain_causal = self.causal and pad_mask is None and T == S
+        # With no padding, no band and T == S, is_causal=True lets SDPA pick its flash kernel.
+        banded = window is not None and window < S
+        plain_causal = self.causal and pad_mask is None and T == S and not banded
         mask = None if plain_causal else build_attention_mask(T, S, self.causal, pad_mask,
-                                                              q.device)
-        return fused_attention(q, k, v, mask, T > 1 and plain_causal, dropout_p), None
+                                                              q.device, window)
+        return fused_attention(q, k, v, mask, T > 1 and plain_causal, dropout_p,
+                               self.scale), None
 
 
 class AttentionHead(nn.Module):

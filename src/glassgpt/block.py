@@ -5,7 +5,9 @@ A block maps (B, T, C) -> (B, T, C), which is what makes blocks stackable. Pre-L
 chosen once, when a block is built: `TransformerBlock.forward` is the Pre-LN block, and a Post-LN
 block runs `post_ln_forward` in its place.
 The MLPs: `FeedForward` (C -> F -> C with one activation, GPT-2's) and beside it `SwiGLUFeedForward`
-(a gated MLP, Llama's and Qwen3's). The norms live in `glassgpt.norms`.
+(a gated MLP, Llama's and Qwen3's) and `GeGLUFeedForward` (its tanh-GELU sibling, Gemma's). With
+`post_norms` (Gemma) each sub-layer's output is normalised too before it joins the residual
+stream: four norms a block. The norms live in `glassgpt.norms`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import Tensor, nn
 from glassgpt.attention import MultiHeadSelfAttention, check_stream
 from glassgpt.config import (
     ACTIVATIONS,
+    GATED_ACTIVATIONS,
     GPTConfig,
     check_choice,
     check_dropout,
@@ -25,7 +28,7 @@ from glassgpt.errors import ConfigError
 from glassgpt.hooks import add_hook_points
 from glassgpt.norms import ManualLayerNorm, make_norm
 
-__all__ = ["FeedForward", "ManualLayerNorm", "ReLUSquared", "SwiGLUFeedForward",
+__all__ = ["FeedForward", "GeGLUFeedForward", "ManualLayerNorm", "ReLUSquared", "SwiGLUFeedForward",
            "TransformerBlock", "make_activation", "make_mlp"]
 
 
@@ -39,8 +42,8 @@ class ReLUSquared(nn.Module):
 def make_activation(name: str) -> nn.Module:
     """The activation module called `name`; unknown names are a ConfigError listing the choices."""
     check_choice("activation", name, ACTIVATIONS)
-    if name == "swiglu":
-        raise ConfigError("swiglu is a whole MLP (SwiGLUFeedForward), not an activation")
+    if name in GATED_ACTIVATIONS:
+        raise ConfigError(f"{name} is a whole gated MLP (make_mlp builds it), not an activation")
     if name == "relu":
         return nn.ReLU()
     if name == "relu2":
@@ -84,24 +87,38 @@ class SwiGLUFeedForward(nn.Module):
         self.gate = nn.Linear(d_model, hidden, bias=bias)
         self.up = nn.Linear(d_model, hidden, bias=bias)
         self.proj = nn.Linear(hidden, d_model, bias=bias)  # `down_proj` in Hugging Face
-        self.act = nn.SiLU()
+        self.act = self.make_gate_activation()
         check_dropout(dropout)
         self.dropout = nn.Dropout(dropout)
         add_hook_points(self, "hook_pre", "hook_pre_linear", "hook_post")
 
+    @staticmethod
+    def make_gate_activation() -> nn.Module:
+        return nn.SiLU()
+
     def forward(self, x: Tensor) -> Tensor:
-        pre = self.hook_pre(self.gate(x))  # (B, T, F): the gate before its SiLU
+        pre = self.hook_pre(self.gate(x))  # (B, T, F): the gate before its activation
         linear = self.hook_pre_linear(self.up(x))  # (B, T, F)
         post = self.hook_post(self.act(pre) * linear)  # the gate lets each feature of up through
         return self.dropout(self.proj(post))  # (B, T, C)
 
 
+class GeGLUFeedForward(SwiGLUFeedForward):
+    """Gemma's gated MLP: the same three matrices, the gate through tanh-GELU, not SiLU."""
+
+    @staticmethod
+    def make_gate_activation() -> nn.Module:
+        return nn.GELU(approximate="tanh")
+
+
 def make_mlp(config: GPTConfig) -> nn.Module:
-    """The block's MLP of `config`: `SwiGLUFeedForward` for activation "swiglu", else
-    `FeedForward` with that activation; hidden width `config.hidden_width` either way."""
+    """The block's MLP of `config`: `SwiGLUFeedForward` or `GeGLUFeedForward` for the gated
+    activations, else `FeedForward` with that activation; hidden width `config.hidden_width`."""
     C, F = config.n_embd, config.hidden_width
     if config.activation == "swiglu":
         return SwiGLUFeedForward(C, F, config.dropout, config.bias)
+    if config.activation == "geglu":
+        return GeGLUFeedForward(C, F, config.dropout, config.bias)
     return FeedForward(C, config.activation, config.dropout, config.bias, hidden=F)
 
 
@@ -110,6 +127,8 @@ class TransformerBlock(nn.Module):
 
     Pre-LN  (`forward`):          u = x + attn(ln1(x));  z = u + ffn(ln2(u))
     Post-LN (`post_ln_forward`):  u = ln1(x + attn(x));  z = ln2(u + ffn(u))
+    With `post_norms` (Pre-LN only, Gemma) the outputs are normalised as well:
+                                  u = x + ln1_post(attn(ln1(x)));  z = u + ln2_post(ffn(ln2(u)))
     With bias and the 4x MLP a block holds exactly 12C^2 + 13C parameters.
     Built from a GPTConfig passed whole (`from_config`, what `GPT` does): `norm` picks `ln1` and
     `ln2`, and the attention and the MLP read their own fields. Standalone, from sizes and
@@ -147,11 +166,19 @@ class TransformerBlock(nn.Module):
         self.attn = MultiHeadSelfAttention.from_config(config, causal, layer)
         self.ln2 = make_norm(config)
         self.ffn = make_mlp(config)
+        if config.post_norms and not config.pre_ln:
+            raise ConfigError("post_norms normalises the sub-layers' outputs of a Pre-LN block; "
+                              "a Post-LN block normalises the sums already")
+        # TransformerLens's names for Gemma's post_attention / post_feedforward norms
+        self.ln1_post = make_norm(config) if config.post_norms else None
+        self.ln2_post = make_norm(config) if config.post_norms else None
         # Hook points (glassgpt.hooks) on the residual stream and on what each sub-layer adds.
         add_hook_points(self, "hook_resid_pre", "hook_attn_out", "hook_resid_mid",
                         "hook_mlp_out", "hook_resid_post")
         if not config.pre_ln:  # decided once, here: this block's forward is the Post-LN one
             self.forward = self.post_ln_forward
+        elif config.post_norms:  # ... or the Pre-LN one with four norms
+            self.forward = self.sandwich_forward
 
     def forward(self, x: Tensor, pad_mask: Tensor | None = None, return_attn: bool = False,
                 start_pos: int | Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
@@ -163,6 +190,19 @@ class TransformerBlock(nn.Module):
         u = self.hook_resid_mid(x + self.hook_attn_out(a))  # (B, T, C): between the two
         f = self.hook_mlp_out(self.ffn(self.ln2(u)))
         z = self.hook_resid_post(u + f)  # the second residual adds to u, not to x
+        return (z, weights) if return_attn else z
+
+    def sandwich_forward(self, x: Tensor, pad_mask: Tensor | None = None,
+                         return_attn: bool = False,
+                         start_pos: int | Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """Pre-LN with `post_norms` (Gemma): each sub-layer's output normalised before it is
+        added, so what joins the residual stream has a learned, bounded scale."""
+        check_stream(x, self.d_model, self.attn.qkv.weight, "block")
+        x = self.hook_resid_pre(x)
+        a, weights = self._attention(self.ln1(x), pad_mask, return_attn, start_pos)
+        u = self.hook_resid_mid(x + self.hook_attn_out(self.ln1_post(a)))  # (B, T, C)
+        f = self.hook_mlp_out(self.ln2_post(self.ffn(self.ln2(u))))
+        z = self.hook_resid_post(u + f)
         return (z, weights) if return_attn else z
 
     def post_ln_forward(self, x: Tensor, pad_mask: Tensor | None = None,

@@ -1,9 +1,10 @@
 """The settings, each a dataclass validated when it is built: `GPTConfig` (a model's shape),
 `TrainConfig` (a training recipe) and `SamplingConfig` (how to continue a prompt).
 
-This module is a leaf (it imports only the errors): the names of the choices (activations,
-attention paths) and the checks of a setting live here once, and the modules that take the same
-settings directly (`MultiHeadSelfAttention`, `FeedForward`, ...) call these same checks.
+This module is a leaf (it imports only the errors and `config_checks`, the checks of a setting,
+which it names again): the names of the choices (activations, attention paths) live here once,
+and the modules that take the same settings directly (`MultiHeadSelfAttention`, `FeedForward`,
+...) call these same checks.
 Named presets live as TOML files in `glassgpt/presets/`; each has a `[model]` table and a
 `[train]` table of recipe defaults.
 """
@@ -15,16 +16,31 @@ import math
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, TypeVar
+from typing import Any
 
+from glassgpt.config_checks import (
+    MAX_WIDTH,
+    check_choice,
+    check_dropout,
+    check_field_types,
+    check_gemma_switches,
+    check_heads_divide_width,
+    check_local_layers,
+    check_n_kv_head,
+    check_nope_layers,
+    check_rope_scaling,
+    check_size,
+    settings_from_dict,
+)
 from glassgpt.errors import ConfigError, GlassGPTError, InputError
 
 PRESETS_PACKAGE = "glassgpt.presets"
-# exact GELU, GPT-2's tanh GELU, ReLU, ReLU squared, and the gated SiLU MLP of Llama/Qwen3
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "relu2", "swiglu")
+# exact GELU, GPT-2's tanh GELU, ReLU, ReLU squared, the gated SiLU MLP of Llama/Qwen3 and the
+# gated tanh-GELU MLP of Gemma
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "relu2", "swiglu", "geglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu")  # whole MLPs with a gate and an up matrix
 POSITIONS = ("learned", "rope", "none")  # a learned table, rotary, or no positions (NoPE)
 NORMS = ("layernorm", "rmsnorm")
-MAX_WIDTH = 2**18  # widths beyond this make matrices no machine holds (GPT-3 is 12,288)
 ATTENTION_IMPLS = ("fused", "explicit")
 ENGINES = ("auto", "eager", "cpu", "cuda-graph")  # decoding engines (glassgpt.decoding)
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # training precision (autocast)
@@ -34,116 +50,25 @@ SCHEDULES = ("cosine", "wsd")  # learning-rate decay after warmup (glassgpt.trai
 MAX_GRAD_ACCUM = 10_000
 MAX_EVAL_ITERS = 10_000
 MAX_RATE = 10.0
-T = TypeVar("T")
-
-
-def check_size(name: str, value: object, largest: int = MAX_WIDTH) -> None:
-    """Raise ConfigError unless `value` is a positive int (not a bool) of at most `largest`."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ConfigError(f"{name} must be a positive integer, got {value!r:.80}")
-    if value <= 0:
-        raise ConfigError(f"{name} must be positive, got {value}")
-    if value > largest:
-        raise ConfigError(f"{name}={value} is too large (at most {largest:,})")
-
-
-def check_heads_divide_width(d_model: int, n_heads: int) -> int:
-    """Return the head width d = d_model // n_heads, or raise if the heads do not split C evenly."""
-    for name, value in (("d_model", d_model), ("n_heads", n_heads)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ConfigError(f"{name} must be a positive integer, got {value!r:.80}")
-    if d_model <= 0 or n_heads <= 0:
-        raise ConfigError(f"d_model and n_heads must be positive, got d_model={d_model}, "
-                          f"n_heads={n_heads}")
-    if d_model % n_heads != 0:
-        raise ConfigError(f"d_model={d_model} is not divisible by n_heads={n_heads}: each head "
-                          f"needs an equal slice of the width")
-    check_size("d_model", d_model)
-    return d_model // n_heads
-
-
-def check_n_kv_head(n_head: int, n_kv_head: int) -> None:
-    """Grouped-query attention: each of the n_kv_head key/value heads serves an equal group."""
-    check_size("n_kv_head", n_kv_head)
-    if n_head % n_kv_head != 0:
-        raise ConfigError(f"n_head={n_head} is not divisible by n_kv_head={n_kv_head}: each "
-                          f"key/value head must serve an equal group of query heads")
-
-
-def check_dropout(p: float) -> None:
-    if not 0.0 <= p < 1.0:
-        raise ConfigError(f"dropout must be in [0, 1), got {p}")
-
-
-def check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"unknown {what} {value!r}; choose one of {list(choices)}")
-
-
-ROPE_SCALINGS = ("llama3", "linear")  # the rotary scalings glassgpt.rotary computes
-# Which settings each scaling takes; the others must stay None.
-ROPE_SCALING_SETTINGS = {
-    "linear": ("rope_factor",),
-    "llama3": ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-               "rope_original_context"),
-}
-ALL_ROPE_SCALING_SETTINGS = ROPE_SCALING_SETTINGS["llama3"]
 
 
 @dataclass(frozen=True)
 class AttentionKind:
     """What one layer's attention does with positions (`GPTConfig.attention_kind(layer)`).
 
-    Per-layer variants are fields here, read by the attention built for that layer; today
-    whether it rotates q and k (a NoPE layer does not)."""
+    Per-layer variants are fields here, read by the attention built for that layer: whether
+    it rotates q and k (a NoPE layer does not), with which base and whether the rotary scaling
+    applies (Gemma 3's local layers have a base of their own and no scaling), and the window
+    of a local layer (None: it sees every earlier position)."""
 
     rotary: bool
+    rope_theta: float = 10000.0
+    rope_scaled: bool = True
+    window: int | None = None
 
-
-def check_rope_scaling(config: Any) -> None:
-    """Raise ConfigError unless rope_scaling names a scaling glassgpt computes and exactly its
-    settings are given, each in range."""
-    kind = config.rope_scaling
-    given = [name for name in ALL_ROPE_SCALING_SETTINGS if getattr(config, name) is not None]
-    if kind is None:
-        if given:
-            raise ConfigError(f"{given[0]}={getattr(config, given[0])} needs rope_scaling "
-                              f"(one of {list(ROPE_SCALINGS)})")
-        return
-    check_choice("rope_scaling", kind, ROPE_SCALINGS)
-    if config.position != "rope":
-        raise ConfigError(f"rope_scaling={kind!r} scales rotary positions, but position="
-                          f"{config.position!r}")
-    wanted = ROPE_SCALING_SETTINGS[kind]
-    for name in ALL_ROPE_SCALING_SETTINGS:
-        value = getattr(config, name)
-        if name in wanted and value is None:
-            raise ConfigError(f"rope_scaling={kind!r} needs {name}")
-        if name not in wanted and value is not None:
-            raise ConfigError(f"{name} is not a setting of rope_scaling={kind!r} (it takes "
-                              f"{list(wanted)})")
-        if value is not None and not value > 0:
-            raise ConfigError(f"{name} must be positive, got {value}")
-    if kind == "llama3" and not config.rope_low_freq_factor < config.rope_high_freq_factor:
-        raise ConfigError(f"rope_low_freq_factor={config.rope_low_freq_factor} must be below "
-                          f"rope_high_freq_factor={config.rope_high_freq_factor}: the band "
-                          f"between them is interpolated")
-
-
-def check_nope_layers(config: Any) -> None:
-    """Raise ConfigError unless nope_layers names distinct layers of a rotary model."""
-    layers = config.nope_layers
-    if layers is None:
-        return
-    if config.position != "rope":
-        raise ConfigError(f"nope_layers leaves out rotary positions in some layers, but "
-                          f"position={config.position!r} has none to leave out")
-    outside = [i for i in layers if not 0 <= i < config.n_layer]
-    if outside:
-        raise ConfigError(f"nope_layers holds {outside[0]}, not a layer of n_layer="
-                          f"{config.n_layer} (layers count from 0)")
-    if len(set(layers)) != len(layers) or list(layers) != sorted(layers):
-        raise ConfigError(f"nope_layers must list distinct layers in order, got {list(layers)}")
+    @property
+    def local(self) -> bool:
+        return self.window is not None
 
 
 def setting(default: Any, doc: str) -> Any:
@@ -197,6 +122,21 @@ class GPTConfig:
                                                 "scaling (original_max_position_embeddings)")
     nope_layers: tuple[int, ...] | None = setting(None, "layers (from 0) without rotary "
                                                   "positions, e.g. 3,7,11 (SmolLM3's NoPE)")
+    # Gemma 2 and 3: local layers beside global ones, and the scales and norms around them.
+    sliding_window: int | None = setting(None, "a local layer's query sees itself and the "
+                                         "W - 1 tokens before it (Gemma 3: 512)")
+    local_layers: tuple[int, ...] | None = setting(None, "layers (from 0) with the sliding "
+                                                   "window (default: all, once it is set)")
+    rope_local_theta: float | None = setting(None, "the local layers' own rotary base, "
+                                             "unscaled (Gemma 3: 10,000; default: as global)")
+    query_pre_attn_scalar: float | None = setting(None, "scores times 1/sqrt(this) instead "
+                                                  "of 1/sqrt(head_dim) (Gemma)")
+    attn_softcap: float | None = setting(None, "cap * tanh(scores / cap) on attention scores "
+                                         "(Gemma 2: 50; default: none)")
+    post_norms: bool = setting(False, "norms on the attention's and the MLP's outputs too: "
+                               "four a block (Gemma)")
+    norm_offset: bool = setting(False, "RMSNorms scale by 1 + w, w starting at 0 (Gemma)")
+    embed_scale: bool = setting(False, "token embeddings times sqrt(n_embd) (Gemma)")
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -222,6 +162,8 @@ class GPTConfig:
                               f"head_dim = {self.head_dim} must be even")
         check_rope_scaling(self)
         check_nope_layers(self)
+        check_local_layers(self)
+        check_gemma_switches(self)
         if self.mlp_hidden is not None:
             check_size("mlp_hidden", self.mlp_hidden, 4 * MAX_WIDTH)
         if self.logit_softcap is not None and not self.logit_softcap > 0:
@@ -274,18 +216,33 @@ class GPTConfig:
         """Whether q, k and v have biases: qkv_bias, or bias when it is None."""
         return self.bias if self.qkv_bias is None else self.qkv_bias
 
+    def is_local(self, layer: int) -> bool:
+        """Whether layer `layer` attends through the sliding window."""
+        if self.sliding_window is None:
+            return False
+        return self.local_layers is None or layer in self.local_layers
+
     def attention_kind(self, layer: int) -> AttentionKind:
         """How layer `layer`'s attention places positions: the per-layer switches read once,
         here, so a block is built from the config and its index."""
         rotary = self.position == "rope" and layer not in (self.nope_layers or ())
-        return AttentionKind(rotary=rotary)
+        local = self.is_local(layer)
+        if local and self.rope_local_theta is not None:  # Gemma 3's local rotary
+            return AttentionKind(rotary, self.rope_local_theta, False, self.sliding_window)
+        return AttentionKind(rotary, self.rope_theta, True,
+                             self.sliding_window if local else None)
 
     def with_layers(self, n_layer: int) -> GPTConfig:
         """This config with `n_layer` layers (the first ones: per-layer lists are cut), for
         the shape checks that build one or two layers of a model to learn the rest."""
-        nope = None if self.nope_layers is None else tuple(i for i in self.nope_layers
-                                                           if i < n_layer)
-        return dataclasses.replace(self, n_layer=n_layer, nope_layers=nope or None)
+        def first(layers: tuple[int, ...] | None) -> tuple[int, ...] | None:
+            return None if layers is None else tuple(i for i in layers if i < n_layer)
+
+        # An empty nope_layers is None (every layer rotates); an empty local_layers stays
+        # empty (no layer is local), since None there means every layer.
+        return dataclasses.replace(self, n_layer=n_layer,
+                                   nope_layers=first(self.nope_layers) or None,
+                                   local_layers=first(self.local_layers))
 
     @property
     def hidden_width(self) -> int:
@@ -296,8 +253,9 @@ class GPTConfig:
         values = dataclasses.asdict(self)
         if self.n_head * self.head_dim == self.n_embd:
             values["head_dim"] = None  # n_embd // n_head: what a config.json said before
-        if self.nope_layers is not None:
-            values["nope_layers"] = list(self.nope_layers)  # JSON and TOML hold lists
+        for name in ("nope_layers", "local_layers"):
+            if values[name] is not None:
+                values[name] = list(values[name])  # JSON and TOML hold lists
         return values
 
     @classmethod
@@ -444,67 +402,6 @@ class SamplingConfig:
         if self.engine not in ENGINES:
             raise InputError(f"unknown decoding engine {self.engine!r}; choose one of "
                              f"{list(ENGINES)}")
-
-
-_FIELD_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
-INT64_MAX = 2**63 - 1
-
-
-def check_field_types(settings: Any, error: type[GlassGPTError] = ConfigError) -> None:
-    """Raise `error` for a dataclass field holding a value of the wrong type or out of reach.
-
-    Settings may come from JSON, TOML or flags a user wrote, where `"4"`, `4.0` or `true` can
-    stand where an int belongs. An int where a float belongs is fine and becomes a float. Ints
-    must fit in 64 bits (they become tensor sizes and seeds) and floats must be finite.
-    Annotations are the strings "int", "float", "bool", "str", optionally "... | None".
-    """
-    for field in dataclasses.fields(settings):
-        value = getattr(settings, field.name)
-        name, _, optional = field.type.partition(" | ")
-        if value is None and optional == "None":
-            continue
-        if name == "tuple[int, ...]":  # a list from JSON, TOML or a flag: kept as a tuple
-            _check_int_tuple(settings, field.name, value, error)
-            continue
-        expected = _FIELD_TYPES[name]
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            try:
-                value = float(value)
-            except OverflowError:
-                raise error(f"{field.name}={_int_text(value)} is too large for a float (at "
-                            f"most about 1.8e308)") from None
-            object.__setattr__(settings, field.name, value)  # works on frozen dataclasses too
-        if not isinstance(value, expected) or (expected is not bool and isinstance(value, bool)):
-            raise error(f"{field.name} must be {field.type}, got {value!r:.80}")
-        if expected is int and abs(value) > INT64_MAX:
-            raise error(f"{field.name}={_int_text(value)} is too large (at most 2**63 - 1)")
-        if expected is float and not math.isfinite(value):
-            raise error(f"{field.name} must be a finite number, got {value}")
-
-
-def _check_int_tuple(settings: Any, name: str, value: Any,
-                     error: type[GlassGPTError]) -> None:
-    if not isinstance(value, list | tuple) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and abs(v) <= INT64_MAX
-            for v in value):
-        raise error(f"{name} must be a list of integers, got {value!r:.80}")
-    object.__setattr__(settings, name, tuple(value))  # a tuple: no change behind the checks
-
-
-def _int_text(value: int) -> str:
-    """An int as digits, or its size when the digits would fill the line (or exceed str())."""
-    return str(value) if value.bit_length() <= 128 else f"<an integer of {value.bit_length()} bits>"
-
-
-def settings_from_dict(cls: type[T], values: Any, what: str) -> T:
-    """Build the settings dataclass `cls` from a plain dict; unknown keys are an error."""
-    if not isinstance(values, dict):
-        raise ConfigError(f"{what} must be a table of settings, got {values!r:.80}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"unknown {what} {unknown}; known keys: {sorted(known)}")
-    return cls(**values)
 
 
 def preset_names() -> list[str]:

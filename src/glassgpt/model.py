@@ -147,8 +147,13 @@ class GPT(nn.Module):
     def embed(self, idx: Tensor, positions: Tensor) -> Tensor:
         """Token ids (B, T) at positions (T,) -> the residual stream's start (B, T, C).
 
-        Only learned positions are added here; rotary ones act inside attention."""
-        x = self.hook_embed(self.tok_emb(idx))  # (B, T, C)
+        Only learned positions are added here; rotary ones act inside attention. With
+        `embed_scale` (Gemma) the token vectors are multiplied by sqrt(C), a factor rounded to
+        the weights' dtype as Gemma's is (bf16 makes sqrt(640) 25.25)."""
+        x = self.tok_emb(idx)  # (B, T, C)
+        if self.config.embed_scale:
+            x = x * torch.tensor(math.sqrt(self.config.n_embd), dtype=x.dtype)
+        x = self.hook_embed(x)
         if self.pos_emb is not None:
             x = x + self.hook_pos_embed(self.pos_emb(positions).expand_as(x))  # (T, C) per row
         return self.drop(x)

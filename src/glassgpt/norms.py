@@ -4,7 +4,9 @@ Both take their statistics over the feature axis of each position on its own (ne
 positions, which would let a later token change an earlier output).
     LayerNorm: y = (x - mean(x)) / sqrt(var(x) + eps) * gamma + beta    (GPT-2)
     RMSNorm:   y = x / sqrt(mean(x^2) + eps) * gamma                     (Llama, Qwen3, ...)
-RMSNorm drops the centring and the shift: one statistic instead of two, and no bias.
+RMSNorm drops the centring and the shift: one statistic instead of two, and no bias. Gemma
+stores its gain as an offset, gamma = 1 + w with w starting at 0 (`norm_offset`), so weight
+decay pulls the gain towards 1 rather than 0.
 The model uses `LayerNorm` (PyTorch's fused kernel) and `RMSNorm` below; `ManualLayerNorm` exists
 for reading, and the tests hold each to its PyTorch sibling. Each has a hook point,
 `hook_normalized`, at x_hat: normalised, before the scale (TransformerLens's convention).
@@ -70,23 +72,58 @@ class RMSNorm(nn.Module):
 
     Half-precision inputs are normalised in float32 and cast back before the scale, exactly as
     Hugging Face's Llama and Qwen3 do (so imported weights give their numbers); float32 and
-    float64 inputs stay in their own precision.
+    float64 inputs stay in their own precision. With `offset` the scale is 1 + weight (weight
+    starts at 0), applied before the cast back, as Gemma's norm does.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6):
+    def __init__(self, dim: int, eps: float = 1e-6, offset: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))  # gamma
-        add_hook_points(self, "hook_normalized")
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        add_hook_points(self, "hook_normalized", decides_path=True)
+
+    @property
+    def gain(self) -> Tensor:
+        """The scale each feature is multiplied by: weight, or 1 + weight with `offset`."""
+        return 1.0 + self.weight if self.offset else self.weight
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.hook_normalized._forward_hooks or not self._fused_computes_the_same(x):
+            return self.steps(x)  # watched (x_hat must exist to be seen), or half precision
+        # under autocast the gain takes x's precision, as a matmul's weight would
+        return F.rms_norm(x, self.weight.shape, self.gain.to(x.dtype), self.eps)
+
+    def _fused_computes_the_same(self, x: Tensor) -> bool:
+        """Whether PyTorch's one-kernel RMSNorm gives `steps`'s numbers (or, under autocast,
+        the numbers autocast asks for: training in bf16 spends a fifth of a QK-norm step here
+        otherwise). A bf16 model outside autocast keeps the steps, which round x_hat to bf16
+        before the gain exactly as transformers' Llama and Qwen3 do."""
+        return _FUSED_RMS_NORM and (x.dtype in (torch.float32, torch.float64)
+                                    or autocast_enabled(x.device.type))
+
+    def steps(self, x: Tensor) -> Tensor:
+        """RMSNorm written out: the mean square in float32 at least, x_hat, then the gain."""
         wide = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16/fp16 -> fp32
         mean_square = wide.pow(2).mean(dim=-1, keepdim=True)  # (..., 1)
         x_hat = self.hook_normalized(wide * torch.rsqrt(mean_square + self.eps))  # (..., dim)
+        if self.offset:  # Gemma: (1 + w) in the wide precision, then cast
+            return (x_hat * (1.0 + self.weight.to(wide.dtype))).to(x.dtype)
         return self.weight * x_hat.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        offset = ", offset (1 + w)" if self.offset else ""
+        return f"{self.weight.shape[0]}, eps={self.eps}{offset}"
+
+
+_FUSED_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
+
+
+def autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for `device_type` (any torch glassgpt runs on)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # an older torch without the device argument
+        return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
 
 
 def make_norm(config: GPTConfig, dim: int | None = None) -> nn.Module:
@@ -98,5 +135,5 @@ def make_norm(config: GPTConfig, dim: int | None = None) -> nn.Module:
     """
     dim = config.n_embd if dim is None else dim
     if config.norm == "rmsnorm":
-        return RMSNorm(dim, eps=config.norm_eps)
+        return RMSNorm(dim, eps=config.norm_eps, offset=config.norm_offset)
     return LayerNorm(dim, eps=config.norm_eps, bias=config.bias)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from glassgpt.config import GPTConfig
+from glassgpt.config import AttentionKind, GPTConfig
 
 
 @dataclass(frozen=True)
@@ -89,8 +89,15 @@ class RotaryEmbedding(nn.Module):
 
     @classmethod
     def from_config(cls, config: GPTConfig) -> RotaryEmbedding:
-        """The rotary of `config`: its head width, base and scaling."""
+        """The rotary of `config`'s global layers: its head width, base and scaling."""
         return cls(config.head_dim, config.rope_theta, RopeScaling.from_config(config))
+
+    @classmethod
+    def from_kind(cls, config: GPTConfig, kind: AttentionKind) -> RotaryEmbedding:
+        """The rotary of a layer of that kind: its own base, and the scaling unless the kind
+        leaves it out (Gemma 3's local layers)."""
+        scaling = RopeScaling.from_config(config) if kind.rope_scaled else None
+        return cls(config.head_dim, kind.rope_theta, scaling)
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin of every position's angles: two (T, d), in `dtype`."""

@@ -99,7 +99,8 @@ def import_from_hf(source: str, out: Path, tokenizer_file: str | None,
 
 
 def _architecture_words(config: GPTConfig) -> str:
-    """"GPT-2", or Llama's switches as "rope, rmsnorm, swiglu, 2 KV heads, qk_norm"."""
+    """"GPT-2", or the switches of the others: "rope, rmsnorm, swiglu, 2 KV heads, qk_norm",
+    and for Gemma "..., 15 of 18 layers local (window 512), post norms"."""
     if config.position == "learned":
         return "GPT-2"
     words = [config.position, config.norm, config.activation]
@@ -107,6 +108,14 @@ def _architecture_words(config: GPTConfig) -> str:
         words.append(f"{config.n_kv_head} KV heads")
     if config.qk_norm:
         words.append("qk_norm")
+    if config.nope_layers:
+        words.append(f"{len(config.nope_layers)} layers without rotary")
+    local = sum(config.is_local(i) for i in range(config.n_layer))
+    if local:
+        words.append(f"{local} of {config.n_layer} layers local (window "
+                     f"{config.sliding_window})")
+    if config.post_norms:
+        words.append("post norms")
     return ", ".join(words)
 
 

@@ -29,7 +29,7 @@ from glassgpt.cli.common import (
     say,
     stderr_progress,
 )
-from glassgpt.config import INT64_MAX
+from glassgpt.config_checks import INT64_MAX
 from glassgpt.errors import CommandLineError
 from glassgpt.experiments import EXPERIMENTS, ExperimentResult, Table, run_experiment
 from glassgpt.experiments.results import listening_to_steps

@@ -17,7 +17,8 @@ from glassgpt.cli.common import (
     stderr_progress,
     warn_about_bf16,
 )
-from glassgpt.config import INT64_MAX, SamplingConfig
+from glassgpt.config import SamplingConfig
+from glassgpt.config_checks import INT64_MAX
 from glassgpt.errors import CommandLineError, ConfigError
 
 SAMPLE_DTYPES = ("float32", "bfloat16")
@@ -97,7 +98,9 @@ def run_sample(args: argparse.Namespace) -> int:
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
     model, tokenizer = run.load_model(device, checkpoint=args.checkpoint, dtype=dtype)
     block_size = model.config.block_size
-    prompt, length = encode_prompt(tokenizer, text, block_size, device)
+    # A chat template writes the begin-of-sequence token itself, where a model has one.
+    prompt, length = encode_prompt(tokenizer, text, block_size, device,
+                                   special=args.chat is None)
     say(f"sampling from {run.describe_weights(args.checkpoint)}")
     warn_about_bf16(args.dtype, device)
     if length > block_size:
@@ -171,8 +174,11 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--split", choices=("train", "val"), default="val",
                    help="which part of the data")
     p.add_argument("--data", type=path_arg, help="data directory (default: the run's)")
-    p.add_argument("--batch-size", type=int, default=32, help="windows per batch")
+    p.add_argument("--batch-size", type=int, help="windows per batch (default: 32, fewer "
+                   "where their logits would pass 1 GiB)")
     p.add_argument("--max-batches", type=int, default=200, help="upper bound on the work")
+    p.add_argument("--context", type=int, metavar="TOKENS",
+                   help="tokens a window holds (default: the model's context, at most 2,048)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_checkpoint_flag(p, "evaluate")
@@ -197,19 +203,21 @@ def run_eval(args: argparse.Namespace) -> int:
         result = runs.evaluate_run(run, args.split, args.data, args.batch_size,
                                    args.max_batches, device, args.checkpoint, args.threads,
                                    progress=lambda done, total: bar.update(task, completed=done,
-                                                                           total=total))
+                                                                           total=total),
+                                   context=args.context)
     if not args.json:
         say(f"evaluated {run.describe_weights(args.checkpoint)}")
-    covered = "" if result.whole_split else " (a part: raise --max-batches for all of it)"
+    covered = "" if result.whole_split else "; a part: raise --max-batches for all of it"
     if args.json:
         print(json.dumps({"split": args.split, "loss": result.loss,
                           "perplexity": result.perplexity,
                           "bits_per_byte": result.bits_per_byte, "tokens": result.tokens,
                           "bytes": result.text_bytes, "whole_split": result.whole_split,
+                          "context": result.context,
                           "checkpoint": args.checkpoint, "run_dir": str(args.run_dir)},
                          allow_nan=False))
     else:
         print(f"{args.split} loss {result.loss:.4f}, perplexity {result.perplexity:.2f}, "
               f"{result.bits_per_byte:.4f} bits per byte ({result.tokens:,} tokens, "
-              f"{result.text_bytes:,} bytes{covered})")
+              f"{result.text_bytes:,} bytes, windows of {result.context:,} tokens{covered})")
     return 0

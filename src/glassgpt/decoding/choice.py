@@ -7,7 +7,11 @@ steps of both, in interleaved rounds, and keeps the faster, once per process for
 shape, dtype and thread count (a GPT-2 small costs about a quarter of a second, a small model
 milliseconds). The plain model wins ties and near-ties: the threaded engine is only chosen
 where its median step is more than `CHOICE_MARGIN` faster, so that the noise of a few timed
-steps on a busy host does not pick an engine that is slower on average.
+steps on a busy host does not pick an engine that is slower on average. Timing costs about
+eight steps (a warm-up and `CHOICE_ROUNDS` for each engine), more than a short continuation
+could win back, so fewer than `MEASURED_FROM` new tokens are decoded by the plain model
+untimed (`auto_engine_name`): on a 0.6B model eight timed steps were 8 of 24 seconds of an
+8-token `sample`.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from glassgpt.decoding.engine import EagerEngine
 
 CHOICE_ROUNDS = 3  # timed steps per engine, after one untimed warm-up step each
 CHOICE_MARGIN = 0.05  # how much faster than the plain model an engine must be to be chosen
+MEASURED_FROM = 64  # new tokens: below, "auto" on a CPU is the plain model, untimed
 PLAIN, THREADED = EagerEngine.name, CPUEngine.name
 Timer = Callable[[dict[str, EagerEngine]], dict[str, list[float]]]
 
@@ -84,6 +89,15 @@ def measured_cpu_engine(model: Any, timer: Timer = step_seconds) -> EagerEngine:
         _choices[key] = faster_engine(timer({PLAIN: EagerEngine(model),
                                              THREADED: CPUEngine(model)}))
     return CPUEngine(model) if _choices[key] == THREADED else EagerEngine(model)
+
+
+def auto_engine_name(model: Any, new_tokens: int, compiled: bool) -> str:
+    """The engine name "auto" stands for in a decoding of `new_tokens`: "eager" (the plain
+    model) for a short uncompiled one on a CPU, where timing the engines would cost more than
+    it could save; "auto" (measured, or the device's engine) otherwise."""
+    if not compiled and new_tokens < MEASURED_FROM and _device(model).type == "cpu":
+        return PLAIN
+    return "auto"
 
 
 def forget_choices() -> None:

@@ -82,12 +82,17 @@ class ReductionLinear(nn.Linear):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def one_query_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+def one_query_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None,
+                        softcap: float | None = None) -> Tensor:
     """softmax(q k^T / sqrt(d)) v for one query position, as reductions a compiler can fuse.
 
-    q (B, H, 1, d), k and v (B, H, S, d) -> (B, H, 1, d).
+    q (B, H, 1, d), k and v (B, H, S, d) -> (B, H, 1, d); `scale` and `softcap` as in
+    `explicit_attention`.
     """
-    scores = (q * k).sum(dim=-1, keepdim=True) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, S, 1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q * k).sum(dim=-1, keepdim=True) * scale  # (B, H, S, 1)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     weights = torch.softmax(scores, dim=-2)
     return (weights * v).sum(dim=-2, keepdim=True)  # (B, H, S, d) -> (B, H, 1, d)
 
@@ -96,11 +101,13 @@ class OneQueryAttention(MultiHeadSelfAttention):
     """Attention whose single unmasked query (a decoding step) is `one_query_attention`."""
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, pad_mask: Tensor | None,
-               return_attn: bool) -> tuple[Tensor, Tensor | None]:
+               return_attn: bool, window: int | None = None) -> tuple[Tensor, Tensor | None]:
+        # A local layer's step arrives with only its window's keys (`_window_keys`).
+        in_window = window is None or k.shape[2] <= window
         if (q.shape[2] == 1 and pad_mask is None and not return_attn and not self.training
-                and self.impl == "fused"):
-            return one_query_attention(q, k, v), None
-        return super().attend(q, k, v, pad_mask, return_attn)
+                and self.impl == "fused" and in_window):
+            return one_query_attention(q, k, v, self.scale, self.softcap), None
+        return super().attend(q, k, v, pad_mask, return_attn, window)
 
 
 def _threaded(module: nn.Module) -> type[nn.Module] | None:

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from glassgpt.config import SamplingConfig
 from glassgpt.decoding import EagerEngine, engine_for
+from glassgpt.decoding.choice import auto_engine_name
 from glassgpt.decoding.sampling import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_K,
@@ -175,7 +176,10 @@ def generate_stream(model: Any, idx: Tensor, sampling: SamplingConfig | None = N
     if cfg.seed is not None:
         generator = torch.Generator(device=idx.device).manual_seed(cfg.seed)
     with eval_mode(model):
-        engine = engine_for(model, cfg.engine, cfg.compiled)
+        name = cfg.engine
+        if name == "auto":  # a short decoding is not worth timing the engines for
+            name = auto_engine_name(model, cfg.max_new_tokens, cfg.compiled)
+        engine = engine_for(model, name, cfg.compiled)
         decoder = _Decoder(engine, model.config.block_size, idx, cfg.max_new_tokens, cfg.use_cache)
         finished = torch.zeros(idx.shape[0], 1, dtype=torch.bool, device=idx.device)
         try:
@@ -214,13 +218,19 @@ def generate(model: Any, idx: Tensor, sampling: SamplingConfig | None = None,
 # --- text ------------------------------------------------------------------------------------
 
 def encode_prompt(tokenizer: Tokenizer, text: str, block_size: int,
-                  device: torch.device | str = "cpu") -> tuple[Tensor, int]:
+                  device: torch.device | str = "cpu", special: bool = True
+                  ) -> tuple[Tensor, int]:
     """The prompt as ids (1, T) for the model, and how many tokens it had before cropping.
 
-    A prompt longer than the context keeps its last `block_size` tokens, which is all the model
-    can see; the caller decides whether to say so (the second value exceeds block_size).
+    With `special`, the ids transformers' `tokenizer(text)` gives: an imported Llama 3's or
+    Gemma's begin-of-sequence token first, as those models were trained to see (Gemma's
+    continuations fall apart without it). A chat template writes its own, so a rendered chat
+    passes special=False. A prompt longer than the context keeps its last `block_size` tokens,
+    which is all the model can see; the caller decides whether to say so (the second value
+    exceeds block_size).
     """
-    ids = tokenizer.encode(text)
+    lead = getattr(tokenizer, "leading_special_ids", None)
+    ids = [*(lead() if special and lead is not None else []), *tokenizer.encode(text)]
     if not ids:
         raise InputError("the prompt encodes to no tokens; give a non-empty prompt")
     return torch.tensor([ids[-block_size:]], device=device), len(ids)

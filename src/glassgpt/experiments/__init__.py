@@ -32,6 +32,8 @@ EXPERIMENTS: dict[str, str] = {
     "qknorm": "a high learning rate: attention logits with and without QK-norm",
     # Asking why (issue 29): the circuit that made the field.
     "induction": "induction heads: a 2-layer attention-only model's phase change, 1 layer cannot",
+    # Local and global layers (issue 30, Gemma).
+    "windows": "sliding windows: what local layers cannot see, a global layer, the KV cache",
 }
 
 # Extra keyword arguments an experiment accepts beyond out_dir, seed and quick.

@@ -62,15 +62,17 @@ class CallRecorder(TorchFunctionMode):
 
 
 def count_operations(norm: nn.Module, C: int) -> dict[str, Any]:
-    """The torch operations one call of `norm` makes on x (B, T, C), sorted by what they touch.
+    """The torch operations one call of `norm` makes on x (B, T, C), written out (RMSNorm's
+    `steps`: the model may run them as one fused kernel), sorted by what they touch.
 
     Over all C features: reads or writes the whole feature vector of a position (a reduction
     such as the mean reads C numbers and writes one). Per position: works on one number per
     position only (the statistic plus eps, its square root).
     """
     x = torch.randn(2, 3, C)  # (B, T, C)
+    written_out = getattr(norm, "steps", norm)  # RMSNorm's steps, not its one fused kernel
     with torch.no_grad(), CallRecorder() as recorder:
-        norm(x)
+        written_out(x)
     calls = recorder.calls
     return {
         "operations": [name for name, _, _ in calls],

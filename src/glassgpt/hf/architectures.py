@@ -1,6 +1,6 @@
 """What each Hugging Face architecture is in glassgpt's terms: its settings and its weight names.
 
-Five architectures have a glassgpt twin, all of them Pre-LN decoders with one weight per
+Seven architectures have a glassgpt twin, all of them Pre-LN decoders with one weight per
 glassgpt weight:
   * GPT-2 (`GPT2LMHeadModel`): learned positions, LayerNorm, a GELU MLP, biases everywhere.
     Its projections are `Conv1D` modules, which store the weight as (in, out) where `nn.Linear`
@@ -11,26 +11,43 @@ glassgpt weight:
   * Qwen3 (`Qwen3ForCausalLM`): Llama with an RMSNorm over each head's q and k (`qk_norm`).
   * Qwen2 (`Qwen2ForCausalLM`, Qwen2.5 too): Llama with biases on q, k and v only.
   * SmolLM3 (`SmolLM3ForCausalLM`): Llama with layers that skip rotary (`nope_layers`).
-The four rotary ones keep Q, K and V in three matrices where glassgpt stacks them in one `qkv`
+  * Gemma 3 (`Gemma3ForCausalLM`, model_type `gemma3_text`): four norms a block, local and
+    global layers with a rotary base each, GeGLU; Gemma 2 (`Gemma2ForCausalLM`) the same
+    without QK-norm, one rotary, soft-capped scores. Their translation is glassgpt.hf.gemma's.
+The rotary ones keep Q, K and V in three matrices where glassgpt stacks them in one `qkv`
 (rows [Q, K, V]); their rotary layout is glassgpt's (rotate-half), so no weight is permuted.
 
 Each translation refuses, with one line naming the setting, what the other side would compute
 differently (a rotary scaling glassgpt lacks, sliding windows, biases glassgpt cannot place).
 Settings come from config.json as glassgpt.hf.files reads it, or from a `transformers` config
 object: both are read by attribute, with transformers' defaults for what is left out. The
-rotary settings are glassgpt.hf.rotary's.
+rotary settings are glassgpt.hf.rotary's, the steps every family shares
+glassgpt.hf.translation's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError
-from glassgpt.hf.files import HF_SETTINGS, MASK_BUFFER_SUFFIXES
-from glassgpt.hf.rotary import rotary_from_hf
+from glassgpt.hf.files import MASK_BUFFER_SUFFIXES
+from glassgpt.hf.gemma import GEMMA2, GEMMA3
+from glassgpt.hf.rotary import PLAIN_ROTARY, rotary_from_hf
+from glassgpt.hf.translation import (
+    GEMMA_SWITCHES_OFF,
+    LLAMA_NAMES,
+    ROTARY_BUFFER_SUFFIXES,
+    Architecture,
+    attention_dropout,
+    decoder_settings,
+    own_head_width,
+    reader,
+    refuse_if_set,
+    rotary_context,
+    unless_usual,
+)
 
 # HF activation names that compute the same function as one of ours. "gelu_new" is GPT-2's own
 # (tanh approximation); "gelu_fast" is left out because it rounds sqrt(2/pi) to 10 digits.
@@ -44,14 +61,8 @@ ACTIVATION_FROM_HF = {
 }
 ACTIVATION_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
 SILU_NAMES = ("silu", "swish")  # transformers' two names for x * sigmoid(x), SwiGLU's gate
-# Old Llama checkpoints (transformers < 4.31) saved each layer's rotary frequencies.
-ROTARY_BUFFER_SUFFIXES = (".rotary_emb.inv_freq",)
-IMPORTABLE = ("GPT-2 (gpt2), Llama (llama), Qwen3 (qwen3), Qwen2 (qwen2) and SmolLM3 "
-              "(smollm3)")
-# Rotary positions have no table in the weights to bound the context, and the model keeps a
-# position index per position: a config.json's context is bounded here (the longest models
-# published hold about 10M positions).
-MAX_ROTARY_CONTEXT = 2**24
+IMPORTABLE = ("GPT-2 (gpt2), Llama (llama), Qwen3 (qwen3), Qwen2 (qwen2), SmolLM3 "
+              "(smollm3), Gemma 3 (gemma3_text) and Gemma 2 (gemma2)")
 
 # glassgpt name -> HF name. "{i}" is the layer index; a tuple is the HF tensors stacked along
 # the rows of ours (q, k, v).
@@ -76,44 +87,6 @@ GPT2_NAMES: dict[str, str | tuple[str, ...]] = {
 }
 GPT2_CONV1D = frozenset({"blocks.{i}.attn.qkv.weight", "blocks.{i}.attn.proj.weight",
                          "blocks.{i}.ffn.fc.weight", "blocks.{i}.ffn.proj.weight"})
-
-
-def _llama_layer(part: str) -> str:
-    return f"model.layers.{{i}}.{part}"
-
-
-LLAMA_NAMES: dict[str, str | tuple[str, ...]] = {
-    "tok_emb.weight": "model.embed_tokens.weight",
-    "ln_f.weight": "model.norm.weight",
-    "lm_head.weight": "lm_head.weight",
-    "blocks.{i}.ln1.weight": _llama_layer("input_layernorm.weight"),
-    "blocks.{i}.ln2.weight": _llama_layer("post_attention_layernorm.weight"),
-    **{f"blocks.{{i}}.attn.qkv.{kind}": tuple(_llama_layer(f"self_attn.{p}_proj.{kind}")
-                                            for p in "qkv") for kind in ("weight", "bias")},
-    "blocks.{i}.attn.proj.weight": _llama_layer("self_attn.o_proj.weight"),
-    "blocks.{i}.attn.proj.bias": _llama_layer("self_attn.o_proj.bias"),
-    "blocks.{i}.attn.q_norm.weight": _llama_layer("self_attn.q_norm.weight"),
-    "blocks.{i}.attn.k_norm.weight": _llama_layer("self_attn.k_norm.weight"),
-    **{f"blocks.{{i}}.ffn.{ours}.{kind}": _llama_layer(f"mlp.{theirs}_proj.{kind}")
-       for ours, theirs in (("gate", "gate"), ("up", "up"), ("proj", "down"))
-       for kind in ("weight", "bias")},
-}
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """One HF architecture: its names, and the translation of its settings both ways."""
-
-    model_type: str  # config.json's "model_type"
-    title: str  # for messages
-    hf_class: str  # the `transformers` class of the LM
-    hf_config_class: str  # ... and of its config
-    base_prefix: str  # the base model's attribute inside the LM, as its weight names show
-    names: dict[str, str | tuple[str, ...]]
-    conv1d: frozenset[str]  # our name patterns whose HF weight is stored (in, out)
-    skipped: tuple[str, ...]  # suffixes of buffers old checkpoints stored beside the weights
-    config_from_hf: Callable[[Any, float | None], GPTConfig]
-    hf_settings: Callable[[GPTConfig], dict[str, Any]]  # kwargs of the transformers config
 
 
 # --- GPT-2 -----------------------------------------------------------------------------------
@@ -182,8 +155,8 @@ def gpt2_settings(config: GPTConfig) -> dict[str, Any]:
     if config.activation not in ACTIVATION_TO_HF:
         raise ConfigError(f"activation={config.activation!r} cannot be exported as GPT-2, "
                           f"which supports {sorted(ACTIVATION_TO_HF)}")
-    _refuse_if_set(config, "GPT-2", mlp_hidden=4 * config.n_embd, n_kv_head=config.n_head,
-                   qk_norm=False, logit_softcap=None)
+    refuse_if_set(config, "GPT-2", mlp_hidden=4 * config.n_embd, n_kv_head=config.n_head,
+                  qk_norm=False, logit_softcap=None, **GEMMA_SWITCHES_OFF)
     return dict(
         vocab_size=config.vocab_size,
         n_positions=config.block_size,
@@ -207,7 +180,7 @@ def llama_config_from_hf(hf_config: Any, dropout: float | None = None) -> GPTCon
     """The GPTConfig of a model that computes what a Llama, Qwen3, Qwen2 or SmolLM3 config
     describes."""
     model_type = hf_config.model_type
-    setting = _reader(hf_config, model_type)
+    setting = reader(hf_config, model_type)
     hidden, heads = setting("hidden_size"), setting("num_attention_heads")
     n_kv_head = setting("num_key_value_heads") or heads
     act = setting("hidden_act")
@@ -215,10 +188,7 @@ def llama_config_from_hf(hf_config: Any, dropout: float | None = None) -> GPTCon
         raise ConfigError(f"hidden_act={act!r} is not supported: glassgpt's SwiGLU gates with "
                           f"silu")
     _reject_windows(setting)
-    context = setting("max_position_embeddings")
-    if isinstance(context, int) and context > MAX_ROTARY_CONTEXT:
-        raise ConfigError(f"max_position_embeddings={context:,} is more than glassgpt holds "
-                          f"(at most {MAX_ROTARY_CONTEXT:,} positions)")
+    context = rotary_context(setting)
     n_layer = setting("num_hidden_layers")
     return GPTConfig(
         vocab_size=setting("vocab_size"),
@@ -226,12 +196,12 @@ def llama_config_from_hf(hf_config: Any, dropout: float | None = None) -> GPTCon
         n_layer=n_layer,
         n_head=heads,
         n_embd=hidden,
-        head_dim=_own_head_width(setting("head_dim"), heads, hidden),
+        head_dim=own_head_width(setting("head_dim"), heads, hidden),
         n_kv_head=None if n_kv_head == heads else n_kv_head,
-        dropout=_attention_dropout(setting) if dropout is None else dropout,
+        dropout=attention_dropout(setting) if dropout is None else dropout,
         **_biases(setting, model_type),
         activation="swiglu",
-        mlp_hidden=_unless_usual(setting("intermediate_size"), 4 * hidden),
+        mlp_hidden=unless_usual(setting("intermediate_size"), 4 * hidden),
         pre_ln=True,
         tie_weights=setting("tie_word_embeddings"),
         norm="rmsnorm",
@@ -241,24 +211,6 @@ def llama_config_from_hf(hf_config: Any, dropout: float | None = None) -> GPTCon
         nope_layers=_nope_layers(setting, n_layer) if model_type == "smollm3" else None,
         qk_norm=model_type == "qwen3",
     )
-
-
-def _reader(hf_config: Any, model_type: str) -> Callable[[str], Any]:
-    """setting(key): the config's value, or transformers' default when it has none."""
-    defaults = HF_SETTINGS[model_type]
-    return lambda key: getattr(hf_config, key, defaults.get(key, (None,))[0])
-
-
-def _unless_usual(value: int, usual: int) -> int | None:
-    """None where GPTConfig's None means `value` already (so a round trip keeps the config)."""
-    return None if value == usual else value
-
-
-def _own_head_width(head_dim: Any, heads: Any, hidden: Any) -> int | None:
-    """head_dim, or None where it is hidden_size / heads (GPTConfig's default)."""
-    if head_dim is None or not isinstance(heads, int) or not isinstance(hidden, int):
-        return head_dim  # GPTConfig's checks name a width that is no integer
-    return None if head_dim * heads == hidden else head_dim
 
 
 def _nope_layers(setting: Callable[[str], Any], n_layer: Any) -> tuple[int, ...] | None:
@@ -310,15 +262,6 @@ def _biases(setting: Callable[[str], Any], model_type: str) -> dict[str, bool]:
     return {"bias": attention}
 
 
-def _attention_dropout(setting: Callable[[str], Any]) -> float:
-    rate = float(setting("attention_dropout"))
-    if rate != 0.0:
-        raise ConfigError(f"attention_dropout={rate}: glassgpt has one dropout rate (embeddings, "
-                          f"residuals and attention alike); choose one with dropout=... "
-                          f"(--dropout on the command line)")
-    return 0.0
-
-
 def llama_settings(config: GPTConfig) -> dict[str, Any]:
     """LlamaConfig's settings for `config`; a ConfigError names any switch Llama lacks."""
     _check_llama_family(config, "Llama", qk_norm=False, nope_layers=None)
@@ -367,36 +310,11 @@ def _check_llama_family(config: GPTConfig, title: str, **plain: Any) -> None:
     if title != "Qwen2" and config.has_qkv_bias != config.bias:
         raise ConfigError(f"qkv_bias={config.qkv_bias} beside bias={config.bias} cannot be "
                           f"exported as {title}: biases on q, k and v alone are Qwen2's")
-    _refuse_if_set(config, title, logit_softcap=None, **plain)
+    refuse_if_set(config, title, logit_softcap=None, **GEMMA_SWITCHES_OFF, **plain)
 
 
 def _llama_family_settings(config: GPTConfig) -> dict[str, Any]:
-    return dict(
-        vocab_size=config.vocab_size,
-        hidden_size=config.n_embd,
-        intermediate_size=config.hidden_width,
-        num_hidden_layers=config.n_layer,
-        num_attention_heads=config.n_head,
-        num_key_value_heads=config.n_kv_head or config.n_head,
-        head_dim=config.head_dim,
-        hidden_act="silu",
-        max_position_embeddings=config.block_size,
-        rms_norm_eps=config.norm_eps,
-        tie_word_embeddings=config.tie_weights,
-        attention_bias=config.bias,
-        attention_dropout=config.dropout,  # HF drops attention weights only
-        pad_token_id=None,
-    )
-
-
-def _refuse_if_set(config: GPTConfig, title: str, **plain: Any) -> None:
-    """ConfigError for the first switch that differs from the value `title` hard-codes
-    (None counts as that value where the switch means "the usual")."""
-    for switch, value in plain.items():
-        current = getattr(config, switch, value)
-        if current is not None and current != value:
-            raise ConfigError(f"{switch}={current!r} cannot be exported: {title} has no such "
-                              f"setting")
+    return {**decoder_settings(config), "hidden_act": "silu", "attention_bias": config.bias}
 
 
 # --- the table ---------------------------------------------------------------------------------
@@ -405,15 +323,19 @@ GPT2 = Architecture("gpt2", "GPT-2", "GPT2LMHeadModel", "GPT2Config", "transform
                     GPT2_NAMES, GPT2_CONV1D, MASK_BUFFER_SUFFIXES, gpt2_config_from_hf,
                     gpt2_settings)
 LLAMA = Architecture("llama", "Llama", "LlamaForCausalLM", "LlamaConfig", "model.", LLAMA_NAMES,
-                     frozenset(), ROTARY_BUFFER_SUFFIXES, llama_config_from_hf, llama_settings)
+                     frozenset(), ROTARY_BUFFER_SUFFIXES, llama_config_from_hf, llama_settings,
+                     PLAIN_ROTARY)
 QWEN3 = Architecture("qwen3", "Qwen3", "Qwen3ForCausalLM", "Qwen3Config", "model.", LLAMA_NAMES,
-                     frozenset(), ROTARY_BUFFER_SUFFIXES, llama_config_from_hf, qwen3_settings)
+                     frozenset(), ROTARY_BUFFER_SUFFIXES, llama_config_from_hf, qwen3_settings,
+                     PLAIN_ROTARY)
 QWEN2 = Architecture("qwen2", "Qwen2", "Qwen2ForCausalLM", "Qwen2Config", "model.", LLAMA_NAMES,
-                     frozenset(), ROTARY_BUFFER_SUFFIXES, llama_config_from_hf, qwen2_settings)
+                     frozenset(), ROTARY_BUFFER_SUFFIXES, llama_config_from_hf, qwen2_settings,
+                     PLAIN_ROTARY)
 SMOLLM3 = Architecture("smollm3", "SmolLM3", "SmolLM3ForCausalLM", "SmolLM3Config", "model.",
                        LLAMA_NAMES, frozenset(), ROTARY_BUFFER_SUFFIXES, llama_config_from_hf,
-                       smollm3_settings)
-ARCHITECTURES = {arch.model_type: arch for arch in (GPT2, LLAMA, QWEN3, QWEN2, SMOLLM3)}
+                       smollm3_settings, PLAIN_ROTARY)
+ARCHITECTURES = {arch.model_type: arch for arch in (GPT2, LLAMA, QWEN3, QWEN2, SMOLLM3, GEMMA3,
+                                                    GEMMA2)}
 
 
 def architecture_of(model_type: Any) -> Architecture:
@@ -425,11 +347,15 @@ def architecture_of(model_type: Any) -> Architecture:
 
 
 def architecture_for(config: GPTConfig) -> Architecture:
-    """The HF architecture that computes what `config` does: GPT-2 for learned positions; for
+    """The HF architecture that computes what `config` does: GPT-2 for learned positions;
+    Gemma's block (its post-norms, 1 + w norms or scaled embeddings) is Gemma 3 with QK-norm,
+    Gemma 2 without; for other
     rotary ones Qwen3 with QK-norm, SmolLM3 with NoPE layers, Qwen2 with biases on q, k and v
     alone, Llama otherwise. Whether it can hold every other switch is its settings' check."""
     if config.position == "learned":
         return GPT2
+    if config.post_norms or config.norm_offset or config.embed_scale:
+        return GEMMA3 if config.qk_norm else GEMMA2
     if config.qk_norm:
         return QWEN3
     if config.nope_layers:

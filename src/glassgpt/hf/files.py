@@ -3,7 +3,7 @@
 `transformers` would unpickle a `pytorch_model.bin` (even with weights_only, an attack surface),
 follow an index into another directory, and hand a 100,000-deep config.json to a recursive
 parser. So glassgpt reads these directories on its own:
-  * config.json as bounded JSON, each setting of its architecture (GPT-2, Llama, Qwen3)
+  * config.json as bounded JSON, each setting of its architecture (GPT-2, Llama, Qwen3, ...)
     type-checked (a size is an integer, not the string "32"; a flag is true or false);
   * weights from `.safetensors` files only: `model.safetensors`, or the files that
     `model.safetensors.index.json` names, which must be plain names inside the directory;
@@ -59,7 +59,8 @@ PADDING_LIMIT = 4096  # ids named so; a wider gap is another model's tokenizer
 MASK_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 # What each architecture's config.json may say: key -> (default, kind). The defaults are those
 # of transformers' config classes, for keys a config.json leaves out; "int?" is an integer or
-# null, "table?" a JSON object or null, "list?" a list or null.
+# null, "float?" a number or null, "bool?" true, false or null, "table?" a JSON object or null,
+# "list?" a list or null.
 _ROPE_SETTINGS: dict[str, tuple[Any, str]] = {
     "rope_theta": (10000.0, "float"), "rope_scaling": (None, "table?"),
     "rope_parameters": (None, "table?"), "partial_rotary_factor": (1.0, "float")}
@@ -111,6 +112,31 @@ HF_SETTINGS: dict[str, dict[str, tuple[Any, str]]] = {
         "use_sliding_window": (False, "bool"), "layer_types": (None, "list?"),
         "no_rope_layers": (None, "list?"), "no_rope_layer_interval": (4, "int"),
         **_ROPE_SETTINGS, "rope_theta": (2000000.0, "float")},  # SmolLM3's own base
+    "gemma3_text": {  # rope_parameters per layer type, or transformers 4's three keys
+        "vocab_size": (262208, "int"), "hidden_size": (2304, "int"),
+        "intermediate_size": (9216, "int"), "num_hidden_layers": (26, "int"),
+        "num_attention_heads": (8, "int"), "num_key_value_heads": (4, "int?"),
+        "head_dim": (256, "int"), "hidden_activation": ("gelu_pytorch_tanh", "str"),
+        "max_position_embeddings": (131072, "int"), "rms_norm_eps": (1e-6, "float"),
+        "tie_word_embeddings": (True, "bool"), "attention_bias": (False, "bool"),
+        "attention_dropout": (0.0, "float"), "query_pre_attn_scalar": (256, "float"),
+        "sliding_window": (4096, "int?"), "layer_types": (None, "list?"),
+        "sliding_window_pattern": (6, "int"), "final_logit_softcapping": (None, "float?"),
+        "attn_logit_softcapping": (None, "float?"),
+        "use_bidirectional_attention": (False, "bool?"),
+        "rope_parameters": (None, "table?"), "rope_scaling": (None, "table?"),
+        "rope_theta": (1000000.0, "float"), "rope_local_base_freq": (10000.0, "float")},
+    "gemma2": {  # one rotary for every layer; both soft-caps on by default
+        "vocab_size": (256000, "int"), "hidden_size": (2304, "int"),
+        "intermediate_size": (9216, "int"), "num_hidden_layers": (26, "int"),
+        "num_attention_heads": (8, "int"), "num_key_value_heads": (4, "int?"),
+        "head_dim": (256, "int"), "hidden_activation": ("gelu_pytorch_tanh", "str"),
+        "max_position_embeddings": (8192, "int"), "rms_norm_eps": (1e-6, "float"),
+        "tie_word_embeddings": (True, "bool"), "attention_bias": (False, "bool"),
+        "attention_dropout": (0.0, "float"), "query_pre_attn_scalar": (256, "float"),
+        "sliding_window": (4096, "int?"), "layer_types": (None, "list?"),
+        "final_logit_softcapping": (30.0, "float?"), "attn_logit_softcapping": (50.0, "float?"),
+        "use_bidirectional_attention": (None, "bool?"), **_ROPE_SETTINGS},
 }
 # Other names GPT2Config accepts for its settings.
 HF_ALIASES = {"gpt2": {"hidden_size": "n_embd", "num_attention_heads": "n_head",
@@ -318,8 +344,9 @@ def _apply_aliases(raw: dict[str, Any], aliases: dict[str, str], path: Path) -> 
 
 
 _KIND_NAMES = {"int": "an integer", "int?": "an integer or null", "float": "a number",
-               "bool": "true or false", "str": "a string", "table?": "a JSON object or null",
-               "list?": "a list or null"}
+               "float?": "a number or null", "bool": "true or false",
+               "bool?": "true, false or null", "str": "a string",
+               "table?": "a JSON object or null", "list?": "a list or null"}
 
 
 def _check_setting(key: str, value: Any, kind: str, path: Path) -> None:
@@ -327,16 +354,19 @@ def _check_setting(key: str, value: Any, kind: str, path: Path) -> None:
     not 1, a float is a number); ranges are GPTConfig's to check."""
     if value is None and kind.endswith("?"):
         return
-    ok = {"int": _is_int, "int?": _is_int, "bool": lambda v: isinstance(v, bool),
-          "float": lambda v: _is_int(v) or isinstance(v, float),
-          "str": lambda v: isinstance(v, str), "table?": lambda v: isinstance(v, dict),
-          "list?": lambda v: isinstance(v, list)}[kind](value)
+    ok = {"int": _is_int, "bool": lambda v: isinstance(v, bool), "float": _is_number,
+          "str": lambda v: isinstance(v, str), "table": lambda v: isinstance(v, dict),
+          "list": lambda v: isinstance(v, list)}[kind.removesuffix("?")](value)
     if not ok:
         raise ConfigError(f"{path}: {key} must be {_KIND_NAMES[kind]}, got {value!r:.40}")
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return _is_int(value) or isinstance(value, float)
 
 
 # --- where a model comes from ----------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Hugging Face <-> glassgpt: the same weights, read and written both ways.
 
-Five architectures have a glassgpt twin: GPT-2, Llama (SmolLM2 too), Qwen3, Qwen2 and SmolLM3;
+Six architectures have a glassgpt twin: GPT-2, Llama (SmolLM2 too), Qwen3, Qwen2, SmolLM3 and
+Gemma 3;
 what each is in glassgpt's terms (its settings, its weight names, the one layout that differs)
 is glassgpt.hf.architectures' table. Here the weights move: every glassgpt tensor is one HF tensor,
 transposed where GPT-2 stores a Conv1D (in, out) matrix, or three HF tensors stacked along its
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
 import re
 from collections.abc import Iterator
@@ -46,7 +48,7 @@ from glassgpt.hf.files import (
 )
 from glassgpt.hf.files import MissingExtraError as MissingExtraError
 from glassgpt.hf.files import load_hf_tokenizer as load_hf_tokenizer
-from glassgpt.hf.rotary import rope_kwargs, rotary_from_hf, rotary_of
+from glassgpt.hf.rotary import RotaryTranslation
 from glassgpt.machine.distributed import unwrap_model
 from glassgpt.model import GPT
 from glassgpt.rundir.checkpoint import expected_shapes, model_holding
@@ -143,7 +145,8 @@ def weight_names(n_layer: int, tie_weights: bool) -> Iterator[tuple[str, str, bo
 
 def config_from_hf(hf_config: PretrainedConfig | Any, dropout: float | None = None
                    ) -> GPTConfig:
-    """The GPTConfig of a model that computes what `hf_config` describes (GPT-2, Llama, Qwen3).
+    """The GPTConfig of a model that computes what `hf_config` describes (GPT-2, Llama, Qwen3,
+    Qwen2, SmolLM3, Gemma 3).
 
     `dropout` replaces HF's dropout rates, which glassgpt keeps as one; without it they must
     agree (GPT-2), or be zero (Llama and Qwen3 drop only attention weights). Settings with no
@@ -156,8 +159,8 @@ def config_from_hf(hf_config: PretrainedConfig | Any, dropout: float | None = No
 def hf_config_from_glassgpt(config: GPTConfig, bos_token_id: int | None = None,
                             eos_token_id: int | None = None) -> PretrainedConfig:
     """The `transformers` config of the architecture `config` is (GPT2Config, LlamaConfig,
-    Qwen3Config, Qwen2Config or SmolLM3Config; see `architecture_for`); a ConfigError names
-    any switch that architecture lacks."""
+    Qwen3Config, Qwen2Config, SmolLM3Config or Gemma3TextConfig; see `architecture_for`); a
+    ConfigError names any switch that architecture lacks."""
     arch = architecture_for(config)
     settings = arch.hf_settings(config)
     for name, token_id in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)):
@@ -165,20 +168,34 @@ def hf_config_from_glassgpt(config: GPTConfig, bos_token_id: int | None = None,
             raise ConfigError(f"{name}={token_id} is outside the vocabulary "
                               f"[0, {config.vocab_size})")
     config_class = _transformers_class(arch.hf_config_class)
-    if arch is not GPT2:
-        settings.update(rope_kwargs(config_class, config))
+    _check_takes(config_class, arch.required_settings)
+    rotary = arch.rotary
+    if rotary is not None:
+        settings.update(rotary.kwargs(config_class, config))
     hf_config = config_class(**settings, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
-    if arch is not GPT2:
-        _check_rotary_taken(hf_config, config)
+    if rotary is not None:
+        _check_rotary_taken(rotary, hf_config, config)
     return hf_config
 
 
-def _check_rotary_taken(hf_config: PretrainedConfig, config: GPTConfig) -> None:
+def _check_takes(config_class: Any, names: tuple[str, ...]) -> None:
+    """MissingExtraError unless the installed config class takes each of `names` (an older
+    one keeps an unknown setting as an attribute and computes without it)."""
+    taken = inspect.signature(config_class.__init__).parameters
+    missing = [name for name in names if name not in taken]
+    if missing:
+        raise MissingExtraError(f"the installed transformers {_transformers().__version__}'s "
+                                f"{config_class.__name__} does not take {missing[0]}; upgrade "
+                                f"it: pip install -U transformers")
+
+
+def _check_rotary_taken(rotary: RotaryTranslation, hf_config: PretrainedConfig,
+                        config: GPTConfig) -> None:
     """ConfigError unless the transformers config reads back the rotary of `config`."""
-    theirs = rotary_from_hf(hf_config, lambda key: getattr(hf_config, key, None))
-    if theirs != rotary_of(config):
+    theirs = rotary.read(hf_config, lambda key: getattr(hf_config, key, None))
+    if theirs != rotary.of(config):
         raise ConfigError(f"the installed transformers did not take the rotary "
-                          f"{rotary_of(config)} (it reads {theirs})")
+                          f"{rotary.of(config)} (it reads {theirs})")
 
 
 # --- weights --------------------------------------------------------------------------------
@@ -186,8 +203,8 @@ def _check_rotary_taken(hf_config: PretrainedConfig, config: GPTConfig) -> None:
 
 def from_hf(source: PreTrainedModel | HFDirectory | str | os.PathLike[str],
             dropout: float | None = None) -> GPT:
-    """A glassgpt GPT holding the weights of a HF GPT-2, Llama, Qwen3, Qwen2 or SmolLM3: a
-    model, a local directory or a hub name.
+    """A glassgpt GPT holding the weights of a HF GPT-2, Llama, Qwen3, Qwen2, SmolLM3 or
+    Gemma 3: a model, a local directory or a hub name.
 
     A directory (or a hub name, downloaded into the Hugging Face cache) is read by glassgpt,
     never by `transformers` (see glassgpt.hf.files): weights from local `.safetensors` files
@@ -312,7 +329,8 @@ def _shares_memory(a: Tensor, b: Tensor) -> bool:
 def to_hf(model: GPT | nn.Module, bos_token_id: int | None = None,
           eos_token_id: int | None = None) -> PreTrainedModel:
     """A `transformers` model of the architecture `model` is (GPT2LMHeadModel,
-    LlamaForCausalLM, Qwen3ForCausalLM, Qwen2ForCausalLM or SmolLM3ForCausalLM) holding
+    LlamaForCausalLM, Qwen3ForCausalLM, Qwen2ForCausalLM, SmolLM3ForCausalLM or
+    Gemma3ForCausalLM) holding
     exactly its weights, in eval mode.
 
     `model` may be wrapped in DDP or `torch.compile`; the plain GPT inside is what is copied.

@@ -6,6 +6,12 @@ transformers 5 keeps them in one table, `rope_parameters` ({"rope_type", "rope_t
 are read; the export is written the way the installed transformers takes it. The scalings
 glassgpt computes (glassgpt.rotary) are the plain one ("default"), "linear" and "llama3"; any
 other is refused by name, as is a key a table holds that glassgpt would not honour.
+
+Gemma 3 has a rotary per kind of layer: transformers 5 writes `rope_parameters` as one table
+per layer type ({"full_attention": {...}, "sliding_attention": {...}}), transformers 4 wrote
+`rope_theta` and `rope_scaling` for the global layers beside `rope_local_base_freq` for the
+local ones. The global table may scale; the local layers rotate unscaled in glassgpt
+(`rope_local_theta`), so a scaling there is refused by name.
 """
 
 from __future__ import annotations
@@ -13,9 +19,11 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from glassgpt.config import ALL_ROPE_SCALING_SETTINGS, ROPE_SCALINGS, GPTConfig
+from glassgpt.config import GPTConfig
+from glassgpt.config_checks import ALL_ROPE_SCALING_SETTINGS, ROPE_SCALINGS
 from glassgpt.errors import ConfigError
 
 # HF's key in a rope table -> GPTConfig's field, for each scaling glassgpt computes.
@@ -48,9 +56,13 @@ def rotary_from_hf(hf_config: Any, setting: Callable[[str], Any]) -> dict[str, A
                               f"{fields}): which one transformers reads depends on its version")
         found = fields
     _check_partial(getattr(hf_config, "partial_rotary_factor", 1.0))
+    return {"rope_theta": _base("rope_theta", theta), **(found or {})}
+
+
+def _base(name: str, theta: Any) -> float:
     if isinstance(theta, bool) or not isinstance(theta, int | float) or not math.isfinite(theta):
-        raise ConfigError(f"rope_theta must be a finite number, got {theta!r:.40}")
-    return {"rope_theta": float(theta), **(found or {})}
+        raise ConfigError(f"{name} must be a finite number, got {theta!r:.40}")
+    return float(theta)
 
 
 def _scaling_fields(key: str, table: dict[str, Any],
@@ -99,10 +111,109 @@ def rotary_of(config: GPTConfig) -> dict[str, Any]:
 def rope_kwargs(config_class: Any, config: GPTConfig) -> dict[str, Any]:
     """How the installed transformers takes `config`'s rotary: `rope_parameters` (5.x), or
     `rope_theta` and `rope_scaling` (4.x), told by the config class's own signature."""
-    kind = config.rope_scaling or "default"
-    scaling = {theirs: getattr(config, ours) for theirs, ours in SCALING_KEYS[kind].items()}
-    if "rope_parameters" in inspect.signature(config_class.__init__).parameters:
-        return {"rope_parameters": {"rope_type": kind, "rope_theta": config.rope_theta,
-                                    **scaling}}
-    table = {"rope_type": kind, **scaling} if config.rope_scaling else None
-    return {"rope_theta": config.rope_theta, "rope_scaling": table}
+    if _takes_rope_parameters(config_class):
+        return {"rope_parameters": _rope_table(config)}
+    return {"rope_theta": config.rope_theta, "rope_scaling": _scaling_table(config)}
+
+
+def _takes_rope_parameters(config_class: Any) -> bool:
+    return "rope_parameters" in inspect.signature(config_class.__init__).parameters
+
+
+def _scaling_table(config: GPTConfig) -> dict[str, Any] | None:
+    """transformers 4's `rope_scaling` of `config`: its kind and settings, None unscaled."""
+    if config.rope_scaling is None:
+        return None
+    names = SCALING_KEYS[config.rope_scaling]
+    return {"rope_type": config.rope_scaling,
+            **{theirs: getattr(config, ours) for theirs, ours in names.items()}}
+
+
+def _rope_table(config: GPTConfig) -> dict[str, Any]:
+    """transformers 5's `rope_parameters` of `config`'s (global) rotary."""
+    scaling = _scaling_table(config) or {"rope_type": "default"}
+    return {**scaling, "rope_theta": config.rope_theta}
+
+
+# --- Gemma 3: a rotary per layer type ------------------------------------------------------
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def layered_rotary_from_hf(hf_config: Any, setting: Callable[[str], Any]) -> dict[str, Any]:
+    """The global layers' rotary fields (as `rotary_from_hf` gives them) and the local
+    layers' base, `rope_local_theta`, of a Gemma 3 config: from `rope_parameters` per layer
+    type, or from `rope_theta`, `rope_scaling` and `rope_local_base_freq`."""
+    table = getattr(hf_config, "rope_parameters", None)
+    scaling = getattr(hf_config, "rope_scaling", None)
+    if table is None:  # transformers 4
+        full = {} if scaling is None else _checked_table("rope_scaling", scaling)
+        sliding: dict[str, Any] = {}
+        key = "rope_scaling"
+    else:
+        table = _checked_table("rope_parameters", table)
+        other = sorted(set(table) - set(LAYER_TYPES))
+        if other:
+            raise ConfigError(f"rope_parameters holds {other}; a Gemma 3 config has one table "
+                              f"per layer type, {list(LAYER_TYPES)}")
+        full, sliding = (_checked_table(f"rope_parameters' {kind}", table.get(kind) or {})
+                         for kind in LAYER_TYPES)
+        key = "rope_parameters' full_attention"
+    fields = _scaling_fields(key, full, setting)
+    # transformers 5 reads a rope_scaling over the global table (its config objects also
+    # answer `rope_scaling` with rope_parameters itself)
+    if table is not None and scaling is not None and scaling != table:
+        old = _scaling_fields("rope_scaling", _checked_table("rope_scaling", scaling), setting)
+        if old != fields:
+            raise ConfigError(f"rope_parameters and rope_scaling disagree ({fields} and {old}): "
+                              f"which one transformers reads depends on its version")
+    local = _scaling_fields("rope_parameters' sliding_attention", sliding, setting)
+    if local:
+        raise ConfigError(f"rope_parameters' sliding_attention has rope_type="
+                          f"{local['rope_scaling']!r}: glassgpt's local layers rotate unscaled "
+                          f"(rope_local_theta), as Gemma 3's do")
+    theta = _base("rope_theta", full.get("rope_theta", setting("rope_theta")))
+    local_theta = sliding.get("rope_theta", setting("rope_local_base_freq"))
+    return {"rope_theta": theta, **fields,
+            "rope_local_theta": _base("rope_local_base_freq", local_theta)}
+
+
+def _checked_table(key: str, table: Any) -> dict[str, Any]:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{key} must be a JSON object or null, got {table!r:.40}")
+    return table
+
+
+def layered_rotary_of(config: GPTConfig) -> dict[str, Any]:
+    """`config`'s rotary as `layered_rotary_from_hf` gives it (the local base is the global
+    one where the config has none of its own)."""
+    local = config.rope_theta if config.rope_local_theta is None else config.rope_local_theta
+    return {**rotary_of(config), "rope_local_theta": local}
+
+
+def layered_rope_kwargs(config_class: Any, config: GPTConfig) -> dict[str, Any]:
+    """How the installed transformers takes a Gemma 3 rotary: `rope_parameters` per layer type
+    (5.x), or `rope_theta`, `rope_scaling` and `rope_local_base_freq` (4.x)."""
+    local = layered_rotary_of(config)["rope_local_theta"]
+    if _takes_rope_parameters(config_class):
+        return {"rope_parameters": {
+            "full_attention": _rope_table(config),
+            "sliding_attention": {"rope_type": "default", "rope_theta": local}}}
+    return {"rope_theta": config.rope_theta, "rope_scaling": _scaling_table(config),
+            "rope_local_base_freq": local}
+
+
+@dataclass(frozen=True)
+class RotaryTranslation:
+    """An architecture's rotary settings both ways: read from a HF config (with its family's
+    `setting` defaults), the same fields of a GPTConfig (to check an export reads back), and
+    the kwargs the installed transformers' config class takes."""
+
+    read: Callable[[Any, Callable[[str], Any]], dict[str, Any]]
+    of: Callable[[GPTConfig], dict[str, Any]]
+    kwargs: Callable[[Any, GPTConfig], dict[str, Any]]
+
+
+PLAIN_ROTARY = RotaryTranslation(rotary_from_hf, rotary_of, rope_kwargs)
+LAYERED_ROTARY = RotaryTranslation(layered_rotary_from_hf, layered_rotary_of,
+                                   layered_rope_kwargs)

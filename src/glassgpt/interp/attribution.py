@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from glassgpt.errors import InputError, ModelError
-from glassgpt.interp.hooked import run_with_cache
+from glassgpt.interp.hooked import ActivationCache, run_with_cache
 from glassgpt.norms import ManualLayerNorm
 
 
@@ -53,15 +53,37 @@ def residual_parts(model: nn.Module, cache, pos: int) -> tuple[list[str], list[T
         proj = block.attn.proj
         w_o = proj.weight.view(proj.out_features, z.shape[1], z.shape[2])  # (C, H, hd)
         per_head = torch.einsum("bhd,chd->bhc", z, w_o)  # (B, H, C)
-        for head in range(z.shape[1]):
-            labels.append(f"L{layer}H{head}")
-            parts.append(per_head[:, head])
-        if proj.bias is not None:
-            labels.append(f"L{layer} attn bias")
-            parts.append(proj.bias.expand_as(parts[-1]))
+        bias = None if proj.bias is None else proj.bias.expand_as(per_head[:, 0])
+        head_labels = [f"L{layer}H{head}" for head in range(z.shape[1])]
+        head_parts = list(per_head.unbind(1))
+        if bias is not None:
+            head_labels.append(f"L{layer} attn bias")
+            head_parts.append(bias)
+        if block.ln1_post is not None:  # Gemma: the attention's output is normalised first
+            head_labels, head_parts = through_frozen_norm(block.ln1_post, head_labels,
+                                                          head_parts, f"L{layer} attn norm")
+        labels += head_labels
+        parts += head_parts
         labels.append(f"L{layer} MLP")
         parts.append(cache[f"blocks.{layer}.hook_mlp_out"][:, pos])
     return labels, parts
+
+
+def through_frozen_norm(norm: nn.Module, labels: list[str], parts: list[Tensor],
+                        name: str) -> tuple[list[str], list[Tensor]]:
+    """Parts (each (B, C)) whose sum a norm takes, as the parts of what it gives: its scale
+    frozen at the sum's (as the final norm's is), so each part is centred (LayerNorm), divided
+    by that scale and multiplied by the gain, and a LayerNorm's shift is a part of its own
+    (`name` + " bias"). Their sum is the norm's output exactly."""
+    wide = [part.double() for part in parts]
+    scale, centred = frozen_norm(norm, sum(wide))
+    gain = getattr(norm, "gain", norm.weight).double()
+    out = [(part - part.mean(-1, keepdim=True) if centred else part) / scale * gain
+           for part in wide]
+    shift = getattr(norm, "bias", None)
+    if shift is not None:
+        labels, out = [*labels, f"{name} bias"], [*out, shift.double().expand_as(out[0])]
+    return labels, out
 
 
 def frozen_norm(norm: nn.Module, stream: Tensor) -> tuple[Tensor, bool]:
@@ -76,23 +98,27 @@ def frozen_norm(norm: nn.Module, stream: Tensor) -> tuple[Tensor, bool]:
 
 
 def logit_attribution(model: nn.Module, ids: Tensor, token: int, pos: int = -1, *,
-                      against: int | None = None) -> Attribution:
+                      against: int | None = None,
+                      cache: ActivationCache | None = None) -> Attribution:
     """Each head's and MLP's direct push on `token`'s logit at `pos` (minus `against`'s, when
-    given), averaged over the batch; the values add up to the logit (difference)."""
+    given), averaged over the batch; the values add up to the logit (difference). `cache`:
+    `run_with_cache(model, ids)`'s, when the caller has it already (one forward pass less)."""
     check_sum_of_parts(model)
     vocab = model.config.vocab_size
     for name, value in (("token", token), ("against", against)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or not 0 <= value < vocab):
             raise InputError(f"{name} must be a token id in [0, {vocab}), got {value!r}")
-    _, cache = run_with_cache(model, ids)
+    if cache is None:
+        _, cache = run_with_cache(model, ids, stop_at_layer=model.config.n_layer)  # no logits
     labels, parts = residual_parts(model, cache, pos)
     stream = cache[f"blocks.{model.config.n_layer - 1}.hook_resid_post"][:, pos]  # (B, C)
     scale, centred = frozen_norm(model.ln_f, stream)
     direction = model.lm_head.weight[token].double()  # (C,)
     if against is not None:
         direction = direction - model.lm_head.weight[against].double()
-    gamma = model.ln_f.weight.double() * direction  # (C,)
+    gain = getattr(model.ln_f, "gain", model.ln_f.weight)  # RMSNorm's 1 + w with norm_offset
+    gamma = gain.double() * direction  # (C,)
     values = []
     for part in parts:
         part = part.double()

@@ -102,9 +102,21 @@ def _as_forward_hook(fn: HookFn, name: str) -> Callable:
     return forward_hook
 
 
-def logits_of(model: nn.Module, ids: Tensor) -> Tensor:
-    logits, _ = model(ids)  # (B, T, V)
-    return logits
+def logits_of(model: nn.Module, ids: Tensor, stop_at_layer: int | None = None) -> Tensor:
+    """The logits (B, T, V) of ids, or with `stop_at_layer` l the residual stream (B, T, C)
+    after the first l blocks (0: the embeddings), the later blocks and the head never run."""
+    if stop_at_layer is None:
+        logits, _ = model(ids)  # (B, T, V)
+        return logits
+    n_layer = model.config.n_layer
+    if isinstance(stop_at_layer, bool) or not isinstance(stop_at_layer, int) \
+            or not 0 <= stop_at_layer <= n_layer:
+        raise InputError(f"stop_at_layer must be an int in [0, n_layer = {n_layer}], got "
+                         f"{stop_at_layer!r:.40}")
+    for depth, stream, _ in model.layers(ids):
+        if depth == stop_at_layer:
+            return stream  # (B, T, C); closing the generator skips the rest
+    raise AssertionError("unreachable: layers yields n_layer + 1 streams")
 
 
 def _watch(tensor: Tensor, name: str) -> None:
@@ -120,12 +132,14 @@ def watching_every_path(model: nn.Module) -> list[tuple[str, HookFn]]:
 
 
 def run_with_hooks(model: nn.Module, ids: Tensor,
-                   hooks: Iterable[tuple[str, HookFn]] = ()) -> Tensor:
+                   hooks: Iterable[tuple[str, HookFn]] = (),
+                   stop_at_layer: int | None = None) -> Tensor:
     """ids (B, T) -> logits (B, T, V), with each `fn(tensor, name)` run at its hook point (its
     return value, when not None, replaces the activation). Attention runs its explicit path
-    and LayerNorm its written-out one (`watching_every_path`)."""
+    and LayerNorm its written-out one (`watching_every_path`). `stop_at_layer` l (as in
+    TransformerLens) runs only the first l blocks and returns the residual stream (B, T, C)."""
     with eval_mode(model), attached(model, [*watching_every_path(model), *hooks]):
-        return logits_of(model, ids)
+        return logits_of(model, ids, stop_at_layer)
 
 
 def zero_heads(*heads: int) -> HookFn:
@@ -141,10 +155,12 @@ def zero_heads(*heads: int) -> HookFn:
     return switch_off
 
 
-def run_with_cache(model: nn.Module, ids: Tensor,
-                   names: NamesFilter = None) -> tuple[Tensor, ActivationCache]:
+def run_with_cache(model: nn.Module, ids: Tensor, names: NamesFilter = None,
+                   stop_at_layer: int | None = None) -> tuple[Tensor, ActivationCache]:
     """ids (B, T) -> (logits (B, T, V), cache): every activation selected by `names` (None: all
-    of them), detached, under its TransformerLens name."""
+    of them), detached, under its TransformerLens name. With `stop_at_layer` l, only the first
+    l blocks run and the residual stream (B, T, C) comes back in place of the logits (what a
+    look at early layers costs: no later block, no LM head)."""
     store: dict[str, Tensor] = {}
 
     def keep(tensor: Tensor, name: str) -> None:
@@ -152,6 +168,6 @@ def run_with_cache(model: nn.Module, ids: Tensor,
 
     selected = select_names(hook_points(model), names)
     with torch.no_grad():
-        logits = run_with_hooks(model, ids, [(name, keep) for name in selected])
+        logits = run_with_hooks(model, ids, [(name, keep) for name in selected], stop_at_layer)
     ordered = {name: store[name] for name in hook_points(model) if name in store}
     return logits, ActivationCache(ordered)

@@ -74,7 +74,8 @@ def head_scores(model: nn.Module, half: int | None = None, batch: int = 8,
                              f"{block_size // 2}], got {half!r}")
         ids = repeated_random_tokens(model.config.vocab_size, half, batch, seed)
     ids = ids.to(next(model.parameters()).device)
-    _, cache = run_with_cache(model, ids, names=lambda n: n.endswith("attn.hook_pattern"))
+    _, cache = run_with_cache(model, ids, names=lambda n: n.endswith("attn.hook_pattern"),
+                              stop_at_layer=model.config.n_layer)  # no LM head: patterns only
     patterns = [cache[f"blocks.{l}.attn.hook_pattern"].float()
                 for l in range(model.config.n_layer)]
     return HeadScores(

@@ -173,8 +173,10 @@ class ThreadTuner:
         self.threads = threads
 
     def before_step(self) -> None:
-        """Set the thread count the next step runs with."""
-        if self._plan and self._warmed_up:
+        """Set the thread count the next step runs with (the warm-up runs at the first
+        candidate, one thread: all cores on a machine whose other work holds one can make a
+        step many times slower)."""
+        if self._plan:
             self._set(self._plan[0])
 
     def step_done(self, seconds: float) -> None:
@@ -183,7 +185,9 @@ class ThreadTuner:
             self._warmed_up = True
             return
         if self._plan:
-            self._timings[self._plan.pop(0)].append(seconds)
+            threads = self._plan.pop(0)
+            self._timings[threads].append(seconds)
+            self._drop_if_collapsed(threads, seconds)
             if not self._plan:
                 self._choose()
             return
@@ -191,6 +195,13 @@ class ThreadTuner:
         if (self.baseline is not None and len(self._recent) == self.window
                 and statistics.median(self._recent) > self.degrade_factor * self.baseline):
             self._start_probe()
+
+    def _drop_if_collapsed(self, threads: int, seconds: float) -> None:
+        """One probe step `degrade_factor` times slower than another count's median is
+        enough: that count's other probe steps are dropped (each could cost seconds)."""
+        others = [statistics.median(t) for n, t in self._timings.items() if t and n != threads]
+        if others and seconds > self.degrade_factor * min(others):
+            self._plan = [n for n in self._plan if n != threads]
 
     def _choose(self) -> None:
         medians = {n: statistics.median(t) for n, t in self._timings.items() if t}

@@ -157,8 +157,10 @@ def _depth(data: Any) -> int:
             value = list(value.values())
         if isinstance(value, list):
             deepest = max(deepest, depth)
-            if depth <= MAX_JSON_DEPTH:
-                stack.extend((item, depth + 1) for item in value)
+            if depth <= MAX_JSON_DEPTH:  # only containers go deeper (a tokenizer.json holds
+                # hundreds of thousands of strings)
+                stack.extend((item, depth + 1) for item in value
+                             if isinstance(item, dict | list))
     return deepest
 
 

@@ -101,6 +101,19 @@ class BPETokenizer:
     def encode(self, text: str) -> list[int]:
         return self._encoding(text).ids
 
+    def leading_special_ids(self) -> list[int]:
+        """The special tokens the tokenizer's post-processor puts before a text (Llama 3's
+        `<|begin_of_text|>`, Gemma's `<bos>`): what transformers' `tokenizer(text)` starts
+        with; none for GPT-2, Qwen and glassgpt's own BPE. (Tokens a post-processor adds after
+        the text, an end-of-sequence, are left out: a prompt is continued, not ended.)"""
+        plain = self.encode(ROUND_TRIP_PROBE)
+        full = _rust_call("cannot encode the text", self.tokenizer.encode, ROUND_TRIP_PROBE,
+                          add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start:start + len(plain)] == plain:
+                return full[:start]
+        return []
+
     def encode_array(self, text: str, dtype: np.dtype) -> np.ndarray:
         return np.array(self._encoding(text).ids, dtype=dtype)
 

@@ -32,7 +32,7 @@ from glassgpt.rundir import checkpoint as ckpt
 from glassgpt.storage import files
 from glassgpt.storage.layout import CONFIG_FILE, TOKENIZER_FILE
 from glassgpt.tokenizers import same_tokenizer
-from glassgpt.training.evaluate import Evaluation, evaluate
+from glassgpt.training.evaluate import Evaluation, eval_batch_size, eval_context, evaluate
 
 CONFIG_TABLES = ("model", "train")
 
@@ -184,15 +184,18 @@ def resume_settings(run_dir: str | Path, model_flags: dict[str, Any],
 # --- evaluating a run -------------------------------------------------------------------------
 
 def evaluate_run(run_dir: str | Path, split: str = "val", data_dir: str | Path | None = None,
-                 batch_size: int = 32, max_batches: int = 200,
+                 batch_size: int | None = None, max_batches: int = 200,
                  device: torch.device | str = "cpu", checkpoint: str = "best",
                  threads: int | str | None = AUTO,
-                 progress: Callable[[int, int], Any] | None = None) -> Evaluation:
+                 progress: Callable[[int, int], Any] | None = None,
+                 context: int | None = None) -> Evaluation:
     """Loss, perplexity and bits per byte of a run's model on non-overlapping windows of a
     split of its data (or of `data_dir`, prepared with the same tokenizer). `run_dir` may be
     an open `checkpoint.Run`: the directory is resolved once. `threads`: a CPU thread count,
-    "auto" (timed on the batches) or None; the result says which count ran."""
-    if batch_size <= 0 or max_batches <= 0:
+    "auto" (timed on the batches) or None; the result says which count ran. `context`: the
+    window's tokens (default `evaluate.eval_context`'s: the model's, at most 2,048);
+    `batch_size` None is `evaluate.eval_batch_size`'s (32, fewer for a large vocabulary)."""
+    if (batch_size is not None and batch_size <= 0) or max_batches <= 0:
         raise ConfigError(f"batch size and max batches must be positive, got {batch_size} "
                           f"and {max_batches}")
     run = ckpt.open_run(run_dir)
@@ -202,6 +205,9 @@ def evaluate_run(run_dir: str | Path, split: str = "val", data_dir: str | Path |
         raise ConfigError(f"{run.dir} records no data directory; pass --data")
     data = PreparedData(data_dir)
     check_same_tokenizer(data, run)
-    data.check_block_size(model.config.block_size)
+    window = eval_context(model.config.block_size, context)
+    data.check_block_size(window)
+    if batch_size is None:
+        batch_size = eval_batch_size(window, model.config.vocab_size)
     return evaluate(model, data.splits[split], data.tokenizer, batch_size, max_batches, device,
-                    threads=threads, progress=progress)
+                    threads=threads, progress=progress, context=window)

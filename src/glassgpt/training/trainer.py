@@ -3,8 +3,8 @@
 AdamW (glassgpt.training.optim), gradient accumulation, clipping, autocast (bf16/fp16) where the
 device has it (glassgpt.machine.devices), optional `torch.compile`, DDP or FSDP
 (glassgpt.training.fsdp) under torchrun, an evaluation at the start and every `eval_interval`
-steps, checkpoints that resume on exactly the same numbers, the best weights kept beside the
-last, and an optional early stop.
+steps, checkpoints (at each new best, a stop and the end) that resume on exactly the same
+numbers, the best weights kept beside the last, and an optional early stop.
 
 `Trainer` runs a whole job into a run directory (see glassgpt.rundir.checkpoint) from the pieces
 in glassgpt.training.steps (`train_step`, the piece a benchmark needs, is found here too).
@@ -93,13 +93,15 @@ class TrainResult:
 
 
 class Trainer:
-    """Trains `model` on `data` into `run_dir`, checkpointing at every evaluation and the end.
+    """Trains `model` on `data` into `run_dir`, checkpointing at each new best and the end.
 
-    Each evaluation that improves the val loss also writes the weights as the run's best
-    (best.safetensors, in the same atomic commit); the last checkpoint is what `resume`
-    continues. Building a Trainer and `resume` only read: the run directory changes once
-    `run` starts. A caller that may race another writer holds the run's lock around `run`
-    (`rundir.writing`; glassgpt.training.lifecycle.train_run does, from its last check to the end).
+    Each evaluation that improves the val loss commits a checkpoint with the weights also as
+    the run's best (best.safetensors, in the same atomic commit); one that does not writes its
+    metrics line only, unless it ends the run. A stop saves where it comes; the last checkpoint
+    is what `resume` continues. loss.png is drawn once, as `run` returns. Building a Trainer
+    and `resume` only read: the run directory changes once `run` starts. A caller that may
+    race another writer holds the run's lock around `run` (`rundir.writing`;
+    glassgpt.training.lifecycle.train_run does, from its last check to the end).
 
     `threads` ("auto" or a count, on a CPU) is the thread count: "auto" times the first steps
     at one thread and at all cores and keeps the faster (`devices.ThreadTuner`), except in a
@@ -147,6 +149,7 @@ class Trainer:
         self.target: tuple[int, float] | None = None  # (iteration, seconds) of target_loss
         self.stop_requested: threading.Event | None = None  # while `run` runs
         self.losses: dict[str, float] = {}  # of the last evaluation
+        self.committed = False  # whether `run` has written a checkpoint (then it draws)
         self.tokens_per_step = (cfg.batch_size * model.config.block_size * cfg.grad_accum
                                 * self.context.world_size)
 
@@ -213,18 +216,28 @@ class Trainer:
             with stop_on_sigint(self.stop) as stop_requested:
                 self.stop_requested = stop_requested
                 try:
-                    return self._train(start, first_iteration)
+                    result = self._train(start, first_iteration)
                 except _EvaluationStoppedError:  # still under the handler: a save stays whole
-                    return self._stopped_during_evaluation(start, first_iteration)
+                    result = self._stopped_during_evaluation(start, first_iteration)
+                self._draw(result)
+                return result
         finally:
             self.reporter.stop()
+
+    def _draw(self, result: TrainResult) -> None:
+        """loss.png, drawn once as the run returns (drawing at every evaluation cost a third
+        of a second each, more than a commit): the picture of the run as it was saved."""
+        if self.context.is_main and result.saved and self.committed:
+            plot_losses(self.run_dir)
 
     def _train(self, start: float, first_iteration: int) -> TrainResult:
         cfg, stop_requested = self.cfg, self.stop_requested
         first_bad = torch.full((), -1, device=self.device)  # first step with a non-finite loss
         if not self.resumed:  # where training starts from, as nanoGPT does;
-            self._evaluate_and_save(0)  # saved: the run exists from here on
-            if self._reached_target(0, start):  # met before any step
+            if self.threads is not None:  # at the count the first step takes (one thread until
+                self.threads.before_step()  # timed): all cores on a busy one cost 30 s here
+            ends = self._evaluate_and_save(0, start, done=False)  # saved: the run exists now
+            if ends is not None:  # the target met before any step
                 return self._result(start, first_iteration)
         last_log, logged_at = time.perf_counter(), self.state.iteration
         while self.state.iteration < cfg.max_iters:
@@ -242,11 +255,9 @@ class Trainer:
                 last_log, logged_at = time.perf_counter(), it
             if it % cfg.eval_interval == 0 or done:
                 self._check_finite(first_bad)
-                self._evaluate_and_save(it)
-                if self._reached_target(it, start):
-                    return self._result(start, first_iteration)
-                if not done and self._no_longer_improving(it):
-                    return self._result(start, first_iteration, stopped=True)
+                ends = self._evaluate_and_save(it, start, done)
+                if ends is not None:
+                    return self._result(start, first_iteration, stopped=ends == "early stop")
             if self._should_stop(stop_requested.is_set(), it, done):
                 self._check_finite(first_bad)
                 self._save(best=False)
@@ -260,14 +271,11 @@ class Trainer:
             return train_step(self.train_model, self.optimizer, self.sampler.next_batch,
                               self.cfg, self.scaler, self.amp_dtype)
 
-    def _reached_target(self, it: int, start: float) -> bool:
-        """With `target_loss`, whether this evaluation's val loss is at or below it (every rank
-        sees the same averaged losses, so all stop together); remembers where and when."""
+    def _meets_target(self) -> bool:
+        """With `target_loss`, whether the last evaluation's val loss is at or below it (every
+        rank sees the same averaged losses, so all stop together)."""
         target = self.cfg.target_loss
-        if target is None or self.losses["val"] > target:
-            return False
-        self.target = (it, time.perf_counter() - start)
-        return True
+        return target is not None and self.losses["val"] <= target
 
     def _no_longer_improving(self, it: int) -> bool:
         """With `early_stop` N, whether N evaluations in a row found no better val loss."""
@@ -348,14 +356,25 @@ class Trainer:
         self.reporter.eval(record)
         return values
 
-    def _evaluate_and_save(self, it: int) -> None:
+    def _evaluate_and_save(self, it: int, start: float, done: bool) -> str | None:
+        """Evaluate, and commit where something changed: a new best (its weights are kept),
+        the evaluation that ends the run, or a new run's first. Any other evaluation writes
+        only its metrics line, so a crash loses at most the steps since the last commit (the
+        last new best); a stop (Ctrl-C, SIGTERM) still saves where it came. Returns why the
+        run ends here ("target", "early stop", "done"), or None."""
         self.losses = values = self._evaluate(it)
         improved = values["val"] < self.state.best_val_loss
         if improved:
             self.state.best_val_loss, self.state.best_iteration = values["val"], it
-        self._save(best=improved)
-        if self.context.is_main:
-            plot_losses(self.run_dir)  # after the commit: the picture of a run that exists
+        ends = ("target" if self._meets_target() else "done" if done else
+                "early stop" if self._no_longer_improving(it) else None)
+        # Every rank decides alike (the losses are averaged over ranks): saving is collective.
+        # A new run's first evaluation is always a new best, so it commits: the run exists.
+        if improved or ends is not None:
+            self._save(best=improved)
+        if ends == "target":
+            self.target = (it, time.perf_counter() - start)
+        return ends
 
     def _append_metrics(self, record: dict) -> None:
         if self.unsaved_metrics is not None:
@@ -380,6 +399,7 @@ class Trainer:
                                  best=best, extra=self.extra, new_metrics=new_metrics,
                                  weights=weights)
             self.unsaved_metrics = None
+        self.committed = True
         ddp.barrier(self.context)
 
     def _whole_state(self) -> tuple[dict[str, Tensor] | None, dict | None]:

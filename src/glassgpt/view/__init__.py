@@ -5,6 +5,8 @@
                   card, as JSON-ready values (torch only, no web code)
     causal.py     the panels that ask why: patching, logit attribution, head scores, inside
                   the MLP, q and k before QK-norm and the rotation (glassgpt.interp's numbers)
+    walk.py       "Inside one head": the steps' titles (the scale, soft-cap and window this
+                  layer uses) and the band of keys a local layer's query sees
     values.py     tensors as the page's JSON: rounded numbers, one step with its source line
     checks.py     the checks of what the lens is given: integer indices, a trace of this model
     pieces.py     a token's text as the page shows it (`<0xE2>` for a byte of a character)

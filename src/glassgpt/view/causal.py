@@ -157,11 +157,15 @@ def attribution(view: View, prompt: str, position: int,
     (default token: the model's top prediction there); the parts add up to the logit."""
     encoded = view.encode(prompt)
     checks.index("position", position, len(encoded.ids))
-    logits, _ = run_with_cache(view.model, encoded.idx, names=[])
-    shown = top_tokens(view, logits[0, position], CANDIDATES)
+    n_layer = view.model.config.n_layer
+    # One pass serves both the candidates and the attribution.
+    stream, cache = run_with_cache(view.model, encoded.idx, stop_at_layer=n_layer)
+    with torch.no_grad():  # the logits of one position, not of all T: (V,)
+        logits = view.model.read_out(stream[0, position])
+    shown = top_tokens(view, logits, CANDIDATES)
     token = shown[0] if token is None else check_token(view, "token", token)
     with torch.no_grad():
-        found = logit_attribution(view.model, encoded.idx, token, pos=position)
+        found = logit_attribution(view.model, encoded.idx, token, pos=position, cache=cache)
     values = found.values.double()
     return {"position": position, "token": _token(view, token),
             "candidates": [_token(view, i) for i in dict.fromkeys([token, *shown])],
@@ -180,9 +184,22 @@ def score_half(block_size: int) -> int | None:
     return half if half >= 2 else None
 
 
+SCORE_FLOPS = 1e11  # the most a model's head scores may cost, in multiply-adds x 2
+
+
+def score_batch(model: Any, half: int) -> int:
+    """Sequences of 2 * half tokens the head scores average over: 8, or as many (at least one)
+    as fit SCORE_FLOPS at 2 FLOPs per parameter and token (a 0.6B model: one, about a second
+    of the page's first screen rather than ten)."""
+    flops_per_sequence = 2 * sum(p.numel() for p in model.parameters()) * 2 * half
+    return max(1, min(8, int(SCORE_FLOPS // flops_per_sequence)))
+
+
 def scores_of(model: Any) -> HeadScores | None:
     half = score_half(model.config.block_size)
-    return None if half is None else head_scores(model, half=half)
+    if half is None:
+        return None
+    return head_scores(model, half=half, batch=score_batch(model, half))
 
 
 def scores_answer(scores: HeadScores | None) -> dict[str, Any] | None:
@@ -204,15 +221,19 @@ def mlp_table(view: View, layer: int) -> list[tuple[str, str, str]]:
     if block.pre_ln:
         rows.append(("normed", "ln2.hook_normalized",
                      f"ln2 ({norm}): u normalised, before its gain: what the MLP reads, scaled"))
-    if gated:
-        rows += [("pre", "ffn.hook_pre", "gate(x): the gate projection, before its SiLU"),
+    if gated:  # SwiGLU's gate through SiLU, GeGLU's (Gemma) through tanh-GELU
+        gate = "gelu_tanh" if activation == "geglu" else "silu"
+        rows += [("pre", "ffn.hook_pre", f"gate(x): the gate projection, before its {gate}"),
                  ("pre_linear", "ffn.hook_pre_linear", "up(x): the up projection"),
-                 ("post", "ffn.hook_post", "silu(gate) * up: the gate lets each feature through")]
+                 ("post", "ffn.hook_post", f"{gate}(gate) * up: the gate lets each feature "
+                  "through")]
     else:
         rows += [("pre", "ffn.hook_pre", f"fc(x): the up projection, before the {activation}"),
                  ("post", "ffn.hook_post", f"{activation}(pre): the activation")]
     rows.append(("mlp_out", "hook_mlp_out",
-                 "proj(post): the down projection, what the MLP adds to the residual stream"))
+                 "proj(post): the down projection, what the MLP adds to the residual stream"
+                 if block.ln2_post is None else "ln2_post(proj(post)): the down projection, "
+                 "normalised (post_norms): what the MLP adds to the residual stream"))
     rows.append(("resid_post", "hook_resid_post", "u + mlp_out: the stream leaving the block"
                  if block.pre_ln else f"ln2(u + mlp_out) ({norm}, Post-LN): leaving the block"))
     return rows
@@ -227,7 +248,8 @@ def mlp(view: View, prompt: str, layer: int, position: int) -> dict[str, Any]:
     table = mlp_table(view, layer)
     names = {point: lens_name(f"blocks.{layer}.{point}") for _, point, _ in table}
     names["hook_resid_pre"] = f"blocks.{layer}.hook_resid_pre"
-    _, cache = run_with_cache(view.model, encoded.idx, names=list(names.values()))
+    _, cache = run_with_cache(view.model, encoded.idx, names=list(names.values()),
+                              stop_at_layer=layer + 1)  # the later blocks add nothing here
     block = view.model.blocks[layer]
     sources = point_sources(block, cache[names["hook_resid_pre"]],
                             {step: point for step, point, _ in table})
@@ -254,7 +276,7 @@ def qk_stages(view: View, prompt: Prompt, layer: int, head: int, position: int,
     names = [f"{at}.hook_q", f"{at}.hook_k"]
     if attn.q_norm is not None:
         names += [f"{at}.q_norm.hook_normalized", f"{at}.k_norm.hook_normalized"]
-    _, cache = run_with_cache(view.model, prompt.idx, names=names)
+    _, cache = run_with_cache(view.model, prompt.idx, names=names, stop_at_layer=layer + 1)
     stages: dict[str, list[tuple[str, str, Tensor]]] = {
         "q": [("q_proj", f"q = x W_Q: head {head}'s projection, before "
                f"{_turns(attn)}", cache[f"{at}.hook_q"][0, position, head])],

@@ -44,13 +44,13 @@ from glassgpt.model import GPT, count_parameters
 from glassgpt.rundir.checkpoint import read_run_config
 from glassgpt.tokenizers import Tokenizer, same_tokenizer
 from glassgpt.training.metrics import read_metrics
-from glassgpt.view import causal
+from glassgpt.view import causal, walk
 from glassgpt.view.checks import integer
 from glassgpt.view.lens import (
     Ablation,
     TopK,
     attention_scores,
-    head_steps,
+    layer_kinds,
     lens_top_k,
     parameter_counts,
     prompt_loss,
@@ -58,7 +58,7 @@ from glassgpt.view.lens import (
     trace,
 )
 from glassgpt.view.pieces import piece_text
-from glassgpt.view.values import DECIMALS, Prompt, rounded, step_answer
+from glassgpt.view.values import DECIMALS, Prompt, rounded
 
 MAX_PROMPT_CHARS = 20_000  # refused before tokenizing: longer than any context glassgpt trains
 MAX_TOP_K = 20
@@ -117,9 +117,30 @@ class TraceCache:
         return sum(inside.nbytes for inside in self.entries.values())
 
 
-def lower_triangle(weights: Tensor) -> list[list[float]]:
-    """Causal attention (T, T) as its rows up to the diagonal: row i has i + 1 weights."""
-    return [row[:i + 1] for i, row in enumerate(rounded(weights))]
+def lower_triangle(weights: Tensor, hidden: Tensor | None = None) -> list[list[float | None]]:
+    """Causal attention (T, T) as its rows up to the diagonal: row i has i + 1 entries. Where
+    `hidden` (T, T) is True (a local layer's keys outside its window) the entry is None: a key
+    the query cannot see, never a weight of 0 (the page hatches it)."""
+    rows = [row[:i + 1] for i, row in enumerate(rounded(weights))]
+    if hidden is None:
+        return rows
+    for row, out in zip(rows, hidden.tolist(), strict=True):
+        row[:] = [None if gone else value for value, gone in zip(row, out[:len(row)],
+                                                                  strict=True)]
+    return rows
+
+
+def out_of_window(tokens: int, window: int | None, cells: int | None = None) -> Tensor | None:
+    """(T, T) True where a local layer's query cannot see an earlier key: W or more positions
+    back. Shrunk to (cells, cells) as `pooled` shrinks the maps, a cell is hidden only when its
+    whole block is. None for a global layer, or a window that holds the whole prompt."""
+    if window is None or window >= tokens:
+        return None
+    at = torch.arange(tokens)
+    seen = (at[:, None] - at[None, :] < window).float()  # (T, T): the band (and the future)
+    if cells is not None and tokens > cells:
+        seen = F.adaptive_avg_pool2d(seen[None, None], cells)[0, 0]  # (cells, cells)
+    return seen == 0
 
 
 def scale_of(values: Tensor) -> dict[str, float]:
@@ -279,8 +300,9 @@ class RunView:
     def attention(self, prompt: str, layer: int, head: int | None = None,
                   kind: str = "weights") -> dict[str, Any]:
         """The attention of `layer`: one head, or all its heads (head None). Each map is sent
-        as the rows of its lower triangle (row i: what token i attends to, keys 0..i).
-        kind "weights": after the softmax (rows sum to 1); "scores": q . k / sqrt(d) before it."""
+        as the rows of its lower triangle (row i: what token i attends to, keys 0..i); on a
+        local layer the keys W or more back are None (hidden by the window, not weights of 0).
+        kind "weights": after the softmax (rows sum to 1); "scores": q . k scaled, before it."""
         config = self.model.config
         check_index("layer", layer, config.n_layer)
         if head is not None:
@@ -295,10 +317,13 @@ class RunView:
             maps = attention_scores(self.model, inside.residuals, layer)[0].float().cpu()
         heads = list(range(config.n_head)) if head is None else [head]
         shown = maps[heads]  # (heads, T, T)
+        window = self.model.blocks[layer].attn.window
+        hidden = out_of_window(len(encoded.ids), window)
         return {"layer": layer, "heads": heads, "tokens": len(encoded.ids), "kind": kind,
+                "attention": "global" if window is None else "local", "window": window,
                 "kv_head_of": [self._kv_head(layer, h) for h in heads],
                 "scale": {"min": 0.0, "max": 1.0} if kind == "weights" else scale_of(shown),
-                "weights": [lower_triangle(maps[h]) for h in heads]}
+                "weights": [lower_triangle(maps[h], hidden) for h in heads]}
 
     def _kv_head(self, layer: int, head: int) -> int:
         attn = self.model.blocks[layer].attn
@@ -306,67 +331,42 @@ class RunView:
 
     def overview(self, prompt: str) -> dict[str, Any]:
         """Every head of every layer at once, as thumbnails: weights[layer][head] is a map of
-        at most THUMBNAIL_CELLS x THUMBNAIL_CELLS (a longer prompt's cells are averaged)."""
+        at most THUMBNAIL_CELLS x THUMBNAIL_CELLS (a longer prompt's cells are averaged). A
+        cell a local layer's window hides entirely is None."""
         encoded = self.encode(prompt)
         maps = pooled(self.inside(encoded).attention, THUMBNAIL_CELLS)  # (L, H, n, n)
-        n = maps.shape[-1]
-        return {"tokens": len(encoded.ids), "cells": n, "pooled": n < len(encoded.ids),
-                "weights": [[lower_triangle(head) for head in layer] for layer in maps],
+        n, T = maps.shape[-1], len(encoded.ids)
+        hidden = [out_of_window(T, block.attn.window, THUMBNAIL_CELLS)
+                  for block in self.model.blocks]
+        return {"tokens": T, "cells": n, "pooled": n < T,
+                "weights": [[lower_triangle(head, gone) for head in layer]
+                            for layer, gone in zip(maps, hidden, strict=True)],
                 "scores": causal.scores_answer(self.head_scores())}
 
     def attends(self, prompt: str, position: int) -> dict[str, Any]:
         """What the token at `position` attends to in every head of every layer:
-        weights[layer][head] over keys 0..position."""
+        weights[layer][head] over keys 0..position, None for a key a local layer's window hides."""
         encoded = self.encode(prompt)
         check_index("position", position, len(encoded.ids))
         rows = self.inside(encoded).attention[:, :, position, :position + 1]  # (L, H, p + 1)
-        return {"position": position, "weights": rounded(rows)}
+        weights = rounded(rows)
+        for heads, block in zip(weights, self.model.blocks, strict=True):
+            first = 0 if block.attn.window is None else position - block.attn.window + 1
+            for row in heads:
+                row[:max(0, first)] = [None] * max(0, first)
+        return {"position": position, "weights": weights}
 
     # --- inside one head ---------------------------------------------------------------------
 
     def head(self, prompt: str, layer: int, head: int, position: int) -> dict[str, Any]:
         """One query token through one head, step by step, with the model's numbers: each step
-        has its name, shape, values and the line of attention.py / block.py computing it."""
+        has its name, shape, values and the line of attention.py / block.py computing it
+        (`glassgpt.view.walk`)."""
         config = self.model.config
         check_index("layer", layer, config.n_layer)
         check_index("head", head, config.n_head)
-        encoded = self.encode(prompt)
-        check_index("position", position, len(encoded.ids))
-        steps = head_steps(self.model, encoded.idx, layer, head, position,
-                           self.inside(encoded).residuals)
-        seen = slice(0, int(steps.visible.sum())) if self.model.blocks[layer].attn.causal \
-            else slice(None)
-        d = steps.q.shape[0]
-        pre_ln = self.model.blocks[layer].pre_ln
-        norm = type(self.model.blocks[layer].ln1).__name__  # LayerNorm or RMSNorm
-        attn = self.model.blocks[layer].attn
-        after = [name for name, module in (("QK-norm", attn.q_norm), ("rotary", attn.rotary))
-                 if module is not None]
-        turned = f", after {' and '.join(after)}" if after else ""
-        stages = causal.qk_stages(self, encoded, layer, head, position, seen)
-        table = [
-            ("residual", "residual stream entering the block", steps.residual),
-            ("normed", f"ln1(x) ({norm}): what attention reads" if pre_ln
-             else "x itself (Post-LN: attention reads the residual stream)", steps.normed),
-            *stages["q"],
-            ("q", f"q: the query of head {head}{turned}", steps.q),
-            *stages["k"],
-            ("keys", f"k: the keys it can see (K/V head {steps.kv_head}){turned}",
-             steps.keys[seen]),
-            ("scores", f"q . k / sqrt({d}): scaled scores", steps.scores[seen]),
-            ("mask", "causal mask: which keys it may see", steps.visible),
-            ("weights", "softmax over the visible scores", steps.weights[seen]),
-            ("values", f"v: the values it mixes (K/V head {steps.kv_head})", steps.values[seen]),
-            ("mixed", "weights @ v: the head's output", steps.mixed),
-            ("w_o", f"W_O rows {head * d}..{(head + 1) * d - 1}: this head's slice", steps.w_o),
-            ("contribution", "mixed @ W_O: what this head adds to the residual stream",
-             steps.contribution),
-        ]
-        sources = steps.sources
-        return {"layer": layer, "head": head, "position": position, "kv_head": steps.kv_head,
-                "n_kv_head": self.model.blocks[layer].attn.n_kv_head, "head_dim": d,
-                "steps": [step_answer(name, title, values, sources[name])
-                          for name, title, values in table]}
+        check_index("position", position, len(self.encode(prompt).ids))
+        return walk.head_answer(self, prompt, layer, head, position)
 
     # --- why: patching, attribution, head scores, the MLP (glassgpt.view.causal) --------------
 
@@ -473,6 +473,7 @@ class RunView:
         config = self.model.config
         return {"name": self.name, "example_prompt": self.example_prompt(),
                 "model": config.to_dict(),
+                "layers": layer_kinds(self.model),  # local (a window of W keys) or global
                 "tokenizer": {"kind": self.tokenizer.kind,
                               "vocab_size": self.tokenizer.vocab_size},
                 "parameters": {"total": count_parameters(self.model),

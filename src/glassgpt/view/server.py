@@ -47,6 +47,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
+from torch import nn
 
 from glassgpt.config import SamplingConfig
 from glassgpt.errors import GlassGPTError
@@ -63,21 +64,35 @@ log = logging.getLogger("glassgpt.view")
 T = TypeVar("T")
 
 
+PROBE_FLOPS = 1e10  # the most one timed pass of "auto" may cost (2 FLOPs a parameter a token)
+
+
+def probe_tokens(model: nn.Module) -> int:
+    """The prompt length "auto" times the thread counts on: 64 tokens (the page's unit of
+    work), fewer for a model whose 64-token pass would cost more than PROBE_FLOPS (a 0.6B
+    model: 8, so that the seven timed passes take a second or two, not six), never under 8."""
+    parameters = sum(p.numel() for p in model.parameters())
+    fits = int(PROBE_FLOPS // (2 * max(parameters, 1)))
+    return max(1, min(64, model.config.block_size, max(8, fits)))
+
+
 def load_for_view(run_dir: str | Path, device: str | torch.device = "cpu",
                   checkpoint: str = "best", threads: int | str | None = None) -> RunView:
     """The run that `glassgpt view` shows: its best weights by default, or its last.
 
     `threads` (a count, "auto" or None: glassgpt.machine.threadsetting) is the CPU's thread count;
-    "auto" times a forward over a prompt of up to 64 tokens, the page's unit of work, and keeps
-    the faster count. The view's `threads` is the count it serves with."""
+    "auto" times a forward over a prompt of up to 64 tokens (`probe_tokens`), the page's unit
+    of work, and keeps the faster count; it reads out the last position only (the blocks are
+    what is timed: a 151,936-word head over 64 positions made each of the seven timed passes
+    20 GFLOP more). The view's `threads` is the count it serves with."""
     run_dir = Path(run_dir)
     model, tokenizer = load_model(run_dir, device, checkpoint=checkpoint)
     model.eval()
     on = model.lm_head.weight.device
-    prompt = torch.arange(min(64, model.config.block_size), device=on)[None, :] \
+    prompt = torch.arange(probe_tokens(model), device=on)[None, :] \
         % model.config.vocab_size  # (1, T)
     with torch.no_grad():
-        chosen = settle_threads(threads, on, lambda: model(prompt))
+        chosen = settle_threads(threads, on, lambda: model(prompt, last_only=True))
     return RunView(model, tokenizer, run_dir, threads=chosen)
 
 

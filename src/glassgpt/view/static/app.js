@@ -216,13 +216,22 @@ function select(position) {
 
 function tokenName(i) { return `'${visible(state.tokens[i].text)}' (position ${i})`; }
 
+// A layer as the page names it: with a sliding window anywhere in the model, whether this
+// layer is local (its query sees W keys) or global (every earlier key).
+function layerName(layer) {
+  const kinds = (state.card && state.card.layers) || [];
+  if (!kinds.some((k) => k.window !== null)) return `layer ${layer}`;
+  const kind = kinds[layer];
+  return kind.window === null ? `layer ${layer} · global` : `layer ${layer} · local, window ${kind.window}`;
+}
+
 // --- attention maps --------------------------------------------------------------------------
 
 function fillLayerAndHead() {
   const m = state.card.model;
   const { n_layer: L, n_head: H } = m;
   $("layer").replaceChildren(...Array.from({ length: L }, (_, l) =>
-    el("option", { value: l }, `layer ${l}`)));
+    el("option", { value: l }, layerName(l))));
   $("head").replaceChildren(el("option", { value: "all" }, "all heads"),
     ...Array.from({ length: H }, (_, h) => el("option", { value: h }, `head ${h}`)));
   // Every head at once is the default while a full context's maps stay small to send (about
@@ -231,7 +240,7 @@ function fillLayerAndHead() {
   state.head = weights <= 400000 ? "all" : 0;
   $("head").value = String(state.head);
   $("inside-layer").replaceChildren(...Array.from({ length: L }, (_, l) =>
-    el("option", { value: l }, `layer ${l}`)));
+    el("option", { value: l }, layerName(l))));
   $("inside-head").replaceChildren(...Array.from({ length: H }, (_, h) =>
     el("option", { value: h }, `head ${h}`)));
   renderSwitches();
@@ -282,7 +291,8 @@ function renderAttention() {
     const shared = answer.kv_head_of[i] !== head || state.card.model.n_kv_head
       ? ` · K/V head ${answer.kv_head_of[i]}` : "";
     return el("div", { class: "map-panel", dataset: { head } },
-      el("p", { class: "panel-title" }, `layer ${answer.layer}, head ${head}${shared}`), canvas);
+      el("p", { class: "panel-title" }, `${layerName(answer.layer)}, head ${head}${shared}`),
+      canvas);
   }));
   box.dataset.kind = answer.kind;
   box.dataset.layer = answer.layer;
@@ -313,7 +323,8 @@ function sharpCanvas(canvas, width, height) {
 }
 
 // One attention map on a canvas: token labels left (queries) and on top (keys), a cell per
-// (query, key), the future greyed out, the selected row outlined.
+// (query, key), the future hatched, and on a local layer the keys outside its window too (sent
+// as null: hidden, not a weight of 0), the selected row outlined.
 function drawMap(rows, labels, cell, scale = { min: 0, max: 1 }, what = "weights") {
   const T = labels.length;
   const canvas = document.createElement("canvas");
@@ -331,6 +342,7 @@ function drawMap(rows, labels, cell, scale = { min: 0, max: 1 }, what = "weights
   ctx.fillRect(left, top, T * cell, T * cell);
   for (let q = 0; q < T; q++) {
     for (let k = 0; k <= q; k++) {
+      if (rows[q][k] === null) continue; // outside the window: the hatching shows through
       ctx.fillStyle = mapShade(rows[q][k], scale);
       ctx.fillRect(left + k * cell, top + q * cell, cell, cell);
     }
@@ -391,10 +403,17 @@ function hoverMap(event, canvas, answer, i) {
   if (!at) { readout.textContent = ""; return; }
   const head = `layer ${answer.layer} head ${answer.heads[i]}`;
   const what = answer.kind === "weights" ? "weight" : "score";
-  readout.textContent = at.col > at.row
-    ? `${head}: ${tokenName(at.row)} cannot see the later ${tokenName(at.col)} (masked)`
-    : `${head}: ${tokenName(at.row)} → ${tokenName(at.col)}: ${what} ` +
-      `${fmt(answer.weights[i][at.row][at.col])}`;
+  const value = at.col > at.row ? null : answer.weights[i][at.row][at.col];
+  if (at.col > at.row) {
+    readout.textContent = `${head}: ${tokenName(at.row)} cannot see the later ` +
+      `${tokenName(at.col)} (masked)`;
+  } else if (value === null) {
+    readout.textContent = `${head}: ${tokenName(at.row)} cannot see ${tokenName(at.col)}, ` +
+      `${at.row - at.col} back: a local layer sees the last ${answer.window} keys (masked)`;
+  } else {
+    readout.textContent = `${head}: ${tokenName(at.row)} → ${tokenName(at.col)}: ${what} ` +
+      `${fmt(value)}`;
+  }
 }
 
 // --- what one token attends to, everywhere ---------------------------------------------------
@@ -417,20 +436,22 @@ function renderAttends(answer) {
   const head = el("tr", {}, el("th", {}, ""),
     ...Array.from({ length: H }, (_, h) => el("th", {}, `head ${h}`)));
   const rows = answer.weights.map((heads, layer) => el("tr", {},
-    el("th", {}, `layer ${layer}`),
+    el("th", {}, layerName(layer)),
     ...heads.map((weights) => el("td", {}, strip(weights), topKeys(weights)))));
   $("attends").replaceChildren(legendCanvas(), el("table", { class: "attends" }, head, ...rows));
   $("attends").dataset.position = p;
 }
 
-// A heat strip of one attention row: keys 0..p left to right.
+// A heat strip of one attention row: keys 0..p left to right (hatched: outside a local
+// layer's window).
 function strip(weights) {
   const width = 176, height = 12;
   const canvas = document.createElement("canvas");
   const ctx = sharpCanvas(canvas, width, height);
   const step = width / weights.length;
+  const hidden = maskPattern(ctx);
   weights.forEach((w, k) => {
-    ctx.fillStyle = shade(w);
+    ctx.fillStyle = w === null ? hidden : shade(w);
     ctx.fillRect(k * step, 0, Math.max(step, 1), height);
   });
   ctx.strokeStyle = "#d9dee6";
@@ -439,7 +460,8 @@ function strip(weights) {
 }
 
 function topKeys(weights) {
-  const order = weights.map((w, k) => [w, k]).sort((a, b) => b[0] - a[0]).slice(0, 3);
+  const order = weights.map((w, k) => [w, k]).filter(([w]) => w !== null)
+    .sort((a, b) => b[0] - a[0]).slice(0, 3);
   const lines = order.map(([w, k]) =>
     `${fmt(w)} ${visible(state.tokens[k].text).padEnd(2)} @${k}`);
   return el("div", { class: "top" }, lines.join("\n"));
@@ -571,7 +593,7 @@ function renderOverview() {
   const H = O.weights[0].length;
   const header = el("tr", {}, el("th", {}, ""),
     ...Array.from({ length: H }, (_, h) => el("th", {}, `head ${h}`)));
-  const rows = O.weights.map((heads, layer) => el("tr", {}, el("th", {}, `layer ${layer}`),
+  const rows = O.weights.map((heads, layer) => el("tr", {}, el("th", {}, layerName(layer)),
     ...heads.map((rows, head) => el("td", {}, thumbnail(rows, n, px, layer, head),
       ...scoreBadges(O.scores, layer, head)))));
   const legend = legendCanvas();
@@ -595,6 +617,7 @@ function thumbnail(rows, n, px, layer, head) {
   ctx.fillStyle = maskPattern(ctx);
   ctx.fillRect(0, 0, n * px, n * px);
   rows.forEach((row, q) => row.forEach((w, k) => {
+    if (w === null) return; // a block a local layer's window hides: hatched
     ctx.fillStyle = shade(w);
     ctx.fillRect(k * px, q * px, px, px);
   }));
@@ -650,7 +673,7 @@ function renderHeadView() {
   const lane = Math.min(6, (rowPx - 2) / heads.length);
   const offset = (h) => (h - (heads.length - 1) / 2) * lane;
   heads.forEach((weights, h) => weights.forEach((w, k) => {
-    if (w < 0.01) return;
+    if (w === null || w < 0.01) return; // null: outside a local layer's window
     const line = add("line", { x1: left, y1: y(p) + offset(h), x2: right, y2: y(k) + offset(h),
       stroke: HEAD_COLOURS[h % HEAD_COLOURS.length],
       "stroke-width": Math.max(1, lane * (0.3 + 0.6 * w)),
@@ -682,9 +705,11 @@ function renderInside(answer) {
   const grouped = answer.n_kv_head < state.card.model.n_head
     ? ` · shares K/V head ${answer.kv_head} with heads ${sharing(answer)}` : "";
   $("inside-query").textContent =
-    `query ${tokenName(p)} · layer ${answer.layer}, head ${answer.head} · d = ${answer.head_dim}` +
-    grouped;
-  $("inside").replaceChildren(...answer.steps.map((step) => stepItem(step, p)));
+    `query ${tokenName(p)} · ${layerName(answer.layer)}, head ${answer.head} · ` +
+    `d = ${answer.head_dim}` + grouped +
+    (answer.window === null ? "" : ` · sees keys ${answer.first_key}..${p}`) +
+    (answer.softcap === null ? "" : ` · scores soft-capped at ±${answer.softcap}`);
+  $("inside").replaceChildren(...answer.steps.map((step) => stepItem(step, p, answer.first_key)));
   $("inside").dataset.layer = answer.layer;
   $("inside").dataset.head = answer.head;
   $("inside").dataset.position = p;
@@ -696,8 +721,8 @@ function sharing(answer) {
   return Array.from({ length: group }, (_, i) => first + i).join(", ");
 }
 
-function stepBody(step, p) {
-  if (["scores", "weights", "mask"].includes(step.name)) return keyTable(step, p);
+function stepBody(step, p, first = 0) {
+  if (["scores", "weights", "mask"].includes(step.name)) return keyTable(step, p, first);
   if (step.shape.length === 2) return matrix(step);
   return vectorCells(step.values);
 }
@@ -712,11 +737,14 @@ function vectorCells(values) {
     ...shown, ...more);
 }
 
-// Scores, mask and weights: one column per key the query can see (the mask: every key).
-function keyTable(step, p) {
-  const keys = step.values.map((_, k) => el("th", { title: `position ${k}` },
-    visible(state.tokens[k].text)));
-  const cells = step.values.map((v, k) => {
+// Scores, mask and weights: one column per key the query can see, from `first` on (the mask:
+// every key).
+function keyTable(step, p, first = 0) {
+  const from = step.name === "mask" ? 0 : first;
+  const keys = step.values.map((_, i) => el("th", { title: `position ${i + from}` },
+    visible(state.tokens[i + from].text)));
+  const cells = step.values.map((v, i) => {
+    const k = i + from;
     if (step.name === "mask") {
       return el("td", { class: v ? "seen" : "masked", dataset: { value: v } },
         v ? "sees" : "masked");
@@ -745,7 +773,7 @@ function matrix(step) {
     ctx.fillRect(c * px, r * rowPx, px, rowPx);
   }));
   const what = step.name === "w_o" ? "rows: the head's d outputs · columns: the residual width"
-    : "rows: the keys 0.. the query sees · columns: the head width d";
+    : "rows: the keys the query sees, oldest first · columns: the head width d";
   return el("div", { class: "matrix" }, canvas, el("p", { class: "hint" },
     `${what} · blue > 0 > red, ±${scale.toFixed(3)} at the ends`));
 }

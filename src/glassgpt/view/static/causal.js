@@ -12,13 +12,15 @@ async function loadMlp(generation) {
   const answer = await api("mlp", { prompt: $("prompt").value, layer, position });
   if (generation !== state.generation || position !== state.selected) return;
   $("mlp-query").textContent = `${tokenName(position)} through the MLP of layer ${layer} · ` +
-    `hidden width ${answer.hidden}${answer.gated ? " (gated: SwiGLU)" : ""}`;
+    `hidden width ${answer.hidden}` +
+    (answer.gated ? ` (gated: ${state.card.model.activation === "geglu" ? "GeGLU" : "SwiGLU"})` : "");
   $("mlp").replaceChildren(...answer.steps.map((step) => stepItem(step, position)));
   Object.assign($("mlp").dataset, { layer, position });
 }
 
 // One step of a walk (a head's or the MLP's): title, shape, the line computing it, values.
-function stepItem(step, p) {
+// `first`: the first key a head's query sees (later than 0 on a local layer).
+function stepItem(step, p, first = 0) {
   return el("li", { class: "step", dataset: { step: step.name } },
     el("div", { class: "step-head" },
       el("span", { class: "step-title" }, step.title),
@@ -26,7 +28,7 @@ function stepItem(step, p) {
       el("code", { class: "where", title: step.source.text },
         `${step.source.file}:${step.source.line} ${step.source.function}`)),
     el("pre", { class: "code" }, step.source.text),
-    stepBody(step, p));
+    stepBody(step, p, first));
 }
 
 // --- head scores as badges -------------------------------------------------------------------

@@ -1,0 +1,146 @@
+"""What every Hugging Face architecture's translation shares: the `Architecture` record the
+table holds, and the small steps its settings go through both ways (a setting read with its
+family's default, a width left None where GPTConfig's default already means it, the one
+dropout rate, a switch the family lacks refused by name).
+
+The families themselves are glassgpt.hf.architectures (GPT-2 and the Llama family, and the
+table of all) and glassgpt.hf.gemma (Gemma 3 and 2), which imports from here and not from the
+table that lists it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from glassgpt.config import GPTConfig
+from glassgpt.errors import ConfigError
+from glassgpt.hf.files import HF_SETTINGS
+from glassgpt.hf.rotary import RotaryTranslation
+
+# Rotary positions have no table in the weights to bound the context, and the model keeps a
+# position index per position: a config.json's context is bounded here (the longest models
+# published hold about 10M positions).
+MAX_ROTARY_CONTEXT = 2**24
+# Old Llama checkpoints (transformers < 4.31) saved each layer's rotary frequencies.
+ROTARY_BUFFER_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def llama_layer(part: str) -> str:
+    """The HF name of a decoder layer's `part` in the Llama family and Gemma: "{i}" is the
+    layer index."""
+    return f"model.layers.{{i}}.{part}"
+
+
+# glassgpt name -> HF name in the Llama family (Gemma starts from these too); a tuple is the HF
+# tensors stacked along the rows of ours (q, k, v).
+LLAMA_NAMES: dict[str, str | tuple[str, ...]] = {
+    "tok_emb.weight": "model.embed_tokens.weight",
+    "ln_f.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "blocks.{i}.ln1.weight": llama_layer("input_layernorm.weight"),
+    "blocks.{i}.ln2.weight": llama_layer("post_attention_layernorm.weight"),
+    **{f"blocks.{{i}}.attn.qkv.{kind}": tuple(llama_layer(f"self_attn.{p}_proj.{kind}")
+                                            for p in "qkv") for kind in ("weight", "bias")},
+    "blocks.{i}.attn.proj.weight": llama_layer("self_attn.o_proj.weight"),
+    "blocks.{i}.attn.proj.bias": llama_layer("self_attn.o_proj.bias"),
+    "blocks.{i}.attn.q_norm.weight": llama_layer("self_attn.q_norm.weight"),
+    "blocks.{i}.attn.k_norm.weight": llama_layer("self_attn.k_norm.weight"),
+    **{f"blocks.{{i}}.ffn.{ours}.{kind}": llama_layer(f"mlp.{theirs}_proj.{kind}")
+       for ours, theirs in (("gate", "gate"), ("up", "up"), ("proj", "down"))
+       for kind in ("weight", "bias")},
+}
+
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One HF architecture: its names, and the translation of its settings both ways."""
+
+    model_type: str  # config.json's "model_type"
+    title: str  # for messages
+    hf_class: str  # the `transformers` class of the LM
+    hf_config_class: str  # ... and of its config
+    base_prefix: str  # the base model's attribute inside the LM, as its weight names show
+    names: dict[str, str | tuple[str, ...]]
+    conv1d: frozenset[str]  # our name patterns whose HF weight is stored (in, out)
+    skipped: tuple[str, ...]  # suffixes of buffers old checkpoints stored beside the weights
+    config_from_hf: Callable[[Any, float | None], GPTConfig]
+    hf_settings: Callable[[GPTConfig], dict[str, Any]]  # kwargs of the transformers config
+    rotary: RotaryTranslation | None = None  # how its rotary settings are written; None: none
+    # settings an older transformers' config class would keep without acting on them
+    required_settings: tuple[str, ...] = ()
+
+
+def reader(hf_config: Any, model_type: str) -> Callable[[str], Any]:
+    """setting(key): the config's value, or transformers' default when it has none."""
+    defaults = HF_SETTINGS[model_type]
+    return lambda key: getattr(hf_config, key, defaults.get(key, (None,))[0])
+
+
+def unless_usual(value: int, usual: int) -> int | None:
+    """None where GPTConfig's None means `value` already (so a round trip keeps the config)."""
+    return None if value == usual else value
+
+
+def own_head_width(head_dim: Any, heads: Any, hidden: Any) -> int | None:
+    """head_dim, or None where it is hidden_size / heads (GPTConfig's default)."""
+    if head_dim is None or not isinstance(heads, int) or not isinstance(hidden, int):
+        return head_dim  # GPTConfig's checks name a width that is no integer
+    return None if head_dim * heads == hidden else head_dim
+
+
+def rotary_context(setting: Callable[[str], Any]) -> Any:
+    """max_position_embeddings, bounded (see MAX_ROTARY_CONTEXT)."""
+    context = setting("max_position_embeddings")
+    if isinstance(context, int) and context > MAX_ROTARY_CONTEXT:
+        raise ConfigError(f"max_position_embeddings={context:,} is more than glassgpt holds "
+                          f"(at most {MAX_ROTARY_CONTEXT:,} positions)")
+    return context
+
+
+def attention_dropout(setting: Callable[[str], Any]) -> float:
+    """0.0: a family that drops attention weights only must not drop them (glassgpt has one
+    rate for embeddings, residuals and attention), unless the caller chooses one."""
+    rate = float(setting("attention_dropout"))
+    if rate != 0.0:
+        raise ConfigError(f"attention_dropout={rate}: glassgpt has one dropout rate (embeddings, "
+                          f"residuals and attention alike); choose one with dropout=... "
+                          f"(--dropout on the command line)")
+    return 0.0
+
+
+def refuse_if_set(config: GPTConfig, title: str, **plain: Any) -> None:
+    """ConfigError for the first switch that differs from the value `title` hard-codes
+    (None counts as that value where the switch means "the usual")."""
+    for switch, value in plain.items():
+        current = getattr(config, switch, value)
+        if current is not None and current != value:
+            raise ConfigError(f"{switch}={current!r} cannot be exported: {title} has no such "
+                              f"setting")
+
+
+# The switches of Gemma's block (glassgpt.hf.gemma): what every other family must leave off.
+GEMMA_SWITCHES_OFF = dict(post_norms=False, norm_offset=False, embed_scale=False,
+                          sliding_window=None, query_pre_attn_scalar=None, attn_softcap=None)
+
+
+def decoder_settings(config: GPTConfig) -> dict[str, Any]:
+    """The transformers config settings the Llama family and Gemma share (the shape, the norm's
+    epsilon, the tie, the dropout); each family adds its activation, biases and its own."""
+    return dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.n_embd,
+        intermediate_size=config.hidden_width,
+        num_hidden_layers=config.n_layer,
+        num_attention_heads=config.n_head,
+        num_key_value_heads=config.n_kv_head or config.n_head,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.block_size,
+        rms_norm_eps=config.norm_eps,
+        tie_word_embeddings=config.tie_weights,
+        attention_dropout=config.dropout,  # HF drops attention weights only
+        pad_token_id=None,
+    )
+
