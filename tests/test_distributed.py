@@ -49,6 +49,9 @@ ONE_STEP = textwrap.dedent("""
         mean_loss = ddp.mean_over_ranks(loss, context)
         if context.is_main:
             save_file({**model_tensors(model), "loss": mean_loss.reshape(1)}, sys.argv[2])
+        # DDP's reducer goes before the process group does: torn down after it, at exit, it
+        # could abort the rank ("terminate called without an active exception").
+        del wrapped
 """)
 
 
