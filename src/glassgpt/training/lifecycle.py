@@ -183,6 +183,7 @@ def _start(request: _Request) -> TrainOutcome:
                 _announce(request, start)
             ddp.barrier(context)
             result = trainer.run()
+        del trainer  # DDP's reducer before the process group: torn down after it, it can abort
     return TrainOutcome(run_dir, start.action, result, start, warnings)
 
 
@@ -276,6 +277,7 @@ def _resume(request: _Request) -> TrainOutcome:
                 _announce(request, start)
             ddp.barrier(context)
             result = trainer.run()
+        del trainer  # as in train_run: the DDP wrapper goes before the process group
     return TrainOutcome(run_dir, "resume", result, start)
 
 
