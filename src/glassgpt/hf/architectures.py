@@ -40,13 +40,10 @@ from glassgpt.hf.translation import (
     LLAMA_NAMES,
     ROTARY_BUFFER_SUFFIXES,
     Architecture,
-    attention_dropout,
+    decoder_fields,
     decoder_settings,
-    own_head_width,
     reader,
     refuse_if_set,
-    rotary_context,
-    unless_usual,
 )
 
 # HF activation names that compute the same function as one of ours. "gelu_new" is GPT-2's own
@@ -181,32 +178,16 @@ def llama_config_from_hf(hf_config: Any, dropout: float | None = None) -> GPTCon
     describes."""
     model_type = hf_config.model_type
     setting = reader(hf_config, model_type)
-    hidden, heads = setting("hidden_size"), setting("num_attention_heads")
-    n_kv_head = setting("num_key_value_heads") or heads
     act = setting("hidden_act")
     if act not in SILU_NAMES:
         raise ConfigError(f"hidden_act={act!r} is not supported: glassgpt's SwiGLU gates with "
                           f"silu")
     _reject_windows(setting)
-    context = rotary_context(setting)
     n_layer = setting("num_hidden_layers")
     return GPTConfig(
-        vocab_size=setting("vocab_size"),
-        block_size=context,
-        n_layer=n_layer,
-        n_head=heads,
-        n_embd=hidden,
-        head_dim=own_head_width(setting("head_dim"), heads, hidden),
-        n_kv_head=None if n_kv_head == heads else n_kv_head,
-        dropout=attention_dropout(setting) if dropout is None else dropout,
+        **decoder_fields(setting, dropout),
         **_biases(setting, model_type),
         activation="swiglu",
-        mlp_hidden=unless_usual(setting("intermediate_size"), 4 * hidden),
-        pre_ln=True,
-        tie_weights=setting("tie_word_embeddings"),
-        norm="rmsnorm",
-        norm_eps=float(setting("rms_norm_eps")),
-        position="rope",
         **rotary_from_hf(hf_config, setting),
         nope_layers=_nope_layers(setting, n_layer) if model_type == "smollm3" else None,
         qk_norm=model_type == "qwen3",

@@ -32,14 +32,11 @@ from glassgpt.hf.translation import (
     LLAMA_NAMES,
     ROTARY_BUFFER_SUFFIXES,
     Architecture,
-    attention_dropout,
+    decoder_fields,
     decoder_settings,
     llama_layer,
-    own_head_width,
     reader,
     refuse_if_set,
-    rotary_context,
-    unless_usual,
 )
 
 # HF activation names of the tanh GELU (GeGLU's gate), and the one an export writes.
@@ -69,8 +66,6 @@ def gemma_config_from_hf(hf_config: Any, dropout: float | None = None) -> GPTCon
     gemma3 = hf_config.model_type == "gemma3_text"
     setting = reader(hf_config, hf_config.model_type)
     _refuse_unmirrored(setting, "Gemma 3" if gemma3 else "Gemma 2")
-    hidden, heads = setting("hidden_size"), setting("num_attention_heads")
-    n_kv_head = setting("num_key_value_heads") or heads
     n_layer = setting("num_hidden_layers")
     local = _local_layers(setting, n_layer, None if gemma3 else GEMMA2_PATTERN)
     window = _window(setting) if local else None
@@ -82,22 +77,9 @@ def gemma_config_from_hf(hf_config: Any, dropout: float | None = None) -> GPTCon
     else:  # one rotary for every layer
         rotary, local_theta = PLAIN_ROTARY.read(hf_config, setting), None
     return GPTConfig(
-        vocab_size=setting("vocab_size"),
-        block_size=rotary_context(setting),
-        n_layer=n_layer,
-        n_head=heads,
-        n_embd=hidden,
-        head_dim=own_head_width(setting("head_dim"), heads, hidden),
-        n_kv_head=None if n_kv_head == heads else n_kv_head,
-        dropout=attention_dropout(setting) if dropout is None else dropout,
+        **decoder_fields(setting, dropout),
         bias=False,
         activation="geglu",
-        mlp_hidden=unless_usual(setting("intermediate_size"), 4 * hidden),
-        pre_ln=True,
-        tie_weights=setting("tie_word_embeddings"),
-        norm="rmsnorm",
-        norm_eps=float(setting("rms_norm_eps")),
-        position="rope",
         **rotary,
         sliding_window=window,
         local_layers=None if local is None or len(local) == n_layer else local,

@@ -144,3 +144,27 @@ def decoder_settings(config: GPTConfig) -> dict[str, Any]:
         pad_token_id=None,
     )
 
+
+def decoder_fields(setting: Callable[[str], Any], dropout: float | None) -> dict[str, Any]:
+    """GPTConfig's fields that the Llama family and Gemma read alike (`decoder_settings` the
+    other way): the shape, a rotary Pre-LN RMSNorm decoder, the tie and the one dropout rate.
+    Each family adds its activation, biases, rotary and switches."""
+    hidden, heads = setting("hidden_size"), setting("num_attention_heads")
+    n_kv_head = setting("num_key_value_heads") or heads
+    return dict(
+        vocab_size=setting("vocab_size"),
+        block_size=rotary_context(setting),
+        n_layer=setting("num_hidden_layers"),
+        n_head=heads,
+        n_embd=hidden,
+        head_dim=own_head_width(setting("head_dim"), heads, hidden),
+        n_kv_head=None if n_kv_head == heads else n_kv_head,
+        dropout=attention_dropout(setting) if dropout is None else dropout,
+        mlp_hidden=unless_usual(setting("intermediate_size"), 4 * hidden),
+        pre_ln=True,
+        tie_weights=setting("tie_word_embeddings"),
+        norm="rmsnorm",
+        norm_eps=float(setting("rms_norm_eps")),
+        position="rope",
+    )
+
