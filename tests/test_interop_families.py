@@ -67,25 +67,28 @@ def saved(model: torch.nn.Module, path) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_each_family_imports_and_exports_exactly(family, tmp_path) -> None:
-    theirs = hf_model(family)
+def check_import_and_export_exactly(theirs, tmp_path, prompt_tokens: int = 3) -> None:
+    """transformers' model through config.json into glassgpt: the same logits; cached decoding
+    equal to recomputing; exported back, the same class and logits, and the same config."""
     model = from_hf(saved(theirs, tmp_path / "hf"))  # through config.json, as a user has it
     idx = tokens(61, 16)
     torch.testing.assert_close(logits_of(model, idx), logits_of(theirs, idx), atol=TOLERANCE,
                                rtol=0)
-    # the cache decodes what recomputing every position decodes
-    prompt = tokens(61, 3, seed=4)
+    prompt = tokens(61, prompt_tokens, seed=4)
     assert torch.equal(generate(model, prompt, max_new_tokens=10, temperature=0.0),
                        generate(model, prompt, max_new_tokens=10, temperature=0.0,
                                 use_cache=False))
-
     out = save_hf(model, tmp_path / "export")
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(back) is type(theirs)
     torch.testing.assert_close(logits_of(back, idx), logits_of(model, idx), atol=TOLERANCE,
                                rtol=0)
     assert config_from_hf(back.config) == model.config
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_imports_and_exports_exactly(family, tmp_path) -> None:
+    check_import_and_export_exactly(hf_model(family), tmp_path)
 
 
 def test_a_smollm3_directory_goes_through_a_run_sample_and_back_out(

@@ -24,12 +24,12 @@ from glassgpt.hf.interop import (
     config_from_hf,
     from_hf,
     hf_config_from_glassgpt,
-    save_hf,
 )
 from glassgpt.hf.rotary import layered_rope_kwargs
 from glassgpt.rundir.checkpoint import load_model
 
 transformers = pytest.importorskip("transformers")
+from test_interop_families import check_import_and_export_exactly  # noqa: E402
 from test_interop_modern import (  # noqa: E402
     greedy_text,
     logits_of,
@@ -90,21 +90,8 @@ def edit_config(path, **changes) -> dict:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_gemma_imports_and_exports_exactly(variant, tmp_path) -> None:
-    theirs = hf_model(variant)
-    model = from_hf(saved(theirs, tmp_path / "hf"))  # through config.json, as a user has it
-    idx = tokens(61, 16)  # three windows long
-    torch.testing.assert_close(logits_of(model, idx), logits_of(theirs, idx), atol=TOLERANCE,
-                               rtol=0)
-    prompt = tokens(61, 6, seed=4)
-    assert torch.equal(generate(model, prompt, max_new_tokens=10, temperature=0.0),
-                       generate(model, prompt, max_new_tokens=10, temperature=0.0,
-                                use_cache=False))
-    out = save_hf(model, tmp_path / "export")
-    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(back) is type(theirs)
-    torch.testing.assert_close(logits_of(back, idx), logits_of(model, idx), atol=TOLERANCE,
-                               rtol=0)
-    assert config_from_hf(back.config) == model.config
+    # 16 tokens are three windows; the 6-token prompt decodes past the window
+    check_import_and_export_exactly(hf_model(variant), tmp_path, prompt_tokens=6)
 
 
 def test_gemma_maps_to_its_own_switches() -> None:
