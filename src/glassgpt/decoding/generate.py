@@ -229,8 +229,7 @@ def encode_prompt(tokenizer: Tokenizer, text: str, block_size: int,
     which is all the model can see; the caller decides whether to say so (the second value
     exceeds block_size).
     """
-    lead = getattr(tokenizer, "leading_special_ids", None)
-    ids = [*(lead() if special and lead is not None else []), *tokenizer.encode(text)]
+    ids = [*(tokenizer.leading_special_ids() if special else []), *tokenizer.encode(text)]
     if not ids:
         raise InputError("the prompt encodes to no tokens; give a non-empty prompt")
     return torch.tensor([ids[-block_size:]], device=device), len(ids)

@@ -22,6 +22,11 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def leading_special_ids(self) -> list[int]:
+        """The special tokens transformers' `tokenizer(text)` puts before a text (an imported
+        Llama 3's or Gemma's begin-of-sequence token); none for most tokenizers."""
+        ...
+
     def encode_array(self, text: str, dtype: np.dtype) -> np.ndarray:
         """`encode` into an array of `dtype`, for long texts."""
         ...

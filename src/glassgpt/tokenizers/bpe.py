@@ -47,6 +47,7 @@ class BPETokenizer:
 
     def __init__(self, tokenizer: HFTokenizer):
         self.tokenizer = tokenizer
+        self._leading: list[int] | None = None  # leading_special_ids, once asked
 
     @classmethod
     def train(cls, text: str, vocab_size: int) -> BPETokenizer:
@@ -105,7 +106,13 @@ class BPETokenizer:
         """The special tokens the tokenizer's post-processor puts before a text (Llama 3's
         `<|begin_of_text|>`, Gemma's `<bos>`): what transformers' `tokenizer(text)` starts
         with; none for GPT-2, Qwen and glassgpt's own BPE. (Tokens a post-processor adds after
-        the text, an end-of-sequence, are left out: a prompt is continued, not ended.)"""
+        the text, an end-of-sequence, are left out: a prompt is continued, not ended.) Found
+        once, from a probe text, since every prompt of the view and of `sample` asks."""
+        if self._leading is None:
+            self._leading = self._find_leading_special_ids()
+        return self._leading
+
+    def _find_leading_special_ids(self) -> list[int]:
         plain = self.encode(ROUND_TRIP_PROBE)
         full = _rust_call("cannot encode the text", self.tokenizer.encode, ROUND_TRIP_PROBE,
                           add_special_tokens=True).ids

@@ -45,6 +45,9 @@ class CharTokenizer:
     def vocab_size(self) -> int:
         return len(self.chars)
 
+    def leading_special_ids(self) -> list[int]:
+        return []  # characters only: no special tokens
+
     def encode(self, text: str) -> list[int]:
         try:
             return [self.stoi[c] for c in text]
