@@ -53,7 +53,7 @@ class Shaped:
         self.shapes = shapes
 
     def parameters(self):
-        return [torch.empty(shape, device="meta") for shape in self.shapes]
+        return [torch.nn.Parameter(torch.empty(shape, device="meta")) for shape in self.shapes]
 
 
 def test_head_scores_average_fewer_sequences_only_where_eight_would_cost_seconds():

@@ -23,6 +23,7 @@ from glassgpt.interp import patching as patch
 from glassgpt.interp.attribution import logit_attribution
 from glassgpt.interp.hooked import run_with_cache
 from glassgpt.interp.scores import HeadScores, head_scores
+from glassgpt.model import count_parameters
 from glassgpt.view import checks
 from glassgpt.view.lens import point_sources
 from glassgpt.view.values import Prompt, View, rounded, step_answer
@@ -191,7 +192,7 @@ def score_batch(model: Any, half: int) -> int:
     """Sequences of 2 * half tokens the head scores average over: 8, or as many (at least one)
     as fit SCORE_FLOPS at 2 FLOPs per parameter and token (a 0.6B model: one, about a second
     of the page's first screen rather than ten)."""
-    flops_per_sequence = 2 * sum(p.numel() for p in model.parameters()) * 2 * half
+    flops_per_sequence = 2 * count_parameters(model) * 2 * half
     return max(1, min(8, int(SCORE_FLOPS // flops_per_sequence)))
 
 

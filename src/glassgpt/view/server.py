@@ -52,6 +52,7 @@ from torch import nn
 from glassgpt.config import SamplingConfig
 from glassgpt.errors import GlassGPTError
 from glassgpt.machine.devices import settle_threads
+from glassgpt.model import count_parameters
 from glassgpt.rundir.checkpoint import load_model
 from glassgpt.view import requests as req
 from glassgpt.view.inspector import RunView
@@ -71,8 +72,7 @@ def probe_tokens(model: nn.Module) -> int:
     """The prompt length "auto" times the thread counts on: 64 tokens (the page's unit of
     work), fewer for a model whose 64-token pass would cost more than PROBE_FLOPS (a 0.6B
     model: 8, so that the seven timed passes take a second or two, not six), never under 8."""
-    parameters = sum(p.numel() for p in model.parameters())
-    fits = int(PROBE_FLOPS // (2 * max(parameters, 1)))
+    fits = int(PROBE_FLOPS // (2 * max(count_parameters(model), 1)))
     return max(1, min(64, model.config.block_size, max(8, fits)))
 
 
