@@ -115,6 +115,18 @@ def _unchanged(x: Tensor) -> Tensor:
 Hook = Callable[[Tensor], Tensor]
 
 
+def soft_cap(values: Tensor, cap: float | None) -> Tensor:
+    """cap * tanh(values / cap): every value kept within +-cap, small ones nearly unchanged (the
+    attention scores' `attn_softcap`, the logits' `logit_softcap`); values as they are for None."""
+    return values if cap is None else cap * torch.tanh(values / cap)
+
+
+def score_scale(head_dim: int, scale: float | None) -> float:
+    """What q . k is multiplied by: `scale` (Gemma's query_pre_attn_scalar ** -0.5), else
+    1/sqrt(d)."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else scale
+
+
 def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                        dropout: nn.Module, hook_attn_scores: Hook = _unchanged,
                        hook_pattern: Hook = _unchanged, scale: float | None = None,
@@ -126,10 +138,8 @@ def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
     after dropout when it is active. `hook_attn_scores` sees the masked scores (-inf where a
     key is hidden), `hook_pattern` the weights before dropout: the module's hook points.
     """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, S)
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
+    scores = soft_cap((q @ k.transpose(-2, -1)) * score_scale(q.shape[-1], scale),
+                      softcap)  # (B, H, T, S)
     weights = dropout(hook_pattern(masked_softmax(scores, mask, hook_attn_scores)))
     return weights @ v, weights  # (B, H, T, d), (B, H, T, S)
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from glassgpt.attention import KVCache
+from glassgpt.attention import KVCache, soft_cap
 from glassgpt.block import TransformerBlock
 from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError, InputError
@@ -187,9 +187,7 @@ class GPT(nn.Module):
     def read_out(self, x: Tensor) -> Tensor:
         """Residual stream x (..., C) -> logits (..., V): the final norm, the LM head and, with
         `logit_softcap`, cap * tanh(logits / cap), which keeps every logit within +-cap."""
-        logits = self.lm_head(self.ln_f(x))
-        cap = self.config.logit_softcap
-        return logits if cap is None else cap * torch.tanh(logits / cap)
+        return soft_cap(self.lm_head(self.ln_f(x)), self.config.logit_softcap)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None, *,
                 pad_mask: Tensor | None = None, start_pos: int | None = None,

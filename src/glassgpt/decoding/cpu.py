@@ -19,7 +19,6 @@ their values untouched):
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from glassgpt.attention import MultiHeadSelfAttention
+from glassgpt.attention import MultiHeadSelfAttention, score_scale, soft_cap
 from glassgpt.decoding.engine import EagerEngine, one_token_logits, twin
 
 # Inductor options of the compiled step, each applied only where the installed torch knows it
@@ -89,10 +88,8 @@ def one_query_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = N
     q (B, H, 1, d), k and v (B, H, S, d) -> (B, H, 1, d); `scale` and `softcap` as in
     `explicit_attention`.
     """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = (q * k).sum(dim=-1, keepdim=True) * scale  # (B, H, S, 1)
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
+    scores = (q * k).sum(dim=-1, keepdim=True) * score_scale(q.shape[-1], scale)  # (B, H, S, 1)
+    scores = soft_cap(scores, softcap)
     weights = torch.softmax(scores, dim=-2)
     return (weights * v).sum(dim=-2, keepdim=True)  # (B, H, S, d) -> (B, H, 1, d)
 

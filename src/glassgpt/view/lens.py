@@ -20,7 +20,6 @@ d = head width, k = how many top tokens.
 from __future__ import annotations
 
 import linecache
-import math
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,7 +36,9 @@ from glassgpt.attention import (
     build_attention_mask,
     masked_softmax,
     repeat_kv,
+    soft_cap,
 )
+from glassgpt.attention import score_scale as attention_score_scale
 from glassgpt.block import TransformerBlock
 from glassgpt.errors import InputError
 from glassgpt.interp.hooked import attached, zero_heads
@@ -420,15 +421,13 @@ def attention_scores(model: GPT, residuals: Tensor, layer: int) -> Tensor:
 def score_scale(attn: nn.Module) -> float:
     """What q . k is multiplied by in this attention: 1/sqrt(d), or query_pre_attn_scalar
     ** -0.5 where the config sets it (Gemma; `attn.scale`)."""
-    return 1.0 / math.sqrt(attn.head_dim) if attn.scale is None else attn.scale
+    return attention_score_scale(attn.head_dim, attn.scale)
 
 
 def capped(attn: nn.Module, scores: Tensor) -> Tensor:
-    """Scaled scores through the attention soft-cap, cap * tanh(scores / cap), where the config
-    sets one (`attn_softcap`); unchanged otherwise. Before the mask, as the model does."""
-    if attn.softcap is None:
-        return scores
-    return attn.softcap * torch.tanh(scores / attn.softcap)
+    """Scaled scores through the attention's soft-cap, where the config sets one
+    (`attn_softcap`); before the mask, as the model does."""
+    return soft_cap(scores, attn.softcap)
 
 
 def visible_keys(attn: nn.Module, T: int, device: torch.device) -> Tensor | None:
