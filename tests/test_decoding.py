@@ -285,6 +285,54 @@ def test_the_cpu_options_are_used_where_torch_has_them():
     assert options == {k: v for k, v in cpu_engines.CPU_STEP_OPTIONS.items() if k in known}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_greedy_pick_is_the_eager_one_ties_and_damaged_rows_included(dtype):
+    from glassgpt.decoding.sampling import greedy_pick
+
+    logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[1, [7, 300, 999]] = 50.0  # a three-way tie: the first index wins, as in eager
+    logits[2, 3] = float("nan")
+    logits[3, 4] = float("inf")  # damaged rows take token 0 and clear the flag
+    for rows in (logits[:1], logits[:2], logits):  # every batch size and finiteness
+        flag = torch.ones((), dtype=torch.bool)
+        eager, eager_flag = greedy_pick(rows, flag)
+        compiled, compiled_flag = cpu_engines.compiled_greedy_pick()(rows, flag)
+        assert torch.equal(compiled, eager) and bool(compiled_flag) == bool(eager_flag)
+    assert eager[:, 0].tolist()[:4] == [int(logits[0].float().argmax()), 7, 0, 0]
+    assert not bool(eager_flag)
+
+
+def test_greedy_compiled_decoding_picks_every_token_through_the_compiled_pick(monkeypatch):
+    picks = []
+    compiled_pick = cpu_engines.compiled_greedy_pick()
+    monkeypatch.setattr(cpu_engines, "compiled_greedy_pick",
+                        lambda: lambda *args: picks.append(1) or compiled_pick(*args))
+    model, idx = tiny_gpt(seed=4, n_layer=1), prompt(1, 3)
+    tokens = generate(model, idx, max_new_tokens=6, temperature=0.0, compiled=True)
+    assert len(picks) == 6 and torch.equal(tokens, eager_tokens(model, idx, 6, temperature=0.0))
+    generate(model, idx, max_new_tokens=6, temperature=0.9, seed=1, compiled=True)
+    assert len(picks) == 6  # sampling draws eagerly
+
+
+def test_a_wide_model_compiles_its_step_storing_every_intermediate_and_keeps_the_tokens(
+        monkeypatch):
+    """From WIDE_FROM on the step asks inductor to store each intermediate; the same tokens."""
+    asked = []
+    build = cpu_engines.compiled_step
+    monkeypatch.setattr(cpu_engines, "compiled_step",
+                        lambda options: asked.append(dict(options)) or build(options))
+    narrow = tiny_gpt(seed=5, n_layer=1)
+    CompiledCPUEngine(narrow)
+    monkeypatch.setattr(cpu_engines, "WIDE_FROM", narrow.config.n_embd)  # this model is "wide"
+    idx = prompt(1, 3)
+    wide = generate(narrow, idx, max_new_tokens=5, temperature=0.0, compiled=True)
+    known = set(torch._inductor.list_options())
+    assert asked == [cpu_engines.step_compile_options(cpu_engines.CPU_STEP_OPTIONS),
+                     {k: v for k, v in cpu_engines.WIDE_CPU_STEP_OPTIONS.items() if k in known}]
+    assert cpu_engines.options_for_width(768) == cpu_engines.WIDE_CPU_STEP_OPTIONS
+    assert torch.equal(wide, eager_tokens(narrow, idx, 5, temperature=0.0))
+
+
 def test_compiled_bf16_decoding_runs_and_mostly_agrees():
     model = tiny_gpt(seed=3)
     idx = prompt(1, 4)

@@ -27,7 +27,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glassgpt.attention import MultiHeadSelfAttention, score_scale, soft_cap
+from glassgpt.config import SamplingConfig
 from glassgpt.decoding.engine import EagerEngine, one_token_logits, twin
+from glassgpt.decoding.sampling import greedy_pick, is_greedy
 
 # Inductor options of the compiled step, each applied only where the installed torch knows it
 # (`step_compile_options`). By default a CPU kernel may recompute a cheap producer inside its
@@ -35,6 +37,12 @@ from glassgpt.decoding.engine import EagerEngine, one_token_logits, twin
 # every output feature. A low threshold makes inductor store such a row once (510-575 -> 850-890
 # tokens/s on shakespeare-char, BENCHMARKS.md).
 CPU_STEP_OPTIONS = {"realize_cpu_opcount_threshold": 10}  # passed only if known to torch
+# From this width on, store every intermediate (threshold 0): the norm's scale and shift, still
+# recomputed under 10, then cost more per weight element than one more pass per norm. Measured
+# side by side in one process (BENCHMARKS.md, "Decoding, third round"): GPT-2 small (768) steps
+# 1.33x (fp32) and 1.15x (bf16) faster; shakespeare-char (384) and cpu-small 5-15% slower.
+WIDE_FROM = 768
+WIDE_CPU_STEP_OPTIONS = {"realize_cpu_opcount_threshold": 0}
 
 
 class ThreadedLinear(nn.Linear):
@@ -142,7 +150,8 @@ class CompiledCPUEngine(EagerEngine):
 
     def __init__(self, model: Any):
         super().__init__(twin(model, _fusable))
-        self.compiled = compiled_step(tuple(sorted(step_compile_options().items())))
+        options = step_compile_options(options_for_width(model.config.n_embd))
+        self.compiled = compiled_step(tuple(sorted(options.items())))
 
     def start(self, batch_size: int, max_len: int) -> None:
         """A full-size cache, kept on the twin from call to call: the compiled graph is tied
@@ -156,8 +165,21 @@ class CompiledCPUEngine(EagerEngine):
     def step(self, token: Tensor, pos: int) -> Tensor:
         return self.compiled(self.model, token, pos)
 
+    def pick(self, logits: Tensor, all_finite: Tensor, sampling: SamplingConfig,
+             generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        """A greedy choice is one compiled loop over the logits (finite check, zeroing, argmax:
+        about 0.5 ms of eager operators a step on GPT-2's 50,257 logits); sampling is eager."""
+        if is_greedy(sampling.temperature):
+            return compiled_greedy_pick()(logits, all_finite)
+        return super().pick(logits, all_finite, sampling, generator)
+
     def close(self) -> None:
         pass  # the cache stays with the twin (see `start`); the user's model never had one
+
+
+def options_for_width(n_embd: int) -> dict[str, Any]:
+    """The inductor options the compiled step of a model this wide asks for."""
+    return WIDE_CPU_STEP_OPTIONS if n_embd >= WIDE_FROM else CPU_STEP_OPTIONS
 
 
 def step_compile_options(wanted: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -177,3 +199,10 @@ def compiled_step(options: tuple[tuple[str, Any], ...]) -> Callable[[Any, Tensor
     process and options, and shared by every model: dynamo keeps one graph per model shape,
     dtype and batch size, up to its recompile limit (8) per process."""
     return torch.compile(one_token_logits, dynamic=True, options=dict(options))
+
+
+@functools.cache
+def compiled_greedy_pick() -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """`greedy_pick` through torch.compile, built once per process; the vocabulary and batch
+    are dynamic sizes, so one graph serves every model."""
+    return torch.compile(greedy_pick, dynamic=True)

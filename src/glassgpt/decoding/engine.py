@@ -3,6 +3,7 @@
 An engine runs the two calls that incremental decoding is made of, with a KV cache:
     prefill(idx (B, T))        -> logits (B, V) after the prompt, filling positions 0..T-1
     step(token (B, 1), pos)    -> logits (B, V) after `token`, written at position `pos`
+    pick(logits, ...)          -> the next token (B, 1), drawn as `SamplingConfig` says
 and `recompute(window)`, the uncached call used once a sequence outgrows the position table.
 Every engine gives exactly the tokens of `EagerEngine`, which calls `GPT.forward` and nothing
 else; the tests hold each engine to that.
@@ -23,7 +24,11 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor, nn
+
+from glassgpt.config import SamplingConfig
+from glassgpt.decoding.sampling import pick_token
 
 
 class EagerEngine:
@@ -45,6 +50,11 @@ class EagerEngine:
     def step(self, token: Tensor, pos: int) -> Tensor:
         """Logits (B, V) after token (B, 1) at position `pos`; the cache holds the ones before."""
         return one_token_logits(self.model, token, pos)
+
+    def pick(self, logits: Tensor, all_finite: Tensor, sampling: SamplingConfig,
+             generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        """The next token (B, 1) from logits (B, V), and `all_finite` updated (`pick_token`)."""
+        return pick_token(logits, all_finite, sampling, generator)
 
     def recompute(self, window: Tensor) -> Tensor:
         """Logits (B, V) after the last position of window (B, T), without the cache."""

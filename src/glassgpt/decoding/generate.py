@@ -61,13 +61,6 @@ def raise_unless_finite(logits: Tensor) -> None:
         raise ModelError(NOT_FINITE)
 
 
-def _finite_rows(logits: Tensor) -> tuple[Tensor, Tensor]:
-    """logits (B, V) with each row holding a NaN or infinity set to zeros (so that sampling it
-    cannot fail), and whether every row was finite (a 0-dim tensor: nothing is read back)."""
-    finite = torch.isfinite(logits).all(dim=-1, keepdim=True)  # (B, 1)
-    return logits.masked_fill(~finite, 0.0), finite.all()
-
-
 class _Decoder:
     """Feeds the engine one step at a time, with or without the KV cache.
 
@@ -187,9 +180,7 @@ def generate_stream(model: Any, idx: Tensor, sampling: SamplingConfig | None = N
             raise_unless_finite(logits)  # damaged weights show here, before the first token
             all_finite = torch.ones((), dtype=torch.bool, device=idx.device)
             for i in range(cfg.max_new_tokens):
-                logits, finite = _finite_rows(logits)
-                all_finite &= finite
-                token = draw(logits, cfg.temperature, cfg.top_k, cfg.top_p, generator)
+                token, all_finite = engine.pick(logits, all_finite, cfg, generator)
                 if cfg.stop_token is not None:
                     token = token.masked_fill(finished, cfg.stop_token)
                     finished |= token == cfg.stop_token

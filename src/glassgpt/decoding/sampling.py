@@ -98,3 +98,30 @@ def draw(logits: Tensor, temperature: float, top_k: int | None, top_p: float | N
         return logits.argmax(dim=-1, keepdim=True)
     probs = filtered_distribution(logits, temperature, top_k, top_p)
     return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+def finite_rows(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """logits (N, V) with each row holding a NaN or infinity set to zeros (so that sampling it
+    cannot fail), and whether every row was finite (a 0-dim tensor: nothing is read back)."""
+    finite = torch.isfinite(logits).all(dim=-1, keepdim=True)  # (N, 1)
+    return logits.masked_fill(~finite, 0.0), finite.all()
+
+
+def greedy_pick(logits: Tensor, all_finite: Tensor) -> tuple[Tensor, Tensor]:
+    """The best token (N, 1) of each row of logits (N, V), and `all_finite` and-ed with whether
+    every row was finite (a row that was not takes token 0). The whole of a greedy decoding
+    step's choice in one function, which a compiled engine compiles into one loop."""
+    logits, finite = finite_rows(logits)
+    return logits.argmax(dim=-1, keepdim=True), all_finite & finite
+
+
+def pick_token(logits: Tensor, all_finite: Tensor, sampling: SamplingConfig,
+               generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """The next token (N, 1) drawn from logits (N, V) with `sampling`'s filter, and `all_finite`
+    and-ed with whether every row was finite (a row that was not is drawn from a uniform row, so
+    that nothing fails half way; the caller raises once decoding ends)."""
+    if is_greedy(sampling.temperature):
+        return greedy_pick(logits, all_finite)
+    logits, finite = finite_rows(logits)
+    return (draw(logits, sampling.temperature, sampling.top_k, sampling.top_p, generator),
+            all_finite & finite)
