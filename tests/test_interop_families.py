@@ -16,12 +16,10 @@ from glassgpt.cli import main
 from glassgpt.decoding.generate import generate
 from glassgpt.hf.interop import config_from_hf, from_hf, hf_config_from_glassgpt, save_hf
 from glassgpt.hf.rotary import rope_kwargs
-from glassgpt.rundir.checkpoint import load_model
 
 transformers = pytest.importorskip("transformers")
 from test_interop_modern import (  # noqa: E402
-    PROMPT,
-    greedy_text,
+    check_run_samples_and_exports,
     logits_of,
     randomize,
     tokenizer_and_data,  # noqa: F401  (a fixture)
@@ -103,18 +101,7 @@ def test_a_smollm3_directory_goes_through_a_run_sample_and_back_out(
     run, out = tmp_path / "run", tmp_path / "hf"
     assert main(["convert", "--from-hf", str(tmp_path / "source"), "--out", str(run)]) == 0
     idx = tokens(tokenizer.vocab_size, 20)
-    torch.testing.assert_close(logits_of(load_model(run)[0], idx), logits_of(source, idx),
-                               atol=TOLERANCE, rtol=0)
-    capsys.readouterr()
-    assert main(["sample", str(run), "--prompt", PROMPT, "--temperature", "0",
-                 "--max-new-tokens", "12", "--threads", "1"]) == 0
-    sampled = capsys.readouterr().out
-    assert sampled == greedy_text(source, tokenizer, PROMPT, 12) + "\n"
-    assert len(set(sampled.removeprefix(PROMPT))) > 3  # not one token repeated
-    assert main(["convert", str(run), "--to-hf", str(out)]) == 0
-    exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    torch.testing.assert_close(logits_of(exported, idx), logits_of(source, idx), atol=TOLERANCE,
-                               rtol=0)
+    check_run_samples_and_exports(run, out, source, tokenizer, idx, capsys, TOLERANCE)
 
 
 @pytest.mark.parametrize("family", ["qwen3-own-head-width", "llama-llama3", "qwen2", "smollm3"])

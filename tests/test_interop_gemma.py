@@ -31,7 +31,7 @@ from glassgpt.rundir.checkpoint import load_model
 transformers = pytest.importorskip("transformers")
 from test_interop_families import check_import_and_export_exactly  # noqa: E402
 from test_interop_modern import (  # noqa: E402
-    greedy_text,
+    check_run_samples_and_exports,
     logits_of,
     randomize,
     tokenizer_and_data,  # noqa: F401  (a fixture)
@@ -143,18 +143,7 @@ def test_a_gemma3_directory_goes_through_a_run_sample_and_back_out(
     assert "qk_norm, " in summary and " layers local (window " in summary \
         and "post norms" in summary  # what makes it Gemma, said on the line
     idx = tokens(tokenizer.vocab_size, 20)
-    torch.testing.assert_close(logits_of(load_model(run)[0], idx), logits_of(source, idx),
-                               atol=TOLERANCE, rtol=0)
-    capsys.readouterr()
-    assert main(["sample", str(run), "--prompt", PROMPT, "--temperature", "0",
-                 "--max-new-tokens", "12", "--threads", "1"]) == 0
-    sampled = capsys.readouterr().out
-    assert sampled == greedy_text(source, tokenizer, PROMPT, 12) + "\n"
-    assert len(set(sampled.removeprefix(PROMPT))) > 3  # not one token repeated
-    assert main(["convert", str(run), "--to-hf", str(out)]) == 0
-    exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    torch.testing.assert_close(logits_of(exported, idx), logits_of(source, idx), atol=TOLERANCE,
-                               rtol=0)
+    check_run_samples_and_exports(run, out, source, tokenizer, idx, capsys, TOLERANCE)
 
 
 def test_a_checkpoint_written_by_transformers_4_reads_as_the_same_model(tmp_path) -> None:

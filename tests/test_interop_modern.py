@@ -260,6 +260,26 @@ def greedy_text(hf_model, tokenizer, prompt: str, new: int) -> str:
     return prompt + tokenizer.decode(out[0, ids.shape[1]:].tolist())
 
 
+def check_run_samples_and_exports(run: Path, out: Path, source, tokenizer, idx: torch.Tensor,
+                                  capsys, atol: float):
+    """A converted run gives `source`'s logits on idx, `sample --temperature 0` writes the text
+    of transformers' greedy `generate`, and `convert --to-hf` gives a directory that loads with
+    AutoModelForCausalLM to the same logits; returns that exported model and the sampled text."""
+    torch.testing.assert_close(logits_of(load_model(run)[0], idx), logits_of(source, idx),
+                               atol=atol, rtol=0)
+    capsys.readouterr()
+    assert main(["sample", str(run), "--prompt", PROMPT, "--temperature", "0",
+                 "--max-new-tokens", "12", "--threads", "1"]) == 0
+    sampled = capsys.readouterr().out
+    assert sampled == greedy_text(source, tokenizer, PROMPT, 12) + "\n"
+    assert len(set(sampled.removeprefix(PROMPT))) > 3  # not one token repeated
+    assert main(["convert", str(run), "--to-hf", str(out)]) == 0
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    torch.testing.assert_close(logits_of(exported, idx), logits_of(source, idx), atol=atol,
+                               rtol=0)
+    return exported, sampled
+
+
 @pytest.mark.parametrize("arch", HF_DIRS)
 def test_a_directory_goes_through_a_run_and_back_out(arch, hf_dirs, tokenizer_and_data, tmp_path,
                                                      capsys) -> None:
@@ -272,20 +292,9 @@ def test_a_directory_goes_through_a_run_and_back_out(arch, hf_dirs, tokenizer_an
     assert main(["convert", "--from-hf", str(hf_dirs[arch]), "--out", str(run)]) == 0
     assert "rope, rmsnorm, swiglu, 2 KV heads" in capsys.readouterr().out
     idx = tokens(tokenizer.vocab_size, 32)
-    model, _ = load_model(run)
-    torch.testing.assert_close(logits_of(model, idx), logits_of(source, idx), atol=1e-5, rtol=0)
-
-    assert main(["sample", str(run), "--prompt", PROMPT, "--temperature", "0",
-                 "--max-new-tokens", "12", "--threads", "1"]) == 0
-    sampled = capsys.readouterr().out
-    assert sampled == greedy_text(source, tokenizer, PROMPT, 12) + "\n"
-    assert len(set(sampled.removeprefix(PROMPT))) > 3  # not one token repeated
-
-    assert main(["convert", str(run), "--to-hf", str(out)]) == 0
-    exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    exported, sampled = check_run_samples_and_exports(run, out, source, tokenizer, idx, capsys,
+                                                      atol=1e-5)
     assert type(exported).__name__ == CLASSES[arch][1]
-    torch.testing.assert_close(logits_of(exported, idx), logits_of(source, idx), atol=1e-5,
-                               rtol=0)
     generator = transformers.pipeline("text-generation", model=str(out))
     piped = generator(PROMPT, max_new_tokens=12, min_new_tokens=12, do_sample=False)
     assert piped[0]["generated_text"] == sampled.removesuffix("\n")
