@@ -5,11 +5,19 @@
     trained_run             a tiny run trained once per session through `glassgpt train`, with
                             the data and text it trained on; `run_copy` is a copy of it that a
                             test may damage
+    quick_experiment(name, out_dir, seed)   `run_experiment(..., quick=True)`, run once per
+                            session for each set of arguments, by any worker (`glassgpt demo
+                            all --quick` and each experiment's own tests read the same run)
+
+The suite runs in parallel (`-n auto --dist loadfile` in pyproject.toml): each test file stays
+in one worker, in order, so its module fixtures are built once.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +29,7 @@ import torch
 
 from glassgpt.config import GPTConfig
 from glassgpt.data import TINYSHAKESPEARE_ENV, packaged_tinyshakespeare, prepare
+from glassgpt.experiments import ExperimentResult, run_experiment
 from glassgpt.model import GPT
 
 matplotlib.use("Agg")
@@ -32,6 +41,41 @@ torch.set_num_threads(1)
 # The suite needs no corpus from outside: Tiny Shakespeare comes from the package. A copy named
 # in the developer's environment is ignored, so that every run tests the same thing.
 os.environ.pop(TINYSHAKESPEARE_ENV, None)
+
+
+_quick_store: Path | None = None  # where quick_experiment keeps its runs (the session's)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _quick_experiment_store(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """One folder for the whole run: under xdist the workers' temporary folders share a parent,
+    so a quick run made by one worker is read by the others."""
+    global _quick_store
+    base = tmp_path_factory.getbasetemp()
+    _quick_store = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "quick"
+    _quick_store.mkdir(exist_ok=True)
+
+
+def quick_experiment(name: str, out_dir: Path, seed: int = 0, **options: Any) -> ExperimentResult:
+    """`run_experiment(name, out_dir, seed=seed, quick=True, **options)`, run once per test
+    session for each set of arguments, whichever worker asks first (the others wait for it):
+    each call gets its own copy of the result, with the pictures copied into `out_dir`."""
+    assert _quick_store is not None
+    key = "-".join([name, str(seed), *(f"{k}={v}" for k, v in sorted(options.items()))])
+    folder = _quick_store / key
+    with open(_quick_store / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        saved = folder / "result.pickle"  # written by this test session, never a user's file
+        if not saved.exists():
+            folder.mkdir()
+            result = run_experiment(name, folder, seed=seed, quick=True, **options)
+            saved.write_bytes(pickle.dumps(result))
+    result = pickle.loads(saved.read_bytes())
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result.pictures = [Path(shutil.copy2(picture, out_dir / picture.name))
+                       for picture in result.pictures]
+    return result
 
 
 @pytest.fixture(autouse=True)

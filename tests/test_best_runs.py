@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 from pathlib import Path
 
 import pytest
@@ -147,8 +148,13 @@ def test_threads_auto_times_the_first_steps_and_uses_the_faster(data, tmp_path, 
     assert "threads auto (1 or 2, chosen by timing the first steps)" in err
     assert f"on {used} CPU thread" in out and "(chosen by timing)" in out
     (threads, timings), = chosen
-    assert set(timings) == {1, 2} and all(len(t) == 3 for t in timings.values())
-    fastest = min(timings, key=lambda n: sorted(timings[n])[1])
+    assert set(timings) == {1, 2} and len(timings[1]) == 3
+    # Two threads are probed three times too, unless a step of theirs took over three times one
+    # thread's median (another process held a core): then the tuner drops the rest of them.
+    assert 1 <= len(timings[2]) <= 3
+    if len(timings[2]) < 3:
+        assert timings[2][-1] > 3 * statistics.median(timings[1])
+    fastest = min(timings, key=lambda n: statistics.median(timings[n]))
     assert threads == fastest == used
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import quick_experiment
 from glassgpt.cli import demos, main
 from glassgpt.config import GPTConfig
 from glassgpt.experiments import EXPERIMENTS, Check, ExperimentResult
@@ -47,15 +48,25 @@ def test_demo_shapes_prints_table_and_writes_json(tmp_path: Path, capsys,
 
 def test_demo_all_quick_runs_every_experiment_and_sums_up(tmp_path: Path, capsys,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every experiment really runs at its quick size, once per session: each experiment's own
+    tests read the same runs (conftest.quick_experiment)."""
+    asked = []
+
+    def shared_quick_run(name, out_dir, *, seed, quick, threads, **options):
+        asked.append((name, seed, quick, threads, options))
+        return quick_experiment(name, out_dir, seed=seed, **options)
+
+    monkeypatch.setattr(demos, "run_experiment", shared_quick_run)
     monkeypatch.chdir(tmp_path)
     code, out, err = glassgpt(capsys, "demo", "all", "--quick", "--out", "pics", "--json",
-                              "all.json", "--seed", "1")
+                              "all.json", "--seed", "0", "--threads", "1")
     assert code == 0, out[-2000:] + err
+    assert asked == [(name, 0, True, 1, {}) for name in EXPERIMENTS]
     data = json.loads((tmp_path / "all.json").read_text())
     assert list(data["experiments"]) == ["shapes", "parity", "multihead", "layernorm", "params",
                                          "residual", "dropout", "sharing", "positions", "norms",
                                          "mlps", "kvheads", "qknorm", "induction", "windows"]
-    assert data["seed"] == 1 and data["quick"] is True
+    assert data["seed"] == 0 and data["quick"] is True
     for name, result in data["experiments"].items():
         assert result["checks"] and all(c["holds"] for c in result["checks"]), name
         for picture in result["pictures"]:

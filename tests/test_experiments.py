@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import quick_experiment
 from glassgpt.errors import ConfigError
 from glassgpt.experiments import EXPERIMENTS, run_experiment
 from glassgpt.experiments.multihead import weight_per_offset
@@ -21,7 +22,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def run_quick(name: str, out_dir: Path, seed: int = 0, **options) -> ExperimentResult:
-    result = run_experiment(name, out_dir, seed=seed, quick=True, **options)
+    result = quick_experiment(name, out_dir, seed=seed, **options)
     assert result.name == name
     assert result.pictures, f"{name} drew no picture"
     for picture in result.pictures:

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import quick_experiment
 from glassgpt.config import GPTConfig
-from glassgpt.experiments import EXPERIMENTS, run_experiment
+from glassgpt.experiments import EXPERIMENTS
 from glassgpt.experiments.induction import (
     LAYERS,
     AttentionOnlyGPT,
@@ -27,7 +28,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_quick_size_shows_the_phase_change_for_every_seed(tmp_path: Path, seed: int) -> None:
-    result = run_experiment("induction", tmp_path, seed=seed, quick=True)
+    result = quick_experiment("induction", tmp_path, seed=seed)
     failed = [check.claim for check in result.checks if not check.holds]
     assert not failed, f"seed {seed}: expected outcomes not shown: {failed}"
     assert len(result.checks) == 4  # three on the repeats, one on layer 0 of Shakespeare

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import quick_experiment
 from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError
-from glassgpt.experiments import run_experiment
 from glassgpt.experiments.kvheads import cache_bytes_per_token
 from glassgpt.experiments.mlps import equal_parameter_hidden
 from glassgpt.experiments.norms import count_operations
@@ -27,7 +27,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def run_quick(name: str, out_dir: Path) -> ExperimentResult:
-    result = run_experiment(name, out_dir, seed=0, quick=True)
+    result = quick_experiment(name, out_dir)
     assert result.name == name
     assert [p.read_bytes()[:8] for p in result.pictures] == [PNG_MAGIC]
     failed = [check.claim for check in result.checks if not check.holds]

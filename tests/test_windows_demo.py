@@ -12,8 +12,9 @@ import json
 import pytest
 import torch
 
+from conftest import quick_experiment
 from glassgpt.config import GPTConfig
-from glassgpt.experiments import EXPERIMENTS, ExperimentResult, run_experiment
+from glassgpt.experiments import EXPERIMENTS, ExperimentResult
 from glassgpt.experiments.windows import (
     QUICK,
     cache_bytes,
@@ -29,7 +30,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory) -> ExperimentResult:
-    return run_experiment("windows", tmp_path_factory.mktemp("windows"), seed=0, quick=True)
+    return quick_experiment("windows", tmp_path_factory.mktemp("windows"))
 
 
 def test_the_quick_demo_shows_what_it_claims(result: ExperimentResult) -> None:
