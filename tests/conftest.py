@@ -9,7 +9,7 @@
                             session for each set of arguments, by any worker (`glassgpt demo
                             all --quick` and each experiment's own tests read the same run)
 
-The suite runs in parallel (`-n auto --dist loadfile` in pyproject.toml): each test file stays
+The suite runs in parallel (`-n logical --dist loadfile` in pyproject.toml): each test file stays
 in one worker, in order, so its module fixtures are built once.
 """
 

@@ -36,6 +36,47 @@ def test_the_faster_count_is_chosen_after_a_warm_up_and_one_probe_each():
     assert tuner.baseline == 0.01
 
 
+def test_compiled_steps_leave_each_counts_first_step_untimed():
+    """Under torch.compile a new thread count is a new graph: its first step is the compile."""
+    tuner = devices.ThreadTuner(candidates=(1, 2), probe_steps=2, warm_up_each=True)
+    compiled_once: set[int] = set()
+
+    def seconds(threads: int) -> float:
+        first = threads not in compiled_once
+        compiled_once.add(threads)
+        return 30.0 if first else {1: 0.02, 2: 0.011}[threads]
+
+    used = []
+    for _ in range(8):
+        tuner.before_step()
+        threads = torch.get_num_threads()
+        used.append(threads)
+        tuner.step_done(seconds(threads))
+    assert used[:6] == [1, 1, 1, 2, 2, 2]  # each count: one compile, then two timed steps
+    assert tuner._timings == {1: [0.02, 0.02], 2: [0.011, 0.011]}
+    assert tuner.threads == 2 == torch.get_num_threads() and used[6:] == [2, 2]
+
+
+def test_without_warm_ups_a_compile_in_the_probe_loses_its_count():
+    """What `warm_up_each` prevents: the plain tuner drops the count whose step compiled."""
+    tuner = devices.ThreadTuner(candidates=(1, 2), probe_steps=2)
+    seen: set[int] = set()
+    for _ in range(6):
+        tuner.before_step()
+        threads = torch.get_num_threads()
+        tuner.step_done(30.0 if threads not in seen else {1: 0.02, 2: 0.011}[threads])
+        seen.add(threads)
+    assert tuner.threads == 1
+
+
+@pytest.mark.parametrize(("compiled", "warm_up_each"), [(True, True), (False, False)])
+def test_tuner_for_asks_compiled_steps_for_warm_ups(monkeypatch, compiled, warm_up_each):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(devices.os, "cpu_count", lambda: 2)
+    tuner = devices.tuner_for("auto", torch.device("cpu"), compiled=compiled)
+    assert tuner is not None and tuner.warm_up_each is warm_up_each
+
+
 def test_all_cores_are_kept_when_they_are_faster():
     tuner = devices.ThreadTuner(candidates=(1, 2), probe_steps=2)
     run_steps(tuner, {1: 0.02, 2: 0.011}, steps=8)

@@ -81,9 +81,9 @@ def test_sample_times_auto_once_for_all_its_samples(tmp_path, tiny, monkeypatch,
     built = []
     real_tuner_for = devices.tuner_for
 
-    def counting_tuner_for(setting, device):
+    def counting_tuner_for(setting, device, **kwargs):
         built.append(setting)
-        return real_tuner_for(setting, device)
+        return real_tuner_for(setting, device, **kwargs)
 
     monkeypatch.setattr("glassgpt.decoding.generate.tuner_for", counting_tuner_for)
     assert main(["sample", str(tmp_path / "run"), "--num-samples", "3", "--max-new-tokens",

@@ -145,25 +145,32 @@ class ThreadTuner:
     a warm-up; then `probe_steps` steps run at each candidate count, and the faster count stays.
     If later steps take `degrade_factor` times longer than the chosen count measured (another
     process took a core, say), it probes again. The steps are the real work: nothing is wasted.
+
+    `warm_up_each` leaves the first step at every count untimed, in every probe: under
+    `torch.compile` a new thread count is a new graph (dynamo guards on it), so that step is the
+    compilation, and timing it would make the compiled count look many times slower.
     """
 
     def __init__(self, candidates: tuple[int, ...] | None = None, probe_steps: int = 3,
-                 degrade_factor: float = 3.0, window: int = 5):
+                 degrade_factor: float = 3.0, window: int = 5, warm_up_each: bool = False):
         cores = os.cpu_count() or 1
         self.candidates = candidates or tuple(sorted({1, cores}))
         self.probe_steps, self.degrade_factor, self.window = probe_steps, degrade_factor, window
+        self.warm_up_each = warm_up_each
         self.threads = torch.get_num_threads()
         self.probes = 0  # how many times the candidates were measured
         self.baseline: float | None = None  # seconds per step of the chosen count
-        self._warmed_up = False
-        self._plan: list[int] = []  # thread counts of the coming probe steps
+        self._warmed_up = warm_up_each  # then each count's first step is the warm-up
+        self._plan: list[tuple[int, bool]] = []  # (thread count, timed) of the coming steps
         self._timings: dict[int, list[float]] = {}
         self._recent: list[float] = []
         if len(self.candidates) > 1:
             self._start_probe()
 
     def _start_probe(self) -> None:
-        self._plan = [n for n in self.candidates for _ in range(self.probe_steps)]
+        warm_up = [False] if self.warm_up_each else []
+        self._plan = [(n, timed) for n in self.candidates
+                      for timed in warm_up + [True] * self.probe_steps]
         self._timings = {n: [] for n in self.candidates}
         self._recent = []
 
@@ -177,7 +184,7 @@ class ThreadTuner:
         candidate, one thread: all cores on a machine whose other work holds one can make a
         step many times slower)."""
         if self._plan:
-            self._set(self._plan[0])
+            self._set(self._plan[0][0])
 
     def step_done(self, seconds: float) -> None:
         """Record the step that just ran (after `before_step`)."""
@@ -185,9 +192,10 @@ class ThreadTuner:
             self._warmed_up = True
             return
         if self._plan:
-            threads = self._plan.pop(0)
-            self._timings[threads].append(seconds)
-            self._drop_if_collapsed(threads, seconds)
+            threads, timed = self._plan.pop(0)
+            if timed:
+                self._timings[threads].append(seconds)
+                self._drop_if_collapsed(threads, seconds)
             if not self._plan:
                 self._choose()
             return
@@ -201,7 +209,7 @@ class ThreadTuner:
         enough: that count's other probe steps are dropped (each could cost seconds)."""
         others = [statistics.median(t) for n, t in self._timings.items() if t and n != threads]
         if others and seconds > self.degrade_factor * min(others):
-            self._plan = [n for n in self._plan if n != threads]
+            self._plan = [(n, timed) for n, timed in self._plan if n != threads]
 
     def _choose(self) -> None:
         medians = {n: statistics.median(t) for n, t in self._timings.items() if t}
@@ -244,10 +252,12 @@ def cpu_threads(count: int | None = None) -> str:
     return f"{count} CPU thread{'s' if count > 1 else ''}"
 
 
-def tuner_for(setting: int | str | None, device: torch.device) -> ThreadTuner | None:
+def tuner_for(setting: int | str | None, device: torch.device,
+              compiled: bool = False) -> ThreadTuner | None:
     """Apply a `threads` setting (glassgpt.machine.threadsetting) on a CPU: a count is set now;
-    `auto` gives a tuner that times the caller's own steps. None where there is nothing to tune (a
-    GPU, one core, a user's OMP_NUM_THREADS, a setting of None)."""
+    `auto` gives a tuner that times the caller's own steps (`compiled` steps: each count's first
+    step untimed, ThreadTuner's `warm_up_each`). None where there is nothing to tune (a GPU, one
+    core, a user's OMP_NUM_THREADS, a setting of None)."""
     if device.type != "cpu" or setting is None:
         return None
     if setting != AUTO:
@@ -255,7 +265,7 @@ def tuner_for(setting: int | str | None, device: torch.device) -> ThreadTuner | 
         return None
     if user_chose_threads():
         return None
-    tuner = ThreadTuner()
+    tuner = ThreadTuner(warm_up_each=compiled)
     return tuner if len(tuner.candidates) > 1 else None
 
 
