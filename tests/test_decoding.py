@@ -270,9 +270,11 @@ def test_one_compilation_serves_every_position_prompt_and_call():
 def test_the_compiled_step_runs_where_torch_lacks_the_cpu_only_options(monkeypatch):
     """An older (or CUDA) torch rejects inductor options it does not know: the engine asks only
     for those the installed torch lists, so removing them from the list must still compile."""
-    known = [o for o in torch._inductor.list_options() if o not in cpu_engines.CPU_STEP_OPTIONS]
+    ours = {*cpu_engines.CPU_STEP_OPTIONS, *cpu_engines.WIDE_CPU_STEP_OPTIONS}
+    known = [o for o in torch._inductor.list_options() if o not in ours]
     monkeypatch.setattr(torch._inductor, "list_options", lambda: known)
     assert cpu_engines.step_compile_options() == {}
+    assert cpu_engines.step_compile_options(cpu_engines.options_for_width(768)) == {}
     model = tiny_gpt(seed=4, n_layer=1)
     idx = prompt(1, 3)
     compiled = generate(model, idx, max_new_tokens=5, temperature=0.0, compiled=True)
@@ -326,9 +328,8 @@ def test_a_wide_model_compiles_its_step_storing_every_intermediate_and_keeps_the
     monkeypatch.setattr(cpu_engines, "WIDE_FROM", narrow.config.n_embd)  # this model is "wide"
     idx = prompt(1, 3)
     wide = generate(narrow, idx, max_new_tokens=5, temperature=0.0, compiled=True)
-    known = set(torch._inductor.list_options())
     assert asked == [cpu_engines.step_compile_options(cpu_engines.CPU_STEP_OPTIONS),
-                     {k: v for k, v in cpu_engines.WIDE_CPU_STEP_OPTIONS.items() if k in known}]
+                     cpu_engines.step_compile_options(cpu_engines.WIDE_CPU_STEP_OPTIONS)]
     assert cpu_engines.options_for_width(768) == cpu_engines.WIDE_CPU_STEP_OPTIONS
     assert torch.equal(wide, eager_tokens(narrow, idx, 5, temperature=0.0))
 

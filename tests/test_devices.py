@@ -16,13 +16,16 @@ def restore_threads():
     torch.set_num_threads(before)
 
 
-def run_steps(tuner: devices.ThreadTuner, seconds_at: dict[int, float], steps: int) -> list[int]:
-    """Drive the tuner with steps whose duration depends on the thread count they ran with."""
+def run_steps(tuner: devices.ThreadTuner, seconds_at: dict[int, float], steps: int,
+              compile_s: float = 0.0) -> list[int]:
+    """Drive the tuner with steps whose duration depends on the thread count they ran with;
+    the first step at each count takes `compile_s` more (a compiled graph's first step)."""
     used = []
     for _ in range(steps):
         tuner.before_step()
-        used.append(torch.get_num_threads())
-        tuner.step_done(seconds_at[torch.get_num_threads()])
+        threads = torch.get_num_threads()
+        tuner.step_done(seconds_at[threads] + (compile_s if threads not in used else 0.0))
+        used.append(threads)
     return used
 
 
@@ -39,19 +42,7 @@ def test_the_faster_count_is_chosen_after_a_warm_up_and_one_probe_each():
 def test_compiled_steps_leave_each_counts_first_step_untimed():
     """Under torch.compile a new thread count is a new graph: its first step is the compile."""
     tuner = devices.ThreadTuner(candidates=(1, 2), probe_steps=2, warm_up_each=True)
-    compiled_once: set[int] = set()
-
-    def seconds(threads: int) -> float:
-        first = threads not in compiled_once
-        compiled_once.add(threads)
-        return 30.0 if first else {1: 0.02, 2: 0.011}[threads]
-
-    used = []
-    for _ in range(8):
-        tuner.before_step()
-        threads = torch.get_num_threads()
-        used.append(threads)
-        tuner.step_done(seconds(threads))
+    used = run_steps(tuner, {1: 0.02, 2: 0.011}, steps=8, compile_s=30.0)
     assert used[:6] == [1, 1, 1, 2, 2, 2]  # each count: one compile, then two timed steps
     assert tuner._timings == {1: [0.02, 0.02], 2: [0.011, 0.011]}
     assert tuner.threads == 2 == torch.get_num_threads() and used[6:] == [2, 2]
@@ -60,12 +51,7 @@ def test_compiled_steps_leave_each_counts_first_step_untimed():
 def test_without_warm_ups_a_compile_in_the_probe_loses_its_count():
     """What `warm_up_each` prevents: the plain tuner drops the count whose step compiled."""
     tuner = devices.ThreadTuner(candidates=(1, 2), probe_steps=2)
-    seen: set[int] = set()
-    for _ in range(6):
-        tuner.before_step()
-        threads = torch.get_num_threads()
-        tuner.step_done(30.0 if threads not in seen else {1: 0.02, 2: 0.011}[threads])
-        seen.add(threads)
+    run_steps(tuner, {1: 0.02, 2: 0.011}, steps=6, compile_s=30.0)
     assert tuner.threads == 1
 
 

@@ -258,8 +258,7 @@ def stream_text(model: Any, tokenizer: Tokenizer, prompt: Tensor,
     own `tuner` instead). The stream's `threads` reports the count used.
     """
     if tuner is None and threads is not None:
-        compiled = settings.get("compiled", sampling is not None and sampling.compiled)
-        tuner = tuner_for(threads, prompt.device, compiled=bool(compiled))
+        tuner = tuner_for(threads, prompt.device, compiled=_settings(sampling, settings).compiled)
     tokens = generate_stream(model, prompt, sampling, **settings)
     pieces = decode_incrementally(tokenizer, tuner.tuned(tokens) if tuner else tokens)
     return TextStream(until_stop(pieces, stop) if stop else pieces, tuner)

@@ -125,7 +125,8 @@ class Trainer:
         self.reporter = reporter if reporter is not None and self.context.is_main \
             else SilentReporter()
         self.device = resolve_device(cfg.device, self.context.local_rank)
-        self.threads = None if threads is None else tuner_for(threads, self.device, cfg.compile)
+        self.threads = (None if threads is None
+                        else tuner_for(threads, self.device, compiled=cfg.compile))
         self.amp_dtype = autocast_dtype(cfg.dtype, self.device)
         data.check_block_size(model.config.block_size)
         check_training_fits_memory(model.config, cfg.batch_size, self.amp_dtype, self.device,
@@ -172,7 +173,7 @@ class Trainer:
             else state.optimizer
         load_optimizer_state(self.optimizer, saved, self.run_dir / STATE_TENSORS_FILE)
         if self.threads_setting == AUTO and state.threads and self.device.type == "cpu":
-            self.threads = tuner_for(state.threads, self.device, self.cfg.compile)  # as it ran
+            self.threads = tuner_for(state.threads, self.device)  # the count it ran with
         if self.scaler is not None and state.scaler:
             self.scaler.load_state_dict(state.scaler)
         if len(state.rng) == self.context.world_size:
