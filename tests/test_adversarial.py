@@ -806,7 +806,7 @@ def test_sample_compile_says_what_it_costs_and_when_it_pays_off(template, tmp_pa
         "without --compile")
     assert "faster without" not in compile_note(1, 1024, 5000, 20)  # 20 x 1023 steps
     assert "faster without" not in compile_note(1, 64, 300, 1, on_cpu=False)
-    monkeypatch.setattr(cpu, "compiled_step", lambda options: one_token_logits)  # no compiling
+    monkeypatch.setattr(cpu, "compiled_step", lambda *_: one_token_logits)  # no compiling
     capsys.readouterr()
     assert main(["sample", str(template.run), "--compile", "--max-new-tokens", "5", "--device",
                  "cpu", "--threads", "1"]) == 0

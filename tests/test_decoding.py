@@ -267,6 +267,25 @@ def test_one_compilation_serves_every_position_prompt_and_call():
             generate(model, prompt(1, T), max_new_tokens=new, temperature=0.0, compiled=True)
 
 
+def test_each_model_kind_compiles_a_step_of_its_own_so_none_falls_back_to_eager():
+    """Dynamo counts recompilations per code object and past its limit silently runs the step
+    uncompiled. One step shared by every model did so after 8 model shapes in one process (a
+    test worker, a benchmark of several presets): now each model kind has a step of its own."""
+    a, b = tiny_gpt(seed=6, n_layer=1), tiny_gpt(seed=6, n_layer=1, n_embd=48)
+    same_kind = tiny_gpt(seed=7, n_layer=1)
+    assert CompiledCPUEngine(a).compiled is CompiledCPUEngine(same_kind).compiled
+    assert CompiledCPUEngine(a).compiled is not CompiledCPUEngine(b).compiled
+    assert CompiledCPUEngine(a).compiled is not CompiledCPUEngine(a.to(torch.bfloat16)).compiled
+    a.float()
+    limit_one = {"fail_on_recompile_limit_hit": True, "recompile_limit": 1, "cache_size_limit": 1}
+    config = torch._dynamo.config
+    with config.patch(**{k: v for k, v in limit_one.items() if hasattr(config, k)}):
+        for model in (a, b, same_kind):  # a shared step would fail at b, its second graph
+            idx = prompt(1, 3)
+            tokens = generate(model, idx, max_new_tokens=4, temperature=0.0, compiled=True)
+            assert torch.equal(tokens, eager_tokens(model, idx, 4, temperature=0.0))
+
+
 def test_the_compiled_step_runs_where_torch_lacks_the_cpu_only_options(monkeypatch):
     """An older (or CUDA) torch rejects inductor options it does not know: the engine asks only
     for those the installed torch lists, so removing them from the list must still compile."""
@@ -322,7 +341,7 @@ def test_a_wide_model_compiles_its_step_storing_every_intermediate_and_keeps_the
     asked = []
     build = cpu_engines.compiled_step
     monkeypatch.setattr(cpu_engines, "compiled_step",
-                        lambda options: asked.append(dict(options)) or build(options))
+                        lambda options, kind: asked.append(dict(options)) or build(options, kind))
     narrow = tiny_gpt(seed=5, n_layer=1)
     CompiledCPUEngine(narrow)
     monkeypatch.setattr(cpu_engines, "WIDE_FROM", narrow.config.n_embd)  # this model is "wide"

@@ -19,7 +19,7 @@ their values untouched):
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from glassgpt.attention import MultiHeadSelfAttention, score_scale, soft_cap
 from glassgpt.config import SamplingConfig
-from glassgpt.decoding.engine import EagerEngine, one_token_logits, twin
+from glassgpt.decoding.engine import EagerEngine, model_kind, one_token_logits, own_code, twin
 from glassgpt.decoding.sampling import greedy_pick, is_greedy
 
 # Inductor options of the compiled step, each applied only where the installed torch knows it
@@ -151,7 +151,7 @@ class CompiledCPUEngine(EagerEngine):
     def __init__(self, model: Any):
         super().__init__(twin(model, _fusable))
         options = step_compile_options(options_for_width(model.config.n_embd))
-        self.compiled = compiled_step(tuple(sorted(options.items())))
+        self.compiled = compiled_step(tuple(sorted(options.items())), model_kind(model))
 
     def start(self, batch_size: int, max_len: int) -> None:
         """A full-size cache, kept on the twin from call to call: the compiled graph is tied
@@ -194,11 +194,13 @@ def step_compile_options(wanted: dict[str, Any] | None = None) -> dict[str, Any]
 
 
 @functools.cache
-def compiled_step(options: tuple[tuple[str, Any], ...]) -> Callable[[Any, Tensor, int], Tensor]:
+def compiled_step(options: tuple[tuple[str, Any], ...], kind: Hashable
+                  ) -> Callable[[Any, Tensor, int], Tensor]:
     """`one_token_logits` through torch.compile with these inductor options, built once per
-    process and options, and shared by every model: dynamo keeps one graph per model shape,
-    dtype and batch size, up to its recompile limit (8) per process."""
-    return torch.compile(one_token_logits, dynamic=True, options=dict(options))
+    process, options and model kind (`model_kind`), each on a code object of its own
+    (`own_code`): every model of one kind, twins made anew included, shares its graphs."""
+    step = own_code(one_token_logits)
+    return torch.compile(step, dynamic=True, options=dict(options))
 
 
 @functools.cache

@@ -20,14 +20,14 @@ device, that the static step gives exactly the eager tokens.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from glassgpt.attention import KVCache
-from glassgpt.decoding.engine import EagerEngine
+from glassgpt.decoding.engine import EagerEngine, model_kind, own_code
 
 
 class StaticKVCache(KVCache):
@@ -55,11 +55,12 @@ def static_step(model: Any, token: Tensor, pos: Tensor, key_positions: Tensor) -
 
 
 @functools.cache
-def compiled_static_step() -> Callable[..., Tensor]:
-    """`static_step` through torch.compile, built once per process and shared by every engine
-    (dynamo keeps one graph per model shape and dtype; the layer loop, a generator, is traced
-    into it, which is what `fullgraph` holds it to)."""
-    return torch.compile(static_step, fullgraph=True)
+def compiled_static_step(kind: Hashable) -> Callable[..., Tensor]:
+    """`static_step` through torch.compile, built once per process and model kind
+    (`model_kind`), on a code object of its own (`own_code`, as the CPU's compiled step); the
+    layer loop, a generator, is traced into it, which is what `fullgraph` holds it to."""
+    step = own_code(static_step)
+    return torch.compile(step, fullgraph=True)
 
 
 class CUDAGraphEngine(EagerEngine):
@@ -74,7 +75,8 @@ class CUDAGraphEngine(EagerEngine):
     def __init__(self, model: Any, compiled: bool = False, capture: bool = True):
         super().__init__(model)
         self.capture = capture
-        self.run: Callable[..., Tensor] = compiled_static_step() if compiled else static_step
+        self.run: Callable[..., Tensor] = (compiled_static_step(model_kind(model)) if compiled
+                                           else static_step)
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def start(self, batch_size: int, max_len: int) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -68,6 +69,28 @@ def one_token_logits(model: Any, token: Tensor, pos: int) -> Tensor:
     """Logits (B, V) after token (B, 1) at `pos`: the step that compiled engines compile."""
     return model(token, start_pos=pos, last_only=True, check_ids=False)[0][:, -1]
 
+
+def model_kind(model: nn.Module) -> tuple[str, torch.dtype, torch.device]:
+    """What a compiled step's graph is specialised to: the config, the weights' dtype and
+    device. Models of one kind share a graph; models of different kinds never meet."""
+    weight = next(model.parameters())
+    return repr(model.config), weight.dtype, weight.device
+
+
+def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` with a code object of its own, named `{name}_{n}` (the n-th such copy).
+
+    Dynamo keeps its compiled graphs, and counts recompilations against its limit (8), per
+    code object. One function compiled for every model would pass that limit in a process that
+    decodes many models (a test session, a benchmark), after which dynamo silently runs the
+    step uncompiled; it would also check each step against every other model's guards first.
+    """
+    name = f"{fn.__name__}_{next(_copies)}"
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+_copies = itertools.count(1)
 
 Swap = Callable[[nn.Module], "type[nn.Module] | None"]
 
