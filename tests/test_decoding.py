@@ -25,7 +25,7 @@ from glassgpt.decoding import (
     engine_for,
 )
 from glassgpt.decoding import cpu as cpu_engines
-from glassgpt.decoding.engine import twin
+from glassgpt.decoding.engine import model_kind, twin
 from glassgpt.decoding.generate import generate
 from glassgpt.errors import ConfigError
 from glassgpt.model import GPT
@@ -116,6 +116,14 @@ def test_compiled_one_row_reduction_equals_f_linear(bias):
     compiled = torch.compile(linear, fullgraph=True)
     torch.testing.assert_close(compiled(x), F.linear(x, linear.weight, linear.bias),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_run_eagerly_the_reduction_linear_is_f_linear_not_the_whole_product():
+    """The compiled engine's prefill runs its twin eagerly: the prompt's last row into the LM
+    head must not materialise (out, in) products (154 MB for GPT-2's head in float32)."""
+    linear = as_subclass(nn.Linear(768, 512), cpu_engines.ReductionLinear)
+    x = torch.randn(1, 1, 768)
+    assert torch.equal(linear(x), F.linear(x, linear.weight, linear.bias))
 
 
 def test_a_twin_shares_every_tensor_and_leaves_the_model_as_it_was():
@@ -277,13 +285,39 @@ def test_each_model_kind_compiles_a_step_of_its_own_so_none_falls_back_to_eager(
     assert CompiledCPUEngine(a).compiled is not CompiledCPUEngine(b).compiled
     assert CompiledCPUEngine(a).compiled is not CompiledCPUEngine(a.to(torch.bfloat16)).compiled
     a.float()
+    idx = prompt(1, 3)
+    generate(a, idx, max_new_tokens=4, temperature=0.0, compiled=True)  # the pick compiles too
     limit_one = {"fail_on_recompile_limit_hit": True, "recompile_limit": 1, "cache_size_limit": 1}
     config = torch._dynamo.config
     with config.patch(**{k: v for k, v in limit_one.items() if hasattr(config, k)}):
-        for model in (a, b, same_kind):  # a shared step would fail at b, its second graph
-            idx = prompt(1, 3)
+        for model in (b, same_kind, a):  # a shared step would fail at b, its second graph
             tokens = generate(model, idx, max_new_tokens=4, temperature=0.0, compiled=True)
             assert torch.equal(tokens, eager_tokens(model, idx, 4, temperature=0.0))
+
+
+def test_a_model_kind_holds_what_the_dropped_module_guards_checked():
+    """The compiled step runs without dynamo's module-tree guards, so the kind that keys it must
+    tell apart whatever those guards would: a module's settings, a hook, a tensor's strides;
+    and it must not change with the engine's own KV cache (or every call would compile)."""
+    model = tiny_gpt(seed=8, n_layer=1)
+    kind = model_kind(model)
+    model.setup_kv_cache(1, BLOCK)
+    assert model_kind(model) == kind
+    model.remove_kv_cache()
+    model.blocks[0].attn.impl = "explicit"
+    assert model_kind(model) != kind
+    model.blocks[0].attn.impl = "fused"
+    handle = model.blocks[0].register_forward_hook(lambda *_: None)
+    assert model_kind(model) != kind
+    handle.remove()
+    assert model_kind(model) == kind
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().t().contiguous().t())
+    assert model_kind(model) != kind  # the same shape, other strides
+    step = CompiledCPUEngine(model).compiled
+    idx = prompt(1, 3)
+    tokens = generate(model, idx, max_new_tokens=3, temperature=0.0, compiled=True)
+    assert torch.equal(tokens, eager_tokens(model, idx, 3, temperature=0.0))
+    assert CompiledCPUEngine(model).compiled is step  # its twin now holds a cache: same kind
 
 
 def test_the_compiled_step_runs_where_torch_lacks_the_cpu_only_options(monkeypatch):

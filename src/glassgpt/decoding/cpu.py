@@ -28,7 +28,14 @@ from torch import Tensor, nn
 
 from glassgpt.attention import MultiHeadSelfAttention, score_scale, soft_cap
 from glassgpt.config import SamplingConfig
-from glassgpt.decoding.engine import EagerEngine, model_kind, one_token_logits, own_code, twin
+from glassgpt.decoding.engine import (
+    EagerEngine,
+    model_kind,
+    one_token_logits,
+    own_code,
+    twin,
+    without_module_guards,
+)
 from glassgpt.decoding.sampling import greedy_pick, is_greedy
 
 # Inductor options of the compiled step, each applied only where the installed torch knows it
@@ -78,10 +85,13 @@ class ThreadedLinear(nn.Linear):
 
 
 class ReductionLinear(nn.Linear):
-    """nn.Linear whose lone input row is a multiply-then-sum, for the compiler to fuse."""
+    """nn.Linear whose lone input row is a multiply-then-sum, for the compiler to fuse.
+
+    Only inside the compiled step: run eagerly (the prefill's last row into the LM head), the
+    product (out, in) would be materialised whole, 154 MB for GPT-2's head in float32."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.numel() != self.in_features:
+        if x.numel() != self.in_features or not torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
         y = (self.weight * x.reshape(1, -1)).sum(dim=-1)  # (out, in) * (1, in) -> (out,)
         if self.bias is not None:
@@ -151,7 +161,7 @@ class CompiledCPUEngine(EagerEngine):
     def __init__(self, model: Any):
         super().__init__(twin(model, _fusable))
         options = step_compile_options(options_for_width(model.config.n_embd))
-        self.compiled = compiled_step(tuple(sorted(options.items())), model_kind(model))
+        self.compiled = compiled_step(tuple(sorted(options.items())), model_kind(self.model))
 
     def start(self, batch_size: int, max_len: int) -> None:
         """A full-size cache, kept on the twin from call to call: the compiled graph is tied
@@ -200,7 +210,7 @@ def compiled_step(options: tuple[tuple[str, Any], ...], kind: Hashable
     process, options and model kind (`model_kind`), each on a code object of its own
     (`own_code`): every model of one kind, twins made anew included, shares its graphs."""
     step = own_code(one_token_logits)
-    return torch.compile(step, dynamic=True, options=dict(options))
+    return torch.compile(step, dynamic=True, options=without_module_guards(dict(options)))
 
 
 @functools.cache

@@ -75,7 +75,7 @@ class CUDAGraphEngine(EagerEngine):
     def __init__(self, model: Any, compiled: bool = False, capture: bool = True):
         super().__init__(model)
         self.capture = capture
-        self.run: Callable[..., Tensor] = (compiled_static_step(model_kind(model)) if compiled
+        self.run: Callable[..., Tensor] = (compiled_static_step(model_kind(self.model)) if compiled
                                            else static_step)
         self.graph: torch.cuda.CUDAGraph | None = None
 

@@ -22,7 +22,7 @@ import copy
 import itertools
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -70,11 +70,44 @@ def one_token_logits(model: Any, token: Tensor, pos: int) -> Tensor:
     return model(token, start_pos=pos, last_only=True, check_ids=False)[0][:, -1]
 
 
-def model_kind(model: nn.Module) -> tuple[str, torch.dtype, torch.device]:
-    """What a compiled step's graph is specialised to: the config, the weights' dtype and
-    device. Models of one kind share a graph; models of different kinds never meet."""
-    weight = next(model.parameters())
-    return repr(model.config), weight.dtype, weight.device
+def model_kind(model: nn.Module) -> Hashable:
+    """Everything about a model that its compiled step's graph is specialised to: the config,
+    each module's type and plain settings (`training`, `impl`, how many hooks), and each
+    tensor's name, shape, strides, dtype and device; the engine's own KV cache left out.
+
+    The compiled engines keep one step per kind, and leave out dynamo's guards on the module
+    tree (`without_module_guards`): about 3,000 checks a token of what this key already
+    fixed once per decoding. A model of another kind never reaches a step's graph.
+    """
+    modules = tuple((name, type(m), _plain_settings(m)) for name, m in model.named_modules()
+                    if not _is_cache(name))
+    tensors = tuple((name, tuple(t.shape), t.stride(), t.dtype, t.device)
+                    for name, t in itertools.chain(model.named_parameters(),
+                                                   model.named_buffers())
+                    if not _is_cache(name))
+    return repr(getattr(model, "config", None)), modules, tensors
+
+
+def _is_cache(name: str) -> bool:
+    return "kv_cache" in name.split(".")
+
+
+def _plain_settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:
+    """A module's own plain values, and the size of each of its dicts (its hooks)."""
+    settings = []
+    for key, value in vars(module).items():
+        if isinstance(value, bool | int | float | str) and not _is_cache(key):
+            settings.append((key, value))
+        elif isinstance(value, dict) and key not in ("_parameters", "_buffers", "_modules"):
+            settings.append((key, len(value)))
+    return tuple(sorted(settings))
+
+
+def without_module_guards(options: dict[str, Any]) -> dict[str, Any]:
+    """torch.compile `options` that also drop dynamo's guards on the module tree, where this
+    torch can (2.8 and later); a step keyed by `model_kind` needs none of them."""
+    skip = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+    return options if skip is None else {**options, "guard_filter_fn": skip}
 
 
 def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
