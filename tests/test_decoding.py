@@ -118,6 +118,16 @@ def test_compiled_one_row_reduction_equals_f_linear(bias):
                                rtol=1e-5, atol=1e-6)
 
 
+def test_compiled_bf16_one_row_reduction_is_f_linear_rounded_once():
+    """bf16 weights times the row in float32 (exact products), rounded to bf16 once at the end."""
+    linear = as_subclass(nn.Linear(256, 40), cpu_engines.ReductionLinear).to(torch.bfloat16)
+    x = torch.randn(1, 1, 256, dtype=torch.bfloat16)
+    y = torch.compile(linear, fullgraph=True)(x)
+    exact = F.linear(x.double(), linear.weight.double(), linear.bias.double())
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), exact, rtol=2**-8, atol=1e-6)  # bf16's half ulp
+
+
 def test_run_eagerly_the_reduction_linear_is_f_linear_not_the_whole_product():
     """The compiled engine's prefill runs its twin eagerly: the prompt's last row into the LM
     head must not materialise (out, in) products (154 MB for GPT-2's head in float32)."""
