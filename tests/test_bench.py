@@ -140,6 +140,31 @@ def test_decoding_results_and_bandwidth_fraction():
         assert r.bandwidth_fraction == pytest.approx(r.tokens_per_s / limit)
 
 
+def test_the_read_probe_runs_after_every_decoder_and_the_limit_is_its_best(monkeypatch):
+    """One probe read after each decoder in each round; the limit is the fastest of them."""
+    from glassgpt.bench import decoding
+
+    assert list(decoding.alternate({"a": 1, "b": 2, "c": 3}, {"x": 9, "y": 8})) == \
+        ["a", "x", "b", "y", "c"]
+    seconds = iter([0.5, 0.25, 1.0] * 100)  # the probe's reads, slow and fast in turn
+    probes = bench.LimitProbes(matmul_size=8, buffer_bytes=4096)
+    timed = decoding.interleaved_times
+    orders = []
+
+    def recording(contenders, rounds, **kwargs):
+        orders.append(list(contenders))
+        times = timed(contenders, rounds, **kwargs)
+        return {k: ([next(seconds) for _ in v] if k[0] == probes.READ else v)
+                for k, v in times.items()}
+
+    monkeypatch.setattr(decoding, "interleaved_times", recording)
+    results = bench.bench_decoding("cpu-small", probes, bf16=False, uncached=False,
+                                   compiled=False, rounds=2, new_tokens=2, **TINY)
+    kinds = ["probe" if k[0] == probes.READ else "decoder" for k in orders[0]]
+    assert kinds == ["decoder", "probe"] * 2  # glassgpt, then glassgpt eager: a read after each
+    assert results[0].read_bandwidth == probes.bandwidth(0.25)
+
+
 def test_decode_profiles_show_operators_eager_and_one_graph_compiled():
     products = {"aten::baddbmm", "aten::bmm", "aten::addmm", "aten::mm"}  # BLAS, any path
     eager = bench.profile_decode_step("cpu-small", top=20)

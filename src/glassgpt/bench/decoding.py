@@ -110,10 +110,13 @@ def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
     if hf_model is not None:
         cached[HF, True, torch.float32] = hf_model
         recomputing[HF, False, torch.float32] = hf_model
-    # The bandwidth limit is probed alongside the cached decoders, which it is the limit of.
-    times = _time_decoders(cached, prompt, new_tokens, rounds, probes.sync,
-                           {probes.READ: probes.read})
-    bandwidth = probes.bandwidth(min(times.pop(probes.READ)))
+    # The bandwidth limit is probed alongside the cached decoders, which it is the limit of:
+    # one read after each decoder in every round, and the limit is the best of them all. On a
+    # shared host the read bandwidth moves by half within minutes (BENCHMARKS.md); three
+    # reads alone could all land in a slow moment and put a decoder above its "limit".
+    reads = {(probes.READ, i): probes.read for i in range(len(cached))}
+    times = _time_decoders(cached, prompt, new_tokens, rounds, probes.sync, reads)
+    bandwidth = probes.bandwidth(min(min(times.pop(key)) for key in reads))
     if uncached:
         times |= _time_decoders(recomputing, prompt, new_tokens, uncached_rounds, probes.sync)
     seconds = {key: statistics.median(t) for key, t in times.items()}
@@ -142,8 +145,16 @@ def _time_decoders(models: dict[DecodeKey, nn.Module], prompt: Tensor, new_token
     # A short run touches every path, and compiles the compiled step (once per process).
     for warm_up in decoders(min(4, new_tokens)).values():
         warm_up()
-    return interleaved_times({**decoders(new_tokens), **(probes or {})}, rounds, warmup=0,
+    return interleaved_times(alternate(decoders(new_tokens), probes or {}), rounds, warmup=0,
                              sync=sync)
+
+
+def alternate(first: dict[Any, Any], second: dict[Any, Any]) -> dict[Any, Any]:
+    """Both dicts' items in one, taken in turn (first's, second's, first's, ...), so that in
+    interleaved rounds each probe runs right after a contender; the longer one's rest last."""
+    a, b = list(first.items()), list(second.items())
+    turns = [item for pair in zip(a, b, strict=False) for item in pair]
+    return dict(turns + a[len(b):] + b[len(a):])
 
 
 @torch.no_grad()

@@ -93,14 +93,21 @@ def _is_cache(name: str) -> bool:
 
 
 def _plain_settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:
-    """A module's own plain values, and the size of each of its dicts (its hooks)."""
+    """A module's own plain values (and tuples of them), and the size of each of its dicts
+    (its hooks)."""
     settings = []
     for key, value in vars(module).items():
-        if isinstance(value, bool | int | float | str) and not _is_cache(key):
+        if _is_plain(value) and not _is_cache(key):
             settings.append((key, value))
         elif isinstance(value, dict) and key not in ("_parameters", "_buffers", "_modules"):
             settings.append((key, len(value)))
     return tuple(sorted(settings))
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return all(_is_plain(item) for item in value)
+    return value is None or isinstance(value, bool | int | float | str)
 
 
 def without_module_guards(options: dict[str, Any]) -> dict[str, Any]:
