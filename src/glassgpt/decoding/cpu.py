@@ -49,7 +49,7 @@ CPU_STEP_OPTIONS = {"realize_cpu_opcount_threshold": 10}  # passed only if known
 # side by side in one process (BENCHMARKS.md, "Decoding, third round"): GPT-2 small (768) steps
 # 1.33x (fp32) and 1.15x (bf16) faster; shakespeare-char (384) and cpu-small 5-15% slower.
 WIDE_FROM = 768
-WIDE_CPU_STEP_OPTIONS = {"realize_cpu_opcount_threshold": 0}
+WIDE_CPU_STEP_OPTIONS = {"realize_cpu_opcount_threshold": 0}  # passed only if known, too
 
 
 class ThreadedLinear(nn.Linear):
