@@ -25,7 +25,7 @@ from glassgpt.decoding import (
     engine_for,
 )
 from glassgpt.decoding import cpu as cpu_engines
-from glassgpt.decoding.engine import model_kind, twin
+from glassgpt.decoding.engine import model_kind, twin, twin_kind
 from glassgpt.decoding.generate import generate
 from glassgpt.errors import ConfigError
 from glassgpt.model import GPT
@@ -328,6 +328,8 @@ def test_a_model_kind_holds_what_the_dropped_module_guards_checked():
     tokens = generate(model, idx, max_new_tokens=3, temperature=0.0, compiled=True)
     assert torch.equal(tokens, eager_tokens(model, idx, 3, temperature=0.0))
     assert CompiledCPUEngine(model).compiled is step  # its twin now holds a cache: same kind
+    engine_twin = CompiledCPUEngine(model).model
+    assert twin_kind(engine_twin) is twin_kind(engine_twin) == model_kind(engine_twin)  # once
 
 
 def test_the_compiled_step_runs_where_torch_lacks_the_cpu_only_options(monkeypatch):

@@ -30,10 +30,10 @@ from glassgpt.attention import MultiHeadSelfAttention, score_scale, soft_cap
 from glassgpt.config import SamplingConfig
 from glassgpt.decoding.engine import (
     EagerEngine,
-    model_kind,
     one_token_logits,
     own_code,
     twin,
+    twin_kind,
     without_module_guards,
 )
 from glassgpt.decoding.sampling import greedy_pick, is_greedy
@@ -165,7 +165,7 @@ class CompiledCPUEngine(EagerEngine):
     def __init__(self, model: Any):
         super().__init__(twin(model, _fusable))
         options = step_compile_options(options_for_width(model.config.n_embd))
-        self.compiled = compiled_step(tuple(sorted(options.items())), model_kind(self.model))
+        self.compiled = compiled_step(tuple(sorted(options.items())), twin_kind(self.model))
 
     def start(self, batch_size: int, max_len: int) -> None:
         """A full-size cache, kept on the twin from call to call: the compiled graph is tied
@@ -211,7 +211,7 @@ def step_compile_options(wanted: dict[str, Any] | None = None) -> dict[str, Any]
 def compiled_step(options: tuple[tuple[str, Any], ...], kind: Hashable
                   ) -> Callable[[Any, Tensor, int], Tensor]:
     """`one_token_logits` through torch.compile with these inductor options, built once per
-    process, options and model kind (`model_kind`), each on a code object of its own
+    process, options and model kind (`twin_kind`), each on a code object of its own
     (`own_code`): every model of one kind, twins made anew included, shares its graphs."""
     step = own_code(one_token_logits)
     return torch.compile(step, dynamic=True, options=without_module_guards(dict(options)))
