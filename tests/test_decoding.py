@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glassgpt.attention import explicit_attention
 from glassgpt.config import GPTConfig
 from glassgpt.decoding import (
     CompiledCPUEngine,
@@ -65,21 +66,33 @@ def prompt(B: int, T: int) -> torch.Tensor:
 
 # --- the pieces -----------------------------------------------------------------------------
 
+# The narrow step's one query (reductions) and the wide step's (matmuls).
+ONE_QUERY = [cpu_engines.one_query_attention, cpu_engines.one_query_matmul_attention]
+
+
+@pytest.mark.parametrize("one_query", ONE_QUERY)
 @pytest.mark.parametrize("S", [1, 7])
-def test_one_query_attention_equals_sdpa_float64(S):
+def test_one_query_attention_equals_sdpa_float64(one_query, S):
     q, k, v = (torch.randn(2, 3, n, 8, dtype=torch.float64) for n in (1, S, S))
     expected = F.scaled_dot_product_attention(q, k, v)  # one query sees every key
-    torch.testing.assert_close(cpu_engines.one_query_attention(q, k, v), expected, rtol=1e-12,
-                               atol=1e-12)
+    torch.testing.assert_close(one_query(q, k, v), expected, rtol=1e-12, atol=1e-12)
 
 
-def test_one_query_attention_scales_by_one_over_sqrt_head_width():
+@pytest.mark.parametrize("one_query", ONE_QUERY)
+def test_one_query_attention_scales_by_one_over_sqrt_head_width(one_query):
     q = torch.ones(1, 1, 1, 4, dtype=torch.float64)
     k = torch.stack([torch.zeros(4), torch.ones(4)]).to(torch.float64).view(1, 1, 2, 4)
     v = torch.tensor([[0.0], [1.0]], dtype=torch.float64).view(1, 1, 2, 1)
     weight_on_second = 1 / (1 + math.exp(-4 / math.sqrt(4)))  # scores 0 and 4/sqrt(d)
-    assert cpu_engines.one_query_attention(q, k, v).item() == pytest.approx(weight_on_second,
-                                                                             rel=1e-12)
+    assert one_query(q, k, v).item() == pytest.approx(weight_on_second, rel=1e-12)
+
+
+@pytest.mark.parametrize("one_query", ONE_QUERY)
+def test_one_query_attention_takes_the_scale_and_soft_cap_as_explicit_attention_does(one_query):
+    q, k, v = (torch.randn(2, 3, n, 8, dtype=torch.float64) for n in (1, 9, 9))
+    expected, _ = explicit_attention(q, k, v, None, nn.Identity(), scale=0.3, softcap=2.0)
+    torch.testing.assert_close(one_query(q, k, v, scale=0.3, softcap=2.0), expected,
+                               rtol=1e-12, atol=1e-12)
 
 
 def as_subclass(linear: nn.Linear, cls: type[nn.Linear]) -> nn.Linear:
@@ -381,22 +394,45 @@ def test_greedy_compiled_decoding_picks_every_token_through_the_compiled_pick(mo
     assert len(picks) == 6  # sampling draws eagerly
 
 
+@pytest.mark.slow  # two compilations
 def test_a_wide_model_compiles_its_step_storing_every_intermediate_and_keeps_the_tokens(
         monkeypatch):
-    """From WIDE_FROM on the step asks inductor to store each intermediate; the same tokens."""
+    """From WIDE_FROM on the step asks inductor to store each intermediate, and attention's one
+    query is two matmuls; the same tokens, with grouped K/V, a soft-cap and a local layer
+    whose window the decoding passes."""
     asked = []
     build = cpu_engines.compiled_step
     monkeypatch.setattr(cpu_engines, "compiled_step",
                         lambda options, kind: asked.append(dict(options)) or build(options, kind))
-    narrow = tiny_gpt(seed=5, n_layer=1)
-    CompiledCPUEngine(narrow)
-    monkeypatch.setattr(cpu_engines, "WIDE_FROM", narrow.config.n_embd)  # this model is "wide"
+    model = tiny_gpt(seed=5, n_head=4, n_kv_head=2, position="rope", attn_softcap=1.0,
+                     sliding_window=3, local_layers=[0])
+    with torch.no_grad():  # scores past the soft-cap, and logits that show what attention did
+        for block in model.blocks:
+            block.attn.qkv.weight.mul_(8)
+        model.lm_head.weight.mul_(20)
+    narrow_attention = {type(block.attn) for block in CompiledCPUEngine(model).model.blocks}
+    monkeypatch.setattr(cpu_engines, "WIDE_FROM", model.config.n_embd)  # this model is "wide"
+    engine = CompiledCPUEngine(model)
     idx = prompt(1, 3)
-    wide = generate(narrow, idx, max_new_tokens=5, temperature=0.0, compiled=True)
+    wide = generate(model, idx, max_new_tokens=6, temperature=0.0, compiled=True)
     assert asked == [cpu_engines.step_compile_options(cpu_engines.CPU_STEP_OPTIONS),
+                     cpu_engines.step_compile_options(cpu_engines.WIDE_CPU_STEP_OPTIONS),
                      cpu_engines.step_compile_options(cpu_engines.WIDE_CPU_STEP_OPTIONS)]
+    assert narrow_attention == {cpu_engines.OneQueryAttention}
+    assert {type(block.attn) for block in engine.model.blocks} == {
+        cpu_engines.OneQueryMatmulAttention}
     assert cpu_engines.options_for_width(768) == cpu_engines.WIDE_CPU_STEP_OPTIONS
-    assert torch.equal(wide, eager_tokens(narrow, idx, 5, temperature=0.0))
+    assert torch.equal(wide, eager_tokens(model, idx, 6, temperature=0.0))
+    # Each step's logits, not only its argmax: a lost soft-cap can keep a tiny model's tokens.
+    reference = EagerEngine(model)
+    for run in (engine, reference):
+        run.start(1, BLOCK)
+    torch.testing.assert_close(engine.prefill(idx), reference.prefill(idx))
+    for pos in range(3, wide.shape[1]):
+        token = wide[:, pos:pos + 1]
+        torch.testing.assert_close(engine.step(token, pos), reference.step(token, pos),
+                                   rtol=1e-5, atol=1e-5)
+    reference.close()
 
 
 def test_compiled_bf16_decoding_runs_and_mostly_agrees():

@@ -13,7 +13,9 @@ their values untouched):
   loop over the weight's rows, split across the threads and fused with its neighbours, so each
   weight streams through once at close to the memory's read bandwidth; `OneQueryAttention` does
   the same for the single query's attention, so a step is one native function with no
-  per-operator Python overhead.
+  per-operator Python overhead. (A wide model's step stores every intermediate; its attention
+  is two matmuls instead, `OneQueryMatmulAttention`, so the context's products are never
+  stored.)
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ CPU_STEP_OPTIONS = {"realize_cpu_opcount_threshold": 10}  # passed only if known
 # recomputed under 10, then cost more per weight element than one more pass per norm. Measured
 # side by side in one process (BENCHMARKS.md, "Decoding, third round"): GPT-2 small (768) steps
 # 1.33x (fp32) and 1.15x (bf16) faster; shakespeare-char (384) and cpu-small 5-15% slower.
+# The wide step's attention is matmuls (`one_query_matmul_attention`); the narrow step keeps
+# reductions, 1.25x faster there than matmuls (shakespeare-char, fifth round).
 WIDE_FROM = 768
 WIDE_CPU_STEP_OPTIONS = {"realize_cpu_opcount_threshold": 0}  # passed only if known, too
 
@@ -116,8 +120,27 @@ def one_query_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = N
     return (weights * v).sum(dim=-2, keepdim=True)  # (B, H, S, d) -> (B, H, 1, d)
 
 
+def one_query_matmul_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None,
+                               softcap: float | None = None) -> Tensor:
+    """`one_query_attention` as two batched matmuls, the softmax in float32 (or wider) between.
+
+    For the wide step, which stores every intermediate (WIDE_CPU_STEP_OPTIONS): there the
+    reductions' products q*k and w*v, (B, H, S, d) each, are written out and read back (in bf16,
+    rounded one by one), a cost that grows with the context: GPT-2's step at positions 600-727
+    took 1.9x (fp32) and 1.4x (bf16) as long as with these matmuls, which never form them
+    (BENCHMARKS.md, "Decoding, fifth round").
+    """
+    scores = q @ k.transpose(-2, -1)  # (B, H, 1, d) @ (B, H, d, S) -> (B, H, 1, S)
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # bf16 -> fp32
+    scores = scores * score_scale(q.shape[-1], scale)
+    weights = torch.softmax(soft_cap(scores, softcap), dim=-1).to(v.dtype)
+    return weights @ v  # (B, H, 1, S) @ (B, H, S, d) -> (B, H, 1, d)
+
+
 class OneQueryAttention(MultiHeadSelfAttention):
     """Attention whose single unmasked query (a decoding step) is `one_query_attention`."""
+
+    one_query = staticmethod(one_query_attention)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, pad_mask: Tensor | None,
                return_attn: bool, window: int | None = None) -> tuple[Tensor, Tensor | None]:
@@ -125,8 +148,14 @@ class OneQueryAttention(MultiHeadSelfAttention):
         in_window = window is None or k.shape[2] <= window
         if (q.shape[2] == 1 and pad_mask is None and not return_attn and not self.training
                 and self.impl == "fused" and in_window):
-            return one_query_attention(q, k, v, self.scale, self.softcap), None
+            return self.one_query(q, k, v, self.scale, self.softcap), None
         return super().attend(q, k, v, pad_mask, return_attn, window)
+
+
+class OneQueryMatmulAttention(OneQueryAttention):
+    """`OneQueryAttention` whose one query is `one_query_matmul_attention`: the wide step's."""
+
+    one_query = staticmethod(one_query_matmul_attention)
 
 
 def _threaded(module: nn.Module) -> type[nn.Module] | None:
@@ -137,6 +166,12 @@ def _fusable(module: nn.Module) -> type[nn.Module] | None:
     if type(module) is nn.Linear:
         return ReductionLinear
     return OneQueryAttention if type(module) is MultiHeadSelfAttention else None
+
+
+def _fusable_wide(module: nn.Module) -> type[nn.Module] | None:
+    if type(module) is MultiHeadSelfAttention:
+        return OneQueryMatmulAttention
+    return _fusable(module)
 
 
 class CPUEngine(EagerEngine):
@@ -163,7 +198,8 @@ class CompiledCPUEngine(EagerEngine):
     name = "cpu-compiled"
 
     def __init__(self, model: Any):
-        super().__init__(twin(model, _fusable))
+        wide = is_wide(model.config.n_embd)
+        super().__init__(twin(model, _fusable_wide if wide else _fusable))
         options = step_compile_options(options_for_width(model.config.n_embd))
         self.compiled = compiled_step(tuple(sorted(options.items())), twin_kind(self.model))
 
@@ -191,9 +227,15 @@ class CompiledCPUEngine(EagerEngine):
         pass  # the cache stays with the twin (see `start`); the user's model never had one
 
 
+def is_wide(n_embd: int) -> bool:
+    """Whether a model this wide gets the wide step: every intermediate stored, and attention's
+    one query as matmuls (`OneQueryMatmulAttention`)."""
+    return n_embd >= WIDE_FROM
+
+
 def options_for_width(n_embd: int) -> dict[str, Any]:
     """The inductor options the compiled step of a model this wide asks for."""
-    return WIDE_CPU_STEP_OPTIONS if n_embd >= WIDE_FROM else CPU_STEP_OPTIONS
+    return WIDE_CPU_STEP_OPTIONS if is_wide(n_embd) else CPU_STEP_OPTIONS
 
 
 def step_compile_options(wanted: dict[str, Any] | None = None) -> dict[str, Any]:
