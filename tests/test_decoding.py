@@ -394,7 +394,7 @@ def test_greedy_compiled_decoding_picks_every_token_through_the_compiled_pick(mo
     assert len(picks) == 6  # sampling draws eagerly
 
 
-@pytest.mark.slow  # two compilations
+@pytest.mark.slow  # compiles a wide step
 def test_a_wide_model_compiles_its_step_storing_every_intermediate_and_keeps_the_tokens(
         monkeypatch):
     """From WIDE_FROM on the step asks inductor to store each intermediate, and attention's one
