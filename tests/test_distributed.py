@@ -26,6 +26,8 @@ DEVICE = ["--device", "auto" if torch.cuda.device_count() >= 2 else "cpu"]
 
 ONE_STEP = textwrap.dedent("""
     import sys
+    from pathlib import Path
+
     import torch
     from safetensors.torch import save_file
     from glassgpt.machine import distributed as ddp
@@ -52,6 +54,12 @@ ONE_STEP = textwrap.dedent("""
         # DDP's reducer goes before the process group does: torn down after it, at exit, it
         # could abort the rank ("terminate called without an active exception").
         del wrapped
+    # Destroyed, the group took gloo's threads with it: left running into interpreter shutdown,
+    # they could abort the rank as it exits.
+    tasks = Path("/proc/self/task")
+    names = [Path(task, "comm").read_text().strip() for task in tasks.iterdir()] \
+        if tasks.is_dir() else []
+    assert not [name for name in names if "gloo" in name], names
 """)
 
 

@@ -84,8 +84,21 @@ def init_distributed(device_type: str) -> DistContext:
     if not dist.is_initialized():
         if device_type == "cuda":
             torch.cuda.set_device(context.local_rank)
+        _import_collectives_before_the_group()
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
     return context
+
+
+def _import_collectives_before_the_group() -> None:
+    """Import torch.distributed.nn.functional while no process group exists.
+
+    Its functions take `group=group.WORLD` as a default argument, evaluated at import. DDP
+    imports it on first use, after the group exists, and its ten defaults then hold the group:
+    `destroy_process_group` no longer frees it, gloo's threads outlive it, and the group is torn
+    down during interpreter shutdown, where a rank could abort ("terminate called without an
+    active exception"). Imported first, the defaults are None.
+    """
+    import torch.distributed.nn.functional  # noqa: F401
 
 
 def shutdown(context: DistContext) -> None:

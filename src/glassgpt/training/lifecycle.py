@@ -183,7 +183,8 @@ def _start(request: _Request) -> TrainOutcome:
                 _announce(request, start)
             ddp.barrier(context)
             result = trainer.run()
-        del trainer  # DDP's reducer before the process group: torn down after it, it can abort
+        # The DDP wrapper (and a sharded model) go before the process group, which they hold.
+        del trainer, model
     return TrainOutcome(run_dir, start.action, result, start, warnings)
 
 
@@ -277,7 +278,7 @@ def _resume(request: _Request) -> TrainOutcome:
                 _announce(request, start)
             ddp.barrier(context)
             result = trainer.run()
-        del trainer  # as in train_run: the DDP wrapper goes before the process group
+        del trainer, model  # as in train_run: what holds the process group goes before it
     return TrainOutcome(run_dir, "resume", result, start)
 
 
