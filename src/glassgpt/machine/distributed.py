@@ -9,7 +9,10 @@ which this layer knows nothing of.)
 from __future__ import annotations
 
 import contextlib
+import gc
+import importlib
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -102,8 +105,47 @@ def _import_collectives_before_the_group() -> None:
 
 
 def shutdown(context: DistContext) -> None:
+    """Destroy the process group, and with it gloo's threads: a group still held elsewhere
+    outlives `destroy_process_group`, and its threads run on into interpreter shutdown, where
+    they can abort the rank ("terminate called without an active exception")."""
     if context.enabled and dist.is_initialized():
+        _drop_what_holds_the_group()
         dist.destroy_process_group()
+
+
+def _drop_what_holds_the_group() -> None:
+    """A sharded model's state holds the group in reference cycles, and DTensor's caches hold
+    it through the device mesh they key on: both let go here. The caches are private to torch
+    and move between versions, so each is cleared only where this torch has it."""
+    if "torch.distributed.tensor" in sys.modules:
+        _clear_dtensor_caches()
+    gc.collect()
+
+
+def _clear_dtensor_caches() -> None:
+    tensor, collective_utils, redistribute = (
+        _module_or_none(f"torch.distributed.tensor{name}")
+        for name in ("", "._collective_utils", "._redistribute"))
+    dtensor = getattr(tensor, "DTensor", None)
+    propagator = getattr(getattr(dtensor, "_op_dispatcher", None), "sharding_propagator", None)
+    caches = [getattr(propagator, "propagate_op_sharding", None),
+              getattr(propagator, "_propagate_tensor_meta_cached", None),
+              getattr(getattr(collective_utils, "MeshTopoInfo", None), "build_from_mesh", None),
+              getattr(redistribute, "_gen_transform_infos", None)]
+    for cache in caches:
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    for clear in (getattr(redistribute, "clear_redistribute_planner_cache", None),
+                  getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)):
+        if clear is not None:
+            clear()
+
+
+def _module_or_none(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 def wrap_model(model: nn.Module, context: DistContext, device: torch.device) -> nn.Module:
