@@ -100,6 +100,17 @@ def small_text(tmp_path: Path) -> Path:
     return path
 
 
+# The last lines of a torchrun'd test script, once its process group is destroyed: the group
+# took gloo's threads with it. Left running into interpreter shutdown, they could abort the rank
+# ("terminate called without an active exception").
+NO_GLOO_THREAD_LEFT = """
+from pathlib import Path as _Path
+_tasks = _Path("/proc/self/task")
+_names = [_Path(t, "comm").read_text().strip() for t in _tasks.iterdir()] if _tasks.is_dir() else []
+assert not [name for name in _names if "gloo" in name], _names
+"""
+
+
 def cli_environment(shakespeare_path: Path, cache: Path) -> dict[str, str]:
     """Environment for a `glassgpt` subprocess: the test corpus, and a private user cache."""
     return {**os.environ, TINYSHAKESPEARE_ENV: str(shakespeare_path.resolve()),

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import cli_environment
+from conftest import NO_GLOO_THREAD_LEFT, cli_environment
 from glassgpt.config import GPTConfig, TrainConfig
 from glassgpt.data import prepare
 from glassgpt.model import GPT
@@ -26,8 +26,6 @@ DEVICE = ["--device", "auto" if torch.cuda.device_count() >= 2 else "cpu"]
 
 ONE_STEP = textwrap.dedent("""
     import sys
-    from pathlib import Path
-
     import torch
     from safetensors.torch import save_file
     from glassgpt.machine import distributed as ddp
@@ -54,13 +52,7 @@ ONE_STEP = textwrap.dedent("""
         # DDP's reducer goes before the process group does: torn down after it, at exit, it
         # could abort the rank ("terminate called without an active exception").
         del wrapped
-    # Destroyed, the group took gloo's threads with it: left running into interpreter shutdown,
-    # they could abort the rank as it exits.
-    tasks = Path("/proc/self/task")
-    names = [Path(task, "comm").read_text().strip() for task in tasks.iterdir()] \
-        if tasks.is_dir() else []
-    assert not [name for name in names if "gloo" in name], names
-""")
+""") + NO_GLOO_THREAD_LEFT
 
 
 def torchrun(*args: str | Path, env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib
 import os
 import sys
 from collections.abc import Iterator
@@ -115,16 +114,16 @@ def shutdown(context: DistContext) -> None:
 
 def _drop_what_holds_the_group() -> None:
     """A sharded model's state holds the group in reference cycles, and DTensor's caches hold
-    it through the device mesh they key on: both let go here. The caches are private to torch
-    and move between versions, so each is cleared only where this torch has it."""
-    if "torch.distributed.tensor" in sys.modules:
-        _clear_dtensor_caches()
+    it through the device mesh they key on: both let go here."""
+    _clear_dtensor_caches()
     gc.collect()
 
 
 def _clear_dtensor_caches() -> None:
+    """Each cache is private to torch and moves between versions: it is cleared only where
+    this torch has it, and only in modules a run imported (none is imported to be cleared)."""
     tensor, collective_utils, redistribute = (
-        _module_or_none(f"torch.distributed.tensor{name}")
+        sys.modules.get(f"torch.distributed.tensor{name}")
         for name in ("", "._collective_utils", "._redistribute"))
     dtensor = getattr(tensor, "DTensor", None)
     propagator = getattr(getattr(dtensor, "_op_dispatcher", None), "sharding_propagator", None)
@@ -139,13 +138,6 @@ def _clear_dtensor_caches() -> None:
                   getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)):
         if clear is not None:
             clear()
-
-
-def _module_or_none(name: str) -> Any:
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        return None
 
 
 def wrap_model(model: nn.Module, context: DistContext, device: torch.device) -> nn.Module:
