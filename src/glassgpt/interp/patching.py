@@ -24,6 +24,7 @@ from glassgpt.errors import InputError
 from glassgpt.interp.hooked import run_with_hooks
 
 Metric = Callable[[Tensor], Tensor | float]
+Progress = Callable[[int, int], None]
 Setter = Callable[[Tensor, tuple[int, ...], Tensor], Tensor]
 
 # A short activation name -> its hook point in layer l (TransformerLens's get_act_name).
@@ -108,13 +109,15 @@ def axis_sizes(model: nn.Module, activation: str, n_pos: int) -> dict[str, int]:
 def generic_activation_patch(model: nn.Module, corrupted_tokens: Tensor,
                              clean_cache: Mapping[str, Tensor], patching_metric: Metric,
                              patch_setter: Setter, activation_name: str,
-                             index_axis_names: Sequence[str]) -> Tensor:
+                             index_axis_names: Sequence[str], *,
+                             progress: Progress | None = None) -> Tensor:
     """The patching metric for every index over `index_axis_names` (layer first): a tensor
-    with one axis per name (e.g. (L, T) for ("layer", "pos"))."""
+    with one axis per name (e.g. (L, T) for ("layer", "pos")). `progress(done, total)` is
+    called after each patched run (one forward pass each: a caller can show how far it is)."""
     sizes = axis_sizes(model, activation_name, corrupted_tokens.shape[-1])
     shape = tuple(sizes[axis] for axis in index_axis_names)
     results = torch.zeros(shape)
-    for index in itertools.product(*(range(n) for n in shape)):
+    for done, index in enumerate(itertools.product(*(range(n) for n in shape))):
         name = act_name(activation_name, index[0])
         clean = clean_cache[name]
 
@@ -125,6 +128,8 @@ def generic_activation_patch(model: nn.Module, corrupted_tokens: Tensor,
         with torch.no_grad():
             logits = run_with_hooks(model, corrupted_tokens, [(name, patch)])
         results[index] = float(patching_metric(logits))
+        if progress is not None:
+            progress(done + 1, results.numel())
     return results
 
 
