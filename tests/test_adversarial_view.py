@@ -1,5 +1,5 @@
 """Hostile inputs and a new user's traps on the lens, the view and the experiments' pictures
-(issue 27, items 16, 20, 21 and 25). Each test failed before its fix.
+(issue 27, items 16, 20, 21 and 25; issue 38, item 2). Each test failed before its fix.
 
 The browser tests at the end open `glassgpt view` on an untrained RMSNorm + rotary model in
 Debian's Chromium at 1400 px (as tests/test_view_browser.py does, one session for them all).
@@ -7,6 +7,7 @@ Debian's Chromium at 1400 px (as tests/test_view_browser.py does, one session fo
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import shutil
@@ -281,3 +282,59 @@ def test_the_page_never_scrolls_sideways_at_1400_px(wide_page):
         "return [document.documentElement.scrollWidth, document.documentElement.clientWidth]")
     assert seen >= WINDOW - 40  # the window is as wide as the test says
     assert width <= seen, (width, seen)
+
+
+# --- issue 38, item 2: every Host and Origin header is checked, and any byte is a 400 ------------
+
+def asgi_request(app, headers: list[tuple[bytes, bytes]], method: str = "POST") -> int:
+    """The status `app` answers a tokenize request with exactly these raw header lines (a test
+    client would merge repeated headers, or refuse to encode a byte that is not ASCII)."""
+    sent = []
+    body = b'{"prompt": "abc"}'
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    path = "/api/tokenize" if method == "POST" else "/api/card"
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
+             "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), *headers],
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}
+    asyncio.run(app(scope, receive, send))
+    return sent[0]["status"]
+
+
+@pytest.fixture(scope="module")
+def small_view(model) -> RunView:
+    return RunView(model, CharTokenizer(list("abcdefghijk")))
+
+
+OURS = (b"host", b"127.0.0.1:8000")
+
+
+def test_a_request_with_a_strangers_origin_among_its_origins_is_refused(small_view):
+    """Two Origin headers, the hostile one first, were answered (200): one header was read."""
+    app = create_app(small_view)
+    ours, theirs = (b"origin", b"http://127.0.0.1:8000"), (b"origin", b"http://evil.example")
+    assert asgi_request(app, [OURS, ours]) == 200
+    assert asgi_request(app, [OURS, theirs, ours]) == 403
+    assert asgi_request(app, [OURS, ours, theirs]) == 403
+    assert asgi_request(app, [OURS, ours, (b"origin", "http://évil.example".encode())]) == 403
+
+
+@pytest.mark.parametrize("allowed", [("127.0.0.1",), ("*",)], ids=["loopback", "any host"])
+def test_a_host_that_is_not_ascii_or_named_twice_is_a_400(small_view, allowed):
+    """A non-Latin Host was no error of the check's to name: under --host 0.0.0.0 it was
+    answered; two Host headers were read as the last one."""
+    app = create_app(small_view, allowed)
+    for host in ("пример".encode(), "例え:8000".encode(), "é".encode("latin-1"),
+                 "127.0.0.1:８０".encode()):
+        assert asgi_request(app, [(b"host", host)]) == 400, host
+        assert asgi_request(app, [(b"host", host)], method="GET") == 400, host
+    twice = [OURS, (b"host", b"127.0.0.1:8000")]
+    assert asgi_request(app, twice) == 400
+    assert asgi_request(app, [OURS]) == 200

@@ -126,7 +126,10 @@ def create_app(view: RunView, allowed_hosts: tuple[str, ...] = LOOPBACK_NAMES) -
 
 def host_name(host_header: str) -> str | None:
     """The name in a Host header, without its port: "[::1]:8000" -> "::1", "a:80" -> "a";
-    None when it is not `name` or `name:digits` ("127.0.0.1:evil", "[::1]evil.example")."""
+    None when it is not `name` or `name:digits` ("127.0.0.1:evil", "[::1]evil.example"), or
+    holds a character that is not ASCII (a name beyond ASCII travels as punycode, "xn--...")."""
+    if not host_header.isascii():
+        return None
     if host_header.startswith("["):
         name, _, rest = host_header[1:].partition("]")
     else:
@@ -166,19 +169,30 @@ class HostCheck:
         await self.app(scope, receive, send)
 
     def refusal(self, scope: Any) -> tuple[str, int] | None:
-        """Why this request is refused (message, status), or None to answer it."""
-        headers = dict(scope["headers"])
-        host = headers.get(b"host", b"").decode("latin-1")
+        """Why this request is refused (message, status), or None to answer it.
+
+        Every Host and Origin header is read, not one of them: a request with two Origins, a
+        stranger's and ours, was answered when only the last was checked. Two Host headers
+        are no request at all (RFC 9110): refused."""
+        hosts = header_values(scope, b"host")
+        host = hosts[0] if len(hosts) == 1 else ""
         name = host_name(host)
         if name is None or ("*" not in self.allowed and name not in self.allowed):
             return (f"this server answers requests for {', '.join(sorted(self.allowed))} "
                     f"only", 400)
-        origin = headers.get(b"origin", b"").decode("latin-1")
         posted = scope["method"] not in ("GET", "HEAD")
-        if posted and b"origin" in headers and origin_netloc(origin) != host.lower():
+        strangers = [origin for origin in header_values(scope, b"origin")
+                     if origin_netloc(origin) != host.lower()]
+        if posted and strangers:
             return ("this server answers POST requests from its own page only (Origin "
-                    f"{origin[:60]!r} is not http://{host})", 403)
+                    f"{strangers[0][:60]!r} is not http://{host})", 403)
         return None
+
+
+def header_values(scope: Any, name: bytes) -> list[str]:
+    """Every value of the header `name` (lower case, as ASGI servers give names) in the
+    request, in order; as latin-1 text, which any byte decodes to, so no header raises."""
+    return [value.decode("latin-1") for key, value in scope["headers"] if key.lower() == name]
 
 
 def error_response(message: str, status: int) -> JSONResponse:
