@@ -1,10 +1,10 @@
-"""glassgpt.interp against TransformerLens on the same weights (issue 29).
+"""glassgpt.interp against TransformerLens on the same weights (issues 29 and 38).
 
-A tiny random Hugging Face GPT-2 and Llama (grouped KV heads, rotary) are imported into glassgpt;
-TransformerLens 4.x's TransformerBridge boots over the very same transformers model object
-(offline: the model and a tokenizer are passed in, no weight processing). Every activation both
-caches under one name must agree in shape and within 1e-5 in float32, and the patching functions
-must give TransformerLens's numbers.
+A tiny random Hugging Face model is imported into glassgpt; TransformerLens 4.x's
+TransformerBridge boots over the very same transformers model object (offline: the model and a
+tokenizer are passed in, no weight processing). Every activation both caches under one name
+must agree in shape and within 1e-5 in float32 (GPT-2 and Llama), and every patching function
+must give TransformerLens's numbers on every family glassgpt imports.
 """
 
 from __future__ import annotations
@@ -21,8 +21,12 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 from transformer_lens import patching as lens_patching  # noqa: E402
 from transformer_lens.model_bridge import TransformerBridge  # noqa: E402
 
+import test_interop_families as families  # noqa: E402
+import test_interop_gemma as gemma  # noqa: E402
 from glassgpt.hf.interop import from_hf  # noqa: E402
-from glassgpt.interp import patching, run_with_cache  # noqa: E402
+from glassgpt.interp import patching, run_with_cache, run_with_hooks  # noqa: E402
+from test_interop_families import FAMILIES  # noqa: E402
+from test_interop_modern import randomize  # noqa: E402
 
 TOL = 1e-5
 SHAPES = {
@@ -53,27 +57,50 @@ def tiny_tokenizer():
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
 
-@pytest.fixture(scope="module", params=list(SHAPES))
-def pair(request, tmp_path_factory):
-    """(architecture, glassgpt model, TransformerLens bridge) over one random HF model."""
-    config_class, model_class, shape = SHAPES[request.param]
-    torch.manual_seed(0)
-    hf_model = getattr(transformers, model_class)(getattr(transformers, config_class)(**shape))
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in hf_model.parameters():  # norm scales and biases too: nothing hides
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
-    hf_model.eval()
+def tiny_hf_model(family: str) -> torch.nn.Module:
+    """A random Hugging Face model of one family, every parameter drawn (norms and biases too:
+    nothing hides), in eval mode."""
+    if family in SHAPES:
+        config_class, model_class, shape = SHAPES[family]
+        torch.manual_seed(0)
+        hf_model = getattr(transformers, model_class)(getattr(transformers, config_class)(**shape))
+        randomize(hf_model, seed=1)
+        return hf_model.eval()
+    if family in FAMILIES:
+        return families.hf_model(family)
+    return gemma.hf_model(family)
+
+
+def boot(family: str, path) -> tuple[str, torch.nn.Module, object]:
+    """(family, glassgpt model, TransformerLens bridge) over one random HF model."""
+    hf_model = tiny_hf_model(family)
     ours = from_hf(hf_model).eval()  # first: the bridge wraps the HF modules in place
-    path = tmp_path_factory.mktemp(request.param)
+    hf_model.config.architectures = [type(hf_model).__name__]  # how the bridge picks its adapter
     hf_model.config.save_pretrained(path)
     bridge = TransformerBridge.boot_transformers(str(path), hf_model=hf_model, device="cpu",
                                                  tokenizer=tiny_tokenizer())
-    return request.param, ours, bridge
+    return family, ours, bridge
 
 
-def ids(batch: int = 2, length: int = 7, seed: int = 3) -> torch.Tensor:
-    return torch.randint(0, 50, (batch, length), generator=torch.Generator().manual_seed(seed))
+@pytest.fixture(scope="module", params=list(SHAPES))
+def pair(request, tmp_path_factory):
+    return boot(request.param, tmp_path_factory.mktemp(request.param))
+
+
+# One of each family glassgpt imports: GPT-2, Llama, Llama 3 with its scaled rotary, Qwen2,
+# Qwen3 (QK-norm, its own head width), SmolLM3 (layers without rotary), Gemma 2 (score cap,
+# sliding window) and Gemma 3 (local and global layers, one KV head).
+PATCHED_FAMILIES = ["gpt2", "llama", "llama-llama3", "qwen2", "qwen3-own-head-width", "smollm3",
+                    "gemma2-softcap", "mqa-2-to-1"]
+
+
+@pytest.fixture(scope="module", params=PATCHED_FAMILIES)
+def family_pair(request, tmp_path_factory):
+    return boot(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def ids(batch: int = 2, length: int = 7, seed: int = 3, vocab: int = 50) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def names_for(arch: str, n_layer: int) -> list[str]:
@@ -104,18 +131,82 @@ def test_every_activation_equals_transformer_lens(pair) -> None:
         torch.testing.assert_close(a, b, atol=TOL, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("function", ["get_act_patch_resid_pre", "get_act_patch_attn_out",
-                                      "get_act_patch_mlp_out",
-                                      "get_act_patch_attn_head_out_all_pos"])
-def test_patching_equals_transformer_lens(pair, function) -> None:
-    arch, model, bridge = pair
-    clean, corrupted = ids(seed=5), ids(seed=6)
-    answer, wrong = 7, 11
+# Every patching function of glassgpt.interp, each equal to TransformerLens's of the same name
+# (resid_mid: see test_resid_mid_patching_lands_where_each_side_says).
+PATCHING = ["get_act_patch_resid_pre", "get_act_patch_attn_out", "get_act_patch_mlp_out",
+            "get_act_patch_attn_head_out_all_pos", "get_act_patch_attn_head_q_all_pos",
+            "get_act_patch_attn_head_k_all_pos", "get_act_patch_attn_head_v_all_pos",
+            "get_act_patch_attn_head_pattern_all_pos", "get_act_patch_attn_head_out_by_pos"]
+
+
+@pytest.fixture(scope="module")
+def patching_run(family_pair):
+    """(glassgpt model, bridge, corrupted ids, glassgpt's clean cache, TransformerLens's clean
+    cache, metric) for one family: two prompts of 6 tokens, longer than Gemma's window of 4."""
+    _, model, bridge = family_pair
+    vocab = model.config.vocab_size
+    clean, corrupted = ids(length=6, seed=5, vocab=vocab), ids(length=6, seed=6, vocab=vocab)
     _, clean_cache = run_with_cache(model, clean)
     with torch.no_grad():
         clean_logits, lens_clean_cache = bridge.run_with_cache(clean)
         corrupted_logits = bridge(corrupted)
-    metric = patching.normalized_logit_diff(clean_logits, corrupted_logits, answer, wrong)
+    metric = patching.normalized_logit_diff(clean_logits, corrupted_logits, 7, 11)
+    return model, bridge, corrupted, clean_cache, lens_clean_cache, metric
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("function", PATCHING)
+def test_patching_equals_transformer_lens(patching_run, function) -> None:
+    model, bridge, corrupted, clean_cache, lens_clean_cache, metric = patching_run
     ours = getattr(patching, function)(model, corrupted, clean_cache, metric)
     theirs = getattr(lens_patching, function)(bridge, corrupted, lens_clean_cache, metric)
     torch.testing.assert_close(ours, theirs.to(ours.dtype), atol=TOL, rtol=0)
+
+
+@pytest.mark.slow
+def test_resid_mid_patching_lands_where_each_side_says(patching_run) -> None:
+    """Both sides cache the same `hook_resid_mid`; they differ in where a patch of it lands.
+
+    glassgpt's is the residual stream itself (resid_pre + attn_out), as HookedTransformer's was
+    and as TransformerLens documents it ("the residual stream between the attn and MLP layer"):
+    a patch reaches the MLP *and* the stream the MLP's output is added to. TransformerLens 4.3's
+    bridge aliases the name to `ln2.hook_in`, the norm's input, so its patch reaches only the
+    MLP. Each number is checked against TransformerLens's own patching:
+    - glassgpt's resid_mid patch is TransformerLens's attn_out patch with attn_out set to
+      clean resid_mid - corrupted resid_pre (upstream of the patch the run is the corrupted
+      one, so that lands exactly the clean resid_mid in the stream);
+    - TransformerLens's resid_mid patch is glassgpt's patch of the MLP's input alone (ln2's
+      output, per position, as the norm works per position)."""
+    model, bridge, corrupted, clean_cache, lens_clean_cache, metric = patching_run
+    with torch.no_grad():
+        _, lens_corrupted_cache = bridge.run_with_cache(corrupted)
+    landing = {}
+    for layer in range(model.config.n_layer):
+        mid, pre = f"blocks.{layer}.hook_resid_mid", f"blocks.{layer}.hook_resid_pre"
+        landing[f"blocks.{layer}.hook_attn_out"] = lens_clean_cache[mid] - lens_corrupted_cache[pre]
+    ours = patching.get_act_patch_resid_mid(model, corrupted, clean_cache, metric)
+    theirs = lens_patching.get_act_patch_attn_out(bridge, corrupted, landing, metric)
+    torch.testing.assert_close(ours, theirs.to(ours.dtype), atol=TOL, rtol=0)
+
+    mlp_only = patch_mlp_input(model, corrupted, clean_cache, metric)
+    lens_mid = lens_patching.get_act_patch_resid_mid(bridge, corrupted, lens_clean_cache, metric)
+    torch.testing.assert_close(mlp_only, lens_mid.to(mlp_only.dtype), atol=TOL, rtol=0)
+    assert (ours - mlp_only).abs().max() > 0.1  # the two conventions do differ here
+
+
+def patch_mlp_input(model, corrupted: torch.Tensor, clean_cache, metric) -> torch.Tensor:
+    """(L, T): the metric with the MLP's input alone (ln2's output) at (layer, pos) taken from
+    the clean run, the residual stream left as the corrupted run has it."""
+    L, T = model.config.n_layer, corrupted.shape[1]
+    results = torch.zeros(L, T)
+    for layer in range(L):
+        name = f"blocks.{layer}.ln2.hook_normalized"
+        for pos in range(T):
+            def patch(x, _name, pos=pos, clean=clean_cache[name]):
+                x = x.clone()
+                x[:, pos] = clean[:, pos]
+                return x
+            with torch.no_grad():
+                logits = run_with_hooks(model, corrupted, [(name, patch)])
+            results[layer, pos] = float(metric(logits))
+    return results
