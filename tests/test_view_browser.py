@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +25,13 @@ import pytest
 import torch
 
 from glassgpt.cli import main
-from glassgpt.config import SamplingConfig
+from glassgpt.config import GPTConfig, SamplingConfig
 from glassgpt.decoding.generate import encode_prompt, stream_text
-from glassgpt.rundir.checkpoint import load_model
+from glassgpt.model import GPT
+from glassgpt.rundir.checkpoint import load_model, save_model
+from glassgpt.tokenizers import CharTokenizer
 from glassgpt.view.lens import Ablation, attention_maps, next_token_top_k, prompt_loss, trace
+from glassgpt.view.server import create_app, load_for_view, make_server, open_socket, url_of
 
 PROMPT = "to be or not"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
@@ -429,3 +433,86 @@ def test_ctrl_c_stops_the_server(page, server):
     assert server.process.returncode == 0, err
     assert out.strip().endswith("glassgpt view: stopped")
     assert "Traceback" not in err
+
+
+# --- a model of real width, in the same browser (issue 38, item 7) ---------------------------
+
+WIDE_TEXT = "to be or not to be, that is the question"
+
+
+@pytest.fixture(scope="module")
+def wide_run(tmp_path_factory) -> Path:
+    """One layer of Qwen3-0.6B's shape, random weights: width 1024, 16 query heads of 128 on 8
+    K/V heads, QK-norm, RMSNorm, rotary, a character tokenizer. One head's slice of W_O holds
+    128 x 1024 values."""
+    run = tmp_path_factory.mktemp("wide") / "run"
+    tokenizer = CharTokenizer.from_text(WIDE_TEXT)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, block_size=64, n_layer=1, n_head=16,
+                          n_kv_head=8, head_dim=128, n_embd=1024, qk_norm=True, norm="rmsnorm",
+                          position="rope", activation="swiglu"))
+    save_model(run, model, tokenizer)
+    return run
+
+
+@contextmanager
+def served_in_process(run: Path) -> Iterator[str]:
+    """`glassgpt view RUN` on a thread of this process (a second Python would import torch
+    again); its URL."""
+    server = make_server(create_app(load_for_view(run)))
+    sock = open_socket("127.0.0.1", 0)
+    serving = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    serving.start()
+    try:
+        yield url_of(sock)
+    finally:
+        server.should_exit = True
+        serving.join(timeout=10)
+        sock.close()
+
+
+def severe(driver) -> list[str]:
+    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+@pytest.mark.slow  # a 13M-parameter model, and its page drawn (about 4 s)
+def test_a_model_of_real_width_draws_every_panel_without_an_error(browser, wide_run):
+    """The page of a Qwen3-0.6B-shaped model threw 'Maximum call stack size exceeded'
+    (Math.max(...values) over W_O's 131,072 values): the chips vanished, every panel greyed
+    out, and `body[data-ready]` was set all the same, so only the console tells."""
+    from selenium.webdriver.support.ui import Select
+
+    severe(browser)  # what the earlier pages logged is theirs
+    with served_in_process(wide_run) as url:
+        browser.get(url)
+        wait_for(browser, lambda d: d.find_element("tag name", "body").get_attribute("data-ready"))
+        inside = by_id(browser, "inside")
+        # Read as the page draws, so that an error ends the wait at once: in the console, or
+        # caught by the page and shown as the prompt's error line (the panels then grey out).
+        logged: list[str] = []
+
+        def drawn_or_failed(driver) -> bool:
+            logged.extend(severe(driver))
+            logged.extend(values(driver, "#prompt-error:not([hidden])"))
+            return bool(logged or values(driver, '#inside [data-step="w_o"] canvas', "width"))
+
+        wait_for(browser, drawn_or_failed, "W_O of head 0 drawn")
+        assert logged == []
+        tokens = len(chips(browser))
+        assert tokens > 1 and not values(browser, "section.stale", "id")
+        chips(browser)[0].click()
+        Select(by_id(browser, "inside-head")).select_by_value("15")
+        wait_for(browser, lambda d: (inside.get_attribute("data-position"),
+                                     inside.get_attribute("data-head")) == ("0", "15"),
+                 "position 0 through head 15")
+        Select(by_id(browser, "head")).select_by_value("15")
+        wait_for(browser, lambda d: by_id(d, "attention").get_attribute("data-head") == "15",
+                 "head 15's map")
+        wait_for(browser, lambda d: by_id(d, "mlp").get_attribute("data-position") == "0",
+                 "the MLP at position 0")
+        wait_for(browser, lambda d: values(d, "#attribution tr", "dataset.label"),
+                 "attribution bars")
+        assert len(values(browser, "#overview canvas.thumb")) == 16
+        assert values(browser, '#inside [data-step="w_o"] .shape') == ["(128, 1024)"]
+        assert len(chips(browser)) == tokens
+        assert logged + severe(browser) + values(browser, "#prompt-error:not([hidden])") == []

@@ -53,6 +53,42 @@ function visible(text) {
   return text.replace(/ /g, "␣").replace(/\n/g, "⏎").replace(/\t/g, "⇥");
 }
 
+// Arrays that grow with the prompt, the model's width or the run (tokens, a vector, a matrix,
+// the training log) are never spread into a call: Math.max(...values) or el("tr", {}, ...cells)
+// passes each item as an argument, and Chromium takes about 65,536 (a 0.6B model's W_O slice,
+// 128 x 1024 values, threw "Maximum call stack size exceeded" and the page stopped drawing).
+// Such arrays go to `largest`, `smallest`, `maxAbs` and `fill`, or to `el` as one array.
+
+function largest(values, floor = -Infinity) {
+  let most = floor;
+  for (const v of values) if (v > most) most = v;
+  return most;
+}
+
+function smallest(values) {
+  let least = Infinity;
+  for (const v of values) if (v < least) least = v;
+  return least;
+}
+
+// The largest magnitude in an array of numbers, or of rows of numbers; at least `floor`.
+function maxAbs(values, floor = 0) {
+  let most = floor;
+  for (const v of values) {
+    const size = Array.isArray(v) ? maxAbs(v) : Math.abs(v);
+    if (size > most) most = size;
+  }
+  return most;
+}
+
+// `node`'s children replaced by `children` (an array of any length).
+function fill(node, children) {
+  const fragment = document.createDocumentFragment();
+  for (const child of children) fragment.append(child);
+  node.replaceChildren(fragment);
+}
+
+// A new element; a child may be an array of children (of any length: appended one by one).
 function el(tag, props = {}, ...children) {
   const node = document.createElement(tag);
   for (const [key, value] of Object.entries(props)) {
@@ -63,7 +99,10 @@ function el(tag, props = {}, ...children) {
     else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
     else node.setAttribute(key, value);
   }
-  for (const child of children) node.append(child);
+  for (const child of children) {
+    if (Array.isArray(child)) for (const each of child) node.append(each);
+    else node.append(child);
+  }
   return node;
 }
 
@@ -193,7 +232,7 @@ async function promptChanged() {
 
 function renderTokens() {
   const box = $("tokens");
-  box.replaceChildren(...state.tokens.map((token, i) => el("span", {
+  fill(box, state.tokens.map((token, i) => el("span", {
     class: "chip" + (i === state.selected ? " selected" : ""),
     title: `position ${i} · id ${token.id}`,
     dataset: { pos: i, id: token.id },
@@ -330,7 +369,7 @@ function drawMap(rows, labels, cell, scale = { min: 0, max: 1 }, what = "weights
   const canvas = document.createElement("canvas");
   const ctx = canvas.getContext("2d");
   ctx.font = LABEL_FONT;
-  const widest = Math.min(MAX_LABEL_PX, Math.max(...labels.map((s) => ctx.measureText(s).width)));
+  const widest = Math.min(MAX_LABEL_PX, largest(labels.map((s) => ctx.measureText(s).width)));
   const upright = labels.every((s) => [...s].length === 1);
   const left = Math.ceil(widest) + 10;
   const top = upright ? 20 : Math.ceil(widest) + 10;
@@ -544,16 +583,16 @@ function renderLensGrid() {
   const T = state.tokens.length;
   const last = P.ids.length - 1;
   const header = el("tr", {}, el("th", { class: "layer" }, "prompt"),
-    ...state.tokens.map((t, i) => el("th", { dataset: { pos: i }, title: `position ${i}`,
+    state.tokens.map((t, i) => el("th", { dataset: { pos: i }, title: `position ${i}`,
       onclick: () => select(i) }, visible(t.text))));
   const body = [];
   for (let l = last; l >= 0; l--) {
     const name = l === last ? `${P.layers[l]} (output)` : P.layers[l];
     body.push(el("tr", {}, el("th", { class: "layer" }, name),
-      ...Array.from({ length: T }, (_, i) => lensCell(P, l, i))));
+      Array.from({ length: T }, (_, i) => lensCell(P, l, i))));
   }
   body.push(el("tr", { class: "actual" }, el("th", { class: "layer" }, "actual next"),
-    ...state.tokens.map((_, i) => (i + 1 < T
+    state.tokens.map((_, i) => (i + 1 < T
       ? el("td", { dataset: { pos: i } }, visible(state.tokens[i + 1].text))
       : el("td", { class: "none", dataset: { pos: i },
         title: "the prompt ends here: no next token to compare with" }, "")))));
@@ -728,7 +767,7 @@ function stepBody(step, p, first = 0) {
 }
 
 function vectorCells(values) {
-  const scale = Math.max(...values.map(Math.abs), 1e-9);
+  const scale = maxAbs(values, 1e-9);
   const shown = values.slice(0, VECTOR_SHOWN).map((v) => el("span", { class: "num-cell",
     dataset: { value: v }, style: { background: diverging(v, scale) } }, v.toFixed(3)));
   const more = values.length > VECTOR_SHOWN
@@ -757,7 +796,7 @@ function keyTable(step, p, first = 0) {
   // In a box of its own that scrolls sideways: a long prompt's row of keys is wider than the
   // card, and the page itself must never scroll sideways.
   return el("div", { class: "keys-box" },
-    el("table", { class: "keys" }, el("tr", {}, ...keys), el("tr", {}, ...cells)));
+    el("table", { class: "keys" }, el("tr", {}, keys), el("tr", {}, cells)));
 }
 
 // Keys, values (rows: the keys' tokens) and the head's slice of W_O as a heat map.
@@ -767,7 +806,7 @@ function matrix(step) {
   const rowPx = Math.max(2, Math.min(12, Math.floor(240 / rows)));
   const canvas = document.createElement("canvas");
   const ctx = sharpCanvas(canvas, cols * px, rows * rowPx);
-  const scale = Math.max(...step.values.flat().map(Math.abs), 1e-9);
+  const scale = maxAbs(step.values, 1e-9);
   step.values.forEach((row, r) => row.forEach((v, c) => {
     ctx.fillStyle = diverging(v, scale);
     ctx.fillRect(c * px, r * rowPx, px, rowPx);
@@ -1045,8 +1084,8 @@ function renderCurve(training) {
   const points = [...train.map((p) => [p[0], p[1]]), ...evals.map((e) => [e[0], e[1]]),
     ...evals.map((e) => [e[0], e[2]])];
   const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
-  const x0 = 0, x1 = Math.max(...xs, 1);
-  const y0 = Math.min(...ys), y1 = Math.max(...ys);
+  const x0 = 0, x1 = largest(xs, 1);
+  const y0 = smallest(ys), y1 = largest(ys);
   const span = y1 - y0 || 1;
   const X = (x) => pad.l + ((x - x0) / (x1 - x0)) * (W - pad.l - pad.r);
   const Y = (y) => pad.t + (1 - (y - y0 + 0.05 * span) / (1.1 * span)) * (H - pad.t - pad.b);

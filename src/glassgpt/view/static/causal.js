@@ -99,9 +99,9 @@ function renderPatching(answer) {
   $("patching").replaceChildren(...PATCH_MAPS.map(([name, title, across]) => {
     const values = answer[name];
     const columns = across === "pos" ? tokens : values[0].map((_, h) => `head ${h}`);
-    const header = el("tr", {}, el("th", {}, ""), ...columns.map((c) => el("th", {}, c)));
+    const header = el("tr", {}, el("th", {}, ""), columns.map((c) => el("th", {}, c)));
     const rows = values.map((row, layer) => el("tr", {}, el("th", {}, `layer ${layer}`),
-      ...row.map((v, i) => patchCell(name, layer, i, v, across))));
+      row.map((v, i) => patchCell(name, layer, i, v, across))));
     return el("div", { class: "patch-map", dataset: { map: name } },
       el("h3", {}, title),
       el("div", { class: "patch-scroll" }, el("table", { class: "patch" }, header, ...rows)));
@@ -166,7 +166,7 @@ async function loadAttribution(generation, token = null) {
 }
 
 function renderAttribution(answer) {
-  const scale = Math.max(...answer.values.map(Math.abs), 1e-9);
+  const scale = maxAbs(answer.values, 1e-9);
   const capped = answer.softcap ? " (before the soft-cap)" : "";
   $("attribution-sum").replaceChildren(
     `'${visible(answer.token.text)}' after ${tokenName(answer.position)}: sum of the parts `,
