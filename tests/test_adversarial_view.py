@@ -1,5 +1,5 @@
 """Hostile inputs and a new user's traps on the lens, the view and the experiments' pictures
-(issue 27, items 16, 20, 21 and 25; issue 38, item 2). Each test failed before its fix.
+(issue 27, items 16, 20, 21 and 25; issue 38, items 2 and 10). Each test failed before its fix.
 
 The browser tests at the end open `glassgpt view` on an untrained RMSNorm + rotary model in
 Debian's Chromium at 1400 px (as tests/test_view_browser.py does, one session for them all).
@@ -22,7 +22,7 @@ from glassgpt.cli import main
 from glassgpt.config import GPTConfig
 from glassgpt.decoding.generate import sample_next_token
 from glassgpt.errors import InputError
-from glassgpt.experiments import kvheads, multihead
+from glassgpt.experiments import attention_maps, kvheads, multihead
 from glassgpt.model import GPT
 from glassgpt.rundir.checkpoint import save_model
 from glassgpt.tokenizers import CharTokenizer, train_tokenizer
@@ -338,3 +338,36 @@ def test_a_host_that_is_not_ascii_or_named_twice_is_a_400(small_view, allowed):
     twice = [OURS, (b"host", b"127.0.0.1:8000")]
     assert asgi_request(app, twice) == 400
     assert asgi_request(app, [OURS]) == 200
+
+
+# --- issue 38, item 10: `glassgpt attention` hatches the keys outside a local layer's window -----
+
+def test_the_attention_pictures_hatch_a_local_layers_hidden_keys_and_say_local(monkeypatch,
+                                                                                tmp_path):
+    """The PNGs drew the keys outside a sliding window as weights of 0, under a title that
+    did not say the layer was local, unlike the page."""
+    window, text = 3, "to be or not"
+    tokenizer = CharTokenizer.from_text(text)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, block_size=16, n_layer=2, n_head=2,
+                          n_embd=16, sliding_window=window, local_layers=(0,))).eval()
+    drawn = []  # the figures, not their PNGs: what matplotlib was asked to draw
+    monkeypatch.setattr(attention_maps, "save_figure", lambda fig, path: drawn.append(fig) or path)
+    attention_maps.draw_prompt_attention(model, tokenizer, text, tmp_path / "maps.png")
+    panels = [ax for fig in drawn for ax in fig.axes if ax.images]
+    assert len(panels) == 4  # 2 layers x 2 heads
+    T = len(text)
+    query, key = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    future, outside = key > query, query - key >= window  # (T, T) each
+    for ax in panels:
+        layer = int(ax.get_title().split()[1].rstrip(","))
+        mask = torch.from_numpy(ax.images[0].get_array().mask)
+        assert any(p.get_hatch() for p in ax.patches)  # the hatching beneath the masked cells
+        if layer == 0:
+            assert ax.get_title().endswith("local (window 3)")
+            assert torch.equal(mask, future | outside)
+        else:
+            assert ax.get_title().endswith("global") and "local" not in ax.get_title()
+            assert torch.equal(mask, future)
+    colorbar = " ".join(a.get_ylabel() for fig in drawn for a in fig.axes)
+    assert "outside the window" in colorbar

@@ -5,6 +5,9 @@ the panels grow with the prompt instead of the labels shrinking. When the whole 
 layer, one column per head) would pass `PAGE_INCHES`, the maps are split into one picture per
 layer (its heads wrapped into a grid), and when even one layer does not fit, one picture per
 panel. Beyond `MAX_PANEL_INCHES` a panel stops growing and labels every 2nd, 3rd, ... token.
+In a model with local layers (a sliding window), each panel's title says whether its layer is
+local (and its window) or global, and a local layer's keys outside the window are hatched like
+the future, as the page of `glassgpt view` draws them: hidden keys, never weights of 0.
 Notation: L = layers, H = heads, T = prompt tokens.
 """
 
@@ -124,15 +127,29 @@ def plan_pages(panels: list[tuple[int, int]], T: int) -> list[Page]:
     return pages if len(pages) > 1 else [Page(pages[0].panels, pages[0].n_cols)]
 
 
-def page_figure(weights: Tensor, labels: list[str], page: Page, title: str = "") -> Figure:
+def layer_title(layer: int, head: int, windows: list[int | None]) -> str:
+    """A panel's title: "layer 0, head 1", and when any layer is local a second line saying
+    which this one is ("local (window 4)" or "global"), as the page names layers."""
+    title = f"layer {layer}, head {head}"
+    if all(window is None for window in windows):
+        return title
+    window = windows[layer]
+    return f"{title}\n" + ("global" if window is None else f"local (window {window})")
+
+
+def page_figure(weights: Tensor, labels: list[str], page: Page, title: str = "",
+                windows: list[int | None] | None = None) -> Figure:
     """Draw the panels of `page` from weights (L, H, T, T), with one colour bar.
 
     Queries run down each panel and keys across, so row t shows where token t looked; the
-    upper triangle is hatched (masked: the model is causal), never coloured as a weight of 0.
+    upper triangle is hatched (masked: the model is causal), never coloured as a weight of 0,
+    and so are a local layer's keys outside its window (`windows`: each layer's sliding window,
+    None for a global layer; default: every layer global).
     Token labels and the axis titles sit on the outer edges: queries on the left column, keys
     under the lowest panel of each column.
     """
     T, side = len(labels), panel_inches(len(labels))
+    windows = windows if windows is not None else [None] * weights.shape[0]
     step = label_step(T)
     ticks, shown = list(range(0, T, step)), labels[::step]
     rotation = 0 if all(len(label) == 1 for label in shown) else 90  # characters stand upright
@@ -147,16 +164,18 @@ def page_figure(weights: Tensor, labels: list[str], page: Page, title: str = "")
             ax.axis("off")
             continue
         lay, h = page.panels[i]
-        image = show_attention(ax, weights[lay, h])
+        image = show_attention(ax, weights[lay, h], window=windows[lay])
         left, lowest = i % page.n_cols == 0, i + page.n_cols >= len(page.panels)
         # Inner panels carry no ticks at all: fewer artists, a much faster drawing.
         ax.set_xticks(ticks if lowest else [], shown if lowest else [], rotation=rotation)
         ax.set_yticks(ticks if left else [], shown if left else [])
         label_axes(ax, xlabel="key (attended to)" if lowest else "",
-                   ylabel="query (looking)" if left else "", title=f"layer {lay}, head {h}")
+                   ylabel="query (looking)" if left else "", title=layer_title(lay, h, windows))
         ax.tick_params(length=0, labelsize=TICK_PT)
     # A colour bar about 4 inches tall, however many panels it stands beside.
-    labelled_colorbar(fig, image, axes, f"attention weight\n({MASKED_NOTE})",
+    local = any(window is not None for window in windows)
+    masked = f"{MASKED_NOTE}:\nthe future or outside the window" if local else MASKED_NOTE
+    labelled_colorbar(fig, image, axes, f"attention weight\n({masked})",
                       shrink=min(0.9, 4.0 / (page.n_rows * side)))
     if title:
         fig.suptitle(title, fontsize=SUPTITLE_PT)
@@ -164,8 +183,10 @@ def page_figure(weights: Tensor, labels: list[str], page: Page, title: str = "")
 
 
 def draw_attention_maps(weights: Tensor, labels: list[str], path: Path, layer: int | None = None,
-                        head: int | None = None, title: str = "") -> list[Path]:
-    """Draw weights (L, H, T, T), all panels or the ones `layer`/`head` select.
+                        head: int | None = None, title: str = "",
+                        windows: list[int | None] | None = None) -> list[Path]:
+    """Draw weights (L, H, T, T), all panels or the ones `layer`/`head` select (`windows`:
+    each layer's sliding window, None for a global layer).
 
     Writes `path` when everything fits one readable picture, else `path` with `_layerN` (or
     `_layerN_headM`) added to its stem, one picture each. Returns the paths written, in order.
@@ -173,7 +194,7 @@ def draw_attention_maps(weights: Tensor, labels: list[str], path: Path, layer: i
     written = []
     for page in plan_pages(select_panels(weights, layer, head), len(labels)):
         page_title = f"{title} ({page.part})" if title and page.part else title
-        figure = page_figure(weights, labels, page, page_title)
+        figure = page_figure(weights, labels, page, page_title, windows)
         written.append(save_figure(figure, page.path(path)))
     return written
 
@@ -196,6 +217,8 @@ def draw_prompt_attention(model: GPT, tokenizer: Tokenizer, prompt: str, path: P
     chosen = settle_threads(threads, model.lm_head.weight.device,
                             lambda: prompt_attention(model, tokenizer, prompt))
     weights, labels = prompt_attention(model, tokenizer, prompt)  # (L, H, T, T)
-    paths = draw_attention_maps(weights, labels, path, layer=layer, head=head, title=title)
+    windows = [model.config.attention_kind(lay).window for lay in range(weights.shape[0])]
+    paths = draw_attention_maps(weights, labels, path, layer=layer, head=head, title=title,
+                                windows=windows)
     L, H, T = weights.shape[:3]
     return AttentionDrawing(paths, (L, H, T), chosen)

@@ -80,14 +80,21 @@ def labelled_colorbar(fig: Figure, mappable, axes, label: str, shrink: float = 0
 
 
 def show_attention(ax: Axes, weights: Tensor, cmap: str = "viridis", vmin: float = 0.0,
-                   vmax: float = 1.0, causal: bool = True) -> AxesImage:
+                   vmax: float = 1.0, causal: bool = True, window: int | None = None
+                   ) -> AxesImage:
     """Attention weights (T, S), queries down, as an image. With `causal`, the keys after each
-    query (masked) are left out of the image and show a hatched grey patch beneath it."""
+    query (masked) are left out of the image and show a hatched grey patch beneath it; with a
+    sliding `window` (a local layer), so are the keys `window` or more positions back: hidden
+    from the query, not a weight of 0."""
     values = weights.detach().float().cpu().numpy()
     if causal:
         T, S = values.shape
-        future = np.triu(np.ones((T, S), dtype=bool), k=S - T + 1)  # key s > query t
-        values = np.ma.masked_array(values, mask=future)
+        query = np.arange(T)[:, None] + (S - T)  # (T, 1): each query's position among the keys
+        key = np.arange(S)[None, :]  # (1, S)
+        hidden = key > query  # (T, S): the future
+        if window is not None:
+            hidden |= query - key >= window  # outside the window
+        values = np.ma.masked_array(values, mask=hidden)
         ax.add_patch(Rectangle((-0.5, -0.5), S, T, facecolor=MASKED_FACE,
                                edgecolor=MASKED_HATCH, hatch="///", linewidth=0, zorder=0))
     colours = matplotlib.colormaps[cmap].with_extremes(bad=(0.0, 0.0, 0.0, 0.0))
