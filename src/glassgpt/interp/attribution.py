@@ -14,13 +14,20 @@ the stream after every block, so it is no sum of parts: it is refused.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from glassgpt.errors import InputError, ModelError
-from glassgpt.interp.hooked import ActivationCache, run_with_cache
+from glassgpt.interp.hooked import (
+    ActivationCache,
+    cached,
+    check_run_ids,
+    hook_points,
+    run_with_cache,
+)
 from glassgpt.norms import ManualLayerNorm
 
 
@@ -44,12 +51,12 @@ def check_sum_of_parts(model: nn.Module) -> None:
 
 def residual_parts(model: nn.Module, cache, pos: int) -> tuple[list[str], list[Tensor]]:
     """The parts whose sum is the stream entering the final norm, at `pos`: each (B, C)."""
-    labels, parts = ["embed"], [cache["hook_embed"][:, pos]]
+    labels, parts = ["embed"], [cached(cache, "hook_embed")[:, pos]]
     if "hook_pos_embed" in cache:
         labels.append("pos_embed")
         parts.append(cache["hook_pos_embed"][:, pos])
     for layer, block in enumerate(model.blocks):
-        z = cache[f"blocks.{layer}.attn.hook_z"][:, pos]  # (B, H, hd)
+        z = cached(cache, f"blocks.{layer}.attn.hook_z")[:, pos]  # (B, H, hd)
         proj = block.attn.proj
         w_o = proj.weight.view(proj.out_features, z.shape[1], z.shape[2])  # (C, H, hd)
         per_head = torch.einsum("bhd,chd->bhc", z, w_o)  # (B, H, C)
@@ -65,7 +72,7 @@ def residual_parts(model: nn.Module, cache, pos: int) -> tuple[list[str], list[T
         labels += head_labels
         parts += head_parts
         labels.append(f"L{layer} MLP")
-        parts.append(cache[f"blocks.{layer}.hook_mlp_out"][:, pos])
+        parts.append(cached(cache, f"blocks.{layer}.hook_mlp_out")[:, pos])
     return labels, parts
 
 
@@ -103,7 +110,10 @@ def logit_attribution(model: nn.Module, ids: Tensor, token: int, pos: int = -1, 
     """Each head's and MLP's direct push on `token`'s logit at `pos` (minus `against`'s, when
     given), averaged over the batch; the values add up to the logit (difference). `cache`:
     `run_with_cache(model, ids)`'s, when the caller has it already (one forward pass less)."""
+    hook_points(model)
     check_sum_of_parts(model)
+    check_run_ids(ids)
+    check_position(pos, ids.shape[1])
     vocab = model.config.vocab_size
     for name, value in (("token", token), ("against", against)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -111,8 +121,10 @@ def logit_attribution(model: nn.Module, ids: Tensor, token: int, pos: int = -1, 
             raise InputError(f"{name} must be a token id in [0, {vocab}), got {value!r}")
     if cache is None:
         _, cache = run_with_cache(model, ids, stop_at_layer=model.config.n_layer)  # no logits
+    else:
+        check_cache_of(cache, model, ids)
     labels, parts = residual_parts(model, cache, pos)
-    stream = cache[f"blocks.{model.config.n_layer - 1}.hook_resid_post"][:, pos]  # (B, C)
+    stream = cached(cache, f"blocks.{model.config.n_layer - 1}.hook_resid_post")[:, pos]  # (B, C)
     scale, centred = frozen_norm(model.ln_f, stream)
     direction = model.lm_head.weight[token].double()  # (C,)
     if against is not None:
@@ -131,6 +143,34 @@ def logit_attribution(model: nn.Module, ids: Tensor, token: int, pos: int = -1, 
     values = torch.stack(values)
     return Attribution(labels, values, raw_logit(model, stream, token, against),
                        *grids(model, labels, values))
+
+
+def check_position(pos: object, length: int) -> None:
+    if isinstance(pos, bool) or not isinstance(pos, int) or not -length <= pos < length:
+        raise InputError(f"pos must be an int in [-{length}, {length}) for {length} tokens, got "
+                         f"{pos!r:.40}")
+
+
+def check_cache_of(cache: object, model: nn.Module, ids: Tensor) -> None:
+    """A cache handed in must be this model's run of these ids: parts of another run would add
+    up to some other logit. An ActivationCache knows its run; a plain mapping is held to the
+    shape the run would have."""
+    if isinstance(cache, ActivationCache) and cache.ids is not None:
+        if cache.model is not model:
+            raise InputError("the cache was made by another model: pass cache=None or "
+                             "run_with_cache(model, ids)'s cache")
+        if cache.ids.shape != ids.shape or not torch.equal(cache.ids.cpu(), ids.cpu()):
+            raise InputError(f"the cache is a run of other token ids ({tuple(cache.ids.shape)}) "
+                             f"than ids {tuple(ids.shape)}: pass the ids it was made from")
+        return
+    if not isinstance(cache, Mapping):
+        raise InputError(f"cache must be run_with_cache's ActivationCache, got "
+                         f"{type(cache).__name__}")
+    want = (*ids.shape, model.config.n_embd)
+    embed = cached(cache, "hook_embed")
+    if tuple(embed.shape) != want:
+        raise InputError(f"the cache's hook_embed is {tuple(embed.shape)} but this model's run "
+                         f"of ids {tuple(ids.shape)} makes {want}")
 
 
 def raw_logit(model: nn.Module, stream: Tensor, token: int, against: int | None) -> float:

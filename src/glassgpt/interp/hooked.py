@@ -9,6 +9,9 @@ run must differ only by the patch) and give the model back the mode it had.
 from __future__ import annotations
 
 import difflib
+import inspect
+import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 
@@ -17,22 +20,40 @@ from torch import Tensor, nn
 
 from glassgpt.errors import InputError, ModelError
 from glassgpt.hooks import HookPoint
+from glassgpt.inputs import check_id_tensor
 from glassgpt.model import eval_mode
 
 HookFn = Callable[[Tensor, str], Tensor | None]
 NamesFilter = str | Iterable[str] | Callable[[str], bool] | None
 
 
-class ActivationCache(Mapping[str, Tensor]):
-    """Hook name -> the activation a run produced there (detached). A missing name says which
-    names the model has."""
+class MissingActivationError(InputError, KeyError):
+    """A cache holds no activation under the name asked for (a KeyError too, as a Mapping's
+    missing key is). The message names the missing point and the closest names held."""
 
-    def __init__(self, tensors: dict[str, Tensor]):
+    def __str__(self) -> str:  # KeyError's would quote the whole message
+        return str(self.args[0])
+
+
+class ActivationCache(Mapping[str, Tensor]):
+    """Hook name -> the activation a run produced there (detached). A missing name raises
+    MissingActivationError, saying which names the cache has. `ids` and `model` are the run's
+    own (the model weakly held), so a reader can tell a cache of other tokens or another
+    model from the one it was handed."""
+
+    def __init__(self, tensors: dict[str, Tensor], ids: Tensor | None = None,
+                 model: nn.Module | None = None):
         self._tensors = tensors
+        self.ids = ids
+        self._model = None if model is None else weakref.ref(model)
+
+    @property
+    def model(self) -> nn.Module | None:
+        return None if self._model is None else self._model()
 
     def __getitem__(self, name: str) -> Tensor:
         if name not in self._tensors:
-            raise KeyError(unknown_name_message(name, self._tensors, "this cache"))
+            raise MissingActivationError(unknown_name_message(name, self._tensors, "this cache"))
         return self._tensors[name]
 
     def __iter__(self) -> Iterator[str]:
@@ -45,8 +66,18 @@ class ActivationCache(Mapping[str, Tensor]):
         return f"ActivationCache({len(self)} activations)"
 
 
+def cached(cache: Mapping[str, Tensor], name: str) -> Tensor:
+    """cache[name] from an ActivationCache or a plain dict of tensors; a missing name raises
+    MissingActivationError naming it (a dict's bare KeyError would name nothing)."""
+    if name not in cache:
+        raise MissingActivationError(unknown_name_message(name, cache, "the cache"))
+    return cache[name]
+
+
 def hook_points(model: nn.Module) -> dict[str, HookPoint]:
     """Every hook point of a glassgpt model, by its TransformerLens name, in forward order."""
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"glassgpt.interp takes a glassgpt GPT, got {type(model).__name__}")
     points = {m.name: m for m in model.modules() if isinstance(m, HookPoint)}
     if not points:
         raise ModelError(f"{type(model).__name__} has no hook points: glassgpt.interp takes a "
@@ -67,6 +98,9 @@ def select_names(points: Mapping[str, HookPoint], names: NamesFilter) -> list[st
         return list(points)
     if callable(names):
         return [n for n in points if names(n)]
+    if isinstance(names, Mapping | Tensor) or not isinstance(names, str | Iterable):
+        raise InputError(f"names must be None, a hook name, a list of names or a predicate "
+                         f"name -> bool, got {type(names).__name__}")
     wanted = [names] if isinstance(names, str) else list(names)
     for name in wanted:
         if not isinstance(name, str) or name not in points:
@@ -74,15 +108,73 @@ def select_names(points: Mapping[str, HookPoint], names: NamesFilter) -> list[st
     return wanted
 
 
+def check_hook_fn(fn: object, pair: object) -> None:
+    """A hook is called as fn(tensor, name): refuse one that cannot take those two arguments
+    now, rather than with a TypeError from inside the forward pass."""
+    if not callable(fn):
+        raise InputError(f"a hook is a (name, fn) pair with fn(tensor, name), got {pair!r:.80}")
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError as error:
+        raise InputError(f"a hook function is called as fn(tensor, name); {fn!r:.60} cannot "
+                         f"be: {error}") from None
+    except ValueError:  # a builtin without a signature: it is tried as it is
+        pass
+
+
+def expand_hooks(points: Mapping[str, HookPoint],
+                 hooks: Iterable[tuple[str, HookFn]]) -> list[tuple[str, HookFn]]:
+    """(name or predicate, fn) pairs -> (name, fn) pairs, a predicate standing for every name it
+    selects (as TransformerLens's hooks take a names filter)."""
+    if hooks is None or isinstance(hooks, str | Mapping) or not isinstance(hooks, Iterable):
+        raise InputError(f"hooks must be a list of (name, fn) pairs, got "
+                         f"{type(hooks).__name__}")
+    expanded = []
+    for pair in hooks:
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise InputError(f"a hook is a (name, fn) pair with fn(tensor, name), got "
+                             f"{pair!r:.80}")
+        where, fn = pair
+        check_hook_fn(fn, pair)
+        if callable(where):
+            names = select_names(points, where)
+            if not names:
+                raise InputError(f"the names filter {where!r:.60} of a hook selects no hook "
+                                 "point of the model")
+        elif isinstance(where, str):
+            names = select_names(points, where)
+        else:
+            raise InputError(f"a hook's name is a hook point's name or a predicate "
+                             f"name -> bool, got {type(where).__name__}")
+        expanded.extend((name, fn) for name in names)
+    return expanded
+
+
+# The models this thread is running with hooks attached. A hook that starts a run of the same
+# model would find its own hook attached again and recurse without end, so that is refused.
+_running = threading.local()
+
+
+@contextmanager
+def one_run_at_a_time(model: nn.Module) -> Iterator[None]:
+    running = _running.__dict__.setdefault("models", set())
+    if id(model) in running:
+        raise InputError("run_with_cache / run_with_hooks was called from inside a hook of a run "
+                         "of the same model; take what the hook needs from its tensor, or run "
+                         "again after this run returns")
+    running.add(id(model))
+    try:
+        yield
+    finally:
+        running.discard(id(model))
+
+
 @contextmanager
 def attached(model: nn.Module, hooks: Iterable[tuple[str, HookFn]]) -> Iterator[None]:
-    """Attach `(name, fn)` hooks to the model's points for the duration of the block."""
+    """Attach `(name, fn)` hooks to the model's points for the duration of the block; a name
+    may be a predicate over names, standing for every point it selects."""
     points = hook_points(model)
-    hooks = list(hooks)
-    for pair in hooks:
-        if not (isinstance(pair, tuple) and len(pair) == 2 and callable(pair[1])):
-            raise InputError(f"a hook is a (name, fn) pair with fn(tensor, name), got {pair!r}")
-        select_names(points, pair[0])
+    hooks = expand_hooks(points, hooks)
     with ExitStack() as stack:
         for name, fn in hooks:
             handle = points[name].register_forward_hook(_as_forward_hook(fn, name))
@@ -93,13 +185,35 @@ def attached(model: nn.Module, hooks: Iterable[tuple[str, HookFn]]) -> Iterator[
 def _as_forward_hook(fn: HookFn, name: str) -> Callable:
     def forward_hook(module: nn.Module, inputs: tuple, output: Tensor) -> Tensor | None:
         replaced = fn(output, name)
-        if replaced is not None and (not isinstance(replaced, Tensor)
-                                     or replaced.shape != output.shape):
-            got = tuple(replaced.shape) if isinstance(replaced, Tensor) else type(replaced)
-            raise InputError(f"the hook on {name} must return None or a tensor of shape "
-                             f"{tuple(output.shape)}, got {got}")
+        if replaced is not None:
+            check_replacement(replaced, output, name)
         return replaced
     return forward_hook
+
+
+def check_replacement(replaced: object, output: Tensor, name: str) -> None:
+    """A hook's replacement must be what the model would have computed there in all but its
+    values: same shape, dtype and device (a silent cast of int64 or bf16 would hide the
+    mistake), and no NaN (a NaN carried on poisons every number after it)."""
+    want = f"a tensor of shape {tuple(output.shape)}, {output.dtype} on {output.device}"
+    if not isinstance(replaced, Tensor):
+        raise InputError(f"the hook on {name} must return None or {want}, got "
+                         f"{type(replaced).__name__}")
+    if replaced.shape != output.shape or replaced.dtype != output.dtype \
+            or replaced.device != output.device:
+        raise InputError(f"the hook on {name} must return None or {want}, got shape "
+                         f"{tuple(replaced.shape)}, {replaced.dtype} on {replaced.device}")
+    if replaced.is_floating_point() and torch.isnan(replaced).any():
+        raise InputError(f"the hook on {name} returned a tensor holding NaN")
+
+
+def check_run_ids(ids: object) -> None:
+    """ids must be (B, T) token ids with B >= 1 and T >= 1; the model checks the rest (its
+    block_size, its vocabulary)."""
+    check_id_tensor(ids)
+    if ids.dim() != 2 or ids.shape[0] < 1 or ids.shape[1] < 1:
+        raise InputError(f"token ids must be (batch, time) with at least one row and one "
+                         f"token, got shape {tuple(ids.shape)}")
 
 
 def logits_of(model: nn.Module, ids: Tensor, stop_at_layer: int | None = None) -> Tensor:
@@ -138,14 +252,32 @@ def run_with_hooks(model: nn.Module, ids: Tensor,
     return value, when not None, replaces the activation). Attention runs its explicit path
     and LayerNorm its written-out one (`watching_every_path`). `stop_at_layer` l (as in
     TransformerLens) runs only the first l blocks and returns the residual stream (B, T, C)."""
-    with eval_mode(model), attached(model, [*watching_every_path(model), *hooks]):
+    points = hook_points(model)  # first: a model that is none is refused before all else
+    check_run_ids(ids)
+    hooks = expand_hooks(points, hooks)
+    with one_run_at_a_time(model), eval_mode(model), \
+            attached(model, [*watching_every_path(model), *hooks]):
         return logits_of(model, ids, stop_at_layer)
+
+
+# The points whose layout is (batch, pos, head, d_head): the ones zero_heads can switch off.
+HEAD_VECTOR_POINTS = ("attn.hook_z", "attn.hook_q", "attn.hook_k", "attn.hook_v",
+                      "attn.hook_rot_q", "attn.hook_rot_k")
 
 
 def zero_heads(*heads: int) -> HookFn:
     """A hook for `blocks.{l}.attn.hook_z` that switches the given heads off: their outputs
-    are 0 before the output projection, as if their slice of W_O were removed."""
+    are 0 before the output projection, as if their slice of W_O were removed. It also takes
+    the other (batch, pos, head, d_head) points (q, k, v, rot_q, rot_k), and nothing else."""
+    for head in heads:
+        if isinstance(head, bool) or not isinstance(head, int):
+            raise InputError(f"zero_heads takes head indices (ints), got {head!r:.40}")
+
     def switch_off(z: Tensor, name: str) -> Tensor:  # z (B, T, H, d)
+        if not name.endswith(HEAD_VECTOR_POINTS):
+            raise InputError(f"zero_heads switches heads off at a point with a head axis "
+                             f"(batch, pos, head, d_head): {', '.join(HEAD_VECTOR_POINTS)}; "
+                             f"{name} has none")
         for head in heads:
             if not 0 <= head < z.shape[2]:
                 raise InputError(f"head {head} does not exist at {name}: heads 0..{z.shape[2] - 1}")
@@ -170,4 +302,4 @@ def run_with_cache(model: nn.Module, ids: Tensor, names: NamesFilter = None,
     with torch.no_grad():
         logits = run_with_hooks(model, ids, [(name, keep) for name in selected], stop_at_layer)
     ordered = {name: store[name] for name in hook_points(model) if name in store}
-    return logits, ActivationCache(ordered)
+    return logits, ActivationCache(ordered, ids=ids, model=model)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from glassgpt.errors import InputError
-from glassgpt.interp.hooked import run_with_hooks
+from glassgpt.interp.hooked import cached, check_run_ids, hook_points, run_with_hooks
 
 Metric = Callable[[Tensor], Tensor | float]
 Progress = Callable[[int, int], None]
@@ -113,24 +113,58 @@ def generic_activation_patch(model: nn.Module, corrupted_tokens: Tensor,
                              progress: Progress | None = None) -> Tensor:
     """The patching metric for every index over `index_axis_names` (layer first): a tensor
     with one axis per name (e.g. (L, T) for ("layer", "pos")). `progress(done, total)` is
-    called after each patched run (one forward pass each: a caller can show how far it is)."""
+    called after each patched run (one forward pass each: a caller can show how far it is).
+
+    The clean cache must come from a prompt of the corrupted one's batch and length (and from
+    this model's shape): each activation is put back where the same one stood, so a cache of
+    8 tokens patched into 6, or a batch of 1 spread over 2, is refused naming both shapes."""
+    hook_points(model)
+    check_run_ids(corrupted_tokens)
+    if not callable(patching_metric):
+        raise InputError(f"patching_metric must be a function logits -> number, got "
+                         f"{type(patching_metric).__name__}")
     sizes = axis_sizes(model, activation_name, corrupted_tokens.shape[-1])
     shape = tuple(sizes[axis] for axis in index_axis_names)
     results = torch.zeros(shape)
     for done, index in enumerate(itertools.product(*(range(n) for n in shape))):
         name = act_name(activation_name, index[0])
-        clean = clean_cache[name]
+        clean = cached(clean_cache, name)
 
         def patch(corrupted: Tensor, _name: str, index: tuple = index,
                   clean: Tensor = clean) -> Tensor:
+            check_same_run_shape(clean, corrupted, _name)
             return patch_setter(corrupted.clone(), index, clean)
 
         with torch.no_grad():
             logits = run_with_hooks(model, corrupted_tokens, [(name, patch)])
-        results[index] = float(patching_metric(logits))
+        results[index] = metric_value(patching_metric(logits), index)
         if progress is not None:
             progress(done + 1, results.numel())
     return results
+
+
+def check_same_run_shape(clean: Tensor, corrupted: Tensor, name: str) -> None:
+    if not isinstance(clean, Tensor) or clean.shape != corrupted.shape:
+        got = tuple(clean.shape) if isinstance(clean, Tensor) else type(clean).__name__
+        raise InputError(f"the clean cache's {name} is {got} but the corrupted run's is "
+                         f"{tuple(corrupted.shape)}: patching needs a clean prompt of the "
+                         "corrupted one's batch and length, run through this model")
+
+
+def metric_value(value: object, index: tuple[int, ...]) -> float:
+    """A metric's result as one finite float32 number, or InputError naming what came back."""
+    if isinstance(value, Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise InputError(f"the patching metric must return one real number, got a "
+                             f"{value.dtype} tensor of shape {tuple(value.shape)} at {index}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InputError(f"the patching metric must return one real number, got "
+                         f"{type(value).__name__} at {index}")
+    if not abs(value) <= torch.finfo(torch.float32).max:  # NaN fails this too
+        raise InputError(f"the patching metric returned {value!r:.20} at {index}: not a finite "
+                         "number (the map is float32)")
+    return float(value)
 
 
 def _patcher(setter: Setter, activation: str, axes: tuple[str, ...]) -> Callable[..., Tensor]:

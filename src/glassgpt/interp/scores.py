@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from glassgpt.errors import InputError
-from glassgpt.interp.hooked import run_with_cache
+from glassgpt.interp.hooked import check_run_ids, hook_points, run_with_cache
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,16 @@ def check_repeated(tokens: Tensor, block_size: int) -> Tensor:
         shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
         raise InputError(f"tokens must be (batch, 2n) with 4 <= 2n <= block_size = "
                          f"{block_size}, got {shape}")
+    check_run_ids(tokens)  # a batch of at least one, integer ids
     half = tokens.shape[1] // 2
     if not torch.equal(tokens[:, :half], tokens[:, half:]):
         raise InputError("tokens must repeat: their second half must equal their first")
     return tokens
+
+
+def check_whole(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InputError(f"{name} must be an int in [{low}, {high}], got {value!r:.40}")
 
 
 def diagonal_mean(pattern: Tensor, offset: int, start: int) -> Tensor:
@@ -62,6 +68,7 @@ def head_scores(model: nn.Module, half: int | None = None, batch: int = 8,
 
     `tokens` (B, 2n), whose second half repeats the first, replaces the random ones: a model
     trained on text may copy only what looks like its text (a character model's words, say)."""
+    hook_points(model)
     block_size = model.config.block_size
     if tokens is not None:
         ids = check_repeated(tokens, block_size)
@@ -72,6 +79,8 @@ def head_scores(model: nn.Module, half: int | None = None, batch: int = 8,
                 or not 2 <= half <= block_size // 2:
             raise InputError(f"half must be an int in [2, block_size // 2 = "
                              f"{block_size // 2}], got {half!r}")
+        check_whole("batch", batch, 1, 2**20)
+        check_whole("seed", seed, 0, 2**63 - 1)  # what torch.Generator.manual_seed takes
         ids = repeated_random_tokens(model.config.vocab_size, half, batch, seed)
     ids = ids.to(next(model.parameters()).device)
     _, cache = run_with_cache(model, ids, names=lambda n: n.endswith("attn.hook_pattern"),
