@@ -20,6 +20,7 @@ from glassgpt.interp.patching import (
     get_act_patch_attn_head_out_by_pos,
     get_act_patch_attn_out,
     get_act_patch_resid_pre,
+    normalized_logit_diff,
 )
 from glassgpt.interp.scores import head_scores
 from glassgpt.model import GPT
@@ -94,6 +95,15 @@ def test_a_metric_that_is_not_a_function_is_refused(model):
     _, clean_cache = run_with_cache(model, ids())
     with pytest.raises(InputError, match="patching_metric"):
         get_act_patch_resid_pre(model, ids(), clean_cache, 0.5)
+
+
+@pytest.mark.parametrize("bad", [dict(answer=VOCAB), dict(wrong=-1), dict(answer=True),
+                                 dict(answer=1.0), dict(pos=6), dict(pos=slice(0, 1))])
+def test_normalized_logit_diff_refuses_a_token_or_position_outside_the_logits(model, bad):
+    clean, corrupted = run_with_hooks(model, ids(seed=3)), run_with_hooks(model, ids(seed=4))
+    settings = {"answer": 1, "wrong": 2, "pos": -1, **bad}
+    with pytest.raises(InputError, match=f"{next(iter(bad))} must be"):
+        normalized_logit_diff(clean, corrupted, **settings)
 
 
 # --- hooks: what they return, how they are given -----------------------------------------------

@@ -54,9 +54,30 @@ def logit_diff(logits: Tensor, answer: int, wrong: int, pos: int = -1) -> Tensor
     return (logits[:, pos, answer] - logits[:, pos, wrong]).mean()
 
 
+def check_logits_and_tokens(clean_logits: object, corrupted_logits: object, answer: object,
+                            wrong: object, pos: object) -> None:
+    """Both runs' logits (B, T, V) of one vocabulary; answer and wrong token ids in it; pos a
+    position of the prompt."""
+    for name, logits in (("clean_logits", clean_logits), ("corrupted_logits", corrupted_logits)):
+        if not isinstance(logits, Tensor) or logits.dim() != 3 or not logits.is_floating_point():
+            got = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+            raise InputError(f"{name} must be a float tensor (batch, pos, vocab), got {got}")
+    if clean_logits.shape[-1] != corrupted_logits.shape[-1]:
+        raise InputError(f"the clean and corrupted logits have vocabularies of "
+                         f"{clean_logits.shape[-1]} and {corrupted_logits.shape[-1]}")
+    vocab = clean_logits.shape[-1]
+    for name, token in (("answer", answer), ("wrong", wrong)):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+            raise InputError(f"{name} must be a token id in [0, {vocab}), got {token!r:.40}")
+    length = min(clean_logits.shape[1], corrupted_logits.shape[1])
+    if isinstance(pos, bool) or not isinstance(pos, int) or not -length <= pos < length:
+        raise InputError(f"pos must be an int in [-{length}, {length}), got {pos!r:.40}")
+
+
 def normalized_logit_diff(clean_logits: Tensor, corrupted_logits: Tensor, answer: int,
                           wrong: int, pos: int = -1) -> Metric:
     """A metric: 0 for the corrupted run's logit difference, 1 for the clean run's."""
+    check_logits_and_tokens(clean_logits, corrupted_logits, answer, wrong, pos)
     clean = logit_diff(clean_logits, answer, wrong, pos)
     corrupted = logit_diff(corrupted_logits, answer, wrong, pos)
     if torch.isclose(clean, corrupted):
