@@ -422,7 +422,8 @@ def test_only_the_documented_endpoints_exist_and_none_takes_a_file(client):
     paths = {route.path for route in client.app.routes}
     assert paths == {"/", "/api/card", "/api/tokenize", "/api/predictions", "/api/attention",
                      "/api/overview", "/api/attends", "/api/head", "/api/ablate", "/api/sample",
-                     "/api/mlp", "/api/patching", "/api/attribution", "/static"}
+                     "/api/mlp", "/api/patching", "/api/progress", "/api/attribution",
+                     "/static"}
 
 
 def test_a_page_of_another_site_is_refused_by_its_host_name(client):
@@ -536,3 +537,24 @@ def test_load_for_view_reads_the_run(run_dir):
     assert tokenizer.encode(PROMPT) == view.tokenizer.encode(PROMPT)
     for mine, theirs in zip(view.model.parameters(), model.parameters(), strict=True):
         assert torch.equal(mine, theirs)
+
+
+def test_the_head_score_badges_are_measured_on_the_runs_own_text(client, view):
+    """The badges scored random ids over the whole vocabulary: the docs' induction run read
+    0.00-0.02 there while patching showed its induction heads at 1.00."""
+    from glassgpt.interp.scores import head_scores
+    from glassgpt.view import causal
+
+    scores = client.post("/api/overview", json={"prompt": PROMPT}).json()["scores"]
+    assert scores["text"] == "validation"
+    half = causal.score_half(view.block_size)
+    windows = causal.text_windows(view.validation_ids(), half, scores["sequences"])
+    assert windows.shape == (scores["sequences"], 2 * half) and scores["sequences"] > 1
+    first = view.tokenizer.decode(windows[0, :half].tolist())
+    assert first in view.tokenizer.decode([int(i) for i in view.validation_ids()])
+    assert torch.equal(windows[:, :half], windows[:, half:])  # each window, then itself
+    mine = head_scores(view.model, tokens=windows)
+    torch.testing.assert_close(torch.tensor(scores["induction"]), mine.induction,
+                               rtol=0, atol=1e-4)
+    torch.testing.assert_close(torch.tensor(scores["previous_token"]), mine.previous_token,
+                               rtol=0, atol=1e-4)

@@ -366,12 +366,17 @@ def test_a_sample_streams_into_the_page(page, model_and_tokenizer):
     assert text_of(page, "sample-status").startswith("done: 20 pieces")
 
 
-def test_each_head_wears_its_previous_token_and_induction_scores(page, model_and_tokenizer):
+def test_each_head_wears_its_previous_token_and_induction_scores(page, model_and_tokenizer,
+                                                                 run_dir):
     from glassgpt.interp.scores import head_scores
-    from glassgpt.view.causal import score_half
+    from glassgpt.view.causal import score_batch, score_half, text_windows
+    from glassgpt.view.inspector import RunView
 
-    model, _ = model_and_tokenizer
-    scores = head_scores(model, half=score_half(model.config.block_size))
+    model, tokenizer = model_and_tokenizer
+    half = score_half(model.config.block_size)
+    own_text = RunView(model, tokenizer, run_dir).validation_ids()
+    scores = head_scores(model, tokens=text_windows(own_text, half, score_batch(model, half)))
+    assert "windows of this run's validation text" in text_of(page, "badges-note")
     shown = values(page, "#overview .badge", "dataset.value")
     kinds = values(page, "#overview .badge", "dataset.kind")
     assert kinds == ["previous", "induction"] * 4  # 2 layers x 2 heads, in reading order
@@ -389,14 +394,25 @@ def test_inside_the_mlp_follows_the_selected_token(page):
 
 
 def test_attribution_bars_add_up_to_the_logit(page):
+    from selenium.webdriver.support.ui import Select
+
     wait_for(page, lambda d: values(d, "#attribution tr", "dataset.label"), "attribution bars")
     labels = values(page, "#attribution tr", "dataset.label")
-    assert labels[:2] == ["embed", "pos_embed"] and "L1H1" in labels and "L1 MLP" in labels
+    assert {"embed", "pos_embed", "L1H1", "L1 MLP"} <= set(labels)
+    sizes = [abs(float(v)) for v in values(page, "#attribution tr", "dataset.value")]
+    assert sizes == sorted(sizes, reverse=True)  # the largest pushes first
     total, logit = float(text_of(page, "attribution-total")), float(text_of(page,
                                                                             "attribution-logit"))
     assert abs(total - logit) < 2e-4
     parts = sum(float(v) for v in values(page, "#attribution tr", "dataset.value"))
     assert abs(parts - logit) < 1e-3
+    # Against a second token: the parts add up to the difference of the two logits.
+    Select(by_id(page, "attribution-against")).select_by_index(1)
+    wait_for(page, lambda d: "logit difference" in text_of(d, "attribution-sum"),
+             "attribution against a second token")
+    total, logit = float(text_of(page, "attribution-total")), float(text_of(page,
+                                                                            "attribution-logit"))
+    assert abs(total - logit) < 2e-4 and " − " in text_of(page, "attribution-sum")
 
 
 def test_patching_draws_its_maps_and_a_click_opens_the_head(page):
@@ -411,12 +427,39 @@ def test_patching_draws_its_maps_and_a_click_opens_the_head(page):
     first = values(page, '#patching [data-map="resid_pre"] td[data-layer="0"]', "dataset.value")
     changed = len(PROMPT) - 2
     assert [float(v) for v in first] == [1.0 if t == changed else 0.0 for t in range(len(PROMPT))]
+    assert "forward passes" in text_of(page, "patch-status")
+    assert "selected" in chip_values(page, "className")[4]  # chosen before patching
     page.find_element("css selector",
                       '#patching [data-map="heads"] td[data-layer="1"][data-head="1"]').click()
     inside = by_id(page, "inside")
-    wait_for(page, lambda d: (inside.get_attribute("data-layer"),
-                              inside.get_attribute("data-head")) == ("1", "1"),
-             "inside layer 1 head 1 from the patching map")
+    # At the last token, where patching reads the answer, not at the position chosen before.
+    last = str(len(PROMPT) - 1)
+    wait_for(page, lambda d: (inside.get_attribute("data-layer"), inside.get_attribute(
+        "data-head"), inside.get_attribute("data-position")) == ("1", "1", last),
+             "inside layer 1 head 1 at the last token, from the patching map")
+
+
+def test_a_new_prompt_starts_at_its_last_token(page):
+    """A new prompt kept the old selected position: Attribution, 'Inside one head' and the
+    MLP went on showing position 17 of a prompt that had nothing to do with the old one."""
+    chips(page)[3].click()
+    wait_for(page, lambda d: by_id(d, "inside").get_attribute("data-position") == "3",
+             "position 3 selected")
+    type_prompt(page, "not to be")
+    wait_for(page, lambda d: chip_values(d, "textContent") == list("not␣to␣be"),
+             "the new prompt's chips")
+    last = len("not to be") - 1
+    assert "selected" in chip_values(page, "className")[last]
+    for panel in ("inside", "mlp"):
+        wait_for(page, lambda d, panel=panel: by_id(d, panel).get_attribute("data-position")
+                 == str(last), f"{panel} at the new prompt's last token")
+    wait_for(page, lambda d: f"(position {last})" in text_of(d, "attribution-sum"),
+             "attribution at the new prompt's last token")
+    # Typing on at the end keeps the token chosen in the prompt so far.
+    chips(page)[2].click()
+    by_id(page, "prompt").send_keys(" or")
+    wait_for(page, lambda d: len(chips(d)) == len("not to be or"), "the longer prompt")
+    assert "selected" in chip_values(page, "className")[2]
 
 
 def test_the_page_logged_no_errors(page):

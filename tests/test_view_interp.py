@@ -133,6 +133,7 @@ def test_every_head_carries_its_scores_computed_once(client, view, monkeypatch):
     close(scores["previous_token"], mine.previous_token)
     close(scores["induction"], mine.induction)
     assert scores["half"] == half == 8
+    assert scores["text"] == "random"  # no run directory: no validation text of its own
 
     def never(*args, **kwargs):
         raise AssertionError("head scores computed twice")
@@ -271,3 +272,91 @@ def test_patching_more_than_the_page_runs_is_refused_before_running(monkeypatch)
     monkeypatch.setattr(causal, "MAX_PATCH_RUNS", 10)
     with pytest.raises(InputError, match="takes 74 forward passes; this page runs at most 10"):
         view_of(n_head=4).patching(PROMPT, CORRUPTED)
+
+
+# --- issue 38, item 11: patching says how far it is and when its answer is hard to read, ----------
+# attribution against a second token, largest first
+
+def test_patching_reports_each_forward_pass_and_the_page_can_read_how_far_it_is(client, view):
+    """Patching a 3-token prompt on a 0.6B model ran 454 s behind 'patching…', nothing more."""
+    heard = []
+    maps = view.patching(PROMPT, CORRUPTED, progress=lambda done, total: heard.append((done,
+                                                                                       total)))
+    L, H, T = view.model.config.n_layer, view.model.config.n_head, len(PROMPT)
+    total = 3 * L * T + L * H
+    assert maps["passes"] == total
+    assert heard == [(done, total) for done in range(total + 1)]  # the total before any pass
+    client.post("/api/patching", json={"clean": PROMPT, "corrupted": CORRUPTED})
+    after = client.get("/api/progress").json()
+    assert (after["task"], after["done"], after["total"], after["running"]) == \
+        ("patching", total, total, False)
+    assert after["seconds_left"] == 0 and after["seconds"] > 0
+
+
+def test_progress_estimates_the_seconds_left_from_the_passes_done():
+    from glassgpt.view.progress import Progress
+
+    now = [100.0]
+    progress = Progress(clock=lambda: now[0])
+    report = progress.reporter("patching")
+    report(0, 10)
+    assert progress.answer() | {"seconds": None} == {
+        "task": "patching", "done": 0, "total": 10, "running": True, "seconds": None,
+        "seconds_left": None}
+    now[0] = 104.0
+    report(4, 10)  # 1 s a pass: 6 passes left
+    now[0] = 105.0
+    answer = progress.answer()
+    assert (answer["seconds"], answer["seconds_left"], answer["running"]) == (5.0, 6.0, True)
+
+
+def logit_diffs(view: RunView, prompt: str) -> torch.Tensor:
+    """(V, V): logit(a) - logit(w) at the last position, for every pair of tokens (a, w)."""
+    logits, _ = run_with_cache(view.model, ids_of(view, prompt), names=[])
+    last = logits[0, -1, :view.tokenizer.vocab_size]
+    return last[:, None] - last[None, :]
+
+
+def test_patching_warns_when_the_corrupted_prompt_does_not_flip_the_answer():
+    """A corrupted prompt that favoured the answer more than the clean one (a negative
+    normaliser) gave maps whose signs were turned over, without a word."""
+    view = view_of()
+    other = PROMPT[:-1] + "d"  # the last token changed: far other logits, even untrained
+    clean, corrupted = logit_diffs(view, PROMPT), logit_diffs(view, other)
+    pairs = {"flips": (clean > 0) & (corrupted < 0),
+             "does not flip": (clean > 0) & (corrupted > 0) & (clean > corrupted),
+             "negative normaliser": (clean > 0) & (corrupted > clean)}
+    warned = {}
+    for name, where in pairs.items():
+        answer, wrong = (int(i) for i in where.nonzero()[0])
+        found = view.patching(PROMPT, other, answer=answer, wrong=wrong)
+        warned[name] = found["warnings"]
+    assert warned["flips"] == []
+    assert len(warned["does not flip"]) == 1
+    assert warned["does not flip"][0].startswith("the corrupted prompt does not flip the answer")
+    assert len(warned["negative normaliser"]) == 1
+    assert "the normaliser clean - corrupted is negative" in warned["negative normaliser"][0]
+
+
+def test_attribution_against_a_token_adds_up_to_the_logit_difference_largest_first(client,
+                                                                                     view):
+    """The page had no 'against' token, and showed its parts (477 on a 0.6B model) in the
+    model's order."""
+    answer = client.post("/api/attribution", json={"prompt": PROMPT, "position": 6, "token": 3,
+                                                   "against": 5}).json()
+    mine = logit_attribution(view.model, ids_of(view, PROMPT), 3, pos=6, against=5)
+    close(answer["values"], mine.values.detach())
+    logits, _ = run_with_cache(view.model, ids_of(view, PROMPT))
+    assert answer["sum"] == pytest.approx(float(logits[0, 6, 3] - logits[0, 6, 5]), abs=1e-4)
+    assert answer["logit"] == pytest.approx(answer["sum"], abs=1e-4)
+    assert (answer["token"]["id"], answer["against"]["id"]) == (3, 5)
+    assert [t["id"] for t in answer["candidates"]][:2] == [3, 5]
+    sizes = [abs(answer["values"][i]) for i in answer["order"]]
+    assert sorted(answer["order"]) == list(range(len(answer["labels"])))
+    assert sizes == sorted(sizes, reverse=True) and answer["shown"] == causal.ATTRIBUTION_SHOWN
+    alone = client.post("/api/attribution", json={"prompt": PROMPT, "position": 6,
+                                                  "token": 3}).json()
+    assert alone["against"] is None
+    same = client.post("/api/attribution", json={"prompt": PROMPT, "position": 6, "token": 3,
+                                                  "against": 3})
+    assert same.status_code == 400 and "both 3" in same.json()["error"]

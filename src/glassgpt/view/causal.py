@@ -11,8 +11,11 @@ Notation: L = layers, H = heads, T = prompt tokens, C = width, F = the MLP's hid
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -32,9 +35,11 @@ from glassgpt.view.values import Prompt, View, rounded, step_answer
 # than this many is refused rather than keeping the page (and the model thread) busy for long.
 MAX_PATCH_RUNS = 4096
 CANDIDATES = 10  # answer tokens offered: the top of the clean and of the corrupted prediction
-# Head scores on a repeated random sequence of 2 x this many tokens at most (the context's
-# half when it is shorter): enough positions for a steady mean, little memory for patterns.
+# Head scores on sequences of 2 x this many tokens at most (the context's half when it is
+# shorter), a half then the same half again: enough positions for a steady mean, little memory
+# for patterns.
 SCORE_HALF = 32
+ATTRIBUTION_SHOWN = 20  # the page shows the largest pushes first, this many until asked for all
 TRIES = 64  # replacement tokens tried when making the default corrupted prompt
 
 
@@ -99,26 +104,70 @@ def _check_same_length(clean: Prompt, corrupted: Prompt) -> None:
                          f"one {len(corrupted.ids)}: patching needs prompts of the same length")
 
 
-def _check_work(view: View, tokens: int) -> None:
+def _check_work(view: View, tokens: int) -> int:
+    """The forward passes patching `tokens` tokens takes; InputError past MAX_PATCH_RUNS."""
     L, H = view.model.config.n_layer, view.model.blocks[0].attn.n_heads
     runs = 3 * L * tokens + L * H
     if runs > MAX_PATCH_RUNS:
         raise InputError(f"patching {tokens} tokens through {L} layers takes {runs:,} forward "
                          f"passes; this page runs at most {MAX_PATCH_RUNS:,}: use a shorter "
                          "prompt")
+    return runs
+
+
+OnPass = Callable[[int, int], None]  # progress(done, total) after each forward pass
+
+
+class PassCount:
+    """One `progress(done, total)` over the four patching maps, each of which counts its own
+    passes from 1 to its size: their sum, against every map's passes together."""
+
+    def __init__(self, progress: OnPass, total: int):
+        self.progress, self.total, self.before = progress, total, 0
+        progress(0, total)  # the total is known before the first pass: the page can say it
+
+    def __call__(self, done: int, size: int) -> None:
+        self.progress(self.before + done, self.total)
+        if done == size:
+            self.before += size
+
+
+def patching_warnings(view: View, clean: float, corrupted: float, answer: int,
+                      wrong: int) -> list[str]:
+    """What makes the maps hard to read, in words: patching reads "1 = clean, 0 = corrupted"
+    on the logit difference d = logit(answer) - logit(wrong), and means it when the clean run
+    prefers the answer (d > 0) and the corrupted one does not (d < 0)."""
+    a, w = (repr(view.token_text(i)) for i in (answer, wrong))
+    if clean <= corrupted:
+        return [f"the corrupted prompt favours {a} over {w} more than the clean one does "
+                f"(logit difference {corrupted:.3f} against {clean:.3f}): the normaliser "
+                "clean - corrupted is negative, so a place that restores the clean answer reads "
+                "below 0 and one that pushes away from it above 0; choose a corruption that "
+                "flips the answer"]
+    notes = []
+    if clean < 0:
+        notes.append(f"the clean prompt prefers {w} to {a} (logit difference {clean:.3f}): "
+                     "the 'clean answer' is not the clean run's answer")
+    if corrupted > 0:
+        notes.append(f"the corrupted prompt does not flip the answer: it still prefers {a} to "
+                     f"{w} (logit difference {corrupted:.3f} > 0); the maps show which places "
+                     "restore a small change")
+    return notes
 
 
 def patching(view: View, clean: str, corrupted: str | None = None,
-             answer: int | None = None, wrong: int | None = None) -> dict[str, Any]:
+             answer: int | None = None, wrong: int | None = None,
+             progress: OnPass | None = None) -> dict[str, Any]:
     """Activation patching of the corrupted prompt from the clean one: for each layer and
     position (the residual stream entering the block, the attention's and the MLP's output)
     and each layer and head (its output at every position), the normalised logit difference
-    of `answer` over `wrong` at the last position: 0 = the corrupted run, 1 = the clean run."""
+    of `answer` over `wrong` at the last position: 0 = the corrupted run, 1 = the clean run.
+    `progress(done, total)` hears of every patched forward pass (first with done 0)."""
     model = view.model
     clean_p = view.encode(clean)
     corrupted_p = view.encode(corrupted if corrupted else default_corruption(view, clean_p))
     _check_same_length(clean_p, corrupted_p)
-    _check_work(view, len(clean_p.ids))
+    runs = _check_work(view, len(clean_p.ids))
     L = model.config.n_layer
     kinds = ("resid_pre", "attn_out", "mlp_out", "z")
     names = [patch.act_name(kind, layer) for kind in kinds for layer in range(L)]
@@ -127,17 +176,20 @@ def patching(view: View, clean: str, corrupted: str | None = None,
     answer, wrong = _answer_ids(view, clean_logits, corrupted_logits, answer, wrong)
     metric = patch.normalized_logit_diff(clean_logits, corrupted_logits, answer, wrong)
     run = (model, corrupted_p.idx, clean_cache, metric)
-    maps = {"resid_pre": patch.get_act_patch_resid_pre(*run),
-            "attn_out": patch.get_act_patch_attn_out(*run),
-            "mlp_out": patch.get_act_patch_mlp_out(*run),
-            "heads": patch.get_act_patch_attn_head_out_all_pos(*run)}
+    count = {"progress": PassCount(progress, runs)} if progress is not None else {}
+    maps = {"resid_pre": patch.get_act_patch_resid_pre(*run, **count),
+            "attn_out": patch.get_act_patch_attn_out(*run, **count),
+            "mlp_out": patch.get_act_patch_mlp_out(*run, **count),
+            "heads": patch.get_act_patch_attn_head_out_all_pos(*run, **count)}
     tops = [i for logits in (clean_logits, corrupted_logits)
             for i in top_tokens(view, logits[0, -1], CANDIDATES)]
     candidates = list(dict.fromkeys([answer, wrong, *tops]))
+    diffs = {"clean": float(patch.logit_diff(clean_logits, answer, wrong)),
+             "corrupted": float(patch.logit_diff(corrupted_logits, answer, wrong))}
     return {"clean": _prompt_answer(view, clean_p), "corrupted": _prompt_answer(view, corrupted_p),
             "answer": _token(view, answer), "wrong": _token(view, wrong),
-            "logit_diff": {"clean": float(patch.logit_diff(clean_logits, answer, wrong)),
-                           "corrupted": float(patch.logit_diff(corrupted_logits, answer, wrong))},
+            "logit_diff": diffs, "passes": runs,
+            "warnings": patching_warnings(view, diffs["clean"], diffs["corrupted"], answer, wrong),
             "candidates": [_token(view, i) for i in candidates],
             **{name: rounded(values) for name, values in maps.items()}}
 
@@ -152,10 +204,12 @@ def _token(view: View, token_id: int) -> dict[str, Any]:
 
 # --- direct logit attribution ------------------------------------------------------------------
 
-def attribution(view: View, prompt: str, position: int,
-                token: int | None = None) -> dict[str, Any]:
+def attribution(view: View, prompt: str, position: int, token: int | None = None,
+                against: int | None = None) -> dict[str, Any]:
     """Each head's, MLP's, embedding's and bias's direct push on `token`'s logit at `position`
-    (default token: the model's top prediction there); the parts add up to the logit."""
+    (default token: the model's top prediction there), or on its logit minus `against`'s; the
+    parts add up to that logit (difference). `order`: the parts' indices, largest push (either
+    sign) first."""
     encoded = view.encode(prompt)
     checks.index("position", position, len(encoded.ids))
     n_layer = view.model.config.n_layer
@@ -165,11 +219,21 @@ def attribution(view: View, prompt: str, position: int,
         logits = view.model.read_out(stream[0, position])
     shown = top_tokens(view, logits, CANDIDATES)
     token = shown[0] if token is None else check_token(view, "token", token)
+    if against is not None:
+        check_token(view, "against", against)
+        if against == token:
+            raise InputError(f"token and against are both {token}: attribution against a "
+                             "token compares two different tokens")
     with torch.no_grad():
-        found = logit_attribution(view.model, encoded.idx, token, pos=position, cache=cache)
+        found = logit_attribution(view.model, encoded.idx, token, pos=position, cache=cache,
+                                  against=against)
     values = found.values.double()
+    order = sorted(range(len(values)), key=lambda i: -abs(float(values[i])))
+    chosen = [token] if against is None else [token, against]
     return {"position": position, "token": _token(view, token),
-            "candidates": [_token(view, i) for i in dict.fromkeys([token, *shown])],
+            "against": None if against is None else _token(view, against),
+            "order": order, "shown": ATTRIBUTION_SHOWN,
+            "candidates": [_token(view, i) for i in dict.fromkeys([*chosen, *shown])],
             "labels": found.labels, "values": rounded(values),
             "sum": float(values.sum()), "logit": found.logit,
             "softcap": view.model.config.logit_softcap,
@@ -196,18 +260,48 @@ def score_batch(model: Any, half: int) -> int:
     return max(1, min(8, int(SCORE_FLOPS // flops_per_sequence)))
 
 
-def scores_of(model: Any) -> HeadScores | None:
+@dataclass(frozen=True)
+class ViewScores:
+    """The head scores the page's badges show, and what they were measured on."""
+
+    scores: HeadScores
+    text: str  # "validation": windows of the run's validation text; "random": random tokens
+    sequences: int  # how many repeated sequences the scores average over
+
+
+def text_windows(text: np.ndarray | None, half: int, batch: int) -> Tensor | None:
+    """Up to `batch` windows of `half` tokens spread evenly through `text` (the run's
+    validation ids), each followed by itself: (batch, 2 * half). None when the text is shorter
+    than one window."""
+    if text is None or len(text) < half:
+        return None
+    starts = dict.fromkeys(np.linspace(0, len(text) - half, batch).astype(int).tolist())
+    windows = torch.stack([torch.as_tensor(np.asarray(text[s:s + half], dtype=np.int64))
+                           for s in starts])  # (batch, half)
+    return torch.cat([windows, windows], dim=1)  # (batch, 2 * half)
+
+
+def scores_of(model: Any, text: np.ndarray | None = None) -> ViewScores | None:
+    """Every head's scores on the run's own kind of text: windows of its validation text
+    `text`, each repeated once (a model trained on text copies what looks like its text: the
+    docs' induction run, whose heads patching shows at 1.00, read 0.00-0.02 on random ids over
+    the whole vocabulary), else on random tokens repeated. None: no room to repeat."""
     half = score_half(model.config.block_size)
     if half is None:
         return None
-    return head_scores(model, half=half, batch=score_batch(model, half))
+    batch = score_batch(model, half)
+    tokens = text_windows(text, half, batch)
+    if tokens is None:
+        return ViewScores(head_scores(model, half=half, batch=batch), "random", batch)
+    return ViewScores(head_scores(model, tokens=tokens), "validation", tokens.shape[0])
 
 
-def scores_answer(scores: HeadScores | None) -> dict[str, Any] | None:
-    if scores is None:
+def scores_answer(found: ViewScores | None) -> dict[str, Any] | None:
+    if found is None:
         return None
-    return {"previous_token": rounded(scores.previous_token),
-            "induction": rounded(scores.induction), "half": scores.half}
+    return {"previous_token": rounded(found.scores.previous_token),
+            "induction": rounded(found.scores.induction), "half": found.scores.half,
+            "text": found.text, "sequences": found.sequences}
 
 
 # --- inside the MLP ----------------------------------------------------------------------------

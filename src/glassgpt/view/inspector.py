@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -39,7 +40,6 @@ from glassgpt.decoding.sampling import (
     sampling_distribution,
 )
 from glassgpt.errors import CheckpointError, GlassGPTError, InputError
-from glassgpt.interp.scores import HeadScores
 from glassgpt.model import GPT, count_parameters
 from glassgpt.rundir.checkpoint import read_run_config
 from glassgpt.tokenizers import Tokenizer, same_tokenizer
@@ -199,7 +199,7 @@ class RunView:
         # attention and predictions together): the first computes, the others find it cached.
         self._computing = threading.Lock()
         self._card: dict[str, Any] | None = None
-        self._scores: tuple[HeadScores | None] | None = None  # head_scores(), once computed
+        self._scores: tuple[causal.ViewScores | None] | None = None  # once computed
         self.threads = threads  # the CPU threads it serves with (load_for_view chooses them)
 
     @property
@@ -236,9 +236,10 @@ class RunView:
             return text
         return ""
 
-    def _validation_excerpt(self) -> str | None:
-        """The first lines of the validation split the run was trained against (its data
-        directory from config.json), at most EXAMPLE_TOKENS tokens, cut at a line or a word."""
+    def validation_ids(self) -> np.ndarray | None:
+        """The ids of the validation split the run was trained against (its data directory
+        from config.json; memory-mapped), or None when it is not at hand or was written by
+        another tokenizer."""
         if self.run_dir is None:
             return None
         try:
@@ -249,10 +250,17 @@ class RunView:
             # tokenizer decode to garbage.
             if not same_tokenizer(data.tokenizer, self.tokenizer):
                 return None
-            ids = [int(i) for i in data.splits["val"][:4 * EXAMPLE_TOKENS]]
+            return data.splits["val"]
         except (GlassGPTError, OSError, KeyError, TypeError, ValueError):
             return None
-        text = self.tokenizer.decode(ids)
+
+    def _validation_excerpt(self) -> str | None:
+        """The first lines of the validation split the run was trained against, at most
+        EXAMPLE_TOKENS tokens, cut at a line or a word."""
+        split = self.validation_ids()
+        if split is None:
+            return None
+        text = self.tokenizer.decode([int(i) for i in split[:4 * EXAMPLE_TOKENS]])
         if "\n" in text[:-1]:
             text = text[text.find("\n") + 1:].lstrip()  # begin at a line that has text
         most = min(EXAMPLE_TOKENS, self.block_size)
@@ -371,26 +379,30 @@ class RunView:
     # --- why: patching, attribution, head scores, the MLP (glassgpt.view.causal) --------------
 
     def patching(self, clean: str, corrupted: str | None = None, answer: int | None = None,
-                 wrong: int | None = None) -> dict[str, Any]:
+                 wrong: int | None = None, progress: causal.OnPass | None = None
+                 ) -> dict[str, Any]:
         """Activation patching of `corrupted` (None: the clean prompt with one token changed)
-        from `clean`, normalised: 0 = the corrupted run, 1 = the clean one."""
-        return causal.patching(self, clean, corrupted, answer, wrong)
+        from `clean`, normalised: 0 = the corrupted run, 1 = the clean one. `progress(done,
+        total)` hears of each forward pass."""
+        return causal.patching(self, clean, corrupted, answer, wrong, progress)
 
-    def attribution(self, prompt: str, position: int, token: int | None = None
-                    ) -> dict[str, Any]:
-        """Each head's and MLP's direct push on `token`'s logit at `position`."""
-        return causal.attribution(self, prompt, position, token)
+    def attribution(self, prompt: str, position: int, token: int | None = None,
+                    against: int | None = None) -> dict[str, Any]:
+        """Each head's and MLP's direct push on `token`'s logit at `position` (minus
+        `against`'s)."""
+        return causal.attribution(self, prompt, position, token, against)
 
     def mlp(self, prompt: str, layer: int, position: int) -> dict[str, Any]:
         """The token at `position` through the MLP of `layer`, step by step."""
         return causal.mlp(self, prompt, layer, position)
 
-    def head_scores(self) -> HeadScores | None:
-        """Every head's previous-token, duplicate-token and induction scores, computed once
-        for this model (None: a context too short to repeat a sequence in)."""
+    def head_scores(self) -> causal.ViewScores | None:
+        """Every head's previous-token, duplicate-token and induction scores on windows of
+        the run's validation text repeated (random tokens without it), computed once for this
+        model (None: a context too short to repeat a sequence in)."""
         with self._computing:
             if self._scores is None:
-                self._scores = (causal.scores_of(self.model),)
+                self._scores = (causal.scores_of(self.model, self.validation_ids()),)
             return self._scores[0]
 
     # --- predictions and the logit lens ------------------------------------------------------

@@ -59,7 +59,8 @@ ABLATE = {"prompt": PROMPT, "k": Field((int,), 5), "heads": Field((list,), ()),
           "attention": Field((list,), ()), "mlp": Field((list,), ())}
 PATCHING = {"clean": PROMPT, "corrupted": Field((str,), None, True),
             "answer": Field((int,), None, True), "wrong": Field((int,), None, True)}
-ATTRIBUTION = {"prompt": PROMPT, "position": Field((int,)), "token": Field((int,), None, True)}
+ATTRIBUTION = {"prompt": PROMPT, "position": Field((int,)), "token": Field((int,), None, True),
+               "against": Field((int,), None, True)}
 MLP = {"prompt": PROMPT, "layer": Field((int,)), "position": Field((int,))}
 SAMPLE = {"prompt": PROMPT, "max_new_tokens": Field((int,), 200), **FILTER,
           "seed": Field((int,), None, True)}

@@ -13,9 +13,12 @@
     POST /api/ablate       {prompt, k, heads, attention, mlp} -> intact beside ablated
     POST /api/mlp          {prompt, layer, position}        -> inside the MLP, step by step
     POST /api/patching     {clean, corrupted|null, answer|null, wrong|null}
-                           -> patching maps, layer x position and layer x head, 0..1
-    POST /api/attribution  {prompt, position, token|null}   -> each head's and MLP's push on
-                           that token's logit, adding up to it
+                           -> patching maps, layer x position and layer x head, 0..1, and
+                           warnings when the corrupted prompt does not flip the answer
+    GET  /api/progress     -> how far the running patching is: passes done of total, seconds
+                           so far and an estimate of those left (the page polls it)
+    POST /api/attribution  {prompt, position, token|null, against|null} -> each head's and
+                           MLP's push on that token's logit (minus against's), adding up to it
     POST /api/sample       {prompt, max_new_tokens, temperature, top_k, top_p, seed}
                            -> server-sent events: token ..., then done (or error)
 
@@ -56,6 +59,7 @@ from glassgpt.model import count_parameters
 from glassgpt.rundir.checkpoint import load_model
 from glassgpt.view import requests as req
 from glassgpt.view.inspector import RunView
+from glassgpt.view.progress import Progress
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 # The page may load only what this server serves: no other site, no inline script.
@@ -114,6 +118,7 @@ def create_app(view: RunView, allowed_hosts: tuple[str, ...] = LOOPBACK_NAMES) -
         Route("/api/ablate", api.ablate, methods=["POST"]),
         Route("/api/mlp", api.mlp, methods=["POST"]),
         Route("/api/patching", api.patching, methods=["POST"]),
+        Route("/api/progress", api.progress_answer),
         Route("/api/attribution", api.attribution, methods=["POST"]),
         Route("/api/sample", api.sample, methods=["POST"]),
         Mount("/static", StaticFiles(packages=[("glassgpt.view", "static")]), name="static"),
@@ -233,6 +238,7 @@ class Api:
         # Decoding engines keep one KV cache on the model: one sample streams at a time, and
         # the next waits for it (a page that stops a stream frees it within a token).
         self.sampling = asyncio.Lock()
+        self.progress = Progress()  # of the long request on the model thread
 
     async def page(self, request: Request) -> Response:
         return HTMLResponse(self.page_html, headers=SECURITY_HEADERS)
@@ -269,7 +275,13 @@ class Api:
         return await self._answer(request, req.MLP, self.view.mlp)
 
     async def patching(self, request: Request) -> Response:
-        return await self._answer(request, req.PATCHING, self.view.patching)
+        report = self.progress.reporter("patching")
+        return await self._answer(request, req.PATCHING,
+                                  lambda **values: self.view.patching(**values, progress=report))
+
+    async def progress_answer(self, request: Request) -> Response:
+        """Off the model thread: it is busy with the request this asks about."""
+        return JSONResponse(self.progress.answer(), headers={"Cache-Control": "no-store"})
 
     async def attribution(self, request: Request) -> Response:
         return await self._answer(request, req.ATTRIBUTION, self.view.attribution)

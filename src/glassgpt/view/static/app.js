@@ -30,6 +30,7 @@ const state = {
   ablation: { heads: new Set(), attention: new Set(), mlp: new Set() },
   ablated: null,
   patching: null, // the last answer of the Patching panel
+  attribution: null, // {answer, all}: the Attribution panel's answer, all its rows or the top
   generation: 0, // bumps on every prompt change; answers for older prompts are dropped
   sampler: null, // AbortController of the running sample
 };
@@ -214,13 +215,13 @@ async function promptChanged() {
   try {
     const answer = await api("tokenize", { prompt });
     if (generation !== state.generation) return;
+    if (!keepsSelection(state.tokens, answer.tokens, state.selected)) {
+      state.selected = answer.tokens.length - 1;
+    }
     state.tokens = answer.tokens;
     showPromptError("");
     $("prompt-status").textContent =
       `${answer.tokens.length} of ${answer.block_size} tokens`;
-    if (state.selected === null || state.selected >= state.tokens.length) {
-      state.selected = state.tokens.length - 1;
-    }
     renderTokens();
     await Promise.all([loadAttention(generation), loadPredictions(generation),
       loadAttends(generation), loadOverview(generation), loadInside(generation),
@@ -228,6 +229,15 @@ async function promptChanged() {
   } catch (error) {
     if (generation === state.generation) showPromptError(error.message);
   }
+}
+
+// The selected token stays selected while the prompt up to it is unchanged (typing on at the
+// end); a new prompt starts at its last token, as the first one did (a position chosen in the
+// old prompt means nothing in the new one).
+function keepsSelection(before, after, selected) {
+  if (selected === null || selected >= after.length || selected >= before.length) return false;
+  for (let i = 0; i <= selected; i++) if (before[i].id !== after[i].id) return false;
+  return true;
 }
 
 function renderTokens() {
@@ -637,6 +647,7 @@ function renderOverview() {
       ...scoreBadges(O.scores, layer, head)))));
   const legend = legendCanvas();
   const note = O.pooled ? `each cell averages ${Math.ceil(O.tokens / n)} tokens` : "";
+  $("badges-note").textContent = badgesNote(O.scores);
   $("overview").replaceChildren(legend, el("p", { class: "hint" }, note),
     el("table", { class: "overview" }, header, ...rows));
 }
@@ -1174,9 +1185,15 @@ async function start() {
     });
   }
   $("patch-button").addEventListener("click", runPatching);
-  $("attribution-token").addEventListener("change", () =>
-    loadAttribution(state.generation, Number($("attribution-token").value))
-      .catch((e) => showPromptError(e.message)));
+  for (const id of ["attribution-token", "attribution-against"]) {
+    $(id).addEventListener("change", () =>
+      loadAttribution(state.generation, ...chosenAttribution())
+        .catch((e) => showPromptError(e.message)));
+  }
+  $("attribution-all").addEventListener("click", () => {
+    state.attribution.all = !state.attribution.all;
+    renderAttribution();
+  });
   $("ablation-reset").addEventListener("click", resetSwitches);
   $("sample-form").addEventListener("submit", sample);
   $("stop-button").addEventListener("click", stopSampling);

@@ -35,13 +35,30 @@ function stepItem(step, p, first = 0) {
 
 const BADGE_STRONG = 0.4; // a score above this is drawn as a strong badge
 
+// What the scores were measured on: the run's own text when the server has it (a model trained
+// on text may copy only text that looks like its own), else random tokens.
+function scoresSource(scores) {
+  const each = `${scores.half} tokens, each followed by itself`;
+  return scores.text === "validation"
+    ? `${scores.sequences} windows of this run's validation text of ${each}`
+    : `${scores.sequences} random sequences over the whole vocabulary of ${each} (this run's ` +
+      "validation text is not at hand; a model trained on text may copy only text like its own)";
+}
+
+function badgesNote(scores) {
+  if (!scores) return "";
+  return "Badges: each head's previous-token (prev) and induction (ind) score, the attention " +
+    "it puts on the token before, and on the token after the current token's earlier copy, " +
+    `measured on ${scoresSource(scores)}.`;
+}
+
 function scoreBadges(scores, layer, head) {
   if (!scores) return [];
   const badge = (kind, label, value) => el("span", {
     class: `badge ${kind}` + (value >= BADGE_STRONG ? " strong" : ""),
     dataset: { kind, value },
-    title: `${label} score ${value.toFixed(3)} (on a random sequence of ${scores.half} ` +
-      "tokens, repeated)" }, `${label === "previous-token" ? "prev" : "ind"} ${value.toFixed(2)}`);
+    title: `${label} score ${value.toFixed(3)} (on ${scoresSource(scores)})` },
+  `${label === "previous-token" ? "prev" : "ind"} ${value.toFixed(2)}`);
   return [el("div", { class: "badges" },
     badge("previous", "previous-token", scores.previous_token[layer][head]),
     badge("induction", "induction", scores.induction[layer][head]))];
@@ -72,6 +89,8 @@ async function runPatching() {
   }
   $("patch-status").textContent = "patching…";
   showError("patch-error", "");
+  showError("patch-warning", "");
+  const polling = pollProgress();
   let answer;
   try {
     answer = await api("patching", body);
@@ -79,6 +98,8 @@ async function runPatching() {
     $("patch-status").textContent = "";
     showError("patch-error", error.message);
     return;
+  } finally {
+    polling.stop();
   }
   state.patching = answer;
   $("patch-corrupted").value = answer.corrupted.text;
@@ -87,8 +108,41 @@ async function runPatching() {
   const d = answer.logit_diff;
   $("patch-status").textContent = `logit('${visible(answer.answer.text)}') − ` +
     `logit('${visible(answer.wrong.text)}'): clean ${d.clean.toFixed(3)}, corrupted ` +
-    `${d.corrupted.toFixed(3)}`;
+    `${d.corrupted.toFixed(3)} · ${integer(answer.passes)} forward passes`;
+  showError("patch-warning", answer.warnings.join(" · "));
   renderPatching(answer);
+}
+
+// While a patching request runs (hundreds of forward passes: minutes on a large model), how
+// far it is, from GET /api/progress, every PROGRESS_POLL_MS.
+const PROGRESS_POLL_MS = 500;
+
+function pollProgress() {
+  let stopped = false;
+  let timer = null;
+  const tick = async () => {
+    try {
+      const p = await api("progress");
+      if (!stopped && p.task === "patching" && p.running) {
+        $("patch-status").textContent = progressText(p);
+      }
+    } catch (error) {
+      // The patching answer itself says what went wrong.
+    }
+    if (!stopped) timer = setTimeout(tick, PROGRESS_POLL_MS);
+  };
+  timer = setTimeout(tick, PROGRESS_POLL_MS);
+  return { stop() { stopped = true; clearTimeout(timer); } };
+}
+
+function progressText(p) {
+  const left = p.seconds_left === null ? "" : `, about ${duration(p.seconds_left)} left`;
+  return `patching… ${integer(p.done)} of ${integer(p.total)} forward passes ` +
+    `(${duration(p.seconds)}${left})`;
+}
+
+function duration(seconds) {
+  return seconds < 90 ? `${Math.round(seconds)} s` : `${Math.round(seconds / 60)} min`;
 }
 
 function renderPatching(answer) {
@@ -128,7 +182,8 @@ function patchCell(name, layer, i, v, across) {
   return el("td", props, twoPlaces(v));
 }
 
-// A head of the patching map clicked: the clean prompt in the page, that head inside.
+// A head of the patching map clicked: the clean prompt in the page, that head inside, its
+// query the last token (where patching reads the answer), not a position chosen before.
 async function openInside(layer, head) {
   const clean = state.patching.clean.text;
   state.inside = { layer, head };
@@ -136,7 +191,9 @@ async function openInside(layer, head) {
   $("inside-head").value = String(head);
   if ($("prompt").value !== clean) {
     $("prompt").value = clean;
-    await promptChanged(); // loads every panel, "Inside one head" included
+    await promptChanged(); // a new prompt: every panel loads at its last token
+  } else if (state.selected !== state.tokens.length - 1) {
+    select(state.tokens.length - 1); // loads "Inside one head" too
   } else {
     await Promise.all([loadInside(state.generation), loadMlp(state.generation)]);
   }
@@ -145,16 +202,16 @@ async function openInside(layer, head) {
 
 // --- attribution -----------------------------------------------------------------------------
 
-async function loadAttribution(generation, token = null) {
+async function loadAttribution(generation, token = null, against = null) {
   if (state.selected === null) return;
   const position = state.selected;
   let answer;
   try {
-    answer = await api("attribution", { prompt: $("prompt").value, position, token });
+    answer = await api("attribution", { prompt: $("prompt").value, position, token, against });
   } catch (error) {
     if (generation !== state.generation) return;
-    // A Post-LN model: said in the panel, the prompt is fine.
-    if (!/Pre-LN/.test(error.message)) throw error;
+    // A Post-LN model, or a token against itself: said in the panel, the prompt is fine.
+    if (!/Pre-LN|against/.test(error.message)) throw error;
     showError("attribution-error", error.message);
     $("attribution").replaceChildren();
     return;
@@ -162,17 +219,43 @@ async function loadAttribution(generation, token = null) {
   if (generation !== state.generation || position !== state.selected) return;
   showError("attribution-error", "");
   fillAnswers($("attribution-token"), answer.candidates, answer.token.id);
-  renderAttribution(answer);
+  fillAgainst(answer);
+  state.attribution = { answer, all: false };
+  renderAttribution();
 }
 
-function renderAttribution(answer) {
+// The tokens to subtract: none (the logit itself), or another candidate.
+function fillAgainst(answer) {
+  const others = answer.candidates.filter((t) => t.id !== answer.token.id);
+  fill($("attribution-against"), [el("option", { value: "" }, "nothing (the logit itself)"),
+    ...others.map((t) => el("option", { value: t.id }, `${visible(t.text)} (id ${t.id})`))]);
+  $("attribution-against").value = answer.against === null ? "" : String(answer.against.id);
+}
+
+function chosenAttribution() {
+  const against = $("attribution-against").value;
+  return [Number($("attribution-token").value), against === "" ? null : Number(against)];
+}
+
+// The parts, largest push (either sign) first; the first `answer.shown` until "show all".
+function renderAttribution() {
+  const { answer, all } = state.attribution;
   const scale = maxAbs(answer.values, 1e-9);
   const capped = answer.softcap ? " (before the soft-cap)" : "";
+  const what = answer.against === null ? `'${visible(answer.token.text)}'`
+    : `'${visible(answer.token.text)}' − '${visible(answer.against.text)}'`;
   $("attribution-sum").replaceChildren(
-    `'${visible(answer.token.text)}' after ${tokenName(answer.position)}: sum of the parts `,
-    el("b", { id: "attribution-total" }, answer.sum.toFixed(4)), " · the model's logit ",
+    `${what} after ${tokenName(answer.position)}: sum of the parts `,
+    el("b", { id: "attribution-total" }, answer.sum.toFixed(4)),
+    answer.against === null ? " · the model's logit " : " · the model's logit difference ",
     el("b", { id: "attribution-logit" }, answer.logit.toFixed(4)), capped);
-  $("attribution").replaceChildren(...answer.labels.map((label, i) => {
+  const rows = all ? answer.order : answer.order.slice(0, answer.shown);
+  const more = answer.order.length - answer.shown;
+  const button = $("attribution-all");
+  button.hidden = more <= 0;
+  button.textContent = all ? `show the largest ${answer.shown}` : `show all ${answer.order.length}`;
+  fill($("attribution"), rows.map((i) => {
+    const label = answer.labels[i];
     const v = answer.values[i];
     // Negative pushes grow left of the middle, positive ones right of it.
     const width = `${Math.max(0.5, (100 * Math.abs(v)) / scale)}%`;
