@@ -88,6 +88,55 @@ SMOLLM2_TEMPLATE = (
     "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
     "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\n' }}{% endif %}")
+# Written from Meta-Llama-3-8B-Instruct's and gemma-3's published templates (Gemma's image
+# branch left out), and one that uses what other templates do: macros, namespaces, loop
+# variables, `~`, map and join, tojson with an indent, string methods.
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+    "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] "
+    "| trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
+    "{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>"
+    "assistant<|end_header_id|>\n\n' }}{% endif %}")
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}"""
+FEATURES_TEMPLATE = """{%- macro turn(role, text) -%}
+<|im_start|>{{ role ~ '\n' ~ text.strip() }}<|im_end|>{{ '\n' }}
+{%- endmacro -%}
+{%- set ns = namespace(count=0, roles=[]) -%}
+{%- for message in messages if message.content is string -%}
+    {%- set ns.count = ns.count + 1 -%}
+    {%- set ns.roles = ns.roles + [message.role] -%}
+    {{ turn(message.role, message.content) }}
+    {%- if loop.last %}{{ '%d of %d, %s' % (loop.index, loop.length, loop.revindex0) }}{% endif %}
+{%- endfor -%}
+{{ ns.roles | join(', ') }} {{ messages | map(attribute='role') | unique | list | length }}
+{{ messages | tojson(indent=2) }} {{ messages[-1] | tojson }} {{ '{:>6}|{:.3f}'.format('ab', 2 / 3) }}
+{{ '-' * 3 }}{{ 2 ** 10 }} {{ 7 // 2 }} {{ 7 % 3 }} {{ [1, 2] + [3] }} {{ 'a,b' .split(',') | reverse | join }}
+{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif -%}"""
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CONVERSATIONS = [
     chat_messages("What is 2 + 2?"),
@@ -106,23 +155,27 @@ def chat_tokenizer(text: str) -> BPETokenizer:
 
 def transformers_tokenizer(tokenizer: BPETokenizer, template: str):
     wrapped = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.tokenizer,
+                                                   bos_token="<|endoftext|>",
                                                    eos_token="<|im_end|>",
                                                    pad_token="<|endoftext|>")
     wrapped.chat_template = template
     return wrapped
 
 
-@pytest.mark.parametrize("template", [QWEN3_TEMPLATE, SMOLLM2_TEMPLATE],
-                         ids=["qwen3", "smollm2"])
+@pytest.mark.parametrize("template", [QWEN3_TEMPLATE, SMOLLM2_TEMPLATE, LLAMA3_TEMPLATE,
+                                      GEMMA3_TEMPLATE, FEATURES_TEMPLATE],
+                         ids=["qwen3", "smollm2", "llama3", "gemma3", "features"])
 def test_rendering_is_transformers_own(template: str, small_text: Path) -> None:
+    """Bounded (glassgpt.tokenizers.sandbox), a real template still renders exactly so."""
     hf = transformers_tokenizer(chat_tokenizer(small_text.read_text(encoding="utf-8")),
                                 template)
     chat = ChatTemplate(template, "<|im_end|>",
-                        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+                        {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
+                         "pad_token": "<|endoftext|>"})
     for messages in CONVERSATIONS:
         expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert chat.render(messages) == expected
-        assert render_chat(template, messages, add_generation_prompt=False) == \
+        assert render_chat(template, messages, False, chat.special_tokens) == \
             hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
 
 
@@ -191,6 +244,25 @@ def test_a_template_that_reaches_for_python_internals_fails_with_one_line(
                    "{{ messages.append(1) }}"]:
         with pytest.raises(TokenizerError, match="the sandbox forbids"):
             render_chat(escape, chat_messages("hi"))
+
+
+def test_a_template_that_fails_or_spends_too_much_is_one_line_from_sample(
+        qwen3_source: Path, tmp_path: Path, capsys) -> None:
+    """Its own errors and its bounds (tests/test_chat_bounds.py) alike: one line, exit 2."""
+    run = tmp_path / "run"
+    assert main(["convert", "--from-hf", str(qwen3_source), "--out", str(run)]) == 0
+    for template, reason in [
+            ("{{ 1 // 0 }}", "failed while rendering: ZeroDivisionError"),
+            ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "it recursed too deeply"),
+            ("{{ 10 ** (10 ** 8) }}", "was stopped: `**` would make an integer of about"),
+            ("{{ lipsum(1000000) }}", "was stopped: lipsum would make more than")]:
+        (run / CHAT_TEMPLATE_FILE).write_text(ChatTemplate(template, "<|im_end|>").to_json(),
+                                              encoding="utf-8")
+        capsys.readouterr()
+        assert main(["sample", str(run), "--chat", "hi", "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: the chat template ") and err.count("\n") == 1
+        assert reason in err
 
 
 def test_a_run_without_a_template_says_so_in_one_line(trained_run, capsys) -> None:

@@ -13,22 +13,28 @@ ImmutableSandboxedEnvironment with transformers' settings (trim_blocks, lstrip_b
 controls, a `tojson` that keeps non-ASCII text, `raise_exception`, `strftime_now`), so the same
 messages give the same string; an attempt to reach Python's internals
 (`''.__class__.__mro__`, which Jinja alone would render as nothing) fails as one
-TokenizerError.
+TokenizerError. Its rendering is bounded too (time, output, the sizes of what it makes: see
+glassgpt.tokenizers.sandbox), and whatever it does wrong is one TokenizerError of one line.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from glassgpt.errors import TokenizerError
+
+if TYPE_CHECKING:  # Jinja is imported when a template is rendered, not before
+    from glassgpt.tokenizers.sandbox import RenderLimits
 
 # The special tokens transformers passes to every template, by these names.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                        "cls_token", "mask_token")
 MAX_TEMPLATE_CHARS = 1_000_000  # published templates are a few kB; a huge one is refused
+# What a template's own code can raise (its arithmetic, its indexing, a call it got wrong).
+_TEMPLATE_FAILURES = (ArithmeticError, LookupError, TypeError, ValueError, AttributeError,
+                      MemoryError)
 
 
 @dataclass(frozen=True)
@@ -61,10 +67,12 @@ class ChatTemplate:
                                  f"{', '.join(SPECIAL_TOKEN_NAMES)} to strings")
         return cls(checked_template(template, source), end, special)
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+               limits: RenderLimits | None = None) -> str:
         """The text the model reads for `messages`, as transformers' `apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=...)` renders it."""
-        return render_chat(self.template, messages, add_generation_prompt, self.special_tokens)
+        messages, tokenize=False, add_generation_prompt=...)` renders it, within `limits`."""
+        return render_chat(self.template, messages, add_generation_prompt, self.special_tokens,
+                           limits)
 
 
 def checked_template(template: str, source: str) -> str:
@@ -82,120 +90,55 @@ def chat_messages(message: str, system: str | None = None) -> list[dict[str, str
 
 def render_chat(template: str, messages: list[dict[str, str]],
                 add_generation_prompt: bool = True,
-                special_tokens: dict[str, str] | None = None) -> str:
-    """`template` rendered for `messages` in the sandbox; a template that fails (a syntax
-    error, `raise_exception`, an unsafe attribute) is one TokenizerError."""
-    import jinja2
-    from jinja2.sandbox import SecurityError
+                special_tokens: dict[str, str] | None = None,
+                limits: RenderLimits | None = None) -> str:
+    """`template` rendered for `messages` in the bounded sandbox (glassgpt.tokenizers.sandbox).
 
+    Whatever the template does wrong is one TokenizerError of one line: a syntax error,
+    `raise_exception`, an unsafe attribute, its own arithmetic (a division by zero, a float
+    overflow), recursion without end, or a step past `limits` (time, output, sizes; the
+    defaults of RenderLimits when None)."""
+    from glassgpt.tokenizers.sandbox import RenderLimits, TemplateLimitError, bounded_environment
+
+    environment = bounded_environment(limits or RenderLimits())  # compiling counts too
     try:
-        compiled = _environment().from_string(template)
-        return compiled.render(messages=messages, tools=None, documents=None,
-                               add_generation_prompt=add_generation_prompt,
-                               **(special_tokens or {}))
-    except SecurityError as error:
-        raise TokenizerError(f"the chat template tried something the sandbox forbids "
-                             f"({_first_line(error)}); it is not rendered") from None
-    except jinja2.TemplateError as error:
-        raise TokenizerError(f"the chat template cannot be rendered: "
-                             f"{_first_line(error)}") from None
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as error:
-        raise TokenizerError(f"the chat template failed while rendering: "
-                             f"{type(error).__name__}: {_first_line(error)}") from None
+        pieces = environment.from_string(template).generate(
+            messages=messages, tools=None, documents=None,
+            add_generation_prompt=add_generation_prompt, **(special_tokens or {}))
+        try:
+            return environment.joined(pieces, "its output")
+        finally:
+            pieces.close()  # a template stopped halfway runs no further
+    except TemplateLimitError as error:
+        raise TokenizerError(f"the chat template was stopped: {_first_line(error)} (a "
+                             f"template's rendering is bounded)") from None
+    except Exception as error:
+        failure = _template_failure(error)
+        if failure is error:
+            raise
+        raise failure from None
 
 
-def _environment() -> Any:
-    """Jinja's immutable sandbox, set up as transformers sets up the one it renders with."""
+def _template_failure(error: Exception) -> Exception:
+    """A template's own failure as one TokenizerError, or `error` itself when it is not one
+    a template can cause (a bug here keeps its traceback)."""
     import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
-
-    class Sandbox(ImmutableSandboxedEnvironment):
-        def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
-            # Jinja renders a forbidden attribute as nothing; here it is refused outright.
-            raise SecurityError(f"access to attribute {attribute!r:.40} of a "
-                                f"{type(obj).__name__!r:.40} object is unsafe")
-
-    environment = Sandbox(
-        trim_blocks=True, lstrip_blocks=True,
-        extensions=[_generation_tag(), jinja2.ext.loopcontrols])
-    environment.filters["tojson"] = _tojson
-    environment.globals["raise_exception"] = _raise_exception
-    environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
-    environment.globals["namespace"] = _namespace_class()
-    environment.globals["dict"] = _TemplateDict()
-    return environment
-
-
-class _TemplateDict:
-    """`dict(...)` and `dict.fromkeys(...)` for templates, and nothing else of the class."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any) -> dict:
-        return dict.fromkeys(*args)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
-    # Jinja's own tojson escapes HTML characters; templates expect plain JSON.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-def _raise_exception(message: str) -> None:
-    import jinja2
-    raise jinja2.TemplateError(message)
-
-
-def _namespace_class() -> type:
-    """Jinja's namespace, refusing names that start with an underscore (a way into
-    Python's internals), as transformers' does."""
-    import jinja2.utils
-
-    class Namespace(jinja2.utils.Namespace):
-        def __init__(*args: Any, **kwargs: Any) -> None:
-            self, rest = args[0], args[1:]
-            values = dict(*rest, **kwargs)
-            for name in values:
-                _check_name(name)
-            jinja2.utils.Namespace.__init__(self, values)
-
-        def __setitem__(self, name: str, value: Any) -> None:
-            _check_name(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    return Namespace
-
-
-def _check_name(name: Any) -> None:
     from jinja2.sandbox import SecurityError
-    if isinstance(name, str) and name.startswith("_"):
-        raise SecurityError(f"a namespace attribute may not start with '_': {name!r:.40}")
+
+    if isinstance(error, SecurityError):
+        return TokenizerError(f"the chat template tried something the sandbox forbids "
+                              f"({_first_line(error)}); it is not rendered")
+    if isinstance(error, jinja2.TemplateError | SyntaxError):
+        return TokenizerError(f"the chat template cannot be rendered: {_first_line(error)}")
+    if isinstance(error, RecursionError):
+        return TokenizerError("the chat template failed while rendering: it recursed "
+                              "too deeply")
+    if isinstance(error, _TEMPLATE_FAILURES):
+        return TokenizerError(f"the chat template failed while rendering: "
+                              f"{type(error).__name__}: {_first_line(error)}")
+    return error
 
 
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0][:200] if text else type(error).__name__
-
-
-def _generation_tag() -> type:
-    """`{% generation %}...{% endgeneration %}`, which training templates use to mark the
-    assistant's text: rendered as its body (marking is for training, not for sampling)."""
-    import jinja2.ext
-    import jinja2.nodes
-
-    class GenerationTag(jinja2.ext.Extension):
-        tags = {"generation"}
-
-        def parse(self, parser: Any) -> Any:
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body
-                                          ).set_lineno(lineno)
-
-        def _body(self, caller: Any) -> str:
-            return caller()
-
-    return GenerationTag
