@@ -196,7 +196,8 @@ def test_a_round_trip_through_hf_evaluates_on_the_original_data(bpe_run_and_data
 
 def test_a_tokenizer_smaller_than_the_vocabulary_is_refused(tmp_path: Path, hf_dir: Path,
                                                             capsys) -> None:
-    """sample would draw ids the tokenizer cannot decode, halfway through a sample."""
+    """sample would draw ids the tokenizer cannot decode, halfway through a sample (a
+    character tokenizer cannot name them, as a BPE one a padding smaller does, below)."""
     small = tmp_path / "small-tokenizer.json"
     small.write_text(CharTokenizer.from_text("abcdefghij").to_json(), encoding="utf-8")
     vocab = transformers.GPT2Config.from_pretrained(hf_dir).vocab_size
@@ -293,3 +294,63 @@ def test_convert_is_two_library_calls_that_the_command_prints_around(tmp_path: P
     for work in ("glassgpt.hf.interop", "glassgpt.hf.files", "glassgpt.rundir",
                  "glassgpt.storage"):
         assert work not in cli
+
+
+def test_a_tokenizer_file_a_padding_smaller_than_the_model_is_taken(tmp_path: Path,
+                                                                    small_text: Path,
+                                                                    capsys) -> None:
+    """An embedding padded to a multiple of 64 rows takes its BPE tokenizer (issue 38,
+    item 8): the ids past it are named; a tokenizer larger than the model is still refused."""
+    tokenizer = BPETokenizer.train(small_text.read_text(encoding="utf-8"), 300)
+    tokenizer.save(tmp_path / "tokenizer.json")
+    vocab = (tokenizer.vocab_size // 64 + 1) * 64
+    config = transformers.GPT2Config(vocab_size=vocab, n_positions=8, n_embd=16, n_layer=1,
+                                     n_head=2, bos_token_id=None, eos_token_id=None)
+    source = tmp_path / "hf-source"
+    transformers.GPT2LMHeadModel(config).save_pretrained(source)  # no tokenizer of its own
+    run = tmp_path / "run"
+    assert main(["convert", "--from-hf", str(source), "--out", str(run), "--tokenizer",
+                 str(tmp_path / "tokenizer.json")]) == 0
+    padding = vocab - tokenizer.vocab_size
+    assert f"the {padding} ids past the tokenizer (padding) decode as <|unused:ID|>" in \
+        capsys.readouterr().err
+    _, imported = load_model(run)
+    assert imported.vocab_size == vocab
+    assert imported.decode([vocab - 1]) == f"<|unused:{vocab - 1}|>"
+    assert imported.encode("To be or not") == tokenizer.encode("To be or not")
+
+    smaller = transformers.GPT2Config(**{**config.to_dict(), "vocab_size": tokenizer.vocab_size
+                                         - 10})
+    transformers.GPT2LMHeadModel(smaller).save_pretrained(tmp_path / "smaller")
+    assert main(["convert", "--from-hf", str(tmp_path / "smaller"), "--out",
+                 str(tmp_path / "run2"), "--tokenizer", str(tmp_path / "tokenizer.json")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "the model could never emit the other 10" in line
+    assert not (tmp_path / "run2").exists()
+
+
+NO_LIMIT = "1000000000000000019884624838656"  # int(1e30), as transformers writes it
+
+
+def test_the_tokenizer_config_transformers_writes_is_read(tmp_path: Path, hf_dir: Path,
+                                                         capsys) -> None:
+    """transformers writes model_max_length 10**30 ("no limit") in tokenizer_config.json, past
+    64 bits (issue 38, item 8): read there, and still refused anywhere else."""
+    tokenizer = BPETokenizer.from_json((hf_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.tokenizer,
+                                         eos_token="<|endoftext|>").save_pretrained(hf_dir)
+    config_path = hf_dir / "tokenizer_config.json"
+    written = config_path.read_text(encoding="utf-8")
+    assert f'"model_max_length": {NO_LIMIT}' in written
+    assert main(["convert", "--from-hf", str(hf_dir), "--out", str(tmp_path / "run")]) == 0
+
+    config_path.write_text(written.replace("{", f'{{"padding": {NO_LIMIT},', 1),
+                           encoding="utf-8")
+    capsys.readouterr()
+    assert main(["convert", "--from-hf", str(hf_dir), "--out", str(tmp_path / "b")]) == 2
+    assert f"integer {NO_LIMIT} does not fit in 64 bits" in capsys.readouterr().err
+    config_path.write_text(written, encoding="utf-8")
+    hf_config = hf_dir / "config.json"  # a model's settings keep the 64-bit bound
+    hf_config.write_text(hf_config.read_text().replace('"n_embd": 32', f'"n_embd": {NO_LIMIT}'))
+    assert main(["convert", "--from-hf", str(hf_dir), "--out", str(tmp_path / "c")]) == 2
+    assert "does not fit in 64 bits" in capsys.readouterr().err

@@ -17,7 +17,7 @@ from pathlib import Path
 from glassgpt.config import GPTConfig
 from glassgpt.errors import CheckpointError
 from glassgpt.hf import interop
-from glassgpt.hf.files import MAX_TOKENIZER_BYTES, UNUSED_TOKEN, name_padding_ids
+from glassgpt.hf.files import MAX_TOKENIZER_BYTES, PADDING_LIMIT, UNUSED_TOKEN, name_padding_ids
 from glassgpt.rundir.checkpoint import describe_weights, load_model, save_model
 from glassgpt.rundir.directory import commit_files
 from glassgpt.storage import files
@@ -131,11 +131,20 @@ def check_apart(out: Path, source: Path, what: str) -> None:
 
 def check_tokenizer_fits(tokenizer_size: int, vocab_size: int) -> None:
     """A run's tokenizer must name every id its model can emit, and only those: a smaller one
-    would let `sample` draw an id it cannot decode."""
-    if tokenizer_size != vocab_size:
+    would let `sample` draw an id it cannot decode (a BPE tokenizer a padding smaller has
+    its padding ids named first, see _source_tokenizer), a larger one holds tokens the model
+    can never emit."""
+    if tokenizer_size > vocab_size:
+        raise CheckpointError(f"the tokenizer has {tokenizer_size:,} tokens but the model's "
+                              f"vocab_size is {vocab_size:,}: the model could never emit the "
+                              f"other {tokenizer_size - vocab_size:,}; give a tokenizer of at "
+                              f"most {vocab_size:,} tokens (--tokenizer FILE)")
+    if tokenizer_size < vocab_size:
         raise CheckpointError(f"the tokenizer has {tokenizer_size:,} tokens but the model's "
                               f"vocab_size is {vocab_size:,}; give a tokenizer of exactly "
-                              f"{vocab_size:,} tokens (--tokenizer FILE)")
+                              f"{vocab_size:,} tokens, or a BPE tokenizer.json at most "
+                              f"{PADDING_LIMIT:,} smaller (the ids past it are named as "
+                              f"padding) (--tokenizer FILE)")
 
 
 def _untied_note(directory: interop.HFDirectory) -> str:
@@ -147,17 +156,21 @@ def _untied_note(directory: interop.HFDirectory) -> str:
 def _source_tokenizer(directory: interop.HFDirectory,
                       tokenizer_file: str | os.PathLike[str] | None,
                       vocab_size: int) -> tuple[Tokenizer, list[str]]:
-    """`tokenizer_file` as it is, or the model's own with its padding ids named (see
+    """`tokenizer_file`, or else the model's own tokenizer; when it is BPE and a padding
+    smaller than the model's vocabulary, with its padding ids named (see
     hf.files.name_padding_ids), and the note saying so."""
     if tokenizer_file is not None:
-        return _user_tokenizer(Path(tokenizer_file)), []
-    hf_tokenizer = interop.load_hf_tokenizer(directory)
-    if hf_tokenizer is None:
-        raise CheckpointError(f"{directory.name} has no tokenizer (tokenizer.json, or "
-                              f"vocab.json and merges.txt); pass one with --tokenizer FILE")
-    # The checks `sample` makes when it reads the run's tokenizer back, made here first.
-    tokenizer = tokenizer_from_hf(hf_tokenizer, f"the tokenizer of {directory.name}")
-    named = name_padding_ids(hf_tokenizer, vocab_size)
+        tokenizer = _user_tokenizer(Path(tokenizer_file))
+        hf_tokenizer = tokenizer.tokenizer if isinstance(tokenizer, BPETokenizer) else None
+    else:
+        hf_tokenizer = interop.load_hf_tokenizer(directory)
+        if hf_tokenizer is None:
+            raise CheckpointError(f"{directory.name} has no tokenizer (tokenizer.json, or "
+                                  f"vocab.json and merges.txt); pass one with --tokenizer "
+                                  f"FILE")
+        # The checks `sample` makes when it reads the run's tokenizer back, made here first.
+        tokenizer = tokenizer_from_hf(hf_tokenizer, f"the tokenizer of {directory.name}")
+    named = 0 if hf_tokenizer is None else name_padding_ids(hf_tokenizer, vocab_size)
     if not named:
         return tokenizer, []
     return tokenizer, [f"the tokenizer has {vocab_size - named:,} tokens and the model "

@@ -55,6 +55,10 @@ MAX_WEIGHT_FILES = 10_000
 MAX_TOKENIZER_BYTES = 64 * 2**20
 UNUSED_TOKEN = "<|unused:{id}|>"  # the name of an id a model has beyond its tokenizer's
 PADDING_LIMIT = 4096  # ids named so; a wider gap is another model's tokenizer
+# transformers writes int(1e30) (its VERY_LARGE_INTEGER) as a tokenizer's model_max_length when
+# the model sets none; HFDirectory.tokenizer_config reads it there, as None, and nowhere else.
+HF_NO_LIMIT = str(int(1e30))
+_NO_LIMIT = object()  # what HF_NO_LIMIT is read as until its place is checked
 # Checkpoints written by older `transformers` hold the causal mask and its fill value as buffers.
 MASK_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 # What each architecture's config.json may say: key -> (default, kind). The defaults are those
@@ -194,18 +198,33 @@ class HFDirectory:
             _check_setting(key, settings[key], kind, path)
         return SimpleNamespace(**settings)
 
+    def tokenizer_config(self) -> dict[str, Any]:
+        """tokenizer_config.json ({} when there is none), read as strictly as any JSON file
+        but for the one number transformers writes beyond 64 bits: `model_max_length`
+        10**30, its "no limit", read as None. Anywhere else that number is refused."""
+        path = self.path(HF_TOKENIZER_CONFIG_FILE)
+        if path is None:
+            return {}
+        config = files.read_json_object(path, CheckpointError, MAX_TOKENIZER_BYTES,
+                                        read_as={HF_NO_LIMIT: _NO_LIMIT})
+        if config.get("model_max_length") is _NO_LIMIT:
+            config["model_max_length"] = None
+        if _holds(config, _NO_LIMIT):
+            raise CheckpointError(f"{path}: integer {HF_NO_LIMIT} does not fit in 64 bits "
+                                  f"(transformers writes it only as model_max_length)")
+        return config
+
     def chat_template(self) -> ChatTemplate | None:
         """The tokenizer's chat template (chat_template.jinja, else tokenizer_config.json's
         `chat_template`, its default when it names several), with the special tokens that
         tokenizer_config.json names; None when the model has none (a base model)."""
-        config_path = self.path(HF_TOKENIZER_CONFIG_FILE)
-        config = {} if config_path is None else \
-            files.read_json_object(config_path, CheckpointError, MAX_TOKENIZER_BYTES)
+        config = self.tokenizer_config()
         jinja = self.path(HF_CHAT_TEMPLATE_FILE)
         if jinja is not None:
             template = files.read_text(jinja, MAX_TOKENIZER_BYTES, CheckpointError)
         else:
-            template = _default_template(config.get("chat_template"), config_path)
+            template = _default_template(config.get("chat_template"),
+                                         self.path(HF_TOKENIZER_CONFIG_FILE))
         if template is None:
             return None
         special = {name: _token_text(config.get(name)) for name in SPECIAL_TOKEN_NAMES}
@@ -309,6 +328,20 @@ def _default_template(value: Any, path: Path | None) -> str | None:
             return named["default"]
     raise CheckpointError(f"{path}: chat_template must be a string, or a list of "
                           f"{{name, template}} with one named 'default'")
+
+
+def _holds(data: Any, target: object) -> bool:
+    """Whether parsed JSON `data` holds `target` anywhere (walked without recursion)."""
+    pending = [data]
+    while pending:
+        value = pending.pop()
+        if value is target:
+            return True
+        if isinstance(value, dict):
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+    return False
 
 
 def _token_text(value: Any) -> str | None:

@@ -27,7 +27,7 @@ import os
 import secrets
 import stat
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -94,15 +94,16 @@ def read_text(path: str | Path, max_bytes: int, error: ErrorType) -> str:
                     f"{exc.object[exc.start:exc.start + 1]!r})") from None
 
 
-def read_json(path: str | Path, error: ErrorType, max_bytes: int = MAX_JSON_BYTES) -> Any:
+def read_json(path: str | Path, error: ErrorType, max_bytes: int = MAX_JSON_BYTES,
+              read_as: Mapping[str, Any] | None = None) -> Any:
     """A JSON file, parsed with `parse_json`'s bounds."""
-    return parse_json(read_text(path, max_bytes, error), str(path), error)
+    return parse_json(read_text(path, max_bytes, error), str(path), error, read_as)
 
 
-def read_json_object(path: str | Path, error: ErrorType,
-                     max_bytes: int = MAX_JSON_BYTES) -> dict[str, Any]:
+def read_json_object(path: str | Path, error: ErrorType, max_bytes: int = MAX_JSON_BYTES,
+                     read_as: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """A JSON file that must hold an object."""
-    data = read_json(path, error, max_bytes)
+    data = read_json(path, error, max_bytes, read_as)
     if not isinstance(data, dict):
         raise error(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data
@@ -130,11 +131,21 @@ def _no_constant(name: str) -> Any:
     raise _OutOfBoundsError(f"{name} is not a number JSON allows")
 
 
-def parse_json(text: str, source: str, error: ErrorType) -> Any:
+def parse_json(text: str, source: str, error: ErrorType,
+               read_as: Mapping[str, Any] | None = None) -> Any:
     """JSON text -> Python values, refusing NaN/Infinity, integers beyond int64 and nesting
-    deeper than MAX_JSON_DEPTH; `source` names the text in the error."""
+    deeper than MAX_JSON_DEPTH; `source` names the text in the error.
+
+    `read_as` maps integers written exactly so (their JSON text) to the value they are read
+    as instead: a file another program writes may hold one such number on purpose
+    (transformers' 10**30, "no limit"), which its reader then looks for by that value."""
+    exact = read_as or {}
+
+    def parse_int(number: str) -> Any:
+        return exact[number] if number in exact else _int64(number)
+
     try:
-        data = json.loads(text, parse_float=_finite_float, parse_int=_int64,
+        data = json.loads(text, parse_float=_finite_float, parse_int=parse_int,
                           parse_constant=_no_constant)
     except RecursionError:
         raise error(f"{source}: JSON nested too deeply (at most {MAX_JSON_DEPTH} levels)") \
