@@ -228,6 +228,38 @@ def test_an_imported_run_chats_through_its_template_and_stops_at_its_end(
     assert "<|im_end|>" not in reply
 
 
+def test_an_exported_instruct_model_keeps_its_template_and_where_a_reply_ends(
+        qwen3_source: Path, tmp_path: Path, capsys) -> None:
+    """Issue 38, item 9: `convert --to-hf` of an imported instruct model writes its chat
+    template and its <|im_end|> as eos (tokenizer, config, generation config), so that
+    transformers' apply_chat_template and chat pipeline work on the export as on the source."""
+    run, out = tmp_path / "run", tmp_path / "exported"
+    assert main(["convert", "--from-hf", str(qwen3_source), "--out", str(run)]) == 0
+    assert main(["convert", str(run), "--to-hf", str(out)]) == 0
+    assert "with its chat template (a reply ends at <|im_end|>)" in capsys.readouterr().out
+    exported = transformers.AutoTokenizer.from_pretrained(out)
+    assert exported.chat_template == QWEN3_TEMPLATE
+    assert (exported.eos_token, exported.pad_token) == ("<|im_end|>", "<|endoftext|>")
+    end = exported.convert_tokens_to_ids("<|im_end|>")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert model.config.eos_token_id == end and model.generation_config.eos_token_id == end
+    source = transformers_tokenizer(
+        BPETokenizer.from_json((qwen3_source / "tokenizer.json").read_text()), QWEN3_TEMPLATE)
+    messages = chat_messages("Who are you?", "Be brief.")
+    assert exported.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) \
+        == source.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # The chat pipeline replies as the source model does, greedy until <|im_end|>.
+    ids = source.apply_chat_template(messages, add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)["input_ids"]
+    original = transformers.Qwen3ForCausalLM.from_pretrained(qwen3_source).eval()
+    new = original.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=end,
+                            pad_token_id=0)[0, ids.shape[1]:].tolist()
+    assert new[-1] == end
+    chat = transformers.pipeline("text-generation", model=model, tokenizer=exported)
+    reply = chat(messages, max_new_tokens=40, do_sample=False)[0]["generated_text"][-1]
+    assert reply == {"role": "assistant", "content": source.decode(new[:-1])}
+
+
 def test_a_template_that_reaches_for_python_internals_fails_with_one_line(
         qwen3_source: Path, tmp_path: Path, capsys) -> None:
     run = tmp_path / "run"

@@ -126,7 +126,9 @@ def export_to_hf(run_dir: Path, out: Path, checkpoint: str = "best", force: bool
     exported = export_run(run_dir, out, checkpoint, force)
     say(f"exporting {exported.weights}")
     if exported.with_tokenizer:
-        print(f"wrote {out}: model and tokenizer (load with "
+        chat = "" if exported.chat_end_of_turn is None else \
+            f" with its chat template (a reply ends at {exported.chat_end_of_turn})"
+        print(f"wrote {out}: model and tokenizer{chat} (load with "
               f"transformers.AutoModelForCausalLM / AutoTokenizer.from_pretrained)")
     else:
         print(f"wrote {out}: model only; its {exported.tokenizer_kind} tokenizer has no Hugging "

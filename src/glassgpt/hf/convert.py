@@ -18,7 +18,7 @@ from glassgpt.config import GPTConfig
 from glassgpt.errors import CheckpointError
 from glassgpt.hf import interop
 from glassgpt.hf.files import MAX_TOKENIZER_BYTES, PADDING_LIMIT, UNUSED_TOKEN, name_padding_ids
-from glassgpt.rundir.checkpoint import describe_weights, load_model, save_model
+from glassgpt.rundir.checkpoint import Run, describe_weights, load_model, save_model
 from glassgpt.rundir.directory import commit_files
 from glassgpt.storage import files
 from glassgpt.storage.commit import staged_directory
@@ -42,13 +42,16 @@ class ImportedRun:
 
 @dataclass(frozen=True)
 class ExportedRun:
-    """What `export_run` wrote: the directory, which weights (in words), and whether the run's
-    tokenizer went with them (a character-level one has no Hugging Face equivalent)."""
+    """What `export_run` wrote: the directory, which weights (in words), whether the run's
+    tokenizer went with them (a character-level one has no Hugging Face equivalent), and the
+    end-of-turn token of the chat template that went with it (an imported instruct model's;
+    None when there was none)."""
 
     out: Path
     weights: str
     with_tokenizer: bool
     tokenizer_kind: str
+    chat_end_of_turn: str | None = None
 
 
 def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str],
@@ -114,11 +117,15 @@ def export_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str],
     weights = describe_weights(run_dir, checkpoint)
     with_tokenizer = isinstance(tokenizer, BPETokenizer)
     if with_tokenizer:
+        # An imported instruct model's template and end-of-turn token go back out with it.
+        chat = Run(run_dir).chat_template()
         interop.save_hf(model, out, tokenizer=tokenizer.tokenizer, eos_token=END_OF_TEXT,
-                        overwrite=force)
+                        overwrite=force, chat=chat)
     else:
+        chat = None
         interop.save_hf(model, out, overwrite=force)
-    return ExportedRun(out, weights, with_tokenizer, tokenizer.kind)
+    return ExportedRun(out, weights, with_tokenizer, tokenizer.kind,
+                       None if chat is None else chat.end_of_turn)
 
 
 def check_apart(out: Path, source: Path, what: str) -> None:

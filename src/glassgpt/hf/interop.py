@@ -55,6 +55,7 @@ from glassgpt.rundir.checkpoint import expected_shapes, model_holding
 from glassgpt.storage import files
 from glassgpt.storage.commit import staged_directory
 from glassgpt.storage.tensorfile import check_each_shape, check_finite
+from glassgpt.tokenizers.chat import ChatTemplate
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -375,33 +376,52 @@ def _check_same_names(arch: Architecture, expected: set[str], found: set[str]) -
 
 def save_hf(model: GPT | nn.Module, out_dir: str | os.PathLike[str],
             tokenizer: Tokenizer | None = None, eos_token: str | None = None,
-            overwrite: bool = False) -> Path:
+            overwrite: bool = False, chat: ChatTemplate | None = None) -> Path:
     """Write `model` (and a `tokenizers` tokenizer, if given) as a `save_pretrained` directory.
 
     The weights go to model.safetensors. The model's `block_size` bounds generation twice:
     the generation config's `max_length` (transformers' `generate` and `pipeline` stop there by
     default, where GPT-2's learned positions would otherwise run out with an IndexError) and
     the tokenizer's `model_max_length`. `eos_token`, when the tokenizer knows it, becomes the
-    model's bos/eos token so that HF's `generate` stops on it. A marker file (EXPORT_MARKER)
-    says glassgpt wrote the directory. The directory appears whole or not at all, with the
-    permissions of the user's other files. An existing non-empty directory is replaced only
-    with `overwrite`, and only if it holds an earlier export of glassgpt's (its marker).
+    model's bos/eos token so that HF's `generate` stops on it. An instruct model's `chat`
+    template (an imported run's) goes with the tokenizer instead, with its special tokens and
+    its end-of-turn token as the eos of the tokenizer, the config and the generation config, so
+    that transformers' `apply_chat_template` and chat `pipeline` work and stop where a reply
+    ends. A marker file (EXPORT_MARKER) says glassgpt wrote the directory. The directory
+    appears whole or not at all, with the permissions of the user's other files. An existing
+    non-empty directory is replaced only with `overwrite`, and only if it holds an earlier
+    export of glassgpt's (its marker).
     """
     out = files.check_can_make_dir(Path(out_dir).expanduser(), CheckpointError)
     replacing = out.exists() and (not out.is_dir() or any(out.iterdir()))
     if replacing:
         check_replaceable_export(out, overwrite)
     model = unwrap_model(model)
-    eos_id = tokenizer.token_to_id(eos_token) if tokenizer is not None and eos_token else None
-    hf_model = to_hf(model, bos_token_id=eos_id, eos_token_id=eos_id)
+    special = {} if tokenizer is None else _special_tokens(tokenizer, eos_token, chat)
+    ids = {name: tokenizer.token_to_id(text) for name, text in special.items()}
+    hf_model = to_hf(model, bos_token_id=ids.get("bos_token"),
+                     eos_token_id=ids.get("eos_token"))
     hf_model.generation_config.max_length = model.config.block_size
     with staged_directory(out, replacing) as staging, _disk_errors_as_os_errors():
         hf_model.save_pretrained(staging)  # safetensors by default
         if tokenizer is not None:
-            _save_hf_tokenizer(tokenizer, staging, eos_token if eos_id is not None else None,
-                               model.config.block_size)
+            _save_hf_tokenizer(tokenizer, staging, special, chat, model.config.block_size)
         write_export_marker(staging)
     return out
+
+
+def _special_tokens(tokenizer: Tokenizer, eos_token: str | None,
+                    chat: ChatTemplate | None) -> dict[str, str]:
+    """The exported tokenizer's special tokens (bos_token, eos_token, ...), each one of its
+    tokens: an instruct model's own, with its end-of-turn token as the eos (where a reply
+    stops); else `eos_token` as both bos and eos."""
+    if chat is None:
+        wanted = {"bos_token": eos_token, "eos_token": eos_token}
+    else:
+        wanted = {**chat.special_tokens,
+                  "eos_token": chat.end_of_turn or chat.special_tokens.get("eos_token")}
+    return {name: text for name, text in wanted.items()
+            if text is not None and tokenizer.token_to_id(text) is not None}
 
 
 @contextlib.contextmanager
@@ -420,9 +440,12 @@ def _disk_errors_as_os_errors() -> Iterator[None]:
         raise OSError(number, os.strerror(number)) from error
 
 
-def _save_hf_tokenizer(tokenizer: Tokenizer, out_dir: Path, eos_token: str | None,
-                       max_length: int) -> None:
-    special = {"bos_token": eos_token, "eos_token": eos_token} if eos_token else {}
+def _save_hf_tokenizer(tokenizer: Tokenizer, out_dir: Path, special: dict[str, str],
+                       chat: ChatTemplate | None, max_length: int) -> None:
+    # transformers writes the template where the installed version reads it back from
+    # (tokenizer_config.json's chat_template, or chat_template.jinja since 4.50).
+    template = {} if chat is None else {"chat_template": chat.template}
     wrapped = _transformers().PreTrainedTokenizerFast(tokenizer_object=tokenizer,
-                                                      model_max_length=max_length, **special)
+                                                      model_max_length=max_length,
+                                                      **special, **template)
     wrapped.save_pretrained(out_dir)
