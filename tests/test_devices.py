@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -114,4 +116,48 @@ def test_bf16_support_follows_the_cpu_flags(monkeypatch):
 
 
 def test_bf16_slowdown_is_a_positive_ratio():
-    assert devices.bf16_slowdown(size=32, repeats=2) > 0
+    assert devices.measure_bf16_slowdown(rows=4, width=16, rounds=2) > 0
+
+
+def clock_of(durations: list[float]):
+    """A clock whose successive (start, end) readings are `durations` apart."""
+    readings = iter(itertools.accumulate(d for duration in durations for d in (0.0, duration)))
+    return lambda: next(readings)
+
+
+def test_bf16_slowdown_takes_the_best_alternated_round_and_never_times_the_warm_up():
+    # (fp32, bf16) per round; bf16's first timed call 100x (a kernel built, a core taken)
+    rounds = [(1.0, 100.0), (1.0, 0.9), (1.2, 0.95), (1.0, 0.9)]
+    clock = clock_of([seconds for pair in rounds for seconds in pair])
+    slowdown = devices.measure_bf16_slowdown(rows=2, width=8, rounds=4, clock=clock)
+    assert slowdown == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize(("batch", "row", "expected"), [
+    (0.4, 0.9, None),  # bf16 faster: nothing to say
+    (1.3, 0.9, None),  # within a shared host's noise: not "clearly slower"
+    (12.7, 3.0, "a bf16 matmul measured 12.7x slower than float32 here; use --dtype float32"),
+    (12.7, 0.8, "a bf16 matmul measured 12.7x slower than float32 here; use --dtype float32 "
+                "to train (one row at a time, as each sampled token is, it measured 0.8x: "
+                "sampling in bf16 may still pay)"),
+])
+def test_bf16_warning_only_when_bf16_measured_clearly_slower(monkeypatch, batch, row, expected):
+    monkeypatch.setattr(devices, "cpu_bf16_support", lambda: False)
+    monkeypatch.setattr(devices, "bf16_slowdown", lambda: batch)
+    monkeypatch.setattr(devices, "bf16_row_slowdown", lambda: row)
+    warning = devices.bf16_warning(torch.device("cpu"))
+    if expected is None:
+        assert warning is None
+    else:
+        assert warning.endswith(expected)
+
+
+def test_a_warm_up_outlier_gives_no_warning(monkeypatch):
+    """The first bf16 call 150x slower, every later one faster than float32: no warning."""
+    rounds = [(1.0, 150.0)] + [(1.0, 0.8)] * 6
+    clock = clock_of([seconds for pair in rounds for seconds in pair])
+    measured = devices.measure_bf16_slowdown
+    monkeypatch.setattr(devices, "cpu_bf16_support", lambda: False)
+    monkeypatch.setattr(devices, "bf16_slowdown", lambda: measured(rows=2, width=8, rounds=7,
+                                                                   clock=clock))
+    assert devices.bf16_warning(torch.device("cpu")) is None

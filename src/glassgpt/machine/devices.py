@@ -5,13 +5,17 @@ Two measured facts drive this module (BENCHMARKS.md):
     threads than with one: each step waits for a thread that another process preempted. A fixed
     count is wrong on some machine or other, so `ThreadTuner` times real steps at one thread and
     at all cores, keeps the faster, and probes again when steps become several times slower.
-  * bf16 is 2-3x faster than fp32 on a CPU with bf16 matrix instructions (AVX512-BF16, AMX) and
-    about 13x slower on one without; `cpu_bf16_support` says which this one is.
+  * bf16 is 2-3x faster than fp32 on a CPU with bf16 matrix instructions (AVX512-BF16, AMX).
+    On one without, a training batch's products run many times slower (11-15x for torch's
+    fallback product, timed with oneDNN switched off), while one row at a time (decoding) can
+    still be faster, as half the bytes of weights are read: so `bf16_warning` measures both
+    shapes here before it says anything.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import statistics
 import time
@@ -19,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 import torch
+import torch.nn.functional as F
 
 from glassgpt.errors import ConfigError
 from glassgpt.machine.threadsetting import AUTO
@@ -27,6 +32,10 @@ from glassgpt.machine.threadsetting import parse_threads as parse_threads  # whe
 T = TypeVar("T")
 DEVICE_TYPES = ("cpu", "cuda", "mps")  # where glassgpt trains and samples
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 flags of bf16 matrix instructions in cpuinfo
+# The shapes bf16 is measured on: cpu-small's training batch (12 x 64 tokens) into its MLP
+# (width 128), and one token into GPT-2's MLP (width 768), a decoding step's largest product.
+BATCH_ROWS, BATCH_WIDTH, ROW_WIDTH = 12 * 64, 128, 768
+BF16_CLEARLY_SLOWER = 1.5  # a smaller factor is within what a shared 2-core host's noise makes
 
 
 # --- bf16 on a CPU ---------------------------------------------------------------------------
@@ -54,21 +63,40 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def bf16_slowdown(size: int = 256, repeats: int = 5) -> float:
-    """How many times slower a bf16 matmul is than fp32 here (> 1: slower), measured now."""
-    a = torch.randn(size, size)
-    b = torch.randn(size, size)
-    seconds = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        x, y = a.to(dtype), b.to(dtype)
-        x @ y  # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            x @ y
-            times.append(time.perf_counter() - start)
-        seconds[dtype] = statistics.median(times)
-    return seconds[torch.bfloat16] / seconds[torch.float32]
+def measure_bf16_slowdown(rows: int, width: int, rounds: int = 7,
+                          clock: Callable[[], float] = time.perf_counter) -> float:
+    """How many times slower a bf16 product is than float32 here (> 1: slower), measured now on
+    a model's shape: `rows` tokens through an MLP's first matrix (width -> 4 x width).
+
+    A first call is no measure: oneDNN builds its kernel then (and a tiny 256 x 256 product
+    once claimed 154x where bf16 sampled faster). So each dtype runs twice untimed; then the
+    two alternate for `rounds`, so that a moment when another process holds a core falls on
+    both, and the best round of each counts (a busy host only ever adds time)."""
+    x = torch.randn(rows, width)  # (rows, C)
+    weight = torch.randn(4 * width, width)  # (4C, C), as nn.Linear holds it
+    operands = {dtype: (x.to(dtype), weight.to(dtype)) for dtype in (torch.float32, torch.bfloat16)}
+    for x_d, w_d in operands.values():
+        for _ in range(2):  # warm-up: the kernel is built, the operands are in cache
+            F.linear(x_d, w_d)
+    best = dict.fromkeys(operands, math.inf)
+    for _ in range(rounds):
+        for dtype, (x_d, w_d) in operands.items():
+            start = clock()
+            F.linear(x_d, w_d)  # (rows, 4C)
+            best[dtype] = min(best[dtype], clock() - start)
+    return best[torch.bfloat16] / max(best[torch.float32], 1e-9)
+
+
+def bf16_slowdown() -> float:
+    """bf16's cost here on a training batch (`BATCH_ROWS` tokens at width `BATCH_WIDTH`)."""
+    return measure_bf16_slowdown(BATCH_ROWS, BATCH_WIDTH)
+
+
+def bf16_row_slowdown() -> float:
+    """bf16's cost here on one row at GPT-2's width: what decoding does for each sampled token,
+    where reading half the bytes of weights can make bf16 faster even without bf16
+    instructions."""
+    return measure_bf16_slowdown(1, ROW_WIDTH)
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -123,12 +151,22 @@ def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abst
 
 
 def bf16_warning(device: torch.device) -> str | None:
-    """A one-line warning when bf16 was asked for on a CPU without bf16 matrix instructions,
-    with how much slower it measured here; None where bf16 is fine."""
+    """A one-line warning when bf16 was asked for on a CPU without bf16 matrix instructions
+    and a model-shaped bf16 product measured clearly slower than float32 here (where it is
+    not, nothing is said); it names how much slower, and says so when one row at a time, as
+    in decoding, was not slower. None where bf16 is fine."""
     if device.type != "cpu" or cpu_bf16_support():
         return None
-    return (f"this CPU has no bf16 matrix instructions (avx512_bf16/amx_bf16): a bf16 matmul "
-            f"measured {bf16_slowdown():.1f}x slower than float32 here; use --dtype float32")
+    slowdown = bf16_slowdown()
+    if slowdown < BF16_CLEARLY_SLOWER:
+        return None
+    warning = (f"this CPU has no bf16 matrix instructions (avx512_bf16/amx_bf16): a bf16 matmul "
+               f"measured {slowdown:.1f}x slower than float32 here; use --dtype float32")
+    row = bf16_row_slowdown()
+    if row < BF16_CLEARLY_SLOWER:
+        warning += (f" to train (one row at a time, as each sampled token is, it measured "
+                    f"{row:.1f}x: sampling in bf16 may still pay)")
+    return warning
 
 
 # --- threads ----------------------------------------------------------------------------------
