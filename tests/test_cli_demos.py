@@ -4,6 +4,7 @@ tiny sizes: what they print, what they write, and their one-line errors."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,10 @@ import torch
 from conftest import quick_experiment
 from glassgpt.cli import demos, main
 from glassgpt.config import GPTConfig
+from glassgpt.errors import CommandLineError
 from glassgpt.experiments import EXPERIMENTS, Check, ExperimentResult
 from glassgpt.model import GPT
-from glassgpt.rundir.checkpoint import save_model
+from glassgpt.rundir.checkpoint import load_model, save_model
 from glassgpt.tokenizers import CharTokenizer
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -76,6 +78,11 @@ def test_demo_all_quick_runs_every_experiment_and_sums_up(tmp_path: Path, capsys
     assert "124,439,808" in out
     assert "[block] * L" in out  # printed as written, not eaten as rich markup
     assert out.rstrip().endswith("15/15 experiments showed what they claim")
+    run = Path("pics") / "induction_run"  # the run `demo induction` saves, copied into --out
+    assert data["experiments"]["induction"]["numbers"]["run"] == str(run)
+    assert f"run: {run} (open it with `glassgpt view {run}`" in out
+    assert {p.name for p in (tmp_path / run).iterdir()} == {"config.json", "model.safetensors",
+                                                           "tokenizer.json"}
 
 
 def test_demo_all_summary_names_what_was_not_shown(tmp_path: Path, capsys,
@@ -107,6 +114,38 @@ def test_demo_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys, args: lis
     assert code == 2
     assert message in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_demo_induction_replaces_no_run_dir_it_did_not_make_before_it_trains(
+        tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demos, "run_experiment", lambda *a, **k: pytest.fail("it trained"))
+    mine = tmp_path / "pics" / "induction_run"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    for force in ([], ["--force"]):  # not even --force: no glassgpt run is there
+        code, _, err = glassgpt(capsys, "demo", "induction", "--out", str(tmp_path / "pics"),
+                                *force)
+        assert code == 2 and "induction_run" in err, err
+        assert len(err.strip().splitlines()) == 1
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
+def test_a_saved_run_replaces_an_earlier_run_only_with_force(tiny_run: Path,
+                                                             tmp_path: Path) -> None:
+    new_run = tmp_path / "staged" / "induction_run"
+    save_model(new_run, GPT(GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=1,
+                                      n_embd=8)), CharTokenizer.from_text("abcdefgh"))
+    out = tmp_path / "out"
+    assert demos.deliver_run(new_run, out, force=False) == out / "induction_run"  # a new one
+    saved = (out / "induction_run" / "config.json").read_bytes()
+    shutil.rmtree(out / "induction_run")
+    shutil.copytree(tiny_run, out / "induction_run")  # a run made before, by someone else
+    with pytest.raises(CommandLineError, match="already exists; pass --force"):
+        demos.deliver_run(new_run, out, force=False)
+    assert (out / "induction_run" / "config.json").read_bytes() != saved  # left as it was
+    demos.deliver_run(new_run, out, force=True)
+    assert (out / "induction_run" / "config.json").read_bytes() == saved
+    assert load_model(out / "induction_run")[0].config.vocab_size == 8
 
 
 @pytest.fixture(scope="module")

@@ -6,22 +6,32 @@ induction head sits above layer 0. Plus the data, the attention-only model and t
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import quick_experiment
+from glassgpt.cli import main
 from glassgpt.config import GPTConfig
 from glassgpt.experiments import EXPERIMENTS
 from glassgpt.experiments.induction import (
     LAYERS,
+    QUICK,
+    SCORE_SEED,
     AttentionOnlyGPT,
+    as_gpt,
     crossing_step,
+    model_of,
     repeat_batch,
 )
 from glassgpt.interp.hooked import hook_points
 from glassgpt.interp.scores import head_scores
+from glassgpt.rundir.checkpoint import load_model
+from glassgpt.view.server import load_for_view
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -79,3 +89,40 @@ def test_crossing_step_is_where_a_curve_went_half_way() -> None:
     assert crossing_step([0, 10, 20, 30], [4.0, 3.9, 1.0, 0.8]) == 20
     assert crossing_step([0, 10, 20, 30], [0.0, 0.1, 0.7, 0.8]) == 20
     assert crossing_step([0, 10, 20], [0.02, 0.03, 0.05]) is None  # nothing happened
+
+
+def test_as_gpt_computes_exactly_what_the_attention_only_model_computes() -> None:
+    model = model_of(2, QUICK, seed=0).eval()
+    ids = torch.randint(QUICK.vocab_size, (3, 2 * QUICK.half))
+    assert torch.equal(as_gpt(model)(ids)[0], model(ids)[0])
+
+
+def test_the_2_layer_model_is_saved_as_a_run_that_sample_and_view_open(tmp_path: Path,
+                                                                       capsys) -> None:
+    """`demo induction` saved no run to open (issue 38); the quick run of seed 0 now has one."""
+    result = quick_experiment("induction", tmp_path, seed=0)
+    run = Path(result.numbers["run"])
+    model, tokenizer = load_model(run)
+    scores = head_scores(model, half=QUICK.half, batch=QUICK.score_batch, seed=SCORE_SEED)
+    trained = torch.tensor(result.numbers[LAYERS[2]]["scores"][-1])  # (L, H), while training
+    assert torch.allclose(scores.induction, trained, atol=1e-6)  # the very model, saved
+    view = load_for_view(run, threads=1)
+    assert view.head_scores() is not None and view.predictions("abcdefgh abcdefgh")
+    code = main(["sample", str(run), "--prompt", "xyz xyz", "--max-new-tokens", "4",
+                 "--threads", "1"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("xyz xyz") and len(out.rstrip("\n")) == 11
+
+
+def test_the_docs_walk_prints_its_numbers_rounded_on_the_demos_run(tmp_path: Path,
+                                                                    capsys) -> None:
+    """docs/interpretability.md's walk printed float32 noise (0.05999999865889549) where it
+    meant 0.06. Run as pasted on the demo's saved run (its characters include the walk's)."""
+    run = Path(quick_experiment("induction", tmp_path, seed=0).numbers["run"])
+    walk = (DOCS / "interpretability.md").read_text().split("<!-- section: walk -->")[1]
+    code = re.search(r"```python\n(.*?)```", walk, re.DOTALL).group(1)
+    exec(compile(code.replace('"runs/repeats"', repr(str(run))), "docs/interpretability.md",
+                 "exec"), {})
+    printed = capsys.readouterr().out
+    assert "induction (layer x head): [[" in printed and "of the clean answer" in printed
+    assert not re.findall(r"\d\.\d{4,}", printed), printed

@@ -1,7 +1,8 @@
 """`glassgpt demo NAME` (the experiments) and `glassgpt attention RUN_DIR` (attention maps).
 
 The experiments live in `glassgpt.experiments` and return numbers; this module only parses flags,
-renders the tables with rich and writes `--json`.
+renders the tables with rich, writes `--json`, and moves what an experiment made (its pictures,
+the run `induction` saves) into --out, replacing nothing there without --force.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -33,7 +35,8 @@ from glassgpt.config_checks import INT64_MAX
 from glassgpt.errors import CommandLineError
 from glassgpt.experiments import EXPERIMENTS, ExperimentResult, Table, run_experiment
 from glassgpt.experiments.results import listening_to_steps
-from glassgpt.storage.files import write_text_atomic
+from glassgpt.storage.files import KIND_PHRASES, check_unlocked, entry_kind, write_text_atomic
+from glassgpt.storage.layout import LOCK_FILE, RUN
 from glassgpt.storage.outputs import check_output_file
 
 RULE_WIDTH = 80  # of the line above each experiment, in a file or a pipe
@@ -64,7 +67,8 @@ def add_demo_command(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--json", type=path_arg, metavar="FILE",
                       help="also write the numbers as JSON")
     demo.add_argument("--force", action="store_true",
-                      help="replace pictures in --out and the --json file if they exist")
+                      help="replace pictures in --out, the run `induction` saves there and the "
+                           "--json file if they exist")
     add_threads_flag(demo)
     shapes = demo.add_argument_group("shapes only")
     shapes.add_argument("--batch-size", type=int, metavar="B", help="batch (default 2)")
@@ -120,6 +124,8 @@ def run_demo(args: argparse.Namespace) -> int:
     names = list(EXPERIMENTS) if args.name == "all" else [args.name]
     if args.json is not None:
         check_output_file(args.json, args.force, CommandLineError)  # before the run
+    for run_name in runs_saved_by(names):
+        check_run_destination(args.out / run_name, args.force)  # before the training
     from glassgpt.machine.devices import cpu_threads
 
     console = output_console()
@@ -131,6 +137,9 @@ def run_demo(args: argparse.Namespace) -> int:
             result = run_experiment(name, staging, seed=args.seed, quick=args.quick,
                                     threads=threads, **options)
             result.pictures = deliver_pictures(result.pictures, staging, args.out, args.force)
+            if "run" in result.numbers:
+                run = deliver_run(Path(result.numbers["run"]), args.out, args.force)
+                result.numbers["run"] = str(run)
         if not results:
             console.print(f"[dim]{cpu_threads(result.threads)}[/dim]")
         threads = result.threads  # auto is settled once, by the first experiment
@@ -179,6 +188,57 @@ def deliver_pictures(pictures: list[Path], staging: Path, out: Path, force: bool
     return destinations
 
 
+def runs_saved_by(names: list[str]) -> list[str]:
+    """The run directories (their names under --out) the experiments `names` will save."""
+    if "induction" not in names:
+        return []
+    from glassgpt.experiments.induction import RUN_NAME  # here: it imports torch
+
+    return [RUN_NAME]
+
+
+def check_run_destination(run_dir: Path, force: bool) -> bool:
+    """Refuse a place the demo may not save its run in; True when it replaces an earlier run
+    there. A new or empty directory takes the run; anything else only with --force, and then
+    only a run glassgpt wrote that holds nothing but a run's files (it is replaced whole, so
+    nothing of the user's may be in it), and not while another command writes it."""
+    kind = entry_kind(run_dir)
+    if kind == "missing":
+        return False
+    if kind != "directory":
+        raise CommandLineError(f"{run_dir} is {KIND_PHRASES[kind]}, where the demo saves its "
+                               f"run; move it, or give another --out")
+    present = sorted(path.name for path in run_dir.iterdir())
+    if not present:
+        return False
+    if not force:
+        raise CommandLineError(f"{run_dir} already exists; pass --force to replace the run "
+                               f"there, or give another --out")
+    others = [name for name in present if name not in (*RUN.own_files, LOCK_FILE)]
+    from glassgpt.rundir.directory import is_glassgpt_run
+
+    if others or not is_glassgpt_run(run_dir):
+        what = f"{others[0]!r}, which is no file of a run" if others else "no glassgpt run"
+        raise CommandLineError(f"{run_dir} holds {what}; --force replaces only a run glassgpt "
+                               f"wrote: move it, or give another --out")
+    check_unlocked(run_dir, CommandLineError)
+    return True
+
+
+def deliver_run(run: Path, out: Path, force: bool) -> Path:
+    """Copy the run directory an experiment saved into `out`, under its own name, checked again
+    first (`check_run_destination`); it appears whole, and an earlier run there (--force) goes
+    only once the new one is complete."""
+    from glassgpt.storage.commit import staged_directory
+
+    destination = out / run.name
+    replacing = check_run_destination(destination, force)
+    with staged_directory(destination, replacing=replacing) as staging:
+        for file in run.iterdir():
+            shutil.copyfile(file, staging / file.name)
+    return destination
+
+
 @contextlib.contextmanager
 def experiment_progress(name: str, number: int, count: int) -> Iterator[None]:
     """While one experiment runs (a minute at full size), a line on stderr with its name, the
@@ -213,6 +273,9 @@ def print_result(console: Console, result: ExperimentResult, seconds: float) -> 
         console.print(f"{mark} {escape(check.claim)}")
     for picture in result.pictures:
         console.print(f"picture: {escape(str(picture))}")
+    if "run" in result.numbers:
+        run = escape(result.numbers["run"])
+        console.print(f"run: {run} (open it with `glassgpt view {run}` or `glassgpt sample {run}`)")
     console.print(f"[dim]{result.name} took {seconds:.1f} s[/dim]\n")
 
 

@@ -16,7 +16,9 @@ Notation: B = batch, T = positions, L = layers, H = heads, V = vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,12 +39,19 @@ from glassgpt.figures import LABEL_PT, label_axes, new_figure, save_figure
 from glassgpt.hooks import name_hook_points
 from glassgpt.interp.scores import head_scores
 from glassgpt.model import GPT, eval_mode
+from glassgpt.rundir.checkpoint import save_model
+from glassgpt.storage.commit import staged_directory
+from glassgpt.tokenizers import CharTokenizer
 
 LAYERS = {2: "2 layers", 1: "1 layer (control)"}  # n_layer -> name, in the order trained
 EVAL_SEED = 123_456  # the fixed batch the repeated-part loss is measured on
 DATA_SEED_OFFSET = 10_000  # training batches come from seed + this, the weights from seed
 SCORE_SEED = 7  # the repeated random tokens the induction scores are read on
 CPU_SMALL = (4, 128, 64)  # the cpu-small preset's layers, width and context
+RUN_NAME = "induction_run"  # the 2-layer model's run directory, under the pictures' folder
+# The 64 random tokens written as characters, so that `view` and `sample` take typed prompts
+# (any text of these, repeated, shows the induction heads at work; a space is one of them).
+RUN_ALPHABET = string.ascii_lowercase + string.ascii_uppercase + string.digits + " ."
 
 
 @dataclass(frozen=True)
@@ -157,9 +166,10 @@ def induction_scores(model: GPT, half: int, batch: int) -> Tensor:
     return head_scores(model, half=half, batch=batch, seed=SCORE_SEED).induction
 
 
-def train_repeats(n_layer: int, s: InductionSettings, seed: int) -> dict[str, Any]:
+def train_repeats(n_layer: int, s: InductionSettings,
+                  seed: int) -> tuple[dict[str, Any], AttentionOnlyGPT]:
     """Train one attention-only model; every `eval_every` steps read its repeated-part loss
-    and each head's induction score."""
+    and each head's induction score. Returns the readings and the trained model."""
     model = model_of(n_layer, s, seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
     data = torch.Generator().manual_seed(seed + DATA_SEED_OFFSET)
@@ -183,7 +193,38 @@ def train_repeats(n_layer: int, s: InductionSettings, seed: int) -> dict[str, An
     return {"steps": steps, "repeated_loss": losses, "scores": scores, "best_score": best,
             "final_loss": losses[-1], "final_best_score": best[-1],
             "loss_drop_step": crossing_step(steps, losses),
-            "score_rise_step": crossing_step(steps, best)}
+            "score_rise_step": crossing_step(steps, best)}, model
+
+
+def as_gpt(model: AttentionOnlyGPT) -> GPT:
+    """The library's GPT computing exactly what `model` computes: each block keeps the same
+    attention and norm, and gets an MLP one unit wide whose output weights are zero, so it
+    adds exactly 0 to the residual stream. `sample`, `view` and `convert` build a GPT from a
+    run's config; an attention-only block is no setting of it."""
+    config = dataclasses.replace(model.config, mlp_hidden=1)
+    with torch.random.fork_rng(devices=[]):  # building it draws no numbers the caller sees
+        gpt = GPT(config)
+    missing, unexpected = gpt.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all(".ln2." in key or ".ffn." in key for key in missing), missing
+    with torch.no_grad():
+        for block in gpt.blocks:
+            block.ffn.proj.weight.zero_()
+            block.ffn.proj.bias.zero_()
+    return gpt.eval()
+
+
+def save_induction_run(model: AttentionOnlyGPT, run_dir: Path, seed: int) -> Path:
+    """Save `model` as a run directory (new, or an empty directory) that `glassgpt sample`,
+    `view` and `convert --to-hf` open; it appears whole or not at all."""
+    tokenizer = CharTokenizer.from_text(RUN_ALPHABET)
+    if tokenizer.vocab_size != model.config.vocab_size:
+        raise ConfigError(f"the run's {tokenizer.vocab_size} characters cannot name "
+                          f"{model.config.vocab_size} random tokens")
+    extra = {"experiment": "induction", "seed": seed,
+             "note": "attention-only: each MLP is one unit wide with zero output weights"}
+    with staged_directory(run_dir) as staging:
+        save_model(staging, as_gpt(model), tokenizer, extra=extra)
+    return run_dir
 
 
 def crossing_step(steps: list[int], values: list[float]) -> int | None:
@@ -221,9 +262,12 @@ def train_shakespeare(s: InductionSettings, seed: int) -> dict[str, Any]:
 
 def run(out_dir: Path, seed: int = 0, quick: bool = False) -> ExperimentResult:
     s = QUICK if quick else InductionSettings()
+    numbers: dict[str, Any] = {}
     with single_thread():
-        numbers: dict[str, Any] = {name: train_repeats(n_layer, s, seed)
-                                   for n_layer, name in LAYERS.items()}
+        for n_layer, name in LAYERS.items():
+            numbers[name], model = train_repeats(n_layer, s, seed)
+            if n_layer == 2:
+                numbers["run"] = str(save_induction_run(model, out_dir / RUN_NAME, seed))
         numbers["shakespeare"] = train_shakespeare(s, seed)
     numbers["chance_loss"] = math.log(s.vocab_size)
     numbers["tolerance"] = s.tolerance
