@@ -30,6 +30,7 @@ import torch
 from glassgpt.config import GPTConfig
 from glassgpt.data import TINYSHAKESPEARE_ENV, packaged_tinyshakespeare, prepare
 from glassgpt.experiments import ExperimentResult, run_experiment
+from glassgpt.hooks import recorded
 from glassgpt.model import GPT
 
 matplotlib.use("Agg")
@@ -126,6 +127,15 @@ def env(shakespeare_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
 # The shape most unit tests need: two layers, two heads, width 16. A test whose assertion
 # depends on a size (a vocabulary, a context) names it.
 TINY_GPT: dict[str, Any] = dict(vocab_size=20, block_size=16, n_layer=2, n_head=2, n_embd=16)
+
+
+def attention_with_weights(attn: torch.nn.Module, x: torch.Tensor,
+                           **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """An attention module's output and the weights it multiplied into v (after its dropout),
+    read at its hook points: the pattern watched makes it take the explicit path."""
+    with recorded(attn.hook_pattern, attn.attn_dropout) as seen:
+        y = attn(x, **kwargs)
+    return y, seen[-1]  # seen: the pattern, then it after dropout
 
 
 def tiny_config(**overrides: Any) -> GPTConfig:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import attention_with_weights
 from glassgpt.attention import KVCache, MultiHeadSelfAttention, PerHeadSelfAttention
 from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError, InputError
@@ -69,12 +70,12 @@ def test_parallel_heads_equal_per_head_loop_float64(impl, causal, padded):
     pad = make_pad_mask() if padded else None
 
     y = attn(x, pad_mask=pad)
-    y_attn, weights = attn(x, pad_mask=pad, return_attn=True)
+    y_attn, weights = attention_with_weights(attn, x, pad_mask=pad)
     y_ref, weights_ref = ref(x, pad_mask=pad)
 
     diffs = (max_diff(y, y_ref), max_diff(y_attn, y_ref), max_diff(weights, weights_ref))
     print(f"{impl} causal={causal} padded={padded}: max |parallel - per-head| "
-          f"output={diffs[0]:.1e} output(return_attn)={diffs[1]:.1e} weights={diffs[2]:.1e}")
+          f"output={diffs[0]:.1e} output(explicit)={diffs[1]:.1e} weights={diffs[2]:.1e}")
     assert max(diffs) <= 1e-12
     assert weights.shape == (B, H, T, T)
 
@@ -97,7 +98,7 @@ def test_heads_match_scaled_dot_product_attention(causal, padded):
     attn = make_attention(causal, "explicit")
     x = torch.randn(B, T, C, dtype=torch.float64)
     pad = make_pad_mask() if padded else None
-    _, weights = attn(x, pad_mask=pad, return_attn=True)
+    _, weights = attention_with_weights(attn, x, pad_mask=pad)
 
     q, k, v = attn.qkv(x).split(C, dim=2)
     q, k, v = attn.split_heads(q), attn.split_heads(k), attn.split_heads(v)  # (B, H, T, d)
@@ -123,7 +124,7 @@ def test_parallel_heads_equal_per_head_loop_without_bias(causal):
     attn = make_attention(causal, "explicit", bias=False)
     ref = PerHeadSelfAttention.from_parallel(attn)
     x = torch.randn(B, T, C, dtype=torch.float64)
-    y, weights = attn(x, return_attn=True)
+    y, weights = attention_with_weights(attn, x)
     y_ref, weights_ref = ref(x)
     assert max(max_diff(y, y_ref), max_diff(weights, weights_ref)) <= 1e-12
 
@@ -141,7 +142,7 @@ def test_matches_torch_multihead_attention(impl, causal, padded):
     expected, expected_weights = mha(x, x, x, attn_mask=causal_mask, key_padding_mask=pad,
                                      need_weights=True, average_attn_weights=False)
     y = attn(x, pad_mask=pad)
-    _, weights = attn(x, pad_mask=pad, return_attn=True)
+    _, weights = attention_with_weights(attn, x, pad_mask=pad)
 
     # Rows with no key to attend to are NaN in nn.MultiheadAttention; ours are tested below.
     valid = ~fully_masked_rows(pad, causal)  # (B, T)
@@ -176,7 +177,7 @@ def test_rows_with_every_key_masked_are_zero_not_nan(impl, causal):
     assert empty.any()
 
     y = attn(x, pad_mask=pad)
-    y_attn, weights = attn(x, pad_mask=pad, return_attn=True)
+    y_attn, weights = attention_with_weights(attn, x, pad_mask=pad)
     (y.sum() + y_attn.sum()).backward()
 
     assert not y.isnan().any() and not weights.isnan().any() and not x.grad.isnan().any()
@@ -193,7 +194,7 @@ def test_padding_keys_get_no_weight_and_do_not_change_other_outputs():
     attn = make_attention(causal=False, impl="explicit")
     x = torch.randn(B, T, C, dtype=torch.float64)
     pad = make_pad_mask()
-    y, weights = attn(x, pad_mask=pad, return_attn=True)
+    y, weights = attention_with_weights(attn, x, pad_mask=pad)
     assert torch.all(weights.masked_select(pad[:, None, None, :].expand_as(weights)) == 0)
 
     x_changed = x.clone()
@@ -250,13 +251,13 @@ def test_train_mode_weights_rows_no_longer_sum_to_one():
     attn = MultiHeadSelfAttention(C, H, dropout=0.5, impl="explicit").double()
     x = torch.randn(B, T, C, dtype=torch.float64)
     attn.train()
-    _, weights = attn(x, return_attn=True)
+    _, weights = attention_with_weights(attn, x)
     row_sums = weights.sum(-1)  # (B, H, T)
     assert (row_sums - 1).abs().max() > 0.1
     assert (weights == 0).any()  # some weights dropped outright ...
     assert weights.max() > 1.0  # ... and the kept ones scaled by 1 / (1 - p)
     attn.eval()
-    _, weights = attn(x, return_attn=True)
+    _, weights = attention_with_weights(attn, x)
     assert torch.allclose(weights.sum(-1), torch.ones(B, H, T, dtype=torch.float64), atol=1e-12)
 
 
@@ -272,7 +273,7 @@ def test_worked_example_shapes():
     # Head 1 holds features 8..15 of Q: splitting reshapes the width and mixes nothing.
     assert torch.equal(q_heads[:, 1], q[..., 8:16])
 
-    y, weights = attn(x, return_attn=True)
+    y, weights = attention_with_weights(attn, x)
     assert weights.shape == (2, 3, 5, 5)
     assert y.shape == (2, 5, 24)
     merged = (weights @ attn.split_heads(v)).transpose(1, 2).reshape(2, 5, 24)  # (2, 5, 24)
@@ -288,7 +289,7 @@ def test_scores_are_scaled_by_one_over_sqrt_head_width():
         attn.qkv.weight[0, 0] = attn.qkv.weight[C, 0] = 1.0
     x = torch.zeros(1, 2, C, dtype=torch.float64)
     x[0, 0, 0], x[0, 1, 0] = 1.0, 2.0
-    _, weights = attn(x, return_attn=True)
+    _, weights = attention_with_weights(attn, x)
     d = C // H
     # Query 1 has q = 2; its scores are 2*1/sqrt(d) and 2*2/sqrt(d).
     expected = torch.tensor([2.0, 4.0], dtype=torch.float64).div(math.sqrt(d)).softmax(-1)

@@ -13,9 +13,18 @@ import torch
 from torch import nn
 
 from conftest import tiny_config
-from glassgpt.block import FeedForward, ManualLayerNorm, TransformerBlock, make_activation
+from glassgpt.block import (
+    FeedForward,
+    TransformerBlock,
+    make_activation,
+    post_ln_sublayers,
+    pre_ln_sublayers,
+    sandwich_sublayers,
+)
 from glassgpt.errors import ConfigError
+from glassgpt.hooks import recorded
 from glassgpt.model import count_parameters
+from glassgpt.norms import ManualLayerNorm
 
 B, T, C, H = 2, 6, 16, 4
 
@@ -130,15 +139,29 @@ def test_post_ln_block_is_the_spec_formula():
 
 
 def test_pre_ln_or_post_ln_is_decided_once_when_the_block_is_built():
-    """Each variant's forward is its formula in a few straight lines: no branch per call."""
+    """Each variant is its formula in a few straight lines, no branch per call, chosen when the
+    block is built; `forward` calls it, so a subclass's own forward is never overridden."""
     pre, post = make_block(pre_ln=True), make_block(pre_ln=False)
-    assert pre.forward.__func__ is TransformerBlock.forward
-    assert post.forward.__func__ is TransformerBlock.post_ln_forward
-    for variant in (TransformerBlock.forward, TransformerBlock.post_ln_forward):
+    assert pre.sublayers is pre_ln_sublayers and post.sublayers is post_ln_sublayers
+    assert "forward" not in vars(pre) and "forward" not in vars(post)
+    for variant in (pre_ln_sublayers, sandwich_sublayers, post_ln_sublayers):
         body = inspect.getsource(variant).split('"""')[-1]  # the code after the docstring
-        assert " if " not in body.replace(" if return_attn else ", "")
-        assert len(body.strip().splitlines()) <= 7  # check, hook in, 4 formula lines, return
+        assert " if " not in body
+        assert len(body.strip().splitlines()) <= 4  # 4 formula lines, the last one returns
     assert "residual" not in inspect.signature(TransformerBlock).parameters
+
+
+def test_a_subclass_forward_runs_whatever_variant_the_config_picks():
+    """An experiment's block overrides `forward`; the variant chosen at build time must not
+    replace it (it did when the variant was bound to `forward` itself)."""
+    class Doubled(TransformerBlock):
+        def forward(self, x, pad_mask=None, start_pos=None):
+            return 2 * x
+
+    for switches in (dict(pre_ln=False), dict(post_norms=True)):
+        block = Doubled.from_config(tiny_config(n_embd=C, n_head=H, **switches))
+        x = torch.randn(B, T, C)
+        assert torch.equal(block(x), 2 * x)
 
 
 @pytest.mark.parametrize("pre_ln", [True, False])
@@ -162,7 +185,9 @@ def test_block_passes_padding_and_returns_attention_weights(pre_ln):
     x = torch.randn(B, T, C, dtype=torch.float64)
     pad = torch.zeros(B, T, dtype=torch.bool)
     pad[1, -2:] = True
-    z, weights = block(x, pad_mask=pad, return_attn=True)
+    with recorded(block.attn.hook_pattern) as seen:  # the weights, at their hook point
+        z = block(x, pad_mask=pad)
+    weights = seen[0]
     assert z.shape == (B, T, C) and weights.shape == (B, H, T, T)
     assert torch.all(weights[1, :, :, -2:] == 0)
     assert (z - block(x, pad_mask=pad)).abs().max() <= 1e-12

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from conftest import tiny_config, tiny_gpt
+from conftest import attention_with_weights, tiny_config, tiny_gpt
 from glassgpt.config import GPTConfig
 from glassgpt.errors import InputError
 from glassgpt.model import GPT, TransformerLM, count_parameters
@@ -216,7 +216,8 @@ def test_attention_maps_are_causal_distributions():
         assert torch.all(weights.triu(1) == 0)
     # Layer 0 sees the embeddings directly, so its map can be recomputed from the block.
     x = model.tok_emb(idx) + model.pos_emb.weight[:7]
-    assert torch.allclose(maps[0], model.blocks[0](x, return_attn=True)[1])
+    assert torch.allclose(maps[0], attention_with_weights(model.blocks[0].attn,
+                                                          model.blocks[0].ln1(x))[1])
 
 
 # --- bad input -----------------------------------------------------------------------------

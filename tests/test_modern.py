@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from glassgpt.attention import MultiHeadSelfAttention, repeat_kv
-from glassgpt.block import ManualLayerNorm as BlockManualLayerNorm
 from glassgpt.block import SwiGLUFeedForward, TransformerBlock, make_activation
 from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError
+from glassgpt.hooks import recorded
 from glassgpt.model import GPT, count_parameters, eval_mode, parameter_count
-from glassgpt.norms import ManualLayerNorm, RMSNorm, make_norm
+from glassgpt.norms import RMSNorm, make_norm
 from glassgpt.rotary import RotaryEmbedding
 
 f64 = torch.float64
@@ -82,7 +82,6 @@ def test_make_norm_builds_the_named_norm_and_the_manual_layernorm_stays_in_block
     layer_norm = make_norm(config(norm="layernorm", bias=False))
     assert isinstance(layer_norm, torch.nn.LayerNorm) and layer_norm.bias is None
     assert layer_norm.normalized_shape == (8,) and make_norm(config(), 4).weight.shape == (4,)
-    assert BlockManualLayerNorm is ManualLayerNorm
     with pytest.raises(ConfigError, match="unknown norm 'batchnorm'"):
         make_norm(config(norm="batchnorm"))
 
@@ -212,13 +211,15 @@ def test_the_per_layer_loop_is_what_forward_and_attention_maps_run():
     model = tiny(**MODERN, logit_softcap=5.0)
     idx = torch.randint(0, 31, (2, 7))
     with torch.no_grad():
-        streams = [x for _, x, _ in model.layers(idx)]
+        streams = [x for _, x in model.layers(idx)]
         assert torch.equal(model.read_out(streams[-1]), model(idx)[0])
-        steps = list(model.layers(idx, return_attn=True))  # the explicit path, for the weights
-        assert [depth for depth, _, _ in steps] == [0, 1, 2]
-        assert steps[0][2] is None and steps[1][2].shape == (2, 4, 7, 7)
+        patterns = [block.attn.hook_pattern for block in model.blocks]
+        with recorded(*patterns) as weights:  # watched: the explicit path, for the weights
+            steps = list(model.layers(idx))
+        assert [depth for depth, _ in steps] == [0, 1, 2]
+        assert len(weights) == 2 and weights[0].shape == (2, 4, 7, 7)
         maps = model.attention_maps(idx)
-    assert all(torch.equal(a, s[2]) for a, s in zip(maps, steps[1:], strict=True))
+    assert all(torch.equal(a, w) for a, w in zip(maps, weights, strict=True))
 
 
 def test_eval_mode_restores_the_mode_even_after_an_error():
@@ -296,7 +297,7 @@ def test_zero_init_projections_start_every_block_as_the_identity():
     for block in model.blocks:
         assert not block.attn.proj.weight.any() and not block.ffn.proj.weight.any()
     idx = torch.randint(0, 31, (2, 6))
-    streams = [x for _, x, _ in model.layers(idx)]
+    streams = [x for _, x in model.layers(idx)]
     assert all(torch.equal(x, streams[0]) for x in streams)  # nothing added to the stream yet
     _, loss = model(idx, idx)
     loss.backward()
@@ -310,7 +311,7 @@ def test_logit_softcap_bounds_the_logits_as_cap_tanh_of_logits_over_cap():
         model.lm_head.weight.mul_(100)  # raw logits far beyond the cap
         idx = torch.randint(0, 31, (2, 6))
         logits = model(idx)[0]
-        streams = [x for _, x, _ in model.layers(idx)]
+        streams = [x for _, x in model.layers(idx)]
         raw = model.lm_head(model.ln_f(streams[-1]))
     assert raw.abs().max() > 20 and logits.abs().max() <= 2.0  # (float32 tanh reaches 1)
     assert torch.allclose(logits, 2.0 * torch.tanh(raw / 2.0), atol=1e-6)

@@ -17,7 +17,7 @@ _HOMES = {
     "MultiHeadSelfAttention": "glassgpt.attention",
     "PerHeadSelfAttention": "glassgpt.attention",
     "FeedForward": "glassgpt.block",
-    "ManualLayerNorm": "glassgpt.block",
+    "ManualLayerNorm": "glassgpt.norms",
     "TransformerBlock": "glassgpt.block",
     "GPTConfig": "glassgpt.config",
     "SamplingConfig": "glassgpt.config",
@@ -64,7 +64,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # what a type checker and an editor see; nothing here runs
     from glassgpt.attention import KVCache, MultiHeadSelfAttention, PerHeadSelfAttention
-    from glassgpt.block import FeedForward, ManualLayerNorm, TransformerBlock
+    from glassgpt.block import FeedForward, TransformerBlock
     from glassgpt.config import GPTConfig, SamplingConfig, TrainConfig, load_preset, preset_names
     from glassgpt.decoding.generate import generate, generate_stream
     from glassgpt.errors import (
@@ -76,6 +76,7 @@ if TYPE_CHECKING:  # what a type checker and an editor see; nothing here runs
         TokenizerError,
     )
     from glassgpt.model import GPT, TransformerLM, count_parameters
+    from glassgpt.norms import ManualLayerNorm
 
 
 def __getattr__(name: str) -> Any:

@@ -98,12 +98,11 @@ def build_attention_mask(q_len: int, k_len: int, causal: bool, pad_mask: Tensor 
     return mask
 
 
-def _open_empty_rows(mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Let fully masked query rows attend everywhere, and return which rows those were.
-
-    A softmax over nothing but -inf is NaN (forward and backward). Such a row (a padding query that
-    sees only padding) has no meaningful output, so it attends to everything and is zeroed after.
-    """
+def _open_empty_rows(mask: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """Let fully masked query rows attend everywhere (a softmax over nothing but -inf is NaN), and
+    return which rows those were: such a row (padding that sees only padding) is zeroed after."""
+    if mask is None:
+        return None, None
     empty_rows = ~mask.any(dim=-1, keepdim=True)  # (B, 1, T, 1)
     return mask | empty_rows, empty_rows
 
@@ -127,19 +126,32 @@ def score_scale(head_dim: int, scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else scale
 
 
+def scale_and_cap(products: Tensor, head_dim: int, scale: float | None,
+                  softcap: float | None) -> Tensor:
+    """q . k products (any layout) -> scores: times `score_scale`, then through the soft-cap (before
+    the mask, as Gemma does). The one step every path applies to its own q . k products."""
+    return soft_cap(products * score_scale(head_dim, scale), softcap)
+
+
+def attention_scores(q: Tensor, k: Tensor, scale: float | None = None,
+                     softcap: float | None = None, mask: Tensor | None = None) -> Tensor:
+    """The scores the softmax takes, q (B, H, T, d) and k (B, H, S, d) -> (B, H, T, S): q . k
+    scaled and soft-capped (`scale_and_cap`), -inf where `mask` (True: seen) hides a key."""
+    return hide_keys(scale_and_cap(q @ k.transpose(-2, -1), q.shape[-1], scale, softcap), mask)
+
+
+def hide_keys(scores: Tensor, mask: Tensor | None) -> Tensor:  # (B, H, T, S), -inf: hidden
+    return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
+
+
 def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                        dropout: nn.Module, hook_attn_scores: Hook = _unchanged,
                        hook_pattern: Hook = _unchanged, scale: float | None = None,
                        softcap: float | None = None) -> tuple[Tensor, Tensor]:
-    """softmax(q k^T / sqrt(d)) v, written out. Returns (output (B,H,T,d), weights (B,H,T,S)).
-
-    `scale` replaces 1/sqrt(d) (Gemma's query_pre_attn_scalar), and `softcap` bounds the
-    scores to +-cap before the mask. The weights returned are the ones multiplied into v, so
-    after dropout when it is active. `hook_attn_scores` sees the masked scores (-inf where a
-    key is hidden), `hook_pattern` the weights before dropout: the module's hook points.
-    """
-    scores = soft_cap((q @ k.transpose(-2, -1)) * score_scale(q.shape[-1], scale),
-                      softcap)  # (B, H, T, S)
+    """softmax(q k^T / sqrt(d)) v, written out. Returns (output (B,H,T,d), weights (B,H,T,S)):
+    the weights multiplied into v (after dropout). `hook_attn_scores` sees the masked scores
+    (-inf where a key is hidden), `hook_pattern` the weights before dropout."""
+    scores = attention_scores(q, k, scale, softcap)  # (B, H, T, S); masked in the softmax
     weights = dropout(hook_pattern(masked_softmax(scores, mask, hook_attn_scores)))
     return weights @ v, weights  # (B, H, T, d), (B, H, T, S)
 
@@ -147,23 +159,18 @@ def explicit_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
 def masked_softmax(scores: Tensor, mask: Tensor | None,
                    hook_attn_scores: Hook = _unchanged) -> Tensor:
     """Softmax over the last axis of scores, over allowed keys only; all-masked rows give 0."""
-    if mask is None:
-        return torch.softmax(hook_attn_scores(scores), dim=-1)
     mask, empty_rows = _open_empty_rows(mask)
-    weights = torch.softmax(hook_attn_scores(scores.masked_fill(~mask, float("-inf"))), dim=-1)
-    return weights.masked_fill(empty_rows, 0.0)
+    weights = torch.softmax(hook_attn_scores(hide_keys(scores, mask)), dim=-1)
+    return weights if empty_rows is None else weights.masked_fill(empty_rows, 0.0)
 
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
                     dropout_p: float, scale: float | None = None) -> Tensor:
     """The same computation through PyTorch's fused kernel. Returns (B, H, T, d)."""
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal,
-                                              scale=scale)
-    mask, empty_rows = _open_empty_rows(mask)
+    mask, empty_rows = _open_empty_rows(mask)  # is_causal only ever comes without a mask
     y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                       scale=scale)
-    return y.masked_fill(empty_rows, 0.0)
+                                       is_causal=is_causal, scale=scale)
+    return y if empty_rows is None else y.masked_fill(empty_rows, 0.0)
 
 
 def check_stream(x: object, d_model: int, weight: Tensor, what: str) -> None:
@@ -180,17 +187,6 @@ def check_stream(x: object, d_model: int, weight: Tensor, what: str) -> None:
                          f"to the other (e.g. x.to({weight.dtype}))")
 
 
-def positions_of(start_pos: int | Tensor | None, T: int, device: torch.device) -> Tensor:
-    """The absolute positions (T,) of T new tokens that follow `start_pos` cached ones.
-
-    A tensor start_pos already holds them (the CUDA engine's static step passes its position so).
-    """
-    if isinstance(start_pos, Tensor):
-        return start_pos
-    start = 0 if start_pos is None else start_pos
-    return torch.arange(start, start + T, device=device)
-
-
 def repeat_kv(x: Tensor, groups: int) -> Tensor:
     """(B, H_kv, S, d) -> (B, H_kv * groups, S, d): query head h reads K/V head h // groups."""
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
@@ -202,7 +198,8 @@ class MultiHeadSelfAttention(nn.Module):
     `qkv` is Linear(C, 3C) producing Q, K, V in that order along the last axis, and `proj` is
     W_O; both copy 1:1 into `nn.MultiheadAttention` (`in_proj_*`, `out_proj`).
     `impl="fused"` uses scaled_dot_product_attention; the explicit path runs instead whenever
-    attention weights are asked for (`return_attn=True`) or with `impl="explicit"`.
+    the scores or the pattern are watched (a hook on `hook_attn_scores` or `hook_pattern`), with
+    a soft-cap, or with `impl="explicit"`.
     With `n_kv_head` < n_heads, `qkv` is Linear(C, (H + 2 * n_kv_head) * d) and its rows are
     [Q (H * d), K (n_kv_head * d), V (n_kv_head * d)]: each K/V head serves `groups` query
     heads in a row (`kv_head_of`). `qk_norm` adds `q_norm` and `k_norm` (RMSNorm over d);
@@ -245,8 +242,9 @@ class MultiHeadSelfAttention(nn.Module):
         self.attn_dropout = nn.Dropout(config.dropout)  # on the attention weights
         self.resid_dropout = nn.Dropout(config.dropout)  # on the output, before the residual
         offset = config.norm_offset  # Gemma's 1 + w, on q and k as everywhere
-        self.q_norm = RMSNorm(d, config.norm_eps, offset) if config.qk_norm else None
-        self.k_norm = RMSNorm(d, config.norm_eps, offset) if config.qk_norm else None
+        heads_second = (1, 2)  # q, k (B, H, T, d): their norms' points show (B, T, H, d)
+        self.q_norm = RMSNorm(d, config.norm_eps, offset, heads_second) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.norm_eps, offset, heads_second) if config.qk_norm else None
         kind = config.attention_kind(layer)
         if kind.local and not causal:
             raise ConfigError("a sliding window hides the keys long before a query, which "
@@ -304,52 +302,47 @@ class MultiHeadSelfAttention(nn.Module):
         B, T, _ = x.shape
         return x.view(B, T, -1, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: Tensor, pad_mask: Tensor | None = None, return_attn: bool = False,
-                start_pos: int | Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        """x (B, T, C) -> y (B, T, C), plus weights (B, H, T, S) when `return_attn`.
+    def forward(self, x: Tensor, pad_mask: Tensor | None = None,
+                start_pos: int | None = None) -> Tensor:
+        """x (B, T, C) -> y (B, T, C).
 
         `start_pos` (with a KV cache set up) means x holds positions start_pos.. of a sequence
-        whose earlier keys and values are already cached. It is whatever the cache's `update`
-        takes: an int for `KVCache` (the CUDA engine's static cache also takes a tensor).
-        Switching a head off is a hook on `hook_z` (glassgpt.interp), not an argument.
+        whose earlier keys and values are already cached. The weights are `hook_pattern`'s
+        (glassgpt.interp), and switching a head off is a hook on `hook_z`: no arguments.
         """
         check_stream(x, self.d_model, self.qkv.weight, "attention")
         B, T, C = x.shape
         q, k, v = self.project(x, start_pos)  # (B, H, T, d), 2 x (B, H_kv, T, d)
+        window = self.window
         if start_pos is not None:
             if self.kv_cache is None:
                 raise InputError("start_pos given but no KV cache is set up on this module")
-            k, v = self.kv_cache.update(start_pos, k, v)  # 2 x (B, H_kv, S, d)
-            if self.window is not None and not return_attn:
-                k, v, pad_mask = self._window_keys(k, v, pad_mask, start_pos, T)
+            k, v, pad_mask, window = self.read_cache(k, v, pad_mask, start_pos, T)
         k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)  # 2 x (B, H, S, d)
-        # A static cache's whole buffers are no prefix of the sequence: its old keys are
-        # hidden as padding (`_window_keys`), never by the band.
-        window = None if isinstance(start_pos, Tensor) else self.window
-        y, weights = self.attend(q, k, v, pad_mask, return_attn, window)  # (B, H, T, d)
+        y = self.attend(q, k, v, pad_mask, window)  # (B, H, T, d)
         z = self.hook_z(y.transpose(1, 2))  # (B, T, H, d): each head's output, side by side
-        y = self.resid_dropout(self.proj(z.reshape(B, T, self.q_width)))  # (B, T, H*d) -> C
-        return (y, weights) if return_attn else y
+        return self.resid_dropout(self.proj(z.reshape(B, T, self.q_width)))  # (B, T, H*d) -> C
 
-    def _window_keys(self, k: Tensor, v: Tensor, pad_mask: Tensor | None,
-                     start_pos: int | Tensor, T: int) -> tuple[Tensor, Tensor, Tensor | None]:
-        """The cached keys a local layer's T new queries can see: from W - 1 before the first
-        query on (a cache past the window is read only there, which is what makes decoding a
-        local layer cost W keys, not S). A static cache (positions as a tensor, whole buffers)
-        instead hides the keys W or more before the query as padding."""
-        S, W = k.shape[2], self.window
-        if isinstance(start_pos, Tensor):  # one static step: the query is at start_pos[-1]
-            old = torch.arange(S, device=k.device) <= start_pos[-1] - W  # (S,)
-            old = old.expand(k.shape[0], S)
-            return k, v, old if pad_mask is None else pad_mask | old
-        lo = max(0, S - T - W + 1)
+    def read_cache(self, k: Tensor, v: Tensor, pad_mask: Tensor | None, start_pos: int,
+                   T: int) -> tuple[Tensor, Tensor, Tensor | None, int | None]:
+        """Write the T new keys and values at start_pos.. and return the keys the new queries
+        may see (B, H_kv, S, d), their padding, and the window still to mask as a band. A local
+        layer reads from W - 1 keys before its first query on: what makes decoding a local
+        layer cost W keys, not S."""
+        k, v = self.kv_cache.update(start_pos, k, v)  # 2 x (B, H_kv, S, d)
+        lo = 0 if self.window is None else max(0, k.shape[2] - T - self.window + 1)
         if lo == 0:
-            return k, v, pad_mask
+            return k, v, pad_mask, self.window
         pad_mask = None if pad_mask is None else pad_mask[:, lo:]
-        return k[:, :, lo:], v[:, :, lo:], pad_mask  # 2 x (B, H_kv, S - lo, d)
+        return k[:, :, lo:], v[:, :, lo:], pad_mask, self.window  # 2 x (B, H_kv, S - lo, d)
+
+    def token_positions(self, start_pos: int | None, T: int, device: torch.device) -> Tensor:
+        """The absolute positions (T,) of T new tokens that follow `start_pos` cached ones."""
+        start = 0 if start_pos is None else start_pos
+        return torch.arange(start, start + T, device=device)
 
     def project(self, x: Tensor,
-                start_pos: int | Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                start_pos: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, C) -> q (B, H, T, d), k and v (B, H_kv, T, d): exactly the ones `forward`
         attends with (after QK-norm and rotary), before the cache and the K/V repeat.
 
@@ -364,35 +357,40 @@ class MultiHeadSelfAttention(nn.Module):
         if self.q_norm is not None:  # QK-norm: each head's q and k to unit RMS, times a gain
             q, k = self.q_norm(q), self.k_norm(k)  # shapes unchanged
         if self.rotary is not None:  # rotary: turn q and k by the angles of their positions
-            positions = positions_of(start_pos, T, x.device)  # (T,)
+            positions = self.token_positions(start_pos, T, x.device)  # (T,)
             cos, sin = self.rotary.cos_sin(positions, q.dtype)  # 2 x (T, d), for q and k alike
             q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)  # unchanged
             q, k = self.hook_rot_q(q), self.hook_rot_k(k)  # seen as (B, T, heads, d)
         return q, k, v
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, pad_mask: Tensor | None,
-               return_attn: bool, window: int | None = None) -> tuple[Tensor, Tensor | None]:
+               window: int | None = None) -> Tensor:
         """softmax(q k^T / sqrt(d)) v for q (B, H, T, d) over keys k, v (B, H, S, d), the
         queries the last T of the S positions; `window` (a local layer's) masks the band.
-
-        Returns the output (B, H, T, d) and, on the explicit path, the weights (B, H, T, S).
-        """
+        Returns the output (B, H, T, d)."""
         T, S = q.shape[2], k.shape[2]
         # The fused kernel never forms the scores: a hook on them, or a soft-cap of them, takes
         # the explicit path.
         looked_at = self.hook_attn_scores.active or self.hook_pattern.active
-        if return_attn or self.impl == "explicit" or looked_at or self.softcap is not None:
+        if self.impl == "explicit" or looked_at or self.softcap is not None:
             mask = build_attention_mask(T, S, self.causal, pad_mask, q.device, window)
             return explicit_attention(q, k, v, mask, self.attn_dropout, self.hook_attn_scores,
-                                      self.hook_pattern, self.scale, self.softcap)
+                                      self.hook_pattern, self.scale, self.softcap)[0]
         dropout_p = self.dropout_p if self.training else 0.0  # never drop at eval time
         # With no padding, no band and T == S, is_causal=True lets SDPA pick its flash kernel.
         banded = window is not None and window < S
         plain_causal = self.causal and pad_mask is None and T == S and not banded
         mask = None if plain_causal else build_attention_mask(T, S, self.causal, pad_mask,
                                                               q.device, window)
-        return fused_attention(q, k, v, mask, T > 1 and plain_causal, dropout_p,
-                               self.scale), None
+        return fused_attention(q, k, v, mask, T > 1 and plain_causal, dropout_p, self.scale)
+
+    def scores(self, q: Tensor, k: Tensor, pad_mask: Tensor | None = None) -> Tensor:
+        """What this layer's softmax takes (`hook_attn_scores`), (B, H, T, S), for q (B, H, T, d)
+        over keys k (B, H or H_kv, S, d): its scale, soft-cap, causal mask and window."""
+        k = repeat_kv(k, q.shape[1] // k.shape[1])  # (B, H, S, d)
+        mask = build_attention_mask(q.shape[2], k.shape[2], self.causal, pad_mask, q.device,
+                                    self.window)
+        return attention_scores(q, k, self.scale, self.softcap, mask)
 
 
 class AttentionHead(nn.Module):

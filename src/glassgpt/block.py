@@ -2,8 +2,8 @@
 
 Shapes: B = batch, T = positions, C = width, F = the MLP's hidden width (4C by default).
 A block maps (B, T, C) -> (B, T, C), which is what makes blocks stackable. Pre-LN or Post-LN is
-chosen once, when a block is built: `TransformerBlock.forward` is the Pre-LN block, and a Post-LN
-block runs `post_ln_forward` in its place.
+chosen once, when a block is built: its `forward` calls `pre_ln_sublayers`, `sandwich_sublayers`
+(Pre-LN with `post_norms`) or `post_ln_sublayers`, each its formula in straight lines.
 The MLPs: `FeedForward` (C -> F -> C with one activation, GPT-2's) and beside it `SwiGLUFeedForward`
 (a gated MLP, Llama's and Qwen3's) and `GeGLUFeedForward` (its tanh-GELU sibling, Gemma's). With
 `post_norms` (Gemma) each sub-layer's output is normalised too before it joins the residual
@@ -26,10 +26,11 @@ from glassgpt.config import (
 )
 from glassgpt.errors import ConfigError
 from glassgpt.hooks import add_hook_points
-from glassgpt.norms import ManualLayerNorm, make_norm
+from glassgpt.norms import make_norm
 
-__all__ = ["FeedForward", "GeGLUFeedForward", "ManualLayerNorm", "ReLUSquared", "SwiGLUFeedForward",
-           "TransformerBlock", "make_activation", "make_mlp"]
+__all__ = ["FeedForward", "GeGLUFeedForward", "ReLUSquared", "SwiGLUFeedForward",
+           "TransformerBlock", "make_activation", "make_mlp", "post_ln_sublayers",
+           "pre_ln_sublayers", "sandwich_sublayers"]
 
 
 class ReLUSquared(nn.Module):
@@ -125,8 +126,8 @@ def make_mlp(config: GPTConfig) -> nn.Module:
 class TransformerBlock(nn.Module):
     """One block, Pre-LN (default) or Post-LN, chosen when it is built:
 
-    Pre-LN  (`forward`):          u = x + attn(ln1(x));  z = u + ffn(ln2(u))
-    Post-LN (`post_ln_forward`):  u = ln1(x + attn(x));  z = ln2(u + ffn(u))
+    Pre-LN  (`pre_ln_sublayers`):   u = x + attn(ln1(x));  z = u + ffn(ln2(u))
+    Post-LN (`post_ln_sublayers`):  u = ln1(x + attn(x));  z = ln2(u + ffn(u))
     With `post_norms` (Pre-LN only, Gemma) the outputs are normalised as well:
                                   u = x + ln1_post(attn(ln1(x)));  z = u + ln2_post(ffn(ln2(u)))
     With bias and the 4x MLP a block holds exactly 12C^2 + 13C parameters.
@@ -175,51 +176,42 @@ class TransformerBlock(nn.Module):
         # Hook points (glassgpt.hooks) on the residual stream and on what each sub-layer adds.
         add_hook_points(self, "hook_resid_pre", "hook_attn_out", "hook_resid_mid",
                         "hook_mlp_out", "hook_resid_post")
-        if not config.pre_ln:  # decided once, here: this block's forward is the Post-LN one
-            self.forward = self.post_ln_forward
-        elif config.post_norms:  # ... or the Pre-LN one with four norms
-            self.forward = self.sandwich_forward
+        # The variant's formula, chosen once here; `forward` calls it, so a subclass that
+        # overrides `forward` keeps its own.
+        self.sublayers = (post_ln_sublayers if not config.pre_ln
+                          else sandwich_sublayers if config.post_norms else pre_ln_sublayers)
 
-    def forward(self, x: Tensor, pad_mask: Tensor | None = None, return_attn: bool = False,
-                start_pos: int | Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        """Pre-LN: x (B, T, C) -> z (B, T, C), plus attention weights (B, H, T, S) when
-        `return_attn`."""
+    def forward(self, x: Tensor, pad_mask: Tensor | None = None,
+                start_pos: int | None = None) -> Tensor:
+        """x (B, T, C) -> z (B, T, C) through this block's variant (`sublayers`)."""
         check_stream(x, self.d_model, self.attn.qkv.weight, "block")
-        x = self.hook_resid_pre(x)
-        a, weights = self._attention(self.ln1(x), pad_mask, return_attn, start_pos)
-        u = self.hook_resid_mid(x + self.hook_attn_out(a))  # (B, T, C): between the two
-        f = self.hook_mlp_out(self.ffn(self.ln2(u)))
-        z = self.hook_resid_post(u + f)  # the second residual adds to u, not to x
-        return (z, weights) if return_attn else z
+        return self.sublayers(self, self.hook_resid_pre(x), pad_mask, start_pos)
 
-    def sandwich_forward(self, x: Tensor, pad_mask: Tensor | None = None,
-                         return_attn: bool = False,
-                         start_pos: int | Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        """Pre-LN with `post_norms` (Gemma): each sub-layer's output normalised before it is
-        added, so what joins the residual stream has a learned, bounded scale."""
-        check_stream(x, self.d_model, self.attn.qkv.weight, "block")
-        x = self.hook_resid_pre(x)
-        a, weights = self._attention(self.ln1(x), pad_mask, return_attn, start_pos)
-        u = self.hook_resid_mid(x + self.hook_attn_out(self.ln1_post(a)))  # (B, T, C)
-        f = self.hook_mlp_out(self.ln2_post(self.ffn(self.ln2(u))))
-        z = self.hook_resid_post(u + f)
-        return (z, weights) if return_attn else z
 
-    def post_ln_forward(self, x: Tensor, pad_mask: Tensor | None = None,
-                        return_attn: bool = False,
-                        start_pos: int | Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        """Post-LN (the original Transformer's order): the same parts and arguments as
-        `forward`, each residual sum normalised."""
-        check_stream(x, self.d_model, self.attn.qkv.weight, "block")
-        x = self.hook_resid_pre(x)
-        a, weights = self._attention(x, pad_mask, return_attn, start_pos)
-        u = self.hook_resid_mid(self.ln1(x + self.hook_attn_out(a)))  # (B, T, C)
-        f = self.hook_mlp_out(self.ffn(u))
-        z = self.hook_resid_post(self.ln2(u + f))
-        return (z, weights) if return_attn else z
+def pre_ln_sublayers(block: TransformerBlock, x: Tensor, pad_mask: Tensor | None,
+                     start_pos: int | None) -> Tensor:
+    """Pre-LN: u = x + attn(ln1(x)); z = u + ffn(ln2(u))."""
+    a = block.attn(block.ln1(x), pad_mask=pad_mask, start_pos=start_pos)
+    u = block.hook_resid_mid(x + block.hook_attn_out(a))  # (B, T, C): between the two
+    f = block.hook_mlp_out(block.ffn(block.ln2(u)))
+    return block.hook_resid_post(u + f)  # the second residual adds to u, not to x
 
-    def _attention(self, h: Tensor, pad_mask: Tensor | None, return_attn: bool,
-                   start_pos: int | Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """attn(h) (B, T, C) and its weights (B, H, T, S), None unless `return_attn`."""
-        out = self.attn(h, pad_mask=pad_mask, return_attn=return_attn, start_pos=start_pos)
-        return out if return_attn else (out, None)
+
+def sandwich_sublayers(block: TransformerBlock, x: Tensor, pad_mask: Tensor | None,
+                       start_pos: int | None) -> Tensor:
+    """Pre-LN with `post_norms` (Gemma): each sub-layer's output normalised before it is
+    added, so what joins the residual stream has a learned, bounded scale."""
+    a = block.attn(block.ln1(x), pad_mask=pad_mask, start_pos=start_pos)
+    u = block.hook_resid_mid(x + block.hook_attn_out(block.ln1_post(a)))  # (B, T, C)
+    f = block.hook_mlp_out(block.ln2_post(block.ffn(block.ln2(u))))
+    return block.hook_resid_post(u + f)
+
+
+def post_ln_sublayers(block: TransformerBlock, x: Tensor, pad_mask: Tensor | None,
+                      start_pos: int | None) -> Tensor:
+    """Post-LN (the original Transformer's order): the same parts, each residual sum
+    normalised: u = ln1(x + attn(x)); z = ln2(u + ffn(u))."""
+    a = block.attn(x, pad_mask=pad_mask, start_pos=start_pos)
+    u = block.hook_resid_mid(block.ln1(x + block.hook_attn_out(a)))  # (B, T, C)
+    f = block.hook_mlp_out(block.ffn(u))
+    return block.hook_resid_post(block.ln2(u + f))

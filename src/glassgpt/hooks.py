@@ -14,6 +14,9 @@ name is its module path, with two of glassgpt's module names spelled as Transfor
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from torch import Tensor, nn
 
 # glassgpt's module name -> TransformerLens's, where they differ (state-dict keys keep ours).
@@ -85,3 +88,22 @@ def name_hook_points(model: nn.Module) -> dict[str, HookPoint]:
             module.name = lens_name(path)
             points[module.name] = module
     return points
+
+
+@contextmanager
+def recorded(*modules: nn.Module) -> Iterator[list[Tensor]]:
+    """Inside the block, every output of `modules` is appended to the list it yields, in the
+    order they ran; the hooks are gone after it, also on an error. A hook point watched so is
+    active: attention then takes its explicit path, so its pattern is formed to be read.
+    (glassgpt.interp's run_with_cache is this, by name, for a whole model.)"""
+    seen: list[Tensor] = []
+
+    def keep(module: nn.Module, inputs: tuple, output: Tensor) -> None:
+        seen.append(output)
+
+    handles = [module.register_forward_hook(keep) for module in modules]
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()

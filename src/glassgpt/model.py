@@ -25,7 +25,7 @@ from glassgpt.attention import KVCache, soft_cap
 from glassgpt.block import TransformerBlock
 from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError, InputError
-from glassgpt.hooks import add_hook_points, name_hook_points
+from glassgpt.hooks import add_hook_points, name_hook_points, recorded
 from glassgpt.inputs import check_id_tensor, check_targets, check_token_ids
 from glassgpt.norms import make_norm
 
@@ -158,31 +158,24 @@ class GPT(nn.Module):
             x = x + self.hook_pos_embed(self.pos_emb(positions).expand_as(x))  # (T, C) per row
         return self.drop(x)
 
-    def layers(self, idx: Tensor, *, start_pos: int | Tensor | None = None,
-               pad_mask: Tensor | None = None, return_attn: bool = False,
-               check_ids: bool = True) -> Iterator[tuple[int, Tensor, Tensor | None]]:
-        """The forward pass, one layer at a time: yields (depth, x, weights) L + 1 times.
+    def layers(self, idx: Tensor, *, start_pos: int | None = None,
+               pad_mask: Tensor | None = None,
+               check_ids: bool = True) -> Iterator[tuple[int, Tensor]]:
+        """The forward pass, one layer at a time: yields (depth, x) L + 1 times.
 
-        depth 0 is the embeddings' output (weights None); depth l is the residual stream x
-        (B, T, C) after block l, with that block's attention weights (B, H, T, S) when
-        `return_attn` (else None). Every reader of the stack iterates this one loop.
-        start_pos: idx holds positions start_pos.. and the KV cache holds the ones before (a
-        tensor of positions (T,) for the CUDA engine's static cache).
+        depth 0 is the embeddings' output; depth l is the residual stream x (B, T, C) after
+        block l. Every reader of the stack iterates this one loop.
+        start_pos: idx holds positions start_pos.. and the KV cache holds the ones before.
         check_ids: check every id against the vocabulary (a host sync on a GPU).
         A cache, a patch or a head switched off attach to the hook points (glassgpt.interp).
         """
-        if isinstance(start_pos, Tensor):  # a static decoding step: positions given as a tensor
-            positions = start_pos
-        else:
-            offset = 0 if start_pos is None else start_pos
-            self.check_tokens(idx, offset, check_ids)
-            positions = self.positions[offset:offset + idx.shape[1]]  # (T,)
-        x = self.embed(idx, positions)  # (B, T, C)
-        yield 0, x, None
+        offset = 0 if start_pos is None else start_pos
+        self.check_tokens(idx, offset, check_ids)
+        x = self.embed(idx, self.positions[offset:offset + idx.shape[1]])  # (B, T, C)
+        yield 0, x
         for depth, block in enumerate(self.blocks, start=1):
-            out = block(x, pad_mask=pad_mask, return_attn=return_attn, start_pos=start_pos)
-            x, weights = out if return_attn else (out, None)
-            yield depth, x, weights
+            x = block(x, pad_mask=pad_mask, start_pos=start_pos)
+            yield depth, x
 
     def read_out(self, x: Tensor) -> Tensor:
         """Residual stream x (..., C) -> logits (..., V): the final norm, the LM head and, with
@@ -201,8 +194,8 @@ class GPT(nn.Module):
         check_ids: check every id against the vocabulary first (a host sync on a GPU; callers
         that checked their ids where they entered pass False).
         """
-        for _, stream, _ in self.layers(idx, start_pos=start_pos, pad_mask=pad_mask,
-                                        check_ids=check_ids):
+        for _, stream in self.layers(idx, start_pos=start_pos, pad_mask=pad_mask,
+                                     check_ids=check_ids):
             x = stream  # in the end, the residual stream after the last block (B, T, C)
         if targets is None:
             return self.read_out(x[:, -1:] if last_only else x), None  # (B, 1 or T, V)
@@ -216,9 +209,11 @@ class GPT(nn.Module):
 
         Runs in eval mode (no dropout), whatever mode the model is in, then restores that mode.
         """
-        with eval_mode(self):
-            return [weights for depth, _, weights in self.layers(idx, return_attn=True)
-                    if depth > 0]
+        patterns = [block.attn.hook_pattern for block in self.blocks]
+        with eval_mode(self), recorded(*patterns) as weights:
+            for _ in self.layers(idx):  # the stack only: the LM head has no part in them
+                pass
+        return weights  # L x (B, H, T, T): the hook points' tensors, in the order they ran
 
     # --- incremental decoding -------------------------------------------------------------
 

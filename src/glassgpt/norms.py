@@ -76,11 +76,14 @@ class RMSNorm(nn.Module):
     starts at 0), applied before the cast back, as Gemma's norm does.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6, offset: bool = False):
+    def __init__(self, dim: int, eps: float = 1e-6, offset: bool = False,
+                 point_transpose: tuple[int, int] | None = None):
         super().__init__()
         self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
-        add_hook_points(self, "hook_normalized", decides_path=True)
+        # `point_transpose`: how hooks see x_hat where the input is not TransformerLens's
+        # layout (QK-norm's q and k arrive as (B, H, T, d); their point shows (B, T, H, d)).
+        add_hook_points(self, "hook_normalized", decides_path=True, transpose=point_transpose)
 
     @property
     def gain(self) -> Tensor:

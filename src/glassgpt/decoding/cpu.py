@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from glassgpt.attention import MultiHeadSelfAttention, score_scale, soft_cap
+from glassgpt.attention import MultiHeadSelfAttention, scale_and_cap
 from glassgpt.config import SamplingConfig
 from glassgpt.decoding.engine import (
     EagerEngine,
@@ -112,10 +112,10 @@ def one_query_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = N
     """softmax(q k^T / sqrt(d)) v for one query position, as reductions a compiler can fuse.
 
     q (B, H, 1, d), k and v (B, H, S, d) -> (B, H, 1, d); `scale` and `softcap` as in
-    `explicit_attention`.
+    `scale_and_cap`, the model's own step.
     """
-    scores = (q * k).sum(dim=-1, keepdim=True) * score_scale(q.shape[-1], scale)  # (B, H, S, 1)
-    scores = soft_cap(scores, softcap)
+    products = (q * k).sum(dim=-1, keepdim=True)  # (B, H, 1, d) * (B, H, S, d) -> (B, H, S, 1)
+    scores = scale_and_cap(products, q.shape[-1], scale, softcap)  # the model's step, fused
     weights = torch.softmax(scores, dim=-2)
     return (weights * v).sum(dim=-2, keepdim=True)  # (B, H, S, d) -> (B, H, 1, d)
 
@@ -130,10 +130,10 @@ def one_query_matmul_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | N
     took 1.9x (fp32) and 1.4x (bf16) as long as with these matmuls, which never form them
     (BENCHMARKS.md, "Decoding, fifth round").
     """
-    scores = q @ k.transpose(-2, -1)  # (B, H, 1, d) @ (B, H, d, S) -> (B, H, 1, S)
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # bf16 -> fp32
-    scores = scores * score_scale(q.shape[-1], scale)
-    weights = torch.softmax(soft_cap(scores, softcap), dim=-1).to(v.dtype)
+    products = q @ k.transpose(-2, -1)  # (B, H, 1, d) @ (B, H, d, S) -> (B, H, 1, S)
+    products = products.to(torch.promote_types(products.dtype, torch.float32))  # bf16 -> fp32
+    scores = scale_and_cap(products, q.shape[-1], scale, softcap)
+    weights = torch.softmax(scores, dim=-1).to(v.dtype)
     return weights @ v  # (B, H, 1, S) @ (B, H, S, d) -> (B, H, 1, d)
 
 
@@ -143,13 +143,14 @@ class OneQueryAttention(MultiHeadSelfAttention):
     one_query = staticmethod(one_query_attention)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, pad_mask: Tensor | None,
-               return_attn: bool, window: int | None = None) -> tuple[Tensor, Tensor | None]:
-        # A local layer's step arrives with only its window's keys (`_window_keys`).
+               window: int | None = None) -> Tensor:
+        # A local layer's step arrives with only its window's keys (`read_cache`).
         in_window = window is None or k.shape[2] <= window
-        if (q.shape[2] == 1 and pad_mask is None and not return_attn and not self.training
+        watched = self.hook_attn_scores.active or self.hook_pattern.active
+        if (q.shape[2] == 1 and pad_mask is None and not watched and not self.training
                 and self.impl == "fused" and in_window):
-            return self.one_query(q, k, v, self.scale, self.softcap), None
-        return super().attend(q, k, v, pad_mask, return_attn, window)
+            return self.one_query(q, k, v, self.scale, self.softcap)
+        return super().attend(q, k, v, pad_mask, window)
 
 
 class OneQueryMatmulAttention(OneQueryAttention):

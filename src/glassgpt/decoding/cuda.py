@@ -24,41 +24,75 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from glassgpt.attention import KVCache
-from glassgpt.decoding.engine import EagerEngine, model_kind, own_code
+from glassgpt.attention import KVCache, MultiHeadSelfAttention
+from glassgpt.decoding.engine import EagerEngine, own_code, twin, twin_kind
 
 
 class StaticKVCache(KVCache):
-    """A KVCache that a replayed graph can write: at a position given as a tensor, it writes in
-    place and returns the whole buffers (the caller masks the positions not yet written)."""
+    """A KVCache that a replayed graph can write: at positions given as a tensor (T,), in
+    place, returning the whole buffers (the caller masks the positions not yet written). The
+    prefill, at an int, is an ordinary update."""
 
     def update(self, start_pos: int | Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        if isinstance(start_pos, int):  # the prefill: an ordinary cache update
+        if not isinstance(start_pos, Tensor):
             return super().update(start_pos, k, v)
         self.k.index_copy_(2, start_pos, k)  # start_pos (T,): the positions of k, v (B, H, T, d)
         self.v.index_copy_(2, start_pos, v)
         return self.k, self.v
 
 
+class StaticAttention(MultiHeadSelfAttention):
+    """The attention of a static step (the engine's twin of the model's): its positions are a
+    device tensor (T,), which a replayed graph reads anew each time, where the plain attention
+    takes an int. Its cache's whole buffers are no prefix of the sequence, so a local layer
+    hides the keys W or more before the query as padding, never by the band. The prefill
+    (eager, at an int) is the plain attention's."""
+
+    def token_positions(self, start_pos: int | Tensor | None, T: int,
+                        device: torch.device) -> Tensor:
+        if not isinstance(start_pos, Tensor):  # the prefill, or a run without the cache
+            return super().token_positions(start_pos, T, device)
+        return start_pos
+
+    def read_cache(self, k: Tensor, v: Tensor, pad_mask: Tensor | None,
+                   start_pos: int | Tensor, T: int
+                   ) -> tuple[Tensor, Tensor, Tensor | None, int | None]:
+        if not isinstance(start_pos, Tensor):
+            return super().read_cache(k, v, pad_mask, start_pos, T)
+        k, v = self.kv_cache.update(start_pos, k, v)  # 2 x (B, H_kv, S, d): the whole buffers
+        if self.window is not None:  # one step: the query is at start_pos[-1]
+            S = k.shape[2]
+            old = (torch.arange(S, device=k.device) <= start_pos[-1] - self.window)  # (S,)
+            old = old.expand(k.shape[0], S)
+            pad_mask = old if pad_mask is None else pad_mask | old
+        return k, v, pad_mask, None
+
+
+def _static(module: nn.Module) -> type[nn.Module] | None:
+    return StaticAttention if type(module) is MultiHeadSelfAttention else None
+
+
 def static_step(model: Any, token: Tensor, pos: Tensor, key_positions: Tensor) -> Tensor:
     """Logits (B, V) after token (B, 1) at position pos (1,), every shape fixed by the cache.
 
     key_positions (S,) numbers the cache's slots; those after `pos` hold no key yet and are
-    masked out as padding.
+    masked out as padding. The stack is `GPT.layers`' loop with the position a device tensor
+    (the plain loop takes an int, which a captured graph would keep as a constant).
     """
     unwritten = (key_positions > pos).expand(token.shape[0], -1)  # (B, S)
-    for _, stream, _ in model.layers(token, start_pos=pos, pad_mask=unwritten, check_ids=False):
-        x = stream  # in the end, the stream after the last block (B, 1, C)
+    x = model.embed(token, pos)  # (B, 1, C)
+    for block in model.blocks:
+        x = block(x, pad_mask=unwritten, start_pos=pos)
     return model.read_out(x)[:, -1]  # (B, 1, V) -> (B, V)
 
 
 @functools.cache
 def compiled_static_step(kind: Hashable) -> Callable[..., Tensor]:
     """`static_step` through torch.compile, built once per process and model kind
-    (`model_kind`), on a code object of its own (`own_code`, as the CPU's compiled step); the
-    layer loop, a generator, is traced into it, which is what `fullgraph` holds it to."""
+    (`twin_kind`), on a code object of its own (`own_code`, as the CPU's compiled step); the
+    layer loop is traced into it, which is what `fullgraph` holds it to."""
     step = own_code(static_step)
     return torch.compile(step, fullgraph=True)
 
@@ -73,10 +107,10 @@ class CUDAGraphEngine(EagerEngine):
     name = "cuda-graph"
 
     def __init__(self, model: Any, compiled: bool = False, capture: bool = True):
-        super().__init__(model)
+        super().__init__(twin(model, _static))
         self.capture = capture
-        self.run: Callable[..., Tensor] = (compiled_static_step(model_kind(self.model)) if compiled
-                                           else static_step)
+        self.run: Callable[..., Tensor] = (compiled_static_step(twin_kind(self.model))
+                                           if compiled else static_step)
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def start(self, batch_size: int, max_len: int) -> None:

@@ -28,6 +28,7 @@ from glassgpt.figures import (
     save_figure,
     show_attention,
 )
+from glassgpt.hooks import recorded
 
 P = 0.5
 SAME = 1e-6
@@ -35,12 +36,15 @@ SAME = 1e-6
 
 def attention_in_mode(attn: MultiHeadSelfAttention, x: Tensor, training: bool, no_grad: bool,
                       seed: int) -> tuple[Tensor, Tensor]:
-    """(output, weights) of the explicit path with the module in train or eval mode."""
+    """(output, weights) of the explicit path with the module in train or eval mode: the
+    weights as multiplied into v, so after the attention dropout (the pattern, watched, makes
+    the module take that path)."""
     attn.train(training)
     torch.manual_seed(seed)
-    with torch.set_grad_enabled(not no_grad):
-        y, weights = attn(x, return_attn=True)
-    return y.detach(), weights.detach()
+    watched = (attn.hook_pattern, attn.attn_dropout)
+    with torch.set_grad_enabled(not no_grad), recorded(*watched) as seen:
+        y = attn(x)
+    return y.detach(), seen[1].detach()  # seen: the pattern, then it after dropout
 
 
 def modes_table(attn: MultiHeadSelfAttention, x: Tensor, seed: int) -> tuple[Table, dict]:
@@ -69,7 +73,8 @@ def fused_table(attn: MultiHeadSelfAttention, x: Tensor, seed: int) -> tuple[Tab
     """The module's SDPA path in each mode, and the bug of always passing dropout_p."""
     attn.eval()
     with torch.no_grad():
-        reference, _ = attn(x, return_attn=True)  # explicit path, eval: no dropout
+        with recorded(attn.hook_pattern):  # watched: the explicit path, eval: no dropout
+            reference = attn(x)
         calls = {"fused, eval()": fused_output(attn, x, training=False, seed=seed),
                  "fused, train()": fused_output(attn, x, training=True, seed=seed),
                  "BUG: SDPA with dropout_p=p in eval()": buggy_eval_output(attn, x, seed)}
@@ -87,7 +92,7 @@ def fused_table(attn: MultiHeadSelfAttention, x: Tensor, seed: int) -> tuple[Tab
 def fused_output(attn: MultiHeadSelfAttention, x: Tensor, training: bool, seed: int) -> Tensor:
     attn.train(training)
     torch.manual_seed(seed)
-    return attn(x)  # return_attn=False: the fused path
+    return attn(x)  # unwatched: the fused path
 
 
 def buggy_eval_output(attn: MultiHeadSelfAttention, x: Tensor, seed: int) -> Tensor:

@@ -95,13 +95,12 @@ class AttentionOnlyBlock(TransformerBlock):
         super()._build(config, *args, **kwargs)  # whatever else the library's block takes
         del self.ln2, self.ffn, self.hook_resid_mid, self.hook_mlp_out
 
-    def forward(self, x: Tensor, pad_mask: Tensor | None = None, return_attn: bool = False,
-                start_pos: int | Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, pad_mask: Tensor | None = None,
+                start_pos: int | None = None) -> Tensor:
         check_stream(x, self.d_model, self.attn.qkv.weight, "block")
         x = self.hook_resid_pre(x)
-        a, weights = self._attention(self.ln1(x), pad_mask, return_attn, start_pos)
-        z = self.hook_resid_post(x + self.hook_attn_out(a))  # (B, T, C)
-        return (z, weights) if return_attn else z
+        a = self.attn(self.ln1(x), pad_mask=pad_mask, start_pos=start_pos)
+        return self.hook_resid_post(x + self.hook_attn_out(a))  # (B, T, C)
 
 
 class AttentionOnlyGPT(GPT):

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
-from glassgpt.block import ManualLayerNorm
 from glassgpt.experiments.results import Check, ExperimentResult, Table
 from glassgpt.figures import LABEL_PT, TICK_PT, label_axes, new_figure, save_figure
+from glassgpt.norms import ManualLayerNorm
 
 EPS = 1e-5
 EXAMPLE = [2.0, 4.0, 6.0, 8.0]

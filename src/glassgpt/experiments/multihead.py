@@ -35,6 +35,7 @@ from glassgpt.figures import (
     show_attention,
     wrap_title,
 )
+from glassgpt.hooks import recorded
 from glassgpt.model import count_parameters
 
 OFFSETS = (1, 2, 4)
@@ -81,8 +82,9 @@ class AttentionOnlyCopier(nn.Module):
     @torch.no_grad()
     def attention_weights(self, idx: Tensor) -> Tensor:
         """The attention weights (B, H, T, T) for idx (B, T)."""
-        _, weights = self.attn(self.embed(idx), return_attn=True)
-        return weights
+        with recorded(self.attn.hook_pattern) as weights:
+            self.attn(self.embed(idx))
+        return weights[0]
 
 
 def train_one(n_heads: int, seed: int, s: MultiheadSettings) -> AttentionOnlyCopier:

@@ -17,6 +17,7 @@ from torch import Tensor
 from glassgpt.attention import MultiHeadSelfAttention, PerHeadSelfAttention
 from glassgpt.experiments.results import Check, ExperimentResult, Table
 from glassgpt.figures import LABEL_PT, label_axes, new_figure, save_figure
+from glassgpt.hooks import recorded
 
 TOLERANCE = 1e-12  # float64; the per-head loop reaches exactly 0
 
@@ -42,13 +43,15 @@ def compare(causal: bool, x: Tensor, pad: Tensor,
     """Max |difference| (output, weights) of the module's explicit path against each reference."""
     T, C = x.shape[1], x.shape[2]
     attn = MultiHeadSelfAttention(C, n_heads, causal=causal).to(torch.float64).eval()
-    y, w = attn(x, pad_mask=pad, return_attn=True)  # (B, T, C), (B, H, T, T)
+    with recorded(attn.hook_pattern) as seen:  # watched: the explicit path, for the weights
+        y = attn(x, pad_mask=pad)  # (B, T, C)
+    w = seen[0]  # (B, H, T, T)
 
     def max_diff(a: Tensor, b: Tensor) -> float:
         return max_diff_at_real_queries(a, b, ~pad)
 
     y_loop, w_loop = PerHeadSelfAttention.from_parallel(attn)(x, pad_mask=pad)
-    y_fused = attn(x, pad_mask=pad)  # return_attn=False takes the SDPA path
+    y_fused = attn(x, pad_mask=pad)  # unwatched: the SDPA path
     future = torch.ones(T, T, dtype=torch.bool).triu(diagonal=1) if causal else None
     mha = attn.to_torch_multihead().eval()
     y_mha, w_mha = mha(x, x, x, key_padding_mask=pad, attn_mask=future, need_weights=True,

@@ -52,7 +52,7 @@ def largest_logit(model: GPT, idx: Tensor) -> float:
     """The largest |q . k| / sqrt(d) of any layer, head and causal (query, key) pair for idx
     (B, T), with the q and k each block's attention really uses (`project`)."""
     with eval_mode(model):
-        streams = [x for _, x, _ in model.layers(idx)]  # L + 1 of (B, T, C)
+        streams = [x for _, x in model.layers(idx)]  # L + 1 of (B, T, C)
         largest = 0.0
         for block, x in zip(model.blocks, streams[:-1], strict=True):  # x: the block's input
             attn = block.attn

@@ -29,6 +29,7 @@ from glassgpt.figures import (
     text_height,
     wrap_title,
 )
+from glassgpt.hooks import recorded
 
 EXACT = 1e-6  # float32 walk vs module: the same operations in the same order
 PANEL_INCHES = 2.2
@@ -95,7 +96,9 @@ def run(out_dir: Path, seed: int = 0, quick: bool = False, batch_size: int = 2,
     x = torch.randn(batch_size, seq_len, d_model)
     with torch.no_grad():
         steps, y_walk, w_walk = walk_attention(attn, x)
-        y_explicit, w_module = attn(x, return_attn=True)
+        with recorded(attn.hook_pattern) as seen:  # watched: the explicit path
+            y_explicit = attn(x)
+        w_module = seen[0]
         y_fused = attn(x)
 
     table = Table(f"one forward pass, B={batch_size}, T={seq_len}, C={d_model}, H={n_heads}, "

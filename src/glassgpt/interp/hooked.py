@@ -227,7 +227,7 @@ def logits_of(model: nn.Module, ids: Tensor, stop_at_layer: int | None = None) -
             or not 0 <= stop_at_layer <= n_layer:
         raise InputError(f"stop_at_layer must be an int in [0, n_layer = {n_layer}], got "
                          f"{stop_at_layer!r:.40}")
-    for depth, stream, _ in model.layers(ids):
+    for depth, stream in model.layers(ids):
         if depth == stop_at_layer:
             return stream  # (B, T, C); closing the generator skips the rest
     raise AssertionError("unreachable: layers yields n_layer + 1 streams")
