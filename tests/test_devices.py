@@ -9,6 +9,7 @@ import torch
 
 from glassgpt.errors import ConfigError
 from glassgpt.machine import devices
+from glassgpt.machine.threadsetting import parse_threads
 
 
 @pytest.fixture(autouse=True)
@@ -95,13 +96,13 @@ def test_one_candidate_means_no_probing():
 
 @pytest.mark.parametrize(("value", "expected"), [("auto", "auto"), ("1", 1), (2, 2)])
 def test_thread_settings_parse(value, expected):
-    assert devices.parse_threads(value) == expected
+    assert parse_threads(value) == expected
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "1000000", "many", "2.5"])
 def test_bad_thread_settings_are_config_errors(value):
     with pytest.raises(ConfigError, match="threads must be"):
-        devices.parse_threads(value)
+        parse_threads(value)
 
 
 def test_bf16_support_follows_the_cpu_flags(monkeypatch):

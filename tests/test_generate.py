@@ -12,13 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from conftest import tiny_gpt
-from glassgpt.decoding.generate import (
-    generate,
-    generate_stream,
-    keep_top_k,
-    keep_top_p,
-    sample_next_token,
-)
+from glassgpt.decoding.generate import generate, generate_stream, sample_next_token
+from glassgpt.decoding.sampling import keep_top_k, keep_top_p
 from glassgpt.errors import InputError, ModelError
 from glassgpt.model import GPT
 

@@ -9,7 +9,7 @@ import pytest
 
 from glassgpt.bench import ladder
 from glassgpt.cli import main
-from glassgpt.config import GPTConfig, TrainConfig, load_preset
+from glassgpt.config import QUICK_TARGET, GPTConfig, TrainConfig, load_preset
 from glassgpt.data import TINYSHAKESPEARE_ENV
 from glassgpt.model import GPT, count_parameters
 
@@ -76,7 +76,7 @@ def test_quick_ladder_writes_its_table_json_and_picture(tmp_path, monkeypatch, c
     printed = capsys.readouterr().out
     assert "Time to val loss" in printed and "nanogpt" in printed
     report = json.loads(out.read_text())
-    assert report["quick"] and report["target_loss"] == ladder.QUICK_TARGET
+    assert report["quick"] and report["target_loss"] == QUICK_TARGET
     assert [r["name"] for r in report["rungs"]] == rungs
     ran = [r for r in report["rungs"] if r["skipped"] is None]
     assert len(ran) == 3
@@ -84,10 +84,10 @@ def test_quick_ladder_writes_its_table_json_and_picture(tmp_path, monkeypatch, c
         assert set(rung) == RUNG_KEYS
         for run in rung["runs"]:
             assert set(run) == RUN_KEYS
-            assert run["curve"][0][1] > ladder.QUICK_TARGET  # iteration 0: not yet
+            assert run["curve"][0][1] > QUICK_TARGET  # iteration 0: not yet
             if run["reached"]:  # stopped at the first evaluation at or below the target
                 evals = [loss for _, loss in run["curve"]]
-                assert evals[-1] <= ladder.QUICK_TARGET < min(evals[:-1])
+                assert evals[-1] <= QUICK_TARGET < min(evals[:-1])
                 assert run["steps"] % ladder.QUICK_TRAIN["eval_interval"] == 0
                 assert 0 < run["seconds"] <= run["total_seconds"]
     assert any(r["seconds_to_target"] for r in ran)  # some rung reached the target

@@ -181,10 +181,71 @@ def test_the_glass_table_names_what_its_files_define():
                 assert re.search(rf"\b{word}\b", source), f"{name} is not in {files}"
 
 
-def test_the_figure_helpers_old_address_is_the_same_helpers():
-    import glassgpt.experiments.figures as old
-    import glassgpt.figures as new
+# --- the house (docs/reading-the-code.md, "The house") -----------------------------------------
 
-    names = [n for n, v in vars(new).items()
-             if n.isupper() or getattr(v, "__module__", "") == "glassgpt.figures"]
-    assert names and all(getattr(old, n) is getattr(new, n) for n in names)
+GLASS_LINES = 400  # a glass file past this holds two concerns (STYLE.md, 11)
+TOP_LEVEL_MODULES = 12  # every .py file directly in src/glassgpt/, __init__ and __main__ included
+CLI_TRAIN_LINES = 150  # `glassgpt train` parses, calls train_run and prints: no more
+SHRINKING = {"attention.py"}  # being brought under GLASS_LINES; held alone below
+
+
+def lines_of(path: Path) -> int:
+    return len(path.read_text("utf-8").splitlines())
+
+
+def test_each_glass_file_and_the_config_fit_the_house():
+    long = {name: lines_of(PACKAGE / name) for name in (GLASS | {"config.py"}) - SHRINKING}
+    assert {name: n for name, n in long.items() if n > GLASS_LINES} == {}
+
+
+def test_attention_fits_the_house():
+    """Alone, so that the one file still over the limit is seen by itself."""
+    assert lines_of(PACKAGE / "attention.py") <= GLASS_LINES
+
+
+def test_the_top_level_holds_at_most_twelve_modules():
+    modules = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(modules) <= TOP_LEVEL_MODULES, modules
+    assert GLASS.issubset(modules)  # the glass sits at the top, where a reader finds it first
+
+
+def test_glassgpt_train_stays_a_thin_command():
+    assert lines_of(PACKAGE / "cli" / "train.py") <= CLI_TRAIN_LINES
+
+
+def names_used(tree: ast.AST) -> set[str]:
+    """Every name a module reads (`x`, the `x` of `x.y`), annotations included."""
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+
+
+def reexports(path: Path) -> list[str]:
+    """The glassgpt names `path` imports at its top only to name them again: never used there,
+    or listed in its `__all__` though defined elsewhere."""
+    tree = ast.parse(path.read_text("utf-8"))
+    imported = {alias.asname or alias.name for node in tree.body
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("glassgpt")
+                for alias in node.names}
+    unused = imported - names_used(tree)
+    listed = {element.value for node in tree.body if isinstance(node, ast.Assign)
+              and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+              for element in ast.walk(node.value) if isinstance(element, ast.Constant)}
+    return sorted(unused | (listed & imported))
+
+
+def modules_in(folder: str) -> list[Path]:
+    """The modules of one folder of the package (its subfolders too); "." is the top level."""
+    if folder == ".":
+        return sorted(PACKAGE.glob("*.py"))
+    return sorted((PACKAGE / folder).rglob("*.py"))
+
+
+FOLDERS = [".", *sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())]
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_no_module_keeps_an_old_import_path(folder):
+    """One import path a name: only a package's `__init__.py` names what lives elsewhere
+    (per folder, so that a folder still keeping one is seen by itself)."""
+    found = {str(path.relative_to(PACKAGE)): names for path in modules_in(folder)
+             if path.name != "__init__.py" and (names := reexports(path))}
+    assert found == {}

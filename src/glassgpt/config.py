@@ -1,10 +1,10 @@
 """The settings, each a dataclass validated when it is built: `GPTConfig` (a model's shape),
-`TrainConfig` (a training recipe) and `SamplingConfig` (how to continue a prompt).
+`TrainConfig` (a training recipe) and `SamplingConfig` (how to continue a prompt, with
+`SAMPLING_DEFAULTS`, the one table of where a surface starts elsewhere), and the defaults the
+command line lists in `--help`.
 
-This module is a leaf (it imports only the errors and `config_checks`, the checks of a setting,
-which it names again): the names of the choices (activations, attention paths) live here once,
-and the modules that take the same settings directly (`MultiHeadSelfAttention`, `FeedForward`,
-...) call these same checks.
+A leaf that imports no torch (only the errors and `config_checks`, the checks every setting
+passes): the names of the model's choices (activations, attention paths) live here once.
 Named presets live as TOML files in `glassgpt/presets/`; each has a `[model]` table and a
 `[train]` table of recipe defaults.
 """
@@ -12,14 +12,12 @@ Named presets live as TOML files in `glassgpt/presets/`; each has a `[model]` ta
 from __future__ import annotations
 
 import dataclasses
-import math
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 from glassgpt.config_checks import (
-    MAX_WIDTH,
     check_choice,
     check_dropout,
     check_field_types,
@@ -28,11 +26,14 @@ from glassgpt.config_checks import (
     check_local_layers,
     check_n_kv_head,
     check_nope_layers,
+    check_recipe,
     check_rope_scaling,
+    check_sampling,
     check_size,
+    check_widths_and_scales,
     settings_from_dict,
 )
-from glassgpt.errors import ConfigError, GlassGPTError, InputError
+from glassgpt.errors import ConfigError, GlassGPTError
 
 PRESETS_PACKAGE = "glassgpt.presets"
 # exact GELU, GPT-2's tanh GELU, ReLU, ReLU squared, the gated SiLU MLP of Llama/Qwen3 and the
@@ -42,14 +43,6 @@ GATED_ACTIVATIONS = ("swiglu", "geglu")  # whole MLPs with a gate and an up matr
 POSITIONS = ("learned", "rope", "none")  # a learned table, rotary, or no positions (NoPE)
 NORMS = ("layernorm", "rmsnorm")
 ATTENTION_IMPLS = ("fused", "explicit")
-ENGINES = ("auto", "eager", "cpu", "cuda-graph")  # decoding engines (glassgpt.decoding)
-DTYPES = ("auto", "float32", "bfloat16", "float16")  # training precision (autocast)
-OPTIMIZERS = ("adamw", "muon")  # glassgpt.training.optim
-SCHEDULES = ("cosine", "wsd")  # learning-rate decay after warmup (glassgpt.training.optim.lr_at)
-# Upper bounds of a recipe (TrainConfig): batches per step or evaluation, and lr / weight decay.
-MAX_GRAD_ACCUM = 10_000
-MAX_EVAL_ITERS = 10_000
-MAX_RATE = 10.0
 
 
 @dataclass(frozen=True)
@@ -146,13 +139,7 @@ class GPTConfig:
         self._derive_head_dim()
         check_n_kv_head(self.n_head, self.n_head if self.n_kv_head is None else self.n_kv_head)
         check_dropout(self.dropout)
-        for name in ("norm_eps", "rope_theta"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if not self.rope_theta >= 1:  # pair i turns at rope_theta ** (-2i / d): below 1, the
-            # faster pairs come last, and a tiny base overflows the angles to NaN
-            raise ConfigError(f"rope_theta must be at least 1 (models use 10,000 to 10**6), "
-                              f"got {self.rope_theta}")
+        check_widths_and_scales(self)
         check_choice("activation", self.activation, ACTIVATIONS)
         check_choice("attn_impl", self.attn_impl, ATTENTION_IMPLS)
         check_choice("position", self.position, POSITIONS)
@@ -164,11 +151,6 @@ class GPTConfig:
         check_nope_layers(self)
         check_local_layers(self)
         check_gemma_switches(self)
-        if self.mlp_hidden is not None:
-            check_size("mlp_hidden", self.mlp_hidden, 4 * MAX_WIDTH)
-        if self.logit_softcap is not None and not self.logit_softcap > 0:
-            raise ConfigError(f"logit_softcap must be positive (or None), got "
-                              f"{self.logit_softcap}")
         object.__setattr__(self, "_checked", True)  # from now on, every change is checked
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -317,50 +299,7 @@ class TrainConfig:
                                     "decaying")
 
     def __post_init__(self) -> None:
-        check_field_types(self)
-        for name in ("max_iters", "batch_size", "grad_accum", "eval_interval", "eval_iters",
-                     "log_interval"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip", "min_lr",
-                     "early_stop", "seed"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ConfigError(f"lr must be positive, got {self.lr}")
-        for name in ("beta1", "beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        check_choice("dtype", self.dtype, DTYPES)
-        check_choice("optimizer", self.optimizer, OPTIMIZERS)
-        check_choice("schedule", self.schedule, SCHEDULES)
-        if not self.muon_lr > 0 or self.muon_weight_decay < 0:
-            raise ConfigError(f"muon_lr must be positive and muon_weight_decay >= 0, got "
-                              f"{self.muon_lr} and {self.muon_weight_decay}")
-        if not 0.0 <= self.muon_momentum < 1.0:
-            raise ConfigError(f"muon_momentum must be in [0, 1), got {self.muon_momentum}")
-        if not 0.0 < self.decay_fraction <= 1.0:
-            raise ConfigError(f"decay_fraction must be in (0, 1], got {self.decay_fraction}")
-        if self.target_loss is not None and not self.target_loss > 0:
-            raise ConfigError(f"target_loss must be positive (a cross-entropy is never "
-                              f"below 0), got {self.target_loss}")
-        self._check_bounds()
-
-    def _check_bounds(self) -> None:
-        """Refuse work that cannot finish (a step or an evaluation of 10**12 batches) and rates
-        that only overflow: the optimizer multiplies each weight by lr * weight_decay and moves
-        it by about lr a step, so values past these bounds train nothing."""
-        for name, largest in (("grad_accum", MAX_GRAD_ACCUM), ("eval_iters", MAX_EVAL_ITERS)):
-            if getattr(self, name) > largest:
-                raise ConfigError(f"{name}={getattr(self, name)} is too large (at most "
-                                  f"{largest:,} batches)")
-        for name in ("lr", "min_lr", "muon_lr", "weight_decay", "muon_weight_decay"):
-            if getattr(self, name) > MAX_RATE:
-                raise ConfigError(f"{name}={getattr(self, name)} is too large (at most "
-                                  f"{MAX_RATE:g}): such a step only overflows the weights")
-        if self.optimizer == "muon" and not math.isfinite(self.muon_lr / self.lr):
-            raise ConfigError(f"lr={self.lr} is too small beside muon_lr={self.muon_lr}: Muon's "
-                              f"lr follows the schedule in their ratio, which overflows")
+        check_recipe(self)  # types, ranges, choices and the bounds of work that can finish
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -373,7 +312,8 @@ class TrainConfig:
 @dataclass(frozen=True)
 class SamplingConfig:
     """How to continue a prompt: the settings `generate`, `glassgpt sample` and `glassgpt view`
-    share. Defaults sample from the model's own distribution; `temperature=0` is greedy."""
+    share. Its defaults are the library's, the model's own distribution (`temperature=0` is
+    greedy); `glassgpt sample` and the view start from their rows of SAMPLING_DEFAULTS."""
 
     max_new_tokens: int = 500
     temperature: float = 1.0  # divides the logits; 0 picks the most likely token
@@ -386,23 +326,44 @@ class SamplingConfig:
     engine: str = "auto"  # decoding engine: auto (the device's), eager, cpu, cuda-graph
 
     def __post_init__(self) -> None:
-        check_field_types(self, InputError)
-        if self.temperature < 0:
-            raise InputError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if self.top_k is not None and self.top_k <= 0:
-            raise InputError(f"top_k must be a positive integer, got {self.top_k}")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 0:
-            raise InputError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.seed is not None and self.seed < 0:
-            raise InputError(f"seed must be >= 0, got {self.seed}")
-        if self.stop_token is not None and self.stop_token < 0:
-            raise InputError(f"stop_token must be a token id >= 0, got {self.stop_token}")
-        if self.engine not in ENGINES:
-            raise InputError(f"unknown decoding engine {self.engine!r}; choose one of "
-                             f"{list(ENGINES)}")
+        check_sampling(self)
 
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """A row of SAMPLING_DEFAULTS: where a surface samples with other defaults than
+    `SamplingConfig`'s, which (`changes`), and why."""
+
+    where: str
+    changes: dict[str, Any]
+    why: str
+
+
+# The one table of sampling defaults. `SamplingConfig`'s own fields are the library's; a
+# surface that must start elsewhere changes them here, says why, and reads its row through
+# `sampling_defaults` (its flags, its requests, its page), never a number of its own.
+# `glassgpt sample --help` prints this table; tests/test_sampling_defaults.py holds every
+# surface to its row.
+READABLE_TEXT = {"temperature": 0.8, "top_k": 200, "seed": 1337}
+SAMPLING_DEFAULTS = {
+    "library": SamplingDefaults(
+        "generate(), SamplingConfig(), the view's next-token bars", {},
+        "the model's own distribution, unseeded: a library call reshapes nothing unasked"),
+    "sample": SamplingDefaults(
+        "glassgpt sample", READABLE_TEXT,
+        "text to read: the tail of unlikely tokens is cut (a small model's tail reads as "
+        "noise; nanoGPT's settings), and the same command prints the same text"),
+    "view": SamplingDefaults(
+        "glassgpt view's Sampling panel (POST /api/sample)",
+        {**READABLE_TEXT, "max_new_tokens": 200},
+        "glassgpt sample's text, 200 tokens: a panel's worth that streams in seconds"),
+}
+
+
+def sampling_defaults(surface: str) -> SamplingConfig:
+    """The settings `surface` ("library", "sample", "view") starts from: its row's changes
+    applied to `SamplingConfig()`."""
+    return SamplingConfig(**SAMPLING_DEFAULTS[surface].changes)
 
 def preset_names() -> list[str]:
     """Names of the shipped presets, e.g. ['cpu-small', 'gpt2', ...]."""
@@ -416,3 +377,23 @@ def load_preset(name: str) -> dict[str, Any]:
         raise ConfigError(f"unknown preset {name!r}; choose one of {preset_names()}")
     text = resources.files(PRESETS_PACKAGE).joinpath(f"{name}.toml").read_text("utf-8")
     return tomllib.loads(text)
+
+
+# --- What the command line lists in --help -----------------------------------------------
+# `glassgpt --help` builds every command's parser, which needs its flags' choices and defaults
+# before any work starts. Their users (the tokenizers, the data pipeline, the benchmarks)
+# import torch or numpy; this module imports neither, so the names live here, once.
+
+TOKENIZER_KINDS = ("char", "bpe")  # glassgpt.tokenizers
+DEFAULT_BPE_VOCAB = 1024
+INSTALL_HINT = "pip install 'glassgpt[hf]'"  # what installs the optional Hugging Face extra
+DEFAULT_BUFFER_BYTES = 64 * 2**20  # glassgpt.data.pipeline: text and token ids in flight
+# glassgpt.bench: the model shapes measured by default, and the decoding workload
+TRAIN_PRESETS = ("cpu-small", "shakespeare-char")
+DECODE_PRESETS = ("shakespeare-char", "gpt2")
+PROMPT_LEN = 16
+NEW_TOKENS = 128
+# glassgpt.bench.ladder: the val loss every rung trains to, and what counts as a close gain
+TARGET_LOSS = 1.88  # nanoGPT's published val loss for that recipe
+QUICK_TARGET = 3.5  # --quick: the same rungs at a toy size, which every rung reaches
+NOISE = 0.10  # from one seed, a gain under 10% is called close (rerun it with several seeds)

@@ -1,10 +1,10 @@
 """The checks every setting passes, beside `glassgpt.config`'s dataclasses: each field's type
 and range (`check_field_types`, as JSON, TOML and flags can hold anything), the sizes and
-choices the modules built standalone check too, and the switches that must fit together (a
-rotary scaling and its settings, per-layer lists, the local layers' settings, Gemma's scales).
+choices the modules built standalone check too, the switches that must fit together (a rotary
+scaling and its settings, per-layer lists, the local layers' settings, Gemma's scales), and a
+recipe's and a sampling's checks with the choices and bounds they hold them to.
 
-A leaf like `config.py` (it imports only the errors); config.py names these again, so a module
-may import a check from either.
+A leaf like `config.py`, which calls these checks (it imports only the errors).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import Any, TypeVar
 
-from glassgpt.errors import ConfigError, GlassGPTError
+from glassgpt.errors import ConfigError, GlassGPTError, InputError
 
 MAX_WIDTH = 2**18  # widths beyond this make matrices no machine holds (GPT-3 is 12,288)
 T = TypeVar("T")
@@ -56,6 +56,23 @@ def check_dropout(p: float) -> None:
     if not 0.0 <= p < 1.0:
         raise ConfigError(f"dropout must be in [0, 1), got {p}")
 
+
+
+def check_widths_and_scales(config: Any) -> None:
+    """Raise ConfigError for a GPTConfig's MLP width, norm epsilon, rotary base or logit
+    soft-cap out of range."""
+    if config.mlp_hidden is not None:
+        check_size("mlp_hidden", config.mlp_hidden, 4 * MAX_WIDTH)
+    for name in ("norm_eps", "rope_theta"):
+        if not getattr(config, name) > 0:
+            raise ConfigError(f"{name} must be positive, got {getattr(config, name)}")
+    if not config.rope_theta >= 1:  # pair i turns at rope_theta ** (-2i / d): below 1, the
+        # faster pairs come last, and a tiny base overflows the angles to NaN
+        raise ConfigError(f"rope_theta must be at least 1 (models use 10,000 to 10**6), "
+                          f"got {config.rope_theta}")
+    if config.logit_softcap is not None and not config.logit_softcap > 0:
+        raise ConfigError(f"logit_softcap must be positive (or None), got "
+                          f"{config.logit_softcap}")
 
 def check_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
@@ -150,6 +167,86 @@ def check_gemma_switches(config: Any) -> None:
             raise ConfigError(f"{name} must be positive (or None), got {value}")
     if config.norm_offset and config.norm != "rmsnorm":
         raise ConfigError(f"norm_offset scales an RMSNorm by 1 + w, but norm={config.norm!r}")
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # training precision (autocast)
+OPTIMIZERS = ("adamw", "muon")  # glassgpt.training.optim
+SCHEDULES = ("cosine", "wsd")  # learning-rate decay after warmup (glassgpt.training.optim.lr_at)
+# Upper bounds of a recipe (TrainConfig): batches per step or evaluation, and lr / weight decay.
+MAX_GRAD_ACCUM = 10_000
+MAX_EVAL_ITERS = 10_000
+MAX_RATE = 10.0
+
+
+def check_recipe(recipe: Any) -> None:
+    """Raise ConfigError for a `TrainConfig` setting of the wrong type, out of range or not one
+    of its choices, or a recipe whose work cannot finish (`check_recipe_bounds`)."""
+    check_field_types(recipe)
+    for name in ("max_iters", "batch_size", "grad_accum", "eval_interval", "eval_iters",
+                 "log_interval"):
+        if getattr(recipe, name) <= 0:
+            raise ConfigError(f"{name} must be positive, got {getattr(recipe, name)}")
+    for name in ("warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip", "min_lr",
+                 "early_stop", "seed"):
+        if getattr(recipe, name) < 0:
+            raise ConfigError(f"{name} must be >= 0, got {getattr(recipe, name)}")
+    if not recipe.lr > 0:
+        raise ConfigError(f"lr must be positive, got {recipe.lr}")
+    for name in ("beta1", "beta2", "muon_momentum"):
+        if not 0.0 <= getattr(recipe, name) < 1.0:
+            raise ConfigError(f"{name} must be in [0, 1), got {getattr(recipe, name)}")
+    check_choice("dtype", recipe.dtype, DTYPES)
+    check_choice("optimizer", recipe.optimizer, OPTIMIZERS)
+    check_choice("schedule", recipe.schedule, SCHEDULES)
+    if not recipe.muon_lr > 0 or recipe.muon_weight_decay < 0:
+        raise ConfigError(f"muon_lr must be positive and muon_weight_decay >= 0, got "
+                          f"{recipe.muon_lr} and {recipe.muon_weight_decay}")
+    if not 0.0 < recipe.decay_fraction <= 1.0:
+        raise ConfigError(f"decay_fraction must be in (0, 1], got {recipe.decay_fraction}")
+    if recipe.target_loss is not None and not recipe.target_loss > 0:
+        raise ConfigError(f"target_loss must be positive (a cross-entropy is never below 0), "
+                          f"got {recipe.target_loss}")
+    check_recipe_bounds(recipe)
+
+
+def check_recipe_bounds(recipe: Any) -> None:
+    """Refuse work that cannot finish (a step or an evaluation of 10**12 batches) and rates
+    that only overflow: the optimizer multiplies each weight by lr * weight_decay and moves it
+    by about lr a step, so values past these bounds train nothing."""
+    for name, largest in (("grad_accum", MAX_GRAD_ACCUM), ("eval_iters", MAX_EVAL_ITERS)):
+        if getattr(recipe, name) > largest:
+            raise ConfigError(f"{name}={getattr(recipe, name)} is too large (at most "
+                              f"{largest:,} batches)")
+    for name in ("lr", "min_lr", "muon_lr", "weight_decay", "muon_weight_decay"):
+        if getattr(recipe, name) > MAX_RATE:
+            raise ConfigError(f"{name}={getattr(recipe, name)} is too large (at most "
+                              f"{MAX_RATE:g}): such a step only overflows the weights")
+    if recipe.optimizer == "muon" and not math.isfinite(recipe.muon_lr / recipe.lr):
+        raise ConfigError(f"lr={recipe.lr} is too small beside muon_lr={recipe.muon_lr}: Muon's "
+                          f"lr follows the schedule in their ratio, which overflows")
+
+
+ENGINES = ("auto", "eager", "cpu", "cuda-graph")  # decoding engines (glassgpt.decoding)
+
+
+def check_sampling(settings: Any) -> None:
+    """Raise InputError for a `SamplingConfig` setting of the wrong type or out of range."""
+    check_field_types(settings, InputError)
+    if settings.temperature < 0:
+        raise InputError(f"temperature must be >= 0 (0 is greedy), got {settings.temperature}")
+    if settings.top_k is not None and settings.top_k <= 0:
+        raise InputError(f"top_k must be a positive integer, got {settings.top_k}")
+    if settings.top_p is not None and not 0.0 < settings.top_p <= 1.0:
+        raise InputError(f"top_p must be in (0, 1], got {settings.top_p}")
+    if settings.max_new_tokens < 0:
+        raise InputError(f"max_new_tokens must be >= 0, got {settings.max_new_tokens}")
+    if settings.seed is not None and settings.seed < 0:
+        raise InputError(f"seed must be >= 0, got {settings.seed}")
+    if settings.stop_token is not None and settings.stop_token < 0:
+        raise InputError(f"stop_token must be a token id >= 0, got {settings.stop_token}")
+    if settings.engine not in ENGINES:
+        raise InputError(f"unknown decoding engine {settings.engine!r}; choose one of "
+                         f"{list(ENGINES)}")
 
 
 _FIELD_TYPES = {"int": int, "float": float, "bool": bool, "str": str}

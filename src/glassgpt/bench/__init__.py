@@ -30,15 +30,11 @@ from glassgpt.bench.decoding import (
     check_decode_length,
 )
 from glassgpt.bench.measure import (
-    DECODE_PRESETS,
     GLASSGPT,
     GLASSGPT_COMPILED,
     GLASSGPT_EAGER,
     HF,
     MAX_TRAIN_BATCH,
-    NEW_TOKENS,
-    PROMPT_LEN,
-    TRAIN_PRESETS,
     HFLanguageModel,
     LimitProbes,
     MachineLimits,
@@ -60,6 +56,7 @@ from glassgpt.bench.training import (
     bench_training,
     eager_and_compiled_losses,
 )
+from glassgpt.config import DECODE_PRESETS, NEW_TOKENS, PROMPT_LEN, TRAIN_PRESETS
 
 __all__ = [
     "DECODE_PRESETS", "GLASSGPT", "GLASSGPT_COMPILED", "GLASSGPT_EAGER", "HF", "MAX_TRAIN_BATCH",

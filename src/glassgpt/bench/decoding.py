@@ -18,15 +18,13 @@ from glassgpt.bench.measure import (
     GLASSGPT_COMPILED,
     GLASSGPT_EAGER,
     HF,
-    NEW_TOKENS,
-    PROMPT_LEN,
     LimitProbes,
     bench_model,
     decode_bytes_per_token,
     hf_twin,
     interleaved_times,
 )
-from glassgpt.config import GPTConfig
+from glassgpt.config import NEW_TOKENS, PROMPT_LEN, GPTConfig
 from glassgpt.decoding.generate import generate
 from glassgpt.errors import ConfigError
 from glassgpt.model import GPT

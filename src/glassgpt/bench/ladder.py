@@ -33,12 +33,7 @@ from typing import Any
 import torch
 
 from glassgpt.bench.report import machine_info
-from glassgpt.choices import (
-    NOISE,
-    QUICK_TARGET,  # noqa: F401  (re-exported, as it always was)
-    TARGET_LOSS,
-)
-from glassgpt.config import GPTConfig, TrainConfig, load_preset
+from glassgpt.config import NOISE, TARGET_LOSS, GPTConfig, TrainConfig, load_preset
 from glassgpt.data import PreparedData
 from glassgpt.errors import ConfigError
 from glassgpt.figures import LABEL_PT, label_axes, new_figure, save_figure

@@ -13,8 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# Re-exported here, as they always were; their home is glassgpt.choices (no torch, for --help).
-from glassgpt.choices import DECODE_PRESETS, NEW_TOKENS, PROMPT_LEN, TRAIN_PRESETS  # noqa: F401
 from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError
 from glassgpt.model import GPT, count_parameters

@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
-from glassgpt.bench.measure import PROMPT_LEN, bench_model
+from glassgpt.bench.measure import bench_model
 from glassgpt.bench.training import bench_train_config, train_stepper
+from glassgpt.config import PROMPT_LEN
 from glassgpt.decoding import CompiledCPUEngine, CPUEngine
 
 

@@ -24,15 +24,13 @@ from glassgpt.bench.measure import (
     GLASSGPT_COMPILED,
     GLASSGPT_EAGER,
     HF,
-    NEW_TOKENS,
-    PROMPT_LEN,
     LimitProbes,
     MachineLimits,
     measure_limits,
 )
 from glassgpt.bench.profiles import OpShare, profile_decode_step, profile_train_step
 from glassgpt.bench.training import TrainSpeed, bench_training
-from glassgpt.config import GPTConfig, load_preset
+from glassgpt.config import NEW_TOKENS, PROMPT_LEN, GPTConfig, load_preset
 from glassgpt.errors import ConfigError
 
 

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from glassgpt.choices import DECODE_PRESETS, NEW_TOKENS, PROMPT_LEN, TRAIN_PRESETS
 from glassgpt.cli.common import output_console, path_arg
 from glassgpt.cli.ladder import add_ladder_flags, run_ladder_command
+from glassgpt.config import DECODE_PRESETS, NEW_TOKENS, PROMPT_LEN, TRAIN_PRESETS
 from glassgpt.errors import ConfigError
 from glassgpt.storage.files import write_text_atomic
 from glassgpt.storage.outputs import check_output_file

@@ -16,8 +16,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from glassgpt.choices import INSTALL_HINT
 from glassgpt.cli.common import add_checkpoint_flag, nonempty_arg, say
+from glassgpt.config import INSTALL_HINT
 from glassgpt.errors import CommandLineError
 
 # The handlers import torch, the model and the Hugging Face readers when they run (the work

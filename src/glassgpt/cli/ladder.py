@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from glassgpt.choices import NOISE, QUICK_TARGET, TARGET_LOSS
 from glassgpt.cli.common import output_console, path_arg
+from glassgpt.config import NOISE, QUICK_TARGET, TARGET_LOSS
 from glassgpt.errors import ConfigError
 from glassgpt.storage.files import write_text_atomic
 from glassgpt.storage.outputs import check_output_file

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import math
 
-from glassgpt.choices import DEFAULT_BPE_VOCAB, DEFAULT_BUFFER_BYTES, TOKENIZER_KINDS
 from glassgpt.cli.common import (
     DefaultsHelpFormatter,
     nonempty_arg,
     path_arg,
     stderr_progress,
 )
+from glassgpt.config import DEFAULT_BPE_VOCAB, DEFAULT_BUFFER_BYTES, TOKENIZER_KINDS
 from glassgpt.errors import ConfigError
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 from typing import Any
 
 from glassgpt.cli.common import (
@@ -17,7 +18,7 @@ from glassgpt.cli.common import (
     stderr_progress,
     warn_about_bf16,
 )
-from glassgpt.config import SamplingConfig
+from glassgpt.config import SAMPLING_DEFAULTS, SamplingConfig, sampling_defaults
 from glassgpt.config_checks import INT64_MAX
 from glassgpt.errors import CommandLineError, ConfigError
 
@@ -37,8 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _register_sample(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("sample", help="generate text from a trained run",
-                              formatter_class=DefaultsHelpFormatter,
-                              description="Continue a prompt with the model of RUN_DIR.")
+                              formatter_class=SampleHelpFormatter,
+                              description="Continue a prompt with the model of RUN_DIR.",
+                              epilog=sampling_table())
     p.add_argument("run_dir", type=path_arg, metavar="RUN_DIR")
     given = p.add_mutually_exclusive_group()
     given.add_argument("--prompt", default=DEFAULT_PROMPT,
@@ -49,12 +51,14 @@ def _register_sample(subparsers: argparse._SubParsersAction) -> None:
                        "end-of-turn token")
     p.add_argument("--system", metavar="TEXT",
                    help="with --chat: a system message before it")
-    p.add_argument("--max-new-tokens", type=int, default=500, help="tokens to sample")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=200, help="sample among the k likeliest")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold")
+    start = sampling_defaults("sample")  # this command's row of the table below
+    p.add_argument("--max-new-tokens", type=int, default=start.max_new_tokens,
+                   help="tokens to sample")
+    p.add_argument("--temperature", type=float, default=start.temperature, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=start.top_k, help="sample among the k likeliest")
+    p.add_argument("--top-p", type=float, default=start.top_p, help="nucleus sampling threshold")
     p.add_argument("--stop", help="end a sample where this text appears (not printed)")
-    p.add_argument("--seed", type=int, default=1337, help="the same seed, the same text")
+    p.add_argument("--seed", type=int, default=start.seed, help="the same seed, the same text")
     p.add_argument("--num-samples", type=int, default=1, help="samples, seeds seed, seed+1..")
     p.add_argument("--stream", action="store_true", help="print tokens as they are sampled")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
@@ -68,6 +72,32 @@ def _register_sample(subparsers: argparse._SubParsersAction) -> None:
     add_checkpoint_flag(p, "sample from")
     add_threads_flag(p)
     p.set_defaults(handler=run_sample)
+
+
+class SampleHelpFormatter(DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Each flag's default, and the table of sampling defaults below them as it is written."""
+
+
+SAMPLING_COLUMNS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
+
+
+def sampling_table() -> str:
+    """SAMPLING_DEFAULTS as `sample --help` prints it: each surface, its settings and why."""
+    lines = ["sampling defaults, one table for every surface (glassgpt.config.SAMPLING_DEFAULTS):"]
+    for row in SAMPLING_DEFAULTS.values():
+        start = SamplingConfig(**row.changes)
+        settings = ", ".join(f"{name.replace('_', '-')} {_shown(getattr(start, name), name)}"
+                             for name in SAMPLING_COLUMNS)
+        lines += [f"  {row.where}", f"      {settings}"]
+        lines += textwrap.wrap(row.why, 78, initial_indent="      why: ",
+                               subsequent_indent="           ")
+    return "\n".join(lines)
+
+
+def _shown(value: object, name: str) -> str:
+    if value is None:
+        return "random" if name == "seed" else "off"
+    return str(value)
 
 
 def run_sample(args: argparse.Namespace) -> int:

@@ -1,8 +1,7 @@
 """`glassgpt train`: parse the flags, call glassgpt.training.lifecycle.train_run, print what it did.
 
-Every model and training setting gets a typed `--kebab-case` flag generated from the fields of
-`GPTConfig` and `TrainConfig` (so the command line never falls behind them); `--help` shows the
-defaults a bare `glassgpt train` uses on a CPU, the cpu-small preset's."""
+Every field of `GPTConfig` and `TrainConfig` is a typed `--kebab-case` flag, generated (so the
+command line never falls behind them); `--help` shows the cpu-small preset's defaults."""
 
 from __future__ import annotations
 
@@ -136,14 +135,10 @@ def _finish(outcome: Any, output_closed: bool) -> int:
         say(f"interrupted at iteration 0, before the run's first checkpoint: nothing was "
             f"saved in {run_dir}")
         return OUTPUT_CLOSED_EXIT_CODE if output_closed else INTERRUPTED_EXIT_CODE
-    if result.interrupted and output_closed:
-        say(f"stdout was closed: stopped at iteration {result.iteration}; checkpoint saved in "
-            f"{run_dir}; {resume}")
-        return OUTPUT_CLOSED_EXIT_CODE
     if result.interrupted:
-        say(f"interrupted at iteration {result.iteration}; checkpoint saved in {run_dir}; "
-            f"{resume}")
-        return INTERRUPTED_EXIT_CODE
+        why = "stdout was closed: stopped" if output_closed else "interrupted"
+        say(f"{why} at iteration {result.iteration}; checkpoint saved in {run_dir}; {resume}")
+        return OUTPUT_CLOSED_EXIT_CODE if output_closed else INTERRUPTED_EXIT_CODE
     try:
         print(summary_line(result, run_dir), flush=True)
     except BrokenPipeError:  # the reader left just as training ended: the run is whole

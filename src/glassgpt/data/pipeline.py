@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from glassgpt.choices import DEFAULT_BUFFER_BYTES
+from glassgpt.config import DEFAULT_BUFFER_BYTES
 from glassgpt.data.corpus import TINYSHAKESPEARE_SHA256, Corpus, cache_dir
 from glassgpt.data.datadir import (
     DATA_FORMAT,

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from glassgpt.config import ENGINES
+from glassgpt.config_checks import ENGINES
 from glassgpt.decoding.choice import measured_cpu_engine
 from glassgpt.decoding.cpu import CompiledCPUEngine, CPUEngine
 from glassgpt.decoding.cuda import CUDAGraphEngine

@@ -22,11 +22,8 @@ from glassgpt.decoding.sampling import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_K,
     DEFAULT_TOP_P,
-    GREEDY_BELOW,
     check_filter,
     draw,
-    keep_top_k,
-    keep_top_p,
 )
 from glassgpt.errors import InputError, ModelError
 from glassgpt.inputs import check_token_ids
@@ -34,10 +31,7 @@ from glassgpt.machine.devices import ThreadTuner, tuner_for
 from glassgpt.model import eval_mode
 from glassgpt.tokenizers import Tokenizer
 
-# keep_top_k, keep_top_p and GREEDY_BELOW live in glassgpt.decoding.sampling, the one filter;
-# named here too, where callers have always found them.
-__all__ = ["GREEDY_BELOW", "SamplingConfig", "encode_prompt", "generate", "generate_stream",
-           "keep_top_k", "keep_top_p", "sample_next_token", "stream_text"]
+__all__ = ["encode_prompt", "generate", "generate_stream", "sample_next_token", "stream_text"]
 
 
 NOT_FINITE = ("the model's logits are not finite (NaN or infinite): its weights are damaged, "

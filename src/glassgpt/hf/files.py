@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from glassgpt.choices import INSTALL_HINT as INSTALL_HINT  # its home: no torch, for --help
+from glassgpt.config import INSTALL_HINT  # its home: no torch, for --help
 from glassgpt.errors import CheckpointError, ConfigError, GlassGPTError, TokenizerError
 from glassgpt.rundir.checkpoint import check_fits_memory
 from glassgpt.storage import files

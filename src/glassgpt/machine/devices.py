@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 from glassgpt.errors import ConfigError
 from glassgpt.machine.threadsetting import AUTO
-from glassgpt.machine.threadsetting import parse_threads as parse_threads  # where callers found it
 
 T = TypeVar("T")
 DEVICE_TYPES = ("cpu", "cuda", "mps")  # where glassgpt trains and samples

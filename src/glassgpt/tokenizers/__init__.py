@@ -9,7 +9,7 @@ Files are JSON (and merges.txt) only: loading one never runs code.
 
 from __future__ import annotations
 
-from glassgpt.choices import DEFAULT_BPE_VOCAB, TOKENIZER_KINDS
+from glassgpt.config import DEFAULT_BPE_VOCAB, TOKENIZER_KINDS
 from glassgpt.errors import TokenizerError
 from glassgpt.tokenizers.base import END_OF_TEXT, Tokenizer, same_tokenizer
 from glassgpt.tokenizers.bpe import (

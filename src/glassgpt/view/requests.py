@@ -12,6 +12,7 @@ from collections.abc import AsyncIterable
 from dataclasses import dataclass
 from typing import Any
 
+from glassgpt.config import sampling_defaults
 from glassgpt.decoding.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P
 from glassgpt.errors import GlassGPTError
 
@@ -62,8 +63,12 @@ PATCHING = {"clean": PROMPT, "corrupted": Field((str,), None, True),
 ATTRIBUTION = {"prompt": PROMPT, "position": Field((int,)), "token": Field((int,), None, True),
                "against": Field((int,), None, True)}
 MLP = {"prompt": PROMPT, "layer": Field((int,)), "position": Field((int,))}
-SAMPLE = {"prompt": PROMPT, "max_new_tokens": Field((int,), 200), **FILTER,
-          "seed": Field((int,), None, True)}
+# The Sampling panel's defaults: its row of glassgpt.config.SAMPLING_DEFAULTS (the page's too).
+PANEL = sampling_defaults("view")
+SAMPLE = {"prompt": PROMPT, "max_new_tokens": Field((int,), PANEL.max_new_tokens),
+          "temperature": Field(NUMBER, PANEL.temperature),
+          "top_k": Field((int,), PANEL.top_k, True), "top_p": Field(NUMBER, PANEL.top_p, True),
+          "seed": Field((int,), PANEL.seed, True)}
 
 
 def one_line(error: BaseException | str) -> str:

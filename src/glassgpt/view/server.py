@@ -1,7 +1,8 @@
 """The web app of `glassgpt view`: one page and a JSON API over a `RunView` (Starlette).
 
     GET  /                 the page (HTML, CSS and JS ship in this package: no CDN)
-    GET  /api/card         config, parameters by part, training curve, best val loss
+    GET  /api/card         config, parameters by part, training curve, best val loss,
+                           the sampling defaults the page's forms start from
     POST /api/tokenize     {prompt}                         -> tokens (id, text)
     POST /api/predictions  {prompt, k, temperature, top_k, top_p}
                            -> top-k per layer and position; what sampling draws from
@@ -248,7 +249,8 @@ class Api:
                                                                 *args)
 
     async def card(self, request: Request) -> Response:
-        return JSONResponse(await self.on_model_thread(self.view.card))
+        card = await self.on_model_thread(self.view.card)
+        return JSONResponse({**card, "sampling": page_sampling_defaults()})
 
     async def tokenize(self, request: Request) -> Response:
         return await self._answer(request, req.TOKENIZE, self.view.tokens)
@@ -325,6 +327,13 @@ class Api:
             # Ends decoding and frees the KV cache. On the model thread, after the step that may
             # still be running there when a page that went away cancelled this stream.
             self.model_thread.submit(pieces.close)  # type: ignore[attr-defined]
+
+
+def page_sampling_defaults() -> dict[str, dict[str, Any]]:
+    """What the page's forms start from, as the server fills a request in: the next-token bars
+    (`predictions`) and the Sampling panel (`sample`), from glassgpt.config's one table."""
+    return {form: {name: field.default for name, field in fields.items() if name != "prompt"}
+            for form, fields in (("predictions", req.FILTER), ("sample", req.SAMPLE))}
 
 
 async def read_fields(request: Request, fields: dict[str, req.Field]) -> dict[str, Any]:

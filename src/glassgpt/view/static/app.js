@@ -520,7 +520,8 @@ function topKeys(weights) {
 
 async function loadPredictions(generation) {
   const body = { prompt: $("prompt").value, k: state.k,
-    temperature: numberOrNull("dist-temperature") ?? 1, top_k: numberOrNull("dist-top-k") };
+    temperature: numberOrNull("dist-temperature") ?? state.card.sampling.predictions.temperature,
+    top_k: numberOrNull("dist-top-k") };
   let answer;
   try {
     answer = await api("predictions", body);
@@ -1026,9 +1027,18 @@ function setSampling(running) {
 
 // --- the model card --------------------------------------------------------------------------
 
+// The forms start where the server fills a request in (glassgpt.config's one table).
+function fillSamplingDefaults({ predictions, sample }) {
+  const start = { "dist-temperature": predictions.temperature, "dist-top-k": predictions.top_k,
+    "max-new-tokens": sample.max_new_tokens, temperature: sample.temperature,
+    "sample-top-k": sample.top_k, "top-p": sample.top_p, seed: sample.seed };
+  for (const [id, value] of Object.entries(start)) $(id).value = value === null ? "" : value;
+}
+
 async function loadCard() {
   const card = await api("card");
   state.card = card;
+  fillSamplingDefaults(card.sampling);
   const m = card.model;
   $("run-name").textContent = card.name;
   $("run-summary").textContent = `${integer(card.parameters.total)} parameters · ${m.n_layer} ` +
