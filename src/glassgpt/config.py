@@ -365,6 +365,7 @@ def sampling_defaults(surface: str) -> SamplingConfig:
     applied to `SamplingConfig()`."""
     return SamplingConfig(**SAMPLING_DEFAULTS[surface].changes)
 
+
 def preset_names() -> list[str]:
     """Names of the shipped presets, e.g. ['cpu-small', 'gpt2', ...]."""
     files = resources.files(PRESETS_PACKAGE).iterdir()

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from glassgpt.config import GPTConfig
+from glassgpt.config import GPTConfig, sampling_defaults
 from glassgpt.data import tinyshakespeare
 from glassgpt.model import GPT
 from glassgpt.tokenizers import CharTokenizer
@@ -176,7 +176,8 @@ def measure_sampling(client: Client, prompts: list[str], tokens: int,
     """Time to the first token after a full prompt, and the streaming rate from a prompt short
     enough that the continuation stays in the context (past it, every step recomputes the
     whole window: learned positions cannot slide)."""
-    settings = {"temperature": 0.8, "top_k": 200, "seed": 1337}
+    view = sampling_defaults("view")  # what the page sends
+    settings = {"temperature": view.temperature, "top_k": view.top_k, "seed": view.seed}
     first = [client.first_token_and_rate({"prompt": p, "max_new_tokens": 1, **settings})[0]
              for p in prompts]
     short = max(1, block_size - tokens)
