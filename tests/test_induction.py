@@ -126,3 +126,21 @@ def test_the_docs_walk_prints_its_numbers_rounded_on_the_demos_run(tmp_path: Pat
     printed = capsys.readouterr().out
     assert "induction (layer x head): [[" in printed and "of the clean answer" in printed
     assert not re.findall(r"\d\.\d{4,}", printed), printed
+
+
+def test_the_demos_run_exports_to_transformers_with_the_same_logits(tmp_path: Path,
+                                                                     capsys) -> None:
+    """`convert --to-hf` refused the demo's run (rotary positions with LayerNorm were neither
+    GPT-2 nor Llama, issue 38); it is GPT-NeoX's sequential block, and transformers computes
+    what glassgpt does."""
+    transformers = pytest.importorskip("transformers")
+    run = Path(quick_experiment("induction", tmp_path, seed=0).numbers["run"])
+    out = tmp_path / "hf"
+    assert main(["convert", str(run), "--to-hf", str(out)]) == 0
+    assert "model only" in capsys.readouterr().out  # a character tokenizer has no HF twin
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(exported).__name__ == "GPTNeoXForCausalLM"
+    model, tokenizer = load_model(run)
+    ids = torch.tensor([tokenizer.encode("abcdefgh abcdefgh")])  # (1, T)
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, model(ids)[0], atol=1e-5, rtol=0)

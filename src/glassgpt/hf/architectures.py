@@ -1,6 +1,6 @@
 """What each Hugging Face architecture is in glassgpt's terms: its settings and its weight names.
 
-Seven architectures have a glassgpt twin, all of them Pre-LN decoders with one weight per
+Eight architectures have a glassgpt twin, all of them Pre-LN decoders with one weight per
 glassgpt weight:
   * GPT-2 (`GPT2LMHeadModel`): learned positions, LayerNorm, a GELU MLP, biases everywhere.
     Its projections are `Conv1D` modules, which store the weight as (in, out) where `nn.Linear`
@@ -14,8 +14,13 @@ glassgpt weight:
   * Gemma 3 (`Gemma3ForCausalLM`, model_type `gemma3_text`): four norms a block, local and
     global layers with a rotary base each, GeGLU; Gemma 2 (`Gemma2ForCausalLM`) the same
     without QK-norm, one rotary, soft-capped scores. Their translation is glassgpt.hf.gemma's.
-The rotary ones keep Q, K and V in three matrices where glassgpt stacks them in one `qkv`
-(rows [Q, K, V]); their rotary layout is glassgpt's (rotate-half), so no weight is permuted.
+  * GPT-NeoX (`GPTNeoXForCausalLM`): its sequential block with every feature rotated is
+    glassgpt's rotary positions with LayerNorm and a plain MLP, biases everywhere. Its fused
+    `query_key_value` holds each head's q, k and v in turn: those rows are regrouped on the way
+    through (`per_head_qkv`). Its translation is glassgpt.hf.neox's.
+The Llama family and Gemma keep Q, K and V in three matrices where glassgpt stacks them in one
+`qkv` (rows [Q, K, V]); every rotary family's layout is glassgpt's (rotate-half), so no
+weight's features are permuted.
 
 Each translation refuses, with one line naming the setting, what the other side would compute
 differently (a rotary scaling glassgpt lacks, sliding windows, biases glassgpt cannot place).
@@ -30,36 +35,29 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from glassgpt.config import GPTConfig
+from glassgpt.config import GATED_ACTIVATIONS, GPTConfig
 from glassgpt.errors import ConfigError
 from glassgpt.hf.files import MASK_BUFFER_SUFFIXES
 from glassgpt.hf.gemma import GEMMA2, GEMMA3
+from glassgpt.hf.neox import GPT_NEOX
 from glassgpt.hf.rotary import PLAIN_ROTARY, rotary_from_hf
 from glassgpt.hf.translation import (
+    ACTIVATION_FROM_HF,
+    ACTIVATION_TO_HF,
     GEMMA_SWITCHES_OFF,
     LLAMA_NAMES,
     ROTARY_BUFFER_SUFFIXES,
     Architecture,
     decoder_fields,
     decoder_settings,
+    one_dropout_rate,
     reader,
     refuse_if_set,
 )
 
-# HF activation names that compute the same function as one of ours. "gelu_new" is GPT-2's own
-# (tanh approximation); "gelu_fast" is left out because it rounds sqrt(2/pi) to 10 digits.
-ACTIVATION_FROM_HF = {
-    "gelu_new": "gelu_tanh",
-    "gelu_pytorch_tanh": "gelu_tanh",
-    "gelu_python_tanh": "gelu_tanh",
-    "gelu": "gelu",
-    "gelu_python": "gelu",
-    "relu": "relu",
-}
-ACTIVATION_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
 SILU_NAMES = ("silu", "swish")  # transformers' two names for x * sigmoid(x), SwiGLU's gate
 IMPORTABLE = ("GPT-2 (gpt2), Llama (llama), Qwen3 (qwen3), Qwen2 (qwen2), SmolLM3 "
-              "(smollm3), Gemma 3 (gemma3_text) and Gemma 2 (gemma2)")
+              "(smollm3), Gemma 3 (gemma3_text), Gemma 2 (gemma2) and GPT-NeoX (gpt_neox)")
 
 # glassgpt name -> HF name. "{i}" is the layer index; a tuple is the HF tensors stacked along
 # the rows of ours (q, k, v).
@@ -130,12 +128,8 @@ def _reject_unmirrored_gpt2_settings(hf_config: Any) -> None:
 
 
 def _single_dropout(hf_config: Any) -> float:
-    rates = {name: float(getattr(hf_config, name)) for name in
-             ("embd_pdrop", "resid_pdrop", "attn_pdrop")}
-    if len(set(rates.values())) > 1:
-        raise ConfigError(f"glassgpt has one dropout rate, this model has {rates}; "
-                          f"choose one with dropout=... (--dropout on the command line)")
-    return next(iter(rates.values()))
+    return one_dropout_rate({name: float(getattr(hf_config, name)) for name in
+                             ("embd_pdrop", "resid_pdrop", "attn_pdrop")})
 
 
 def gpt2_settings(config: GPTConfig) -> dict[str, Any]:
@@ -285,9 +279,9 @@ def _check_llama_family(config: GPTConfig, title: str, **plain: Any) -> None:
     for switch, value in required.items():
         if getattr(config, switch) != value:
             raise ConfigError(f"{switch}={getattr(config, switch)!r} cannot be exported: "
-                              f"{title} has {switch}={value!r}, and GPT-2 (learned positions, "
-                              f"LayerNorm, a GELU MLP) is the other architecture glassgpt "
-                              f"exports")
+                              f"{title} has {switch}={value!r}; GPT-2 (learned positions, "
+                              f"LayerNorm, a plain MLP) and GPT-NeoX (rotary, LayerNorm, a "
+                              f"plain MLP) are the others glassgpt exports")
     if title != "Qwen2" and config.has_qkv_bias != config.bias:
         raise ConfigError(f"qkv_bias={config.qkv_bias} beside bias={config.bias} cannot be "
                           f"exported as {title}: biases on q, k and v alone are Qwen2's")
@@ -316,7 +310,7 @@ SMOLLM3 = Architecture("smollm3", "SmolLM3", "SmolLM3ForCausalLM", "SmolLM3Confi
                        LLAMA_NAMES, frozenset(), ROTARY_BUFFER_SUFFIXES, llama_config_from_hf,
                        smollm3_settings, PLAIN_ROTARY)
 ARCHITECTURES = {arch.model_type: arch for arch in (GPT2, LLAMA, QWEN3, QWEN2, SMOLLM3, GEMMA3,
-                                                    GEMMA2)}
+                                                    GEMMA2, GPT_NEOX)}
 
 
 def architecture_of(model_type: Any) -> Architecture:
@@ -330,13 +324,15 @@ def architecture_of(model_type: Any) -> Architecture:
 def architecture_for(config: GPTConfig) -> Architecture:
     """The HF architecture that computes what `config` does: GPT-2 for learned positions;
     Gemma's block (its post-norms, 1 + w norms or scaled embeddings) is Gemma 3 with QK-norm,
-    Gemma 2 without; for other
-    rotary ones Qwen3 with QK-norm, SmolLM3 with NoPE layers, Qwen2 with biases on q, k and v
-    alone, Llama otherwise. Whether it can hold every other switch is its settings' check."""
+    Gemma 2 without; other rotary ones are GPT-NeoX with LayerNorm and a plain (ungated) MLP,
+    else Qwen3 with QK-norm, SmolLM3 with NoPE layers, Qwen2 with biases on q, k and v alone,
+    Llama otherwise. Whether it can hold every other switch is its settings' check."""
     if config.position == "learned":
         return GPT2
     if config.post_norms or config.norm_offset or config.embed_scale:
         return GEMMA3 if config.qk_norm else GEMMA2
+    if config.norm == "layernorm" and config.activation not in GATED_ACTIVATIONS:
+        return GPT_NEOX
     if config.qk_norm:
         return QWEN3
     if config.nope_layers:

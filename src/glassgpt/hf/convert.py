@@ -57,7 +57,8 @@ class ExportedRun:
 def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str],
                tokenizer_file: str | os.PathLike[str] | None = None,
                dropout: float | None = None) -> ImportedRun:
-    """A run directory at `out` holding a HF GPT-2, Llama or Qwen3 (a hub name or a local
+    """A run directory at `out` holding a HF model of a family glassgpt imports (GPT-2, the
+    Llama family, Gemma, GPT-NeoX: glassgpt.hf.architectures' table; a hub name or a local
     save_pretrained directory) in float32, with the model's tokenizer or `tokenizer_file`.
 
     Everything is read and checked first; the run is written beside `out` and renamed into

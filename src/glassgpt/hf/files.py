@@ -141,6 +141,18 @@ HF_SETTINGS: dict[str, dict[str, tuple[Any, str]]] = {
         "sliding_window": (4096, "int?"), "layer_types": (None, "list?"),
         "final_logit_softcapping": (30.0, "float?"), "attn_logit_softcapping": (50.0, "float?"),
         "use_bidirectional_attention": (None, "bool?"), **_ROPE_SETTINGS},
+    # transformers 4 named the rotary base and the fraction of each head rotated its own way
+    # (5 moves both into rope_parameters); head_dim only sizes the rotary, if a config has one
+    "gpt_neox": {
+        "vocab_size": (50432, "int"), "hidden_size": (6144, "int"),
+        "intermediate_size": (24576, "int"), "num_hidden_layers": (44, "int"),
+        "num_attention_heads": (64, "int"), "head_dim": (None, "int?"),
+        "hidden_act": ("gelu", "str"), "max_position_embeddings": (2048, "int"),
+        "layer_norm_eps": (1e-5, "float"), "tie_word_embeddings": (False, "bool"),
+        "use_parallel_residual": (True, "bool"), "attention_bias": (True, "bool"),
+        "attention_dropout": (0.0, "float"), "hidden_dropout": (0.0, "float"),
+        "rope_parameters": (None, "table?"), "rope_scaling": (None, "table?"),
+        "rotary_emb_base": (10000.0, "float"), "rotary_pct": (0.25, "float")},
 }
 # Other names GPT2Config accepts for its settings.
 HF_ALIASES = {"gpt2": {"hidden_size": "n_embd", "num_attention_heads": "n_head",
@@ -237,13 +249,14 @@ class HFDirectory:
 
     @contextlib.contextmanager
     def weights(self, base_prefix: str = "transformer.",
-                skipped: tuple[str, ...] = MASK_BUFFER_SUFFIXES) -> Iterator[StoredWeights]:
-        """The weight files, open, their headers checked; nothing read yet. `base_prefix` and
-        `skipped` are the architecture's (see StoredWeights)."""
+                skipped: tuple[str, ...] = MASK_BUFFER_SUFFIXES,
+                stored_names: dict[str, str] | None = None) -> Iterator[StoredWeights]:
+        """The weight files, open, their headers checked; nothing read yet. `base_prefix`,
+        `skipped` and `stored_names` are the architecture's (see StoredWeights)."""
         with contextlib.ExitStack() as stack:
             opened = [stack.enter_context(SafetensorsFile(path, CheckpointError))
                       for path in self._weight_files()]
-            yield StoredWeights(opened, self.name, base_prefix, skipped)
+            yield StoredWeights(opened, self.name, base_prefix, skipped, stored_names)
 
     def _weight_files(self) -> list[Path]:
         """model.safetensors, or the files its index names: only .safetensors files in this
@@ -282,20 +295,25 @@ class StoredWeights:
     names without the prefix of the model inside the LM (`base_prefix`: `transformer.`,
     `model.`); it is added. Buffers old checkpoints kept beside the weights (names ending in
     one of `skipped`: GPT-2's mask, Llama's rotary frequencies) are not weights and are skipped.
+    A tensor stored under an older name (`stored_names`' keys: GPT-NeoX's `embed_out.weight`)
+    goes by the installed transformers' name (its value: `lm_head.weight`).
     """
 
     def __init__(self, opened: list[SafetensorsFile], source: str,
                  base_prefix: str = "transformer.",
-                 skipped: tuple[str, ...] = MASK_BUFFER_SUFFIXES):
+                 skipped: tuple[str, ...] = MASK_BUFFER_SUFFIXES,
+                 stored_names: dict[str, str] | None = None):
         self.source = source
         self._where: dict[str, tuple[SafetensorsFile, str]] = {}
+        current = stored_names or {}
         for file in opened:
             check_float_dtypes(file.header, file.path, CheckpointError)
             for stored in file.header:
                 if stored.endswith(skipped):
                     continue
-                name = stored if stored.startswith((base_prefix, "lm_head.")) \
-                    else base_prefix + stored
+                name = current.get(stored, stored)
+                name = name if name.startswith((base_prefix, "lm_head.")) \
+                    else base_prefix + name
                 if name in self._where:
                     raise CheckpointError(f"tensor {stored} is stored twice "
                                           f"({self._where[name][0].path} and {file.path})")

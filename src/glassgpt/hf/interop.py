@@ -1,11 +1,12 @@
 """Hugging Face <-> glassgpt: the same weights, read and written both ways.
 
-Six architectures have a glassgpt twin: GPT-2, Llama (SmolLM2 too), Qwen3, Qwen2, SmolLM3 and
-Gemma 3;
-what each is in glassgpt's terms (its settings, its weight names, the one layout that differs)
-is glassgpt.hf.architectures' table. Here the weights move: every glassgpt tensor is one HF tensor,
-transposed where GPT-2 stores a Conv1D (in, out) matrix, or three HF tensors stacked along its
-rows (Llama's q_proj, k_proj, v_proj make our `qkv`: [Q, K, V]).
+Eight architectures have a glassgpt twin: GPT-2, Llama (SmolLM2 too), Qwen3, Qwen2, SmolLM3,
+Gemma 3, Gemma 2 and GPT-NeoX; what each is in glassgpt's terms (its settings, its weight names,
+the layouts that differ) is glassgpt.hf.architectures' table. Here the weights move: every
+glassgpt tensor is one HF tensor, transposed where GPT-2 stores a Conv1D (in, out) matrix, its
+rows regrouped where GPT-NeoX's fused query_key_value holds each head's q, k, v in turn, or
+three HF tensors stacked along its rows (Llama's q_proj, k_proj, v_proj make our `qkv`:
+[Q, K, V]).
 
 Reading a save_pretrained directory or a hub model is glassgpt.hf.files' job (glassgpt reads
 them itself: safetensors only, nothing unpickled, everything bounded); here the tensors it found
@@ -89,12 +90,37 @@ class WeightMapping:
     theirs: tuple[str, ...]  # one HF tensor, or the parts stacked along our rows (q, k, v)
     rows: tuple[int, ...]  # how many of our rows each part holds
     conv1d: bool  # the one HF tensor is stored (in, out): transposed on the way
+    per_head: int = 0  # the one HF tensor holds each of this many heads' q, k, v rows in turn
 
     def their_shapes(self, ours: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
         if self.conv1d:
             return {self.theirs[0]: ours[::-1]}
         return {name: (rows, *ours[1:]) for name, rows in zip(self.theirs, self.rows,
                                                                  strict=True)}
+
+    def ours_from(self, parts: list[Tensor]) -> Tensor:
+        """Our tensor, made of the HF tensors `theirs` names (in that order)."""
+        if self.conv1d:
+            return parts[0].t().contiguous()
+        if self.per_head:
+            return _swap_row_groups(parts[0], self.per_head, 3)  # (H, 3, d) -> (3, H, d)
+        return torch.cat(parts) if len(parts) > 1 else parts[0]  # (H*d + 2*Hkv*d, C)
+
+    def theirs_from(self, ours: Tensor) -> list[Tensor]:
+        """The HF tensors `theirs` names, made of our tensor (`ours_from` undone)."""
+        if self.conv1d:
+            return [ours.t()]
+        if self.per_head:
+            return [_swap_row_groups(ours, 3, self.per_head)]  # (3, H, d) -> (H, 3, d)
+        return list(ours.split(list(self.rows)))  # rows: [Q, K, V]
+
+
+def _swap_row_groups(qkv: Tensor, outer: int, inner: int) -> Tensor:
+    """`qkv`'s rows read as outer x inner blocks of d rows, written inner x outer: GPT-NeoX's
+    [head 0's q, k, v, head 1's q, k, v, ...] and our [every head's q, every k, every v] are the
+    same rows in two orders. A weight (rows, C) or a bias (rows,)."""
+    blocks = qkv.reshape(outer, inner, -1, *qkv.shape[1:])  # (outer, inner, d, ...)
+    return blocks.transpose(0, 1).reshape(qkv.shape)  # (inner, outer, d, ...) -> (3*H*d, ...)
 
 
 def weight_mappings(arch: Architecture, config: GPTConfig) -> list[WeightMapping]:
@@ -111,8 +137,9 @@ def weight_mappings(arch: Architecture, config: GPTConfig) -> list[WeightMapping
             raise ConfigError(f"{ours} has no counterpart in a {arch.title} model")
         parts = (theirs,) if isinstance(theirs, str) else theirs
         rows = _qkv_rows(config) if len(parts) == 3 else (shape[0],)
+        per_head = config.n_head if pattern in arch.per_head_qkv else 0
         mappings.append(WeightMapping(ours, tuple(p.format(i=layer) for p in parts), rows,
-                                      pattern in arch.conv1d))
+                                      pattern in arch.conv1d, per_head))
     return mappings
 
 
@@ -147,11 +174,11 @@ def weight_names(n_layer: int, tie_weights: bool) -> Iterator[tuple[str, str, bo
 def config_from_hf(hf_config: PretrainedConfig | Any, dropout: float | None = None
                    ) -> GPTConfig:
     """The GPTConfig of a model that computes what `hf_config` describes (GPT-2, Llama, Qwen3,
-    Qwen2, SmolLM3, Gemma 3).
+    Qwen2, SmolLM3, Gemma 3, Gemma 2, GPT-NeoX).
 
     `dropout` replaces HF's dropout rates, which glassgpt keeps as one; without it they must
-    agree (GPT-2), or be zero (Llama and Qwen3 drop only attention weights). Settings with no
-    glassgpt equivalent are a ConfigError naming them.
+    agree (GPT-2, GPT-NeoX), or be zero (Llama and Qwen3 drop only attention weights).
+    Settings with no glassgpt equivalent are a ConfigError naming them.
     """
     arch = architecture_of(getattr(hf_config, "model_type", "gpt2"))
     return arch.config_from_hf(hf_config, dropout)
@@ -160,7 +187,8 @@ def config_from_hf(hf_config: PretrainedConfig | Any, dropout: float | None = No
 def hf_config_from_glassgpt(config: GPTConfig, bos_token_id: int | None = None,
                             eos_token_id: int | None = None) -> PretrainedConfig:
     """The `transformers` config of the architecture `config` is (GPT2Config, LlamaConfig,
-    Qwen3Config, Qwen2Config, SmolLM3Config or Gemma3TextConfig; see `architecture_for`); a
+    Qwen3Config, Qwen2Config, SmolLM3Config, Gemma3TextConfig, Gemma2Config or GPTNeoXConfig;
+    see `architecture_for`); a
     ConfigError names any switch that architecture lacks."""
     arch = architecture_for(config)
     settings = arch.hf_settings(config)
@@ -204,8 +232,8 @@ def _check_rotary_taken(rotary: RotaryTranslation, hf_config: PretrainedConfig,
 
 def from_hf(source: PreTrainedModel | HFDirectory | str | os.PathLike[str],
             dropout: float | None = None) -> GPT:
-    """A glassgpt GPT holding the weights of a HF GPT-2, Llama, Qwen3, Qwen2, SmolLM3 or
-    Gemma 3: a model, a local directory or a hub name.
+    """A glassgpt GPT holding the weights of a HF GPT-2, Llama, Qwen3, Qwen2, SmolLM3,
+    Gemma 3, Gemma 2 or GPT-NeoX: a model, a local directory or a hub name.
 
     A directory (or a hub name, downloaded into the Hugging Face cache) is read by glassgpt,
     never by `transformers` (see glassgpt.hf.files): weights from local `.safetensors` files
@@ -220,14 +248,14 @@ def from_hf(source: PreTrainedModel | HFDirectory | str | os.PathLike[str],
         settings = source.settings()
         arch = architecture_of(settings.model_type)
         config = arch.config_from_hf(settings, dropout)
-        with source.weights(arch.base_prefix, arch.skipped) as stored:
+        with source.weights(arch.base_prefix, arch.skipped, arch.stored_names) as stored:
             if config.tie_weights and _stores_own_head(arch, stored.shapes):
                 config = _untied_if_apart(arch, config, stored.read(
                     [arch.names["tok_emb.weight"], "lm_head.weight"]))
             return _model_from_weights(arch, config, _read_checked(arch, config, stored))
     arch = architecture_of(getattr(source.config, "model_type", None))
     config = arch.config_from_hf(source.config, dropout)
-    hf_weights = {name: t for name, t in source.state_dict().items()
+    hf_weights = {name: t for name, t in _current_names(arch, source.state_dict()).items()
                   if not name.endswith(arch.skipped)}
     if config.tie_weights and _stores_own_head(arch, hf_weights):
         config = _untied_if_apart(arch, config, hf_weights)
@@ -316,9 +344,7 @@ def _model_from_weights(arch: Architecture, config: GPTConfig, hf_weights: dict[
     with torch.no_grad():
         for m in weight_mappings(arch, config):
             parts = [hf_weights.pop(name) for name in m.theirs]
-            value = parts[0].t().contiguous() if m.conv1d else torch.cat(parts) \
-                if len(parts) > 1 else parts[0]  # q, k, v stacked: (H*d + 2*Hkv*d, C)
-            value = value.to(device=reference.device, dtype=reference.dtype)
+            value = m.ours_from(parts).to(device=reference.device, dtype=reference.dtype)
             ours[m.ours] = value.clone() if copy and _shares_memory(value, parts[0]) else value
     return model_holding(config, ours, f"the {arch.title} weights").eval()
 
@@ -330,9 +356,9 @@ def _shares_memory(a: Tensor, b: Tensor) -> bool:
 def to_hf(model: GPT | nn.Module, bos_token_id: int | None = None,
           eos_token_id: int | None = None) -> PreTrainedModel:
     """A `transformers` model of the architecture `model` is (GPT2LMHeadModel,
-    LlamaForCausalLM, Qwen3ForCausalLM, Qwen2ForCausalLM, SmolLM3ForCausalLM or
-    Gemma3ForCausalLM) holding
-    exactly its weights, in eval mode.
+    LlamaForCausalLM, Qwen3ForCausalLM, Qwen2ForCausalLM, SmolLM3ForCausalLM,
+    Gemma3ForCausalLM, Gemma2ForCausalLM or GPTNeoXForCausalLM) holding exactly its weights,
+    in eval mode.
 
     `model` may be wrapped in DDP or `torch.compile`; the plain GPT inside is what is copied.
     """
@@ -343,15 +369,19 @@ def to_hf(model: GPT | nn.Module, bos_token_id: int | None = None,
     reference = model.tok_emb.weight
     hf_model = _transformers_class(arch.hf_class)(hf_config)
     hf_model.to(device=reference.device, dtype=reference.dtype)
-    hf_weights = hf_model.state_dict()
+    hf_weights = _current_names(arch, hf_model.state_dict())
     ours = model.state_dict()
     with torch.no_grad():
         for m in weight_mappings(arch, config):
-            value = ours[m.ours]
-            parts = [value.t()] if m.conv1d else value.split(list(m.rows))  # rows: [Q, K, V]
-            for name, part in zip(m.theirs, parts, strict=True):
+            for name, part in zip(m.theirs, m.theirs_from(ours[m.ours]), strict=True):
                 _copy_weight(hf_weights[name], part, name)
     return hf_model.eval()
+
+
+def _current_names(arch: Architecture, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`weights` (a transformers model's state dict) by the names the table uses: an older
+    transformers' model may name a tensor as its checkpoints do (GPT-NeoX's `embed_out`)."""
+    return {arch.stored_names.get(name, name): tensor for name, tensor in weights.items()}
 
 
 def _copy_weight(dest: Tensor, value: Tensor, name: str) -> None:

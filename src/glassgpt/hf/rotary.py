@@ -7,6 +7,10 @@ are read; the export is written the way the installed transformers takes it. The
 glassgpt computes (glassgpt.rotary) are the plain one ("default"), "linear" and "llama3"; any
 other is refused by name, as is a key a table holds that glassgpt would not honour.
 
+GPT-NeoX names them otherwise in transformers 4 (`rotary_emb_base`, and `rotary_pct`, the
+fraction of each head rotated: a quarter unless a config says otherwise), and only a config
+that rotates every feature is read.
+
 Gemma 3 has a rotary per kind of layer: transformers 5 writes `rope_parameters` as one table
 per layer type ({"full_attention": {...}, "sliding_attention": {...}}), transformers 4 wrote
 `rope_theta` and `rope_scaling` for the global layers beside `rope_local_base_freq` for the
@@ -92,10 +96,10 @@ def _scaling_fields(key: str, table: dict[str, Any],
     return values
 
 
-def _check_partial(partial: Any) -> None:
+def _check_partial(partial: Any, name: str = "partial_rotary_factor") -> None:
     if partial != 1.0:
-        raise ConfigError(f"partial_rotary_factor={partial!r:.40} is not supported: glassgpt "
-                          f"rotates every feature of q and k")
+        raise ConfigError(f"{name}={partial!r:.40} is not supported: glassgpt rotates every "
+                          f"feature of q and k")
 
 
 def rotary_of(config: GPTConfig) -> dict[str, Any]:
@@ -133,6 +137,35 @@ def _rope_table(config: GPTConfig) -> dict[str, Any]:
     """transformers 5's `rope_parameters` of `config`'s (global) rotary."""
     scaling = _scaling_table(config) or {"rope_type": "default"}
     return {**scaling, "rope_theta": config.rope_theta}
+
+
+# --- GPT-NeoX: its own names, a quarter rotated by default ----------------------------------
+
+# The Llama family's name -> transformers 4's GPT-NeoX name (a config.json written by it).
+NEOX_ROTARY_NAMES = {"rope_theta": "rotary_emb_base"}
+
+
+def neox_rotary_from_hf(hf_config: Any, setting: Callable[[str], Any]) -> dict[str, Any]:
+    """GPT-NeoX's rotary fields, as `rotary_from_hf` reads them. transformers 4 named the base
+    `rotary_emb_base` and the fraction of each head rotated `rotary_pct`; transformers 5 moves
+    both into `rope_parameters`, taking `rotary_pct` (0.25, Pythia's, where it is left out) for
+    a table without `partial_rotary_factor`. Only a full rotary is glassgpt's."""
+    tables = [table for table in (getattr(hf_config, key, None)
+                                  for key in ("rope_parameters", "rope_scaling"))
+              if isinstance(table, dict)]
+    if not tables or any("partial_rotary_factor" not in table for table in tables):
+        _check_partial(setting("rotary_pct"), "rotary_pct")
+    return rotary_from_hf(hf_config, lambda key: setting(NEOX_ROTARY_NAMES.get(key, key)))
+
+
+def neox_rope_kwargs(config_class: Any, config: GPTConfig) -> dict[str, Any]:
+    """How the installed transformers takes a GPT-NeoX rotary, every feature rotated (its
+    default rotates a quarter): `rope_parameters` (5.x), or `rotary_emb_base`, `rotary_pct`
+    and `rope_scaling` (4.x)."""
+    if _takes_rope_parameters(config_class):
+        return {"rope_parameters": {**_rope_table(config), "partial_rotary_factor": 1.0}}
+    return {"rotary_emb_base": config.rope_theta, "rotary_pct": 1.0,
+            "rope_scaling": _scaling_table(config)}
 
 
 # --- Gemma 3: a rotary per layer type ------------------------------------------------------
@@ -215,5 +248,6 @@ class RotaryTranslation:
 
 
 PLAIN_ROTARY = RotaryTranslation(rotary_from_hf, rotary_of, rope_kwargs)
+NEOX_ROTARY = RotaryTranslation(neox_rotary_from_hf, rotary_of, neox_rope_kwargs)
 LAYERED_ROTARY = RotaryTranslation(layered_rotary_from_hf, layered_rotary_of,
                                    layered_rope_kwargs)

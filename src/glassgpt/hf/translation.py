@@ -11,7 +11,7 @@ table that lists it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from glassgpt.config import GPTConfig
@@ -23,6 +23,18 @@ from glassgpt.hf.rotary import RotaryTranslation
 # position index per position: a config.json's context is bounded here (the longest models
 # published hold about 10M positions).
 MAX_ROTARY_CONTEXT = 2**24
+# HF activation names that compute the same function as one of ours (a plain MLP's: GPT-2's and
+# GPT-NeoX's). "gelu_new" is GPT-2's own (tanh approximation); "gelu_fast" is left out because
+# it rounds sqrt(2/pi) to 10 digits.
+ACTIVATION_FROM_HF = {
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_python_tanh": "gelu_tanh",
+    "gelu": "gelu",
+    "gelu_python": "gelu",
+    "relu": "relu",
+}
+ACTIVATION_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
 # Old Llama checkpoints (transformers < 4.31) saved each layer's rotary frequencies.
 ROTARY_BUFFER_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -71,6 +83,12 @@ class Architecture:
     rotary: RotaryTranslation | None = None  # how its rotary settings are written; None: none
     # settings an older transformers' config class would keep without acting on them
     required_settings: tuple[str, ...] = ()
+    # our name patterns whose one HF tensor holds each head's q, k and v rows in turn (GPT-NeoX's
+    # fused projection) where ours holds every head's q, then every k, then every v
+    per_head_qkv: frozenset[str] = frozenset()
+    # HF name in the files -> HF name in the installed transformers' model, where a checkpoint
+    # keeps an older name (GPT-NeoX's head is `embed_out` on disk, `lm_head` in transformers 5)
+    stored_names: dict[str, str] = field(default_factory=dict)
 
 
 def reader(hf_config: Any, model_type: str) -> Callable[[str], Any]:
@@ -109,6 +127,15 @@ def attention_dropout(setting: Callable[[str], Any]) -> float:
                           f"residuals and attention alike); choose one with dropout=... "
                           f"(--dropout on the command line)")
     return 0.0
+
+
+def one_dropout_rate(rates: dict[str, float]) -> float:
+    """The one rate of a family that names several (embeddings, residuals, attention), or a
+    ConfigError where they differ: glassgpt has one."""
+    if len(set(rates.values())) > 1:
+        raise ConfigError(f"glassgpt has one dropout rate, this model has {rates}; "
+                          f"choose one with dropout=... (--dropout on the command line)")
+    return next(iter(rates.values()))
 
 
 def refuse_if_set(config: GPTConfig, title: str, **plain: Any) -> None:
