@@ -23,20 +23,19 @@ from glassgpt.config import GPTConfig
 from glassgpt.decoding.generate import sample_next_token
 from glassgpt.errors import InputError
 from glassgpt.experiments import attention_maps, kvheads, multihead
-from glassgpt.model import GPT
-from glassgpt.rundir.checkpoint import save_model
-from glassgpt.tokenizers import CharTokenizer, train_tokenizer
-from glassgpt.view.inspector import EXAMPLE_PROMPTS, RunView
-from glassgpt.view.lens import (
+from glassgpt.interp.heads import head_steps
+from glassgpt.interp.lens import (
     Ablation,
-    attention_scores,
-    head_steps,
     lens_top_k,
     next_token_top_k,
     prompt_loss,
     top_k_probabilities,
     trace,
 )
+from glassgpt.model import GPT
+from glassgpt.rundir.checkpoint import save_model
+from glassgpt.tokenizers import CharTokenizer, train_tokenizer
+from glassgpt.view.inspector import EXAMPLE_PROMPTS, RunView
 from glassgpt.view.server import create_app, load_for_view, make_server, open_socket, url_of
 from test_view_browser import CHROMIUM_FLAGS, INSTALL_HINT, by_id, values, wait_for
 
@@ -67,7 +66,6 @@ NOT_INTEGERS = {
     "head_steps layer=0.0": lambda m, i: head_steps(m, i, 0.0, 0, 0),
     "head_steps head=1.5": lambda m, i: head_steps(m, i, 0, 1.5, 0),
     "head_steps position=True": lambda m, i: head_steps(m, i, 0, 0, True),
-    "attention_scores layer=True": lambda m, i: attention_scores(m, trace(m, i).residuals, True),
     "Ablation(attention=[0.7])": lambda m, i: trace(m, i, Ablation(attention=[0.7])),
     "Ablation(mlp=['1'])": lambda m, i: trace(m, i, Ablation(mlp=["1"])),
     "Ablation(heads=[(True, 0)])": lambda m, i: trace(m, i, Ablation(heads=[(True, 0)])),
@@ -89,9 +87,7 @@ OTHER_MODELS = {"wider": dict(n_embd=32), "deeper": dict(n_layer=3)}
 @pytest.mark.parametrize("other", OTHER_MODELS.values(), ids=OTHER_MODELS.keys())
 def test_a_trace_of_another_model_is_refused(model, idx, other):
     seen = trace(tiny(**other), idx)
-    calls = [lambda: head_steps(model, idx, 0, 0, 0, residuals=seen.residuals),
-             lambda: attention_scores(model, seen.residuals, 0),
-             lambda: prompt_loss(model, seen, idx),
+    calls = [lambda: prompt_loss(model, seen, idx),
              lambda: lens_top_k(model, seen.residuals, 3)]
     for call in calls:
         with pytest.raises(InputError, match=r"not a trace of this model"):
@@ -99,12 +95,11 @@ def test_a_trace_of_another_model_is_refused(model, idx, other):
 
 
 def test_a_trace_of_a_prompt_of_another_length_is_refused(model, idx):
-    """prompt_loss failed inside torch; head_steps scored keys that the prompt does not have."""
+    """prompt_loss failed inside torch. (head_steps, which scored keys the prompt does not have,
+    now reads its own run of the prompt: there is no trace to hand it.)"""
     longer = trace(model, idx)
     with pytest.raises(InputError, match=r"not a trace of this prompt of shape \(1, 5\)"):
         prompt_loss(model, longer, idx[:, :5])
-    with pytest.raises(InputError, match=r"not a trace of this prompt of shape \(1, 5\)"):
-        head_steps(model, idx[:, :5], 0, 0, 0, residuals=longer.residuals)
 
 
 def test_a_nan_temperature_or_a_fractional_top_k_is_refused(model):

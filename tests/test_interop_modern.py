@@ -379,7 +379,7 @@ def test_a_checkpoint_of_the_wrong_shape_is_named(hf_dirs, tmp_path) -> None:
 def test_the_logit_lens_reads_through_the_final_rmsnorm() -> None:
     """Each layer's read-out is transformers' hidden state after that layer, through its final
     RMSNorm (model.norm) and head: the lens and HF agree on what every layer predicts."""
-    from glassgpt.view.lens import logit_lens
+    from glassgpt.interp.lens import logit_lens
 
     arch, shape = SHAPES[2]
     hf_model = in_float64(tiny_hf_model(arch, dict(shape), torch.float64))

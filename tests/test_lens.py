@@ -1,4 +1,5 @@
-"""glassgpt.view.lens: the computations behind `glassgpt view`, checked against the model itself."""
+"""glassgpt.interp.lens and .heads: the computations behind `glassgpt view`, checked against the
+model itself."""
 
 from __future__ import annotations
 
@@ -15,23 +16,21 @@ from glassgpt import norms as norms_module
 from glassgpt.config import GPTConfig
 from glassgpt.decoding.sampling import sampling_distribution
 from glassgpt.errors import InputError
-from glassgpt.model import GPT, count_parameters
-from glassgpt.view.lens import (
+from glassgpt.interp.heads import head_steps, step_points
+from glassgpt.interp.lens import (
     Ablation,
     attention_maps,
-    attention_scores,
-    head_steps,
     lens_top_k,
     logit_lens,
     logit_lens_top_k,
     next_token_top_k,
-    parameter_counts,
     prompt_loss,
     read_out,
-    step_points,
     top_k_probabilities,
     trace,
 )
+from glassgpt.model import GPT, count_parameters
+from glassgpt.view.card import parameter_counts
 
 L, H, C, V, T = 2, 2, 16, 11, 7
 
@@ -227,7 +226,7 @@ def test_one_head_refuses_what_does_not_exist(idx):
 def test_scores_before_the_softmax_give_the_weights_and_mask_the_future(idx):
     model = lens_gpt()
     seen = trace(model, idx)
-    scores = attention_scores(model, seen.residuals, 1)  # (B, H, T, T)
+    scores = seen.scores[1]  # (B, H, T, T)
     assert torch.isinf(scores.triu(1)[..., 0, 1:]).all()
     torch.testing.assert_close(torch.softmax(scores, dim=-1), seen.attention[1], rtol=0,
                                atol=1e-6)

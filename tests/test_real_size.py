@@ -11,8 +11,8 @@ import torch
 
 from conftest import tiny_gpt
 from glassgpt.errors import InputError
-from glassgpt.interp import run_with_cache
-from glassgpt.view import causal, lens
+from glassgpt.interp import lens, run_with_cache
+from glassgpt.view import causal
 
 
 def test_the_lens_read_out_in_chunks_across_layers_is_each_layer_read_out_alone(monkeypatch):

@@ -1,6 +1,6 @@
 """The JSON API of `glassgpt view` on a tiny trained run (Starlette's TestClient, no browser).
 
-Every answer is checked against the library (`glassgpt.view.lens`, `glassgpt.decoding.generate`),
+Every answer is checked against the library (`glassgpt.interp.lens`, `glassgpt.decoding.generate`),
 and every bad request gets a 4xx JSON with a one-line `error`, never a 500.
 """
 
@@ -23,21 +23,20 @@ from glassgpt.config import GPTConfig, SamplingConfig
 from glassgpt.data import PreparedData
 from glassgpt.decoding.generate import encode_prompt, stream_text
 from glassgpt.decoding.sampling import sampling_distribution
+from glassgpt.interp.heads import head_steps
+from glassgpt.interp.lens import (
+    attention_maps,
+    lens_top_k,
+    next_token_top_k,
+    read_out,
+    trace,
+)
 from glassgpt.model import GPT, count_parameters
 from glassgpt.rundir.checkpoint import load_model
 from glassgpt.tokenizers import CharTokenizer, train_tokenizer
 from glassgpt.training.metrics import read_metrics
+from glassgpt.view.card import parameter_counts
 from glassgpt.view.inspector import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, RunView, pooled
-from glassgpt.view.lens import (
-    attention_maps,
-    attention_scores,
-    head_steps,
-    lens_top_k,
-    next_token_top_k,
-    parameter_counts,
-    read_out,
-    trace,
-)
 from glassgpt.view.pieces import piece_text, readable_bytes
 from glassgpt.view.requests import MAX_BODY_BYTES
 from glassgpt.view.server import allowed_hosts_for, create_app, load_for_view
@@ -174,7 +173,7 @@ def test_scores_are_before_the_softmax_and_say_their_scale(client, view):
     body = {"prompt": PROMPT, "layer": 0, "head": 1, "kind": "scores"}
     answer = client.post("/api/attention", json=body).json()
     seen = trace(view.model, ids_of(view, PROMPT))
-    scores = attention_scores(view.model, seen.residuals, 0)[0, 1]  # (T, T)
+    scores = seen.scores[0][0, 1]  # (T, T)
     rows = answer["weights"][0]
     for i, row in enumerate(rows):
         torch.testing.assert_close(torch.tensor(row), scores[i, :i + 1], rtol=0, atol=5e-5)

@@ -27,10 +27,10 @@ import torch
 from glassgpt.cli import main
 from glassgpt.config import GPTConfig, SamplingConfig
 from glassgpt.decoding.generate import encode_prompt, stream_text
+from glassgpt.interp.lens import Ablation, attention_maps, next_token_top_k, prompt_loss, trace
 from glassgpt.model import GPT
 from glassgpt.rundir.checkpoint import load_model, save_model
 from glassgpt.tokenizers import CharTokenizer
-from glassgpt.view.lens import Ablation, attention_maps, next_token_top_k, prompt_loss, trace
 from glassgpt.view.server import create_app, load_for_view, make_server, open_socket, url_of
 
 PROMPT = "to be or not"

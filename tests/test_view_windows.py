@@ -13,14 +13,15 @@ import torch
 from starlette.testclient import TestClient
 
 from conftest import TINY_TEXT
+from glassgpt.attention import build_attention_mask
 from glassgpt.cli import main
 from glassgpt.config import GPTConfig
 from glassgpt.data import prepare
+from glassgpt.interp.heads import head_steps
 from glassgpt.interp.hooked import run_with_cache
 from glassgpt.model import GPT
 from glassgpt.tokenizers import CharTokenizer
 from glassgpt.view.inspector import RunView, out_of_window
-from glassgpt.view.lens import head_steps
 from glassgpt.view.server import create_app, load_for_view
 
 W = 4  # layer 0 is local with this window, layer 1 global
@@ -137,11 +138,18 @@ def test_the_librarys_head_steps_weigh_nothing_outside_the_band(view):
     assert abs(float(steps.weights[inside].sum()) - 1) < 1e-5
 
 
+def band_scores(T: int, window: int | None) -> torch.Tensor:
+    """Scores (T, T) as a layer with `window` masks them: -inf where the model hides a key."""
+    mask = build_attention_mask(T, T, True, None, torch.device("cpu"), window)[0, 0]
+    return torch.zeros(T, T).masked_fill(~mask, float("-inf"))
+
+
 def test_a_pooled_thumbnail_hides_a_cell_only_when_its_whole_block_is_hidden():
-    assert out_of_window(8, None) is None and out_of_window(8, 8) is None
-    hidden = out_of_window(6, 2)  # (6, 6): key j hidden from query i when i - j >= 2
+    assert out_of_window(band_scores(8, None)) is None
+    assert out_of_window(band_scores(8, 8)) is None
+    hidden = out_of_window(band_scores(6, 2))  # (6, 6): key j hidden from query i when i - j >= 2
     assert hidden[5].tolist() == [True, True, True, True, False, False]
-    pooled = out_of_window(100, 10, cells=48)
+    pooled = out_of_window(band_scores(100, 10), cells=48)
     assert pooled.shape == (48, 48)
     assert pooled[47, 0] and not pooled[47, 47] and not pooled[0, 0]
 

@@ -7,13 +7,14 @@
                   the MLP, q and k before QK-norm and the rotation (glassgpt.interp's numbers)
     walk.py       "Inside one head": the steps' titles (the scale, soft-cap and window this
                   layer uses) and the band of keys a local layer's query sees
+    card.py       the model card's parameters by part and each layer's kind (local, global)
     values.py     tensors as the page's JSON: rounded numbers, one step with its source line
-    checks.py     the checks of what the lens is given: integer indices, a trace of this model
     pieces.py     a token's text as the page shows it (`<0xE2>` for a byte of a character)
     requests.py   the API's request bodies: JSON objects, each field's type checked
     server.py     the Starlette app and the uvicorn server, `load_for_view`
     static/       the page: index.html, style.css, app.js, causal.js (no build step, nothing
                   from a CDN)
 
-The computations themselves are `glassgpt.view.lens`, usable from Python without any of this.
+The numbers are `glassgpt.interp`'s (`lens`: the logit lens, top-k, every layer's attention;
+`heads`: one head step by step), read from the model's hook points, usable without any of this.
 """

@@ -22,13 +22,13 @@ from torch import Tensor
 from glassgpt.block import SwiGLUFeedForward
 from glassgpt.errors import GlassGPTError, InputError
 from glassgpt.hooks import lens_name
+from glassgpt.interp import checks
 from glassgpt.interp import patching as patch
 from glassgpt.interp.attribution import logit_attribution
+from glassgpt.interp.heads import block_sources
 from glassgpt.interp.hooked import run_with_cache
 from glassgpt.interp.scores import HeadScores, head_scores
 from glassgpt.model import count_parameters
-from glassgpt.view import checks
-from glassgpt.view.lens import point_sources
 from glassgpt.view.values import Prompt, View, rounded, step_answer
 
 # One patching request runs the model once per cell of its four maps (3 L T + L H runs): more
@@ -341,18 +341,15 @@ def mlp(view: View, prompt: str, layer: int, position: int) -> dict[str, Any]:
     encoded = view.encode(prompt)
     checks.index("position", position, len(encoded.ids))
     table = mlp_table(view, layer)
-    names = {point: lens_name(f"blocks.{layer}.{point}") for _, point, _ in table}
-    names["hook_resid_pre"] = f"blocks.{layer}.hook_resid_pre"
-    _, cache = run_with_cache(view.model, encoded.idx, names=list(names.values()),
-                              stop_at_layer=layer + 1)  # the later blocks add nothing here
+    cache, sources = block_sources(view.model, encoded.idx, layer,
+                                   {step: point for step, point, _ in table})
+    at = f"blocks.{layer}."
     block = view.model.blocks[layer]
-    sources = point_sources(block, cache[names["hook_resid_pre"]],
-                            {step: point for step, point, _ in table})
-    hidden = cache[names["ffn.hook_post"]].shape[-1]
-    return {"layer": layer, "position": position, "hidden": hidden,
+    return {"layer": layer, "position": position,
+            "hidden": cache[at + "mlp.hook_post"].shape[-1],
             "gated": isinstance(block.ffn, SwiGLUFeedForward),
-            "steps": [step_answer(step, title, cache[names[point]][0, position], sources[step])
-                      for step, point, title in table]}
+            "steps": [step_answer(step, title, cache[at + lens_name(point)][0, position],
+                                  sources[step]) for step, point, title in table]}
 
 
 # --- inside one head: q and k before QK-norm and the rotation -----------------------------------
@@ -377,12 +374,12 @@ def qk_stages(view: View, prompt: Prompt, layer: int, head: int, position: int,
                f"{_turns(attn)}", cache[f"{at}.hook_q"][0, position, head])],
         "k": [("k_proj", f"k = x W_K: the keys' projection (K/V head {kv_head}), before "
                f"{_turns(attn)}", cache[f"{at}.hook_k"][0, seen, kv_head])]}
-    if attn.q_norm is not None:  # QK-norm runs on (B, heads, T, d)
+    if attn.q_norm is not None:  # its points show TransformerLens's (B, T, heads, d)
         then = ", then the rotation" if attn.rotary is not None else ""
         stages["q"].append(("q_normed", f"q / rms(q): QK-norm, before its gain{then}",
-                            cache[f"{at}.q_norm.hook_normalized"][0, head, position]))
+                            cache[f"{at}.q_norm.hook_normalized"][0, position, head]))
         stages["k"].append(("k_normed", f"k / rms(k): QK-norm, before its gain{then}",
-                            cache[f"{at}.k_norm.hook_normalized"][0, kv_head, seen]))
+                            cache[f"{at}.k_norm.hook_normalized"][0, seen, kv_head]))
     return stages
 
 

@@ -40,23 +40,22 @@ from glassgpt.decoding.sampling import (
     sampling_distribution,
 )
 from glassgpt.errors import CheckpointError, GlassGPTError, InputError
+from glassgpt.interp.checks import integer
+from glassgpt.interp.lens import (
+    Ablation,
+    TopK,
+    hidden_keys,
+    lens_top_k,
+    prompt_loss,
+    read_out,
+    trace,
+)
 from glassgpt.model import GPT, count_parameters
 from glassgpt.rundir.checkpoint import read_run_config
 from glassgpt.tokenizers import Tokenizer, same_tokenizer
 from glassgpt.training.metrics import read_metrics
 from glassgpt.view import causal, walk
-from glassgpt.view.checks import integer
-from glassgpt.view.lens import (
-    Ablation,
-    TopK,
-    attention_scores,
-    layer_kinds,
-    lens_top_k,
-    parameter_counts,
-    prompt_loss,
-    read_out,
-    trace,
-)
+from glassgpt.view.card import layer_kinds, parameter_counts
 from glassgpt.view.pieces import piece_text
 from glassgpt.view.values import DECIMALS, Prompt, rounded
 
@@ -80,13 +79,14 @@ class Inside:
     """What one forward pass over a prompt showed: kept for the page's next questions."""
 
     attention: Tensor  # (L, H, T, T)
+    scores: Tensor  # (L, H, T, T): before the softmax, -inf where the model hid a key
     lens: TopK  # (L + 1, T, MAX_TOP_K): after the embeddings, then after each layer
     residuals: Tensor  # (L + 1, 1, T, C): for the scores, one head's steps, sampling's view
     loss: float | None  # mean cross-entropy of the prompt's next tokens (None: one token)
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.attention, self.lens.probs, self.lens.ids, self.residuals)
+        tensors = (self.attention, self.scores, self.lens.probs, self.lens.ids, self.residuals)
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -130,15 +130,17 @@ def lower_triangle(weights: Tensor, hidden: Tensor | None = None) -> list[list[f
     return rows
 
 
-def out_of_window(tokens: int, window: int | None, cells: int | None = None) -> Tensor | None:
-    """(T, T) True where a local layer's query cannot see an earlier key: W or more positions
-    back. Shrunk to (cells, cells) as `pooled` shrinks the maps, a cell is hidden only when its
-    whole block is. None for a global layer, or a window that holds the whole prompt."""
-    if window is None or window >= tokens:
+def out_of_window(scores: Tensor, cells: int | None = None) -> Tensor | None:
+    """(T, T) True where a layer's query could not see an earlier key (a local layer's keys W or
+    more positions back), read from the layer's scores (T, T), -inf where the model's mask hid
+    a key. Shrunk to (cells, cells) as `pooled` shrinks the maps, a cell is hidden only when its
+    whole block is. None where no earlier key is hidden (a global layer, a window that holds
+    the whole prompt)."""
+    hidden = hidden_keys(scores).tril()  # (T, T): the future aside
+    if not hidden.any():
         return None
-    at = torch.arange(tokens)
-    seen = (at[:, None] - at[None, :] < window).float()  # (T, T): the band (and the future)
-    if cells is not None and tokens > cells:
+    seen = (~hidden).float()  # (T, T): the band (and the future)
+    if cells is not None and seen.shape[-1] > cells:
         seen = F.adaptive_avg_pool2d(seen[None, None], cells)[0, 0]  # (cells, cells)
     return seen == 0
 
@@ -297,6 +299,7 @@ class RunView:
             seen = trace(self.model, prompt.idx, ablation)  # batch of one
             lens = lens_top_k(self.model, seen.residuals, MAX_TOP_K)[:, 0]  # (L + 1, T, k)
             inside = Inside(attention=seen.attention[:, 0].float().cpu(),  # (L, H, T, T)
+                            scores=seen.scores[:, 0].float().cpu(),  # (L, H, T, T)
                             lens=TopK(lens.probs.float().cpu(), lens.ids.cpu()),
                             residuals=seen.residuals,
                             loss=prompt_loss(self.model, seen, prompt.idx))
@@ -319,14 +322,11 @@ class RunView:
             raise InputError(f"kind must be one of {', '.join(ATTENTION_KINDS)}, got {kind!r:.40}")
         encoded = self.encode(prompt)
         inside = self.inside(encoded)
-        if kind == "weights":
-            maps = inside.attention[layer]  # (H, T, T)
-        else:
-            maps = attention_scores(self.model, inside.residuals, layer)[0].float().cpu()
+        maps = (inside.attention if kind == "weights" else inside.scores)[layer]  # (H, T, T)
         heads = list(range(config.n_head)) if head is None else [head]
         shown = maps[heads]  # (heads, T, T)
         window = self.model.blocks[layer].attn.window
-        hidden = out_of_window(len(encoded.ids), window)
+        hidden = out_of_window(inside.scores[layer, 0])  # one mask serves every head
         return {"layer": layer, "heads": heads, "tokens": len(encoded.ids), "kind": kind,
                 "attention": "global" if window is None else "local", "window": window,
                 "kv_head_of": [self._kv_head(layer, h) for h in heads],
@@ -342,10 +342,10 @@ class RunView:
         at most THUMBNAIL_CELLS x THUMBNAIL_CELLS (a longer prompt's cells are averaged). A
         cell a local layer's window hides entirely is None."""
         encoded = self.encode(prompt)
-        maps = pooled(self.inside(encoded).attention, THUMBNAIL_CELLS)  # (L, H, n, n)
+        inside = self.inside(encoded)
+        maps = pooled(inside.attention, THUMBNAIL_CELLS)  # (L, H, n, n)
         n, T = maps.shape[-1], len(encoded.ids)
-        hidden = [out_of_window(T, block.attn.window, THUMBNAIL_CELLS)
-                  for block in self.model.blocks]
+        hidden = [out_of_window(scores[0], THUMBNAIL_CELLS) for scores in inside.scores]
         return {"tokens": T, "cells": n, "pooled": n < T,
                 "weights": [[lower_triangle(head, gone) for head in layer]
                             for layer, gone in zip(maps, hidden, strict=True)],
@@ -356,12 +356,13 @@ class RunView:
         weights[layer][head] over keys 0..position, None for a key a local layer's window hides."""
         encoded = self.encode(prompt)
         check_index("position", position, len(encoded.ids))
-        rows = self.inside(encoded).attention[:, :, position, :position + 1]  # (L, H, p + 1)
-        weights = rounded(rows)
-        for heads, block in zip(weights, self.model.blocks, strict=True):
-            first = 0 if block.attn.window is None else position - block.attn.window + 1
+        inside = self.inside(encoded)
+        weights = rounded(inside.attention[:, :, position, :position + 1])  # (L, H, p + 1)
+        # The keys each layer hid from this query (one mask serves every head): (L, p + 1)
+        hidden = hidden_keys(inside.scores[:, 0, position, :position + 1]).tolist()
+        for heads, gone in zip(weights, hidden, strict=True):
             for row in heads:
-                row[:max(0, first)] = [None] * max(0, first)
+                row[:] = [None if out else value for value, out in zip(row, gone, strict=True)]
         return {"position": position, "weights": weights}
 
     # --- inside one head ---------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The page's "Inside one head" panel as JSON-ready values: one query token through one head,
-step by step, with the model's numbers (`lens.head_steps`) and the lines that compute them.
+step by step, with the model's numbers (`glassgpt.interp.heads.head_steps`, read from one
+run's hook points) and the lines that compute them.
 
 The titles say what this layer really does: the scale the scores are multiplied by (1/sqrt(d),
 or query_pre_attn_scalar's), the soft-cap when the config sets one, and on a local layer the
@@ -14,8 +15,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from glassgpt.view import causal, checks
-from glassgpt.view.lens import HeadSteps, head_steps, score_scale
+from glassgpt.attention import score_scale
+from glassgpt.interp import checks
+from glassgpt.interp.heads import HeadSteps, head_steps
+from glassgpt.view import causal
 from glassgpt.view.values import Prompt, View, step_answer
 
 
@@ -95,13 +98,13 @@ def head_answer(view: Any, prompt: str, layer: int, head: int, position: int
     checks.index("head", head, config.n_head)
     encoded = view.encode(prompt)
     checks.index("position", position, len(encoded.ids))
-    steps = head_steps(view.model, encoded.idx, layer, head, position,
-                       view.inside(encoded).residuals)
+    steps = head_steps(view.model, encoded.idx, layer, head, position)
     seen = seen_keys(steps)
     attn = view.model.blocks[layer].attn
     return {"layer": layer, "head": head, "position": position, "kv_head": steps.kv_head,
             "n_kv_head": attn.n_kv_head, "head_dim": steps.q.shape[0],
             "attention": "global" if attn.window is None else "local", "window": attn.window,
-            "scale": score_scale(attn), "softcap": attn.softcap, "first_key": seen.start,
+            "scale": score_scale(attn.head_dim, attn.scale), "softcap": attn.softcap,
+            "first_key": seen.start,
             "steps": [step_answer(name, title, values, steps.sources[name])
                       for name, title, values in table(view, encoded, steps, seen)]}

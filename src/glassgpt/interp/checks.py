@@ -1,4 +1,4 @@
-"""The checks of what the lens and the view are given: indices, counts and kept traces.
+"""The checks of what the lens, the head steps and the view are given: indices, counts, traces.
 
 A careless value (a layer of 1.5 or True, a trace of another model, a prompt of another length)
 is an InputError naming it, raised before any tensor work: never a torch error from deep inside
