@@ -17,7 +17,13 @@ from pathlib import Path
 from glassgpt.config import GPTConfig
 from glassgpt.errors import CheckpointError
 from glassgpt.hf import interop
-from glassgpt.hf.files import MAX_TOKENIZER_BYTES, PADDING_LIMIT, UNUSED_TOKEN, name_padding_ids
+from glassgpt.hf.files import (
+    MAX_TOKENIZER_BYTES,
+    PADDING_LIMIT,
+    UNUSED_TOKEN,
+    load_hf_tokenizer,
+    name_padding_ids,
+)
 from glassgpt.rundir.checkpoint import Run, describe_weights, load_model, save_model
 from glassgpt.rundir.directory import commit_files
 from glassgpt.storage import files
@@ -171,7 +177,7 @@ def _source_tokenizer(directory: interop.HFDirectory,
         tokenizer = _user_tokenizer(Path(tokenizer_file))
         hf_tokenizer = tokenizer.tokenizer if isinstance(tokenizer, BPETokenizer) else None
     else:
-        hf_tokenizer = interop.load_hf_tokenizer(directory)
+        hf_tokenizer = load_hf_tokenizer(directory)
         if hf_tokenizer is None:
             raise CheckpointError(f"{directory.name} has no tokenizer (tokenizer.json, or "
                                   f"vocab.json and merges.txt); pass one with --tokenizer "

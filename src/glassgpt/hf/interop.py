@@ -48,7 +48,6 @@ from glassgpt.hf.files import (
     write_export_marker,
 )
 from glassgpt.hf.files import MissingExtraError as MissingExtraError
-from glassgpt.hf.files import load_hf_tokenizer as load_hf_tokenizer
 from glassgpt.hf.rotary import RotaryTranslation
 from glassgpt.machine.distributed import unwrap_model
 from glassgpt.model import GPT
