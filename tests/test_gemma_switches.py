@@ -13,7 +13,7 @@ import torch
 
 from glassgpt import ConfigError, GPTConfig
 from glassgpt.attention import MultiHeadSelfAttention, build_attention_mask
-from glassgpt.block import GeGLUFeedForward, TransformerBlock
+from glassgpt.block import GeGLUFeedForward, TransformerBlock, sandwich_sublayers
 from glassgpt.decoding.generate import generate
 from glassgpt.interp import run_with_cache
 from glassgpt.model import GPT, count_parameters, parameter_count
@@ -119,7 +119,7 @@ def test_a_block_with_post_norms_normalises_each_output_before_adding_it():
     config = GPTConfig(**{**GEMMA, "sliding_window": None, "local_layers": None,
                           "rope_local_theta": None})
     block = randomized(TransformerBlock.from_config(config).double())
-    assert block.forward.__func__ is TransformerBlock.sandwich_forward  # chosen when built
+    assert block.sublayers is sandwich_sublayers  # chosen when built
     x = torch.randn(2, 5, 24, dtype=torch.float64)
     u = x + block.ln1_post(block.attn(block.ln1(x)))
     z = u + block.ln2_post(block.ffn(block.ln2(u)))

@@ -163,7 +163,7 @@ def test_inside_one_head_shows_q_and_k_before_qk_norm_and_the_rotation(client, v
     close(steps["k_proj"]["values"], cache["blocks.1.attn.hook_k"][0, :8, kv])
     assert "hook_q(" in steps["q_proj"]["source"]["text"]
     if attn.q_norm is not None:
-        close(steps["q_normed"]["values"], cache["blocks.1.attn.q_norm.hook_normalized"][0, 3, 7])
+        close(steps["q_normed"]["values"], cache["blocks.1.attn.q_norm.hook_normalized"][0, 7, 3])
         assert steps["q_normed"]["source"]["file"] == "norms.py"
     if attn.rotary is not None:
         close(steps["q"]["values"], cache["blocks.1.attn.hook_rot_q"][0, 7, 3])
