@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import attention_with_weights
-from glassgpt.attention import KVCache, MultiHeadSelfAttention, PerHeadSelfAttention
+from glassgpt.attention import KVCache, MultiHeadSelfAttention
 from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError, InputError
+from glassgpt.experiments.references import PerHeadSelfAttention, to_torch_multihead
 
 B, T, C, H = 3, 7, 24, 4
 IMPLS = ("fused", "explicit")
@@ -134,7 +135,7 @@ def test_parallel_heads_equal_per_head_loop_without_bias(causal):
 @pytest.mark.parametrize("padded", [False, True], ids=["no-pad", "pad"])
 def test_matches_torch_multihead_attention(impl, causal, padded):
     attn = make_attention(causal, impl)
-    mha = attn.to_torch_multihead().eval()
+    mha = to_torch_multihead(attn).eval()
     x = torch.randn(B, T, C, dtype=torch.float64)
     pad = make_pad_mask() if padded else None
     causal_mask = torch.ones(T, T, dtype=torch.bool).triu(1) if causal else None  # True = hide
@@ -155,7 +156,7 @@ def test_matches_torch_multihead_attention(impl, causal, padded):
 
 def test_torch_multihead_copy_without_bias_computes_the_same():
     attn = MultiHeadSelfAttention(C, H, causal=True, bias=False).double().eval()
-    mha = attn.to_torch_multihead()
+    mha = to_torch_multihead(attn)
     assert mha.in_proj_bias is None and mha.batch_first and not mha.training
     x = torch.randn(B, T, C, dtype=torch.float64)
     causal_mask = torch.ones(T, T, dtype=torch.bool).triu(1)

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from glassgpt import ConfigError, GPTConfig
-from glassgpt.attention import MultiHeadSelfAttention, PerHeadSelfAttention
+from glassgpt.attention import MultiHeadSelfAttention
 from glassgpt.decoding import EagerEngine
 from glassgpt.decoding.generate import generate
 from glassgpt.errors import InputError
+from glassgpt.experiments.references import PerHeadSelfAttention, to_torch_multihead
 from glassgpt.interp import run_with_cache
 from glassgpt.machine.memory import activation_floats_per_token
 from glassgpt.model import GPT, count_parameters, parameter_count
@@ -119,7 +120,7 @@ def test_the_classic_references_refuse_an_own_head_width_or_qkv_only_biases():
         with pytest.raises(InputError, match="own head width or q/k/v-only biases"):
             PerHeadSelfAttention.from_parallel(attn)
         with pytest.raises(InputError, match="own head width or q/k/v-only biases"):
-            attn.to_torch_multihead()
+            to_torch_multihead(attn)
 
 
 # --- the config ---------------------------------------------------------------------------------

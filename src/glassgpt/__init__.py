@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 _HOMES = {
     "KVCache": "glassgpt.attention",
     "MultiHeadSelfAttention": "glassgpt.attention",
-    "PerHeadSelfAttention": "glassgpt.attention",
+    "PerHeadSelfAttention": "glassgpt.experiments.references",
     "FeedForward": "glassgpt.block",
     "ManualLayerNorm": "glassgpt.norms",
     "TransformerBlock": "glassgpt.block",
@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # what a type checker and an editor see; nothing here runs
-    from glassgpt.attention import KVCache, MultiHeadSelfAttention, PerHeadSelfAttention
+    from glassgpt.attention import KVCache, MultiHeadSelfAttention
     from glassgpt.block import FeedForward, TransformerBlock
     from glassgpt.config import GPTConfig, SamplingConfig, TrainConfig, load_preset, preset_names
     from glassgpt.decoding.generate import generate, generate_stream
@@ -75,6 +75,7 @@ if TYPE_CHECKING:  # what a type checker and an editor see; nothing here runs
         InputError,
         TokenizerError,
     )
+    from glassgpt.experiments.references import PerHeadSelfAttention
     from glassgpt.model import GPT, TransformerLM, count_parameters
     from glassgpt.norms import ManualLayerNorm
 

@@ -7,8 +7,8 @@ Notation used in every shape comment of this file:
 `MultiHeadSelfAttention` keeps two paths that compute the same numbers:
   * explicit: scores = q @ k^T / sqrt(d), mask, softmax, dropout, weights @ v  (you can see it all)
   * fused:    torch.nn.functional.scaled_dot_product_attention                  (fast kernels)
-`PerHeadSelfAttention` is the textbook "one module per head, then concatenate" form; it exists so
-tests can prove that treating heads as a batch dimension changes nothing.
+The textbook forms it is checked against (one module per head; `nn.MultiheadAttention`) are
+`glassgpt.experiments.references`'s.
 Plain PyTorch only: the speed paths of decoding live beside the model, in `glassgpt.decoding`.
 
 The modern switches (docs/modern.md) are steps added to the same path, each off by default:
@@ -196,7 +196,7 @@ class MultiHeadSelfAttention(nn.Module):
     """Multi-head self-attention: one `qkv` projection, heads as a batch dimension, one `proj`.
 
     `qkv` is Linear(C, 3C) producing Q, K, V in that order along the last axis, and `proj` is
-    W_O; both copy 1:1 into `nn.MultiheadAttention` (`in_proj_*`, `out_proj`).
+    W_O; both copy 1:1 into `nn.MultiheadAttention` (`reference.to_torch_multihead`).
     `impl="fused"` uses scaled_dot_product_attention; the explicit path runs instead whenever
     the scores or the pattern are watched (a hook on `hook_attn_scores` or `hook_pattern`), with
     a soft-cap, or with `impl="explicit"`.
@@ -276,26 +276,6 @@ class MultiHeadSelfAttention(nn.Module):
                 and self.q_norm is None and self.rotary is None and self.window is None
                 and self.scale is None and self.softcap is None
                 and (self.qkv.bias is None) == (self.proj.bias is None))
-
-    def to_torch_multihead(self) -> nn.MultiheadAttention:
-        """An `nn.MultiheadAttention` (batch_first) computing the same: qkv -> in_proj, proj ->
-        out_proj, copied 1:1 because both keep Q, K, V stacked in that order."""
-        if not self.is_classic():
-            raise InputError("nn.MultiheadAttention has no grouped K/V, QK-norm, rotary "
-                             "positions, own head width or q/k/v-only biases; only a classic "
-                             "attention module converts")
-        bias = self.qkv.bias is not None
-        weight = self.qkv.weight
-        mha = nn.MultiheadAttention(self.d_model, self.n_heads, dropout=self.dropout_p,
-                                    bias=bias, batch_first=True, device=weight.device,
-                                    dtype=weight.dtype)
-        with torch.no_grad():
-            mha.in_proj_weight.copy_(weight)
-            mha.out_proj.weight.copy_(self.proj.weight)
-            if bias:
-                mha.in_proj_bias.copy_(self.qkv.bias)
-                mha.out_proj.bias.copy_(self.proj.bias)
-        return mha.train(self.training)
 
     def split_heads(self, x: Tensor) -> Tensor:
         """(B, T, n * d) -> (B, n, T, d): each head becomes a batch entry of its own."""
@@ -391,63 +371,3 @@ class MultiHeadSelfAttention(nn.Module):
         mask = build_attention_mask(q.shape[2], k.shape[2], self.causal, pad_mask, q.device,
                                     self.window)
         return attention_scores(q, k, self.scale, self.softcap, mask)
-
-
-class AttentionHead(nn.Module):
-    """One head on its own: its own Q, K, V projections to width d. Reference only."""
-
-    def __init__(self, d_model: int, head_dim: int, bias: bool = True):
-        super().__init__()
-        self.query = nn.Linear(d_model, head_dim, bias=bias)
-        self.key = nn.Linear(d_model, head_dim, bias=bias)
-        self.value = nn.Linear(d_model, head_dim, bias=bias)
-
-    def forward(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
-        """x (B, T, C) -> (output (B, T, d), weights (B, T, T))."""
-        q, k, v = self.query(x), self.key(x), self.value(x)  # 3 x (B, T, d)
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, T, T)
-        weights = masked_softmax(scores, mask)
-        return weights @ v, weights
-
-
-class PerHeadSelfAttention(nn.Module):
-    """The "ModuleList of heads, then concatenate" form of multi-head attention (no dropout).
-
-    Slow and plain on purpose: it is the reference that `MultiHeadSelfAttention` is checked against.
-    Build it from a `MultiHeadSelfAttention` with `from_parallel` to share the same weights.
-    """
-
-    def __init__(self, d_model: int, n_heads: int, causal: bool = True, bias: bool = True):
-        super().__init__()
-        head_dim = check_heads_divide_width(d_model, n_heads)
-        self.causal = causal
-        self.heads = nn.ModuleList(AttentionHead(d_model, head_dim, bias) for _ in range(n_heads))
-        self.proj = nn.Linear(d_model, d_model, bias=bias)
-
-    @classmethod
-    def from_parallel(cls, attn: MultiHeadSelfAttention) -> PerHeadSelfAttention:
-        """A per-head module holding exactly the weights of `attn`, sliced head by head."""
-        if not attn.is_classic():
-            raise InputError("the per-head reference is the classic form: no grouped K/V, "
-                             "QK-norm, rotary positions, own head width or q/k/v-only biases")
-        bias = attn.qkv.bias is not None
-        ref = cls(attn.d_model, attn.n_heads, attn.causal, bias).to(attn.qkv.weight)
-        C, d = attn.d_model, attn.head_dim
-        with torch.no_grad():
-            for h, head in enumerate(ref.heads):
-                rows = slice(h * d, (h + 1) * d)
-                for i, linear in enumerate((head.query, head.key, head.value)):
-                    linear.weight.copy_(attn.qkv.weight[i * C:(i + 1) * C][rows])
-                    if bias:
-                        linear.bias.copy_(attn.qkv.bias[i * C:(i + 1) * C][rows])
-            ref.proj.load_state_dict(attn.proj.state_dict())
-        return ref
-
-    def forward(self, x: Tensor, pad_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """x (B, T, C) -> (y (B, T, C), weights (B, H, T, T))."""
-        T = x.shape[1]
-        mask = build_attention_mask(T, T, self.causal, pad_mask, x.device)
-        mask = None if mask is None else mask[:, 0]  # (B or 1, T, T): one head at a time
-        outputs, weights = zip(*(head(x, mask) for head in self.heads), strict=True)
-        y = torch.cat(outputs, dim=-1)  # H x (B, T, d) -> (B, T, C)
-        return self.proj(y), torch.stack(weights, dim=1)  # (B, T, C), (B, H, T, T)

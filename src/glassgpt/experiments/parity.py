@@ -14,7 +14,8 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor
 
-from glassgpt.attention import MultiHeadSelfAttention, PerHeadSelfAttention
+from glassgpt.attention import MultiHeadSelfAttention
+from glassgpt.experiments.references import PerHeadSelfAttention, to_torch_multihead
 from glassgpt.experiments.results import Check, ExperimentResult, Table
 from glassgpt.figures import LABEL_PT, label_axes, new_figure, save_figure
 from glassgpt.hooks import recorded
@@ -53,7 +54,7 @@ def compare(causal: bool, x: Tensor, pad: Tensor,
     y_loop, w_loop = PerHeadSelfAttention.from_parallel(attn)(x, pad_mask=pad)
     y_fused = attn(x, pad_mask=pad)  # unwatched: the SDPA path
     future = torch.ones(T, T, dtype=torch.bool).triu(diagonal=1) if causal else None
-    mha = attn.to_torch_multihead().eval()
+    mha = to_torch_multihead(attn).eval()
     y_mha, w_mha = mha(x, x, x, key_padding_mask=pad, attn_mask=future, need_weights=True,
                        average_attn_weights=False)
     return {  # SDPA returns no weights, hence None
