@@ -1,10 +1,12 @@
-"""`glassgpt convert`: Hugging Face GPT-2, Llama and Qwen3 weights into a run directory, and back.
+"""`glassgpt convert`: Hugging Face weights into a run directory, and back.
 
     glassgpt convert --from-hf NAME_OR_DIR --out RUN_DIR   # hub name (e.g. gpt2) or local dir
     glassgpt convert RUN_DIR --to-hf OUT_DIR               # a save_pretrained directory
 
-The export writes the architecture the run has: GPT-2 (learned positions, LayerNorm), Qwen3
-(rotary, RMSNorm, SwiGLU and QK-norm) or Llama (the same without QK-norm).
+The families, both ways: GPT-2, Llama (3.x too), Qwen2/2.5, Qwen3, SmolLM3, Gemma 2 and 3, and
+GPT-NeoX (its sequential block). The export writes the architecture the run has: GPT-2 (learned
+positions, LayerNorm), GPT-NeoX (rotary, LayerNorm, a plain MLP), Qwen3 (rotary, RMSNorm, SwiGLU
+and QK-norm), Llama (the same without QK-norm), or the others where their switches are set.
 
 Exporting, and downloading a hub name, need the optional extra `hf` (transformers); importing a
 local directory needs nothing more, because glassgpt reads it itself (safetensors only).
@@ -28,16 +30,17 @@ if TYPE_CHECKING:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "convert", help="import or export Hugging Face GPT-2, Llama and Qwen3 weights",
-        description="Import a Hugging Face GPT-2, Llama or Qwen3 (hub name or save_pretrained "
-                    "directory) into a run directory, or export a run to a save_pretrained "
-                    "directory of the architecture it has. Exporting, and downloading, need "
-                    f"{INSTALL_HINT}.")
+        "convert", help="import or export Hugging Face weights (GPT-2, Llama, Qwen, Gemma, NeoX)",
+        description="Import a Hugging Face GPT-2, Llama, Qwen2/3, SmolLM3, Gemma 2/3 or "
+                    "GPT-NeoX (hub name or save_pretrained directory) into a run directory, "
+                    "or export a run to a save_pretrained directory of the architecture it has. "
+                    f"Exporting, and downloading, need {INSTALL_HINT}.")
     parser.add_argument("run_dir", nargs="?", metavar="RUN_DIR", type=nonempty_arg,
                         help="run directory to export (with --to-hf)")
     parser.add_argument("--from-hf", metavar="NAME_OR_DIR", type=nonempty_arg,
                         help="hub model name (e.g. gpt2) or a save_pretrained directory of a "
-                             "GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM")
+                             "GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM, ... "
+                             "(docs/interop.md lists them)")
     parser.add_argument("--out", metavar="RUN_DIR", type=nonempty_arg,
                         help="new run directory for --from-hf")
     parser.add_argument("--to-hf", metavar="OUT_DIR", type=nonempty_arg,
