@@ -24,6 +24,9 @@ weight's features are permuted.
 
 Each translation refuses, with one line naming the setting, what the other side would compute
 differently (a rotary scaling glassgpt lacks, sliding windows, biases glassgpt cannot place).
+An export declares per family which GPTConfig fields its HF config writes (`FamilyFields`);
+every other field must keep its default, or it is refused by name, with the switches that
+chose the family (tests/test_export_coverage.py walks every field on every family).
 Settings come from config.json as glassgpt.hf.files reads it, or from a `transformers` config
 object: both are read by attribute, with transformers' defaults for what is left out. The
 rotary settings are glassgpt.hf.rotary's, the steps every family shares
@@ -44,15 +47,16 @@ from glassgpt.hf.rotary import PLAIN_ROTARY, rotary_from_hf
 from glassgpt.hf.translation import (
     ACTIVATION_FROM_HF,
     ACTIVATION_TO_HF,
-    GEMMA_SWITCHES_OFF,
+    DECODER_WRITTEN,
     LLAMA_NAMES,
     ROTARY_BUFFER_SUFFIXES,
+    ROTARY_WRITTEN,
     Architecture,
+    FamilyFields,
     decoder_fields,
     decoder_settings,
     one_dropout_rate,
     reader,
-    refuse_if_set,
 )
 
 SILU_NAMES = ("silu", "swish")  # transformers' two names for x * sigmoid(x), SwiGLU's gate
@@ -82,6 +86,13 @@ GPT2_NAMES: dict[str, str | tuple[str, ...]] = {
 }
 GPT2_CONV1D = frozenset({"blocks.{i}.attn.qkv.weight", "blocks.{i}.attn.proj.weight",
                          "blocks.{i}.ffn.fc.weight", "blocks.{i}.ffn.proj.weight"})
+# What GPT2Config holds of a GPTConfig; rope_theta is a rotary base, and learned positions
+# rotate nothing.
+GPT2_FIELDS = FamilyFields(
+    "GPT-2", dict(position="learned", norm="layernorm", pre_ln=True, bias=True),
+    frozenset({"vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout",
+               "activation", "norm_eps", "tie_weights"}),
+    inert=frozenset({"rope_theta"}))
 
 
 # --- GPT-2 -----------------------------------------------------------------------------------
@@ -146,8 +157,7 @@ def gpt2_settings(config: GPTConfig) -> dict[str, Any]:
     if config.activation not in ACTIVATION_TO_HF:
         raise ConfigError(f"activation={config.activation!r} cannot be exported as GPT-2, "
                           f"which supports {sorted(ACTIVATION_TO_HF)}")
-    refuse_if_set(config, "GPT-2", mlp_hidden=4 * config.n_embd, n_kv_head=config.n_head,
-                  qk_norm=False, logit_softcap=None, **GEMMA_SWITCHES_OFF)
+    GPT2_FIELDS.refuse_unwritten(config)
     return dict(
         vocab_size=config.vocab_size,
         n_positions=config.block_size,
@@ -237,15 +247,29 @@ def _biases(setting: Callable[[str], Any], model_type: str) -> dict[str, bool]:
     return {"bias": attention}
 
 
+# What the Llama family's configs hold of a GPTConfig: its block, and each member's own switch.
+LLAMA_BLOCK = dict(position="rope", norm="rmsnorm", activation="swiglu", pre_ln=True)
+LLAMA_WRITTEN = DECODER_WRITTEN | ROTARY_WRITTEN | {"bias"}
+OTHER_EXPORTS = ("; GPT-2 (learned positions, LayerNorm, a plain MLP) and GPT-NeoX (rotary, "
+                 "LayerNorm, a plain MLP) are the others glassgpt exports")
+LLAMA_FIELDS = FamilyFields("Llama", LLAMA_BLOCK, LLAMA_WRITTEN, hint=OTHER_EXPORTS)
+QWEN3_FIELDS = FamilyFields("Qwen3", {**LLAMA_BLOCK, "qk_norm": True}, LLAMA_WRITTEN,
+                            hint=OTHER_EXPORTS)
+QWEN2_FIELDS = FamilyFields("Qwen2", {**LLAMA_BLOCK, "bias": False, "qkv_bias": True},
+                            LLAMA_WRITTEN, hint=OTHER_EXPORTS)
+SMOLLM3_FIELDS = FamilyFields("SmolLM3", LLAMA_BLOCK, LLAMA_WRITTEN | {"nope_layers"},
+                              hint=OTHER_EXPORTS)
+
+
 def llama_settings(config: GPTConfig) -> dict[str, Any]:
     """LlamaConfig's settings for `config`; a ConfigError names any switch Llama lacks."""
-    _check_llama_family(config, "Llama", qk_norm=False, nope_layers=None)
+    _check_llama_family(config, LLAMA_FIELDS)
     return {**_llama_family_settings(config), "mlp_bias": config.bias}
 
 
 def qwen3_settings(config: GPTConfig) -> dict[str, Any]:
     """Qwen3Config's settings for `config`; a ConfigError names any switch Qwen3 lacks."""
-    _check_llama_family(config, "Qwen3", qk_norm=True, nope_layers=None)
+    _check_llama_family(config, QWEN3_FIELDS)
     if config.bias:
         raise ConfigError("bias=True with qk_norm cannot be exported: Qwen3 has biases in "
                           "attention only, never in its MLP")
@@ -255,10 +279,7 @@ def qwen3_settings(config: GPTConfig) -> dict[str, Any]:
 
 def qwen2_settings(config: GPTConfig) -> dict[str, Any]:
     """Qwen2Config's settings for `config`: biases on q, k and v, none elsewhere."""
-    _check_llama_family(config, "Qwen2", qk_norm=False, nope_layers=None)
-    if config.bias or not config.has_qkv_bias:
-        raise ConfigError(f"bias={config.bias}, qkv_bias={config.qkv_bias} cannot be exported "
-                          f"as Qwen2, which has biases on q, k and v and nowhere else")
+    _check_llama_family(config, QWEN2_FIELDS)  # its block: biases on q, k and v alone
     settings = _llama_family_settings(config)
     del settings["attention_bias"]  # Qwen2's q, k, v biases are not a setting
     return {**settings, "use_sliding_window": False,
@@ -267,25 +288,19 @@ def qwen2_settings(config: GPTConfig) -> dict[str, Any]:
 
 def smollm3_settings(config: GPTConfig) -> dict[str, Any]:
     """SmolLM3Config's settings for `config`: Llama with layers that skip rotary (NoPE)."""
-    _check_llama_family(config, "SmolLM3", qk_norm=False)
+    _check_llama_family(config, SMOLLM3_FIELDS)
     nope = set(config.nope_layers or ())
     return {**_llama_family_settings(config), "mlp_bias": config.bias,
             "no_rope_layers": [int(i not in nope) for i in range(config.n_layer)],
             "use_sliding_window": False, "layer_types": ["full_attention"] * config.n_layer}
 
 
-def _check_llama_family(config: GPTConfig, title: str, **plain: Any) -> None:
-    required = {"position": "rope", "norm": "rmsnorm", "activation": "swiglu", "pre_ln": True}
-    for switch, value in required.items():
-        if getattr(config, switch) != value:
-            raise ConfigError(f"{switch}={getattr(config, switch)!r} cannot be exported: "
-                              f"{title} has {switch}={value!r}; GPT-2 (learned positions, "
-                              f"LayerNorm, a plain MLP) and GPT-NeoX (rotary, LayerNorm, a "
-                              f"plain MLP) are the others glassgpt exports")
-    if title != "Qwen2" and config.has_qkv_bias != config.bias:
+def _check_llama_family(config: GPTConfig, family: FamilyFields) -> None:
+    family.check_block(config)
+    if family is not QWEN2_FIELDS and config.has_qkv_bias != config.bias:
         raise ConfigError(f"qkv_bias={config.qkv_bias} beside bias={config.bias} cannot be "
-                          f"exported as {title}: biases on q, k and v alone are Qwen2's")
-    refuse_if_set(config, title, logit_softcap=None, **GEMMA_SWITCHES_OFF, **plain)
+                          f"exported as {family.title}: biases on q, k and v alone are Qwen2's")
+    family.refuse_unwritten(config)
 
 
 def _llama_family_settings(config: GPTConfig) -> dict[str, Any]:
@@ -322,19 +337,33 @@ def architecture_of(model_type: Any) -> Architecture:
 
 
 def architecture_for(config: GPTConfig) -> Architecture:
-    """The HF architecture that computes what `config` does: GPT-2 for learned positions;
-    Gemma's block (its post-norms, 1 + w norms or scaled embeddings) is Gemma 3 with QK-norm,
-    Gemma 2 without; other rotary ones are GPT-NeoX with LayerNorm and a plain (ungated) MLP,
-    else Qwen3 with QK-norm, SmolLM3 with NoPE layers, Qwen2 with biases on q, k and v alone,
-    Llama otherwise. Whether it can hold every other switch is its settings' check."""
+    """The HF architecture that computes what `config` does (`family_choice`'s)."""
+    return family_choice(config)[0]
+
+
+def family_choice(config: GPTConfig) -> tuple[Architecture, str]:
+    """The HF architecture that computes what `config` does, and the switches that chose it:
+    GPT-2 for learned positions; Gemma's block (its post-norms,
+    1 + w norms or scaled embeddings) is Gemma 3 with QK-norm, Gemma 2 without; other rotary
+    ones are GPT-NeoX with LayerNorm and a plain (ungated) MLP, else Qwen3 with QK-norm, SmolLM3
+    with NoPE layers, Qwen2 with biases on q, k and v alone, Llama otherwise. Whether it can
+    hold every other switch is its settings' check, whose refusal names the switches that chose
+    it: the one a user changed may have moved the config to another family."""
     if config.position == "learned":
-        return GPT2
-    if config.post_norms or config.norm_offset or config.embed_scale:
-        return GEMMA3 if config.qk_norm else GEMMA2
+        return GPT2, "position='learned'"
+    gemma = [f"{name}=True" for name in ("post_norms", "norm_offset", "embed_scale")
+             if getattr(config, name)]
+    if gemma:
+        if config.qk_norm:
+            return GEMMA3, " and ".join([*gemma, "qk_norm=True"])
+        return GEMMA2, " and ".join(gemma)
+    norm_and_mlp = f"norm={config.norm!r} and activation={config.activation!r}"
     if config.norm == "layernorm" and config.activation not in GATED_ACTIVATIONS:
-        return GPT_NEOX
+        return GPT_NEOX, norm_and_mlp
     if config.qk_norm:
-        return QWEN3
+        return QWEN3, "qk_norm=True"
     if config.nope_layers:
-        return SMOLLM3
-    return QWEN2 if config.has_qkv_bias and not config.bias else LLAMA
+        return SMOLLM3, f"nope_layers={config.nope_layers}"
+    if config.has_qkv_bias and not config.bias:
+        return QWEN2, f"qkv_bias={config.qkv_bias} beside bias=False"
+    return LLAMA, norm_and_mlp

@@ -29,14 +29,16 @@ from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError
 from glassgpt.hf.rotary import LAYERED_ROTARY, PLAIN_ROTARY
 from glassgpt.hf.translation import (
+    DECODER_WRITTEN,
     LLAMA_NAMES,
     ROTARY_BUFFER_SUFFIXES,
+    ROTARY_WRITTEN,
     Architecture,
+    FamilyFields,
     decoder_fields,
     decoder_settings,
     llama_layer,
     reader,
-    refuse_if_set,
 )
 
 # HF activation names of the tanh GELU (GeGLU's gate), and the one an export writes.
@@ -48,6 +50,14 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 GEMMA_SWITCHES = dict(position="rope", norm="rmsnorm", activation="geglu", pre_ln=True,
                       post_norms=True, norm_offset=True, embed_scale=True, bias=False)
 GEMMA2_PATTERN = 2  # Gemma 2 without layer_types: every second layer global
+# What Gemma's configs hold of a GPTConfig: Gemma 3 has QK-norm and a local rotary base, Gemma 2
+# soft-capped scores.
+GEMMA_WRITTEN = DECODER_WRITTEN | ROTARY_WRITTEN | {
+    "sliding_window", "local_layers", "query_pre_attn_scalar", "logit_softcap"}
+GEMMA3_FIELDS = FamilyFields("Gemma 3", {**GEMMA_SWITCHES, "qk_norm": True},
+                             GEMMA_WRITTEN | {"rope_local_theta"})
+GEMMA2_FIELDS = FamilyFields("Gemma 2", {**GEMMA_SWITCHES, "qk_norm": False},
+                             GEMMA_WRITTEN | {"attn_softcap"})
 
 
 # Llama's names without its biases (Gemma has none), its ln2 renamed: Gemma's norm before the
@@ -144,38 +154,36 @@ def _window(setting: Callable[[str], Any]) -> int:
 def gemma3_settings(config: GPTConfig) -> dict[str, Any]:
     """Gemma3TextConfig's settings for `config` (the rotary apart: LAYERED_ROTARY's kwargs);
     a ConfigError names any switch Gemma 3 lacks."""
-    _check_gemma(config, "Gemma 3", qk_norm=True)
-    refuse_if_set(config, "Gemma 3", attn_softcap=None)
+    _check_gemma(config, GEMMA3_FIELDS)
     local = any(config.is_local(i) for i in range(config.n_layer))
     if local and config.rope_scaling is not None and config.rope_local_theta is None:
         raise ConfigError(f"rope_scaling={config.rope_scaling!r} on the local layers cannot be "
                           f"exported: Gemma 3's local layers rotate unscaled (give them "
                           f"rope_local_theta)")
+    GEMMA3_FIELDS.refuse_unwritten(config)
     return {**_gemma_settings(config), "attn_logit_softcapping": None}
 
 
 def gemma2_settings(config: GPTConfig) -> dict[str, Any]:
     """Gemma2Config's settings for `config` (the rotary apart: PLAIN_ROTARY's kwargs); a
     ConfigError names any switch Gemma 2 lacks."""
-    _check_gemma(config, "Gemma 2", qk_norm=False)
+    _check_gemma(config, GEMMA2_FIELDS)
     if config.rope_local_theta is not None:
         raise ConfigError(f"rope_local_theta={config.rope_local_theta} cannot be exported: "
                           f"Gemma 2's layers share one rotary (Gemma 3 has QK-norm)")
+    GEMMA2_FIELDS.refuse_unwritten(config)
     return {**_gemma_settings(config), "attn_logit_softcapping": config.attn_softcap}
 
 
-def _check_gemma(config: GPTConfig, title: str, **switches: Any) -> None:
-    for switch, value in {**GEMMA_SWITCHES, **switches}.items():
-        if getattr(config, switch) != value:
-            raise ConfigError(f"{switch}={getattr(config, switch)!r} cannot be exported: "
-                              f"{title} has {switch}={value!r}")
+def _check_gemma(config: GPTConfig, family: FamilyFields) -> None:
+    family.check_block(config)
     if config.has_qkv_bias:
-        raise ConfigError(f"qkv_bias={config.qkv_bias} cannot be exported: {title} has no "
-                          f"biases")
-    refuse_if_set(config, title, nope_layers=None)
+        raise ConfigError(f"qkv_bias={config.qkv_bias} cannot be exported: {family.title} has "
+                          f"no biases")
     if config.n_embd % config.n_head:
         raise ConfigError(f"n_embd={config.n_embd} with n_head={config.n_head} cannot be "
-                          f"exported: transformers' {title} needs heads that divide the width")
+                          f"exported: transformers' {family.title} needs heads that divide "
+                          f"the width")
 
 
 def _gemma_settings(config: GPTConfig) -> dict[str, Any]:

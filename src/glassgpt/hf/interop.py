@@ -38,6 +38,7 @@ from glassgpt.hf.architectures import (
     Architecture,
     architecture_for,
     architecture_of,
+    family_choice,
 )
 from glassgpt.hf.files import INSTALL_HINT as INSTALL_HINT
 from glassgpt.hf.files import (
@@ -187,10 +188,9 @@ def hf_config_from_glassgpt(config: GPTConfig, bos_token_id: int | None = None,
                             eos_token_id: int | None = None) -> PretrainedConfig:
     """The `transformers` config of the architecture `config` is (GPT2Config, LlamaConfig,
     Qwen3Config, Qwen2Config, SmolLM3Config, Gemma3TextConfig, Gemma2Config or GPTNeoXConfig;
-    see `architecture_for`); a
-    ConfigError names any switch that architecture lacks."""
-    arch = architecture_for(config)
-    settings = arch.hf_settings(config)
+    see `architecture_for`); a ConfigError names any switch that architecture lacks."""
+    arch, chosen_by = family_choice(config)
+    settings = _settings_of(arch, chosen_by, config)
     for name, token_id in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)):
         if token_id is not None and not 0 <= token_id < config.vocab_size:
             raise ConfigError(f"{name}={token_id} is outside the vocabulary "
@@ -204,6 +204,19 @@ def hf_config_from_glassgpt(config: GPTConfig, bos_token_id: int | None = None,
     if rotary is not None:
         _check_rotary_taken(rotary, hf_config, config)
     return hf_config
+
+
+def _settings_of(arch: Architecture, chosen_by: str, config: GPTConfig) -> dict[str, Any]:
+    """`arch`'s settings for `config`; a refusal also names `chosen_by`, the switches that
+    chose `arch`, which the one it refuses may not be (post_norms=True makes a Llama config
+    Gemma 2's, which then refuses its activation)."""
+    try:
+        return arch.hf_settings(config)
+    except ConfigError as error:
+        if chosen_by in str(error):
+            raise
+        raise ConfigError(f"{error} (a config with {chosen_by} is exported as "
+                          f"{arch.title})") from error
 
 
 def _check_takes(config_class: Any, names: tuple[str, ...]) -> None:

@@ -28,18 +28,22 @@ from glassgpt.hf.rotary import NEOX_ROTARY
 from glassgpt.hf.translation import (
     ACTIVATION_FROM_HF,
     ACTIVATION_TO_HF,
-    GEMMA_SWITCHES_OFF,
+    ROTARY_WRITTEN,
     Architecture,
+    FamilyFields,
     one_dropout_rate,
     reader,
-    refuse_if_set,
     rotary_context,
     unless_usual,
 )
 
 TITLE = "GPT-NeoX"
-# What a GPT-NeoX block is in glassgpt's switches.
-NEOX_SWITCHES = dict(position="rope", norm="layernorm", pre_ln=True, bias=True)
+# What GPTNeoXConfig holds of a GPTConfig: its block in glassgpt's switches, and the fields its
+# settings write (the rotary's are NEOX_ROTARY's).
+NEOX_FIELDS = FamilyFields(
+    TITLE, dict(position="rope", norm="layernorm", pre_ln=True, bias=True),
+    ROTARY_WRITTEN | {"vocab_size", "block_size", "n_layer", "n_head", "n_embd", "mlp_hidden",
+                      "activation", "norm_eps", "tie_weights", "dropout"})
 # Buffers older checkpoints (Pythia's) stored beside the weights: the causal mask, its fill
 # value and the rotary frequencies.
 NEOX_BUFFER_SUFFIXES = (".attention.bias", ".attention.masked_bias", ".rotary_emb.inv_freq")
@@ -143,10 +147,7 @@ def neox_settings(config: GPTConfig) -> dict[str, Any]:
 
 
 def _check_neox(config: GPTConfig) -> None:
-    for switch, value in NEOX_SWITCHES.items():
-        if getattr(config, switch) != value:
-            raise ConfigError(f"{switch}={getattr(config, switch)!r} cannot be exported: "
-                              f"{TITLE} has {switch}={value!r}")
+    NEOX_FIELDS.check_block(config)
     if config.activation not in ACTIVATION_TO_HF:
         gated = " (its MLP has no gate)" if config.activation in GATED_ACTIVATIONS else ""
         raise ConfigError(f"activation={config.activation!r} cannot be exported as {TITLE}, "
@@ -157,8 +158,7 @@ def _check_neox(config: GPTConfig) -> None:
     if config.q_width != config.n_embd:
         raise ConfigError(f"head_dim={config.head_dim} cannot be exported: {TITLE}'s heads are "
                           f"n_embd / n_head = {config.n_embd / config.n_head:g} wide")
-    refuse_if_set(config, TITLE, n_kv_head=config.n_head, qk_norm=False, nope_layers=None,
-                  logit_softcap=None, **GEMMA_SWITCHES_OFF)
+    NEOX_FIELDS.refuse_unwritten(config)
 
 
 GPT_NEOX = Architecture("gpt_neox", TITLE, "GPTNeoXForCausalLM", "GPTNeoXConfig", "gpt_neox.",

@@ -1,7 +1,7 @@
 """What every Hugging Face architecture's translation shares: the `Architecture` record the
 table holds, and the small steps its settings go through both ways (a setting read with its
 family's default, a width left None where GPTConfig's default already means it, the one
-dropout rate, a switch the family lacks refused by name).
+dropout rate, the fields each family writes, with every other switch refused by name).
 
 The families themselves are glassgpt.hf.architectures (GPT-2 and the Llama family, and the
 table of all) and glassgpt.hf.gemma (Gemma 3 and 2), which imports from here and not from the
@@ -10,11 +10,13 @@ table that lists it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from glassgpt.config import GPTConfig
+from glassgpt.config_checks import ALL_ROPE_SCALING_SETTINGS
 from glassgpt.errors import ConfigError
 from glassgpt.hf.files import HF_SETTINGS
 from glassgpt.hf.rotary import RotaryTranslation
@@ -138,19 +140,66 @@ def one_dropout_rate(rates: dict[str, float]) -> float:
     return next(iter(rates.values()))
 
 
-def refuse_if_set(config: GPTConfig, title: str, **plain: Any) -> None:
-    """ConfigError for the first switch that differs from the value `title` hard-codes
-    (None counts as that value where the switch means "the usual")."""
-    for switch, value in plain.items():
-        current = getattr(config, switch, value)
-        if current is not None and current != value:
-            raise ConfigError(f"{switch}={current!r} cannot be exported: {title} has no such "
+# GPTConfig fields no HF config holds, because a trained model computes the same without them:
+# the attention path (fused and explicit agree, tests/test_attention.py) and how the weights
+# start (an export carries the weights themselves).
+NOT_COMPUTED = frozenset({"attn_impl", "zero_init_proj"})
+# The fields `decoder_settings` writes, and every rotary family's (glassgpt.hf.rotary's).
+DECODER_WRITTEN = frozenset({"vocab_size", "block_size", "n_layer", "n_head", "n_embd",
+                             "n_kv_head", "head_dim", "mlp_hidden", "norm_eps", "tie_weights",
+                             "dropout"})
+ROTARY_WRITTEN = frozenset({"rope_theta", "rope_scaling", *ALL_ROPE_SCALING_SETTINGS})
+DEFAULTS = {known.name: known.default for known in dataclasses.fields(GPTConfig)}
+# Fields whose default (None) stands for a value that follows from others: (what `config`
+# computes with, what the default would).
+DERIVED_DEFAULTS: dict[str, Callable[[GPTConfig], tuple[Any, Any]]] = {
+    "mlp_hidden": lambda config: (config.hidden_width, 4 * config.n_embd),
+    "n_kv_head": lambda config: (config.n_kv_head or config.n_head, config.n_head),
+    "head_dim": lambda config: (config.q_width, config.n_embd),
+    "qkv_bias": lambda config: (config.has_qkv_bias, config.bias),
+}
+
+
+@dataclass(frozen=True)
+class FamilyFields:
+    """What one family's HF config holds of a GPTConfig, declared once beside its settings:
+    `block`, the switches that make a config this family's block, each with the one value it
+    has; `written`, the fields its settings write; `inert`, fields its block never reads.
+    Every other field must keep its default (`refuse_unwritten`), so a switch no family writes,
+    a new GPTConfig field included, is refused by name rather than dropped
+    (tests/test_export_coverage.py walks them all)."""
+
+    title: str
+    block: dict[str, Any]
+    written: frozenset[str]
+    inert: frozenset[str] = frozenset()
+    hint: str = ""  # follows a block switch's refusal: where a config with another one goes
+
+    def check_block(self, config: GPTConfig) -> None:
+        """ConfigError for the first block switch `config` sets otherwise."""
+        for name in self.block:
+            self._refuse_unless_kept(config, name)
+
+    def refuse_unwritten(self, config: GPTConfig) -> None:
+        """ConfigError for the first field neither written nor at the value this family has
+        (its block's, else GPTConfig's default)."""
+        skipped = self.written | self.inert | NOT_COMPUTED
+        for known in dataclasses.fields(GPTConfig):
+            if known.name not in skipped:
+                self._refuse_unless_kept(config, known.name)
+
+    def _refuse_unless_kept(self, config: GPTConfig, name: str) -> None:
+        value = getattr(config, name)
+        if name in self.block:
+            if value != self.block[name]:
+                raise ConfigError(f"{name}={value!r} cannot be exported: {self.title} has "
+                                  f"{name}={self.block[name]!r}{self.hint}")
+            return
+        in_effect, default = (DERIVED_DEFAULTS[name](config) if name in DERIVED_DEFAULTS
+                              else (value, DEFAULTS[name]))
+        if in_effect != default:
+            raise ConfigError(f"{name}={value!r} cannot be exported: {self.title} has no such "
                               f"setting")
-
-
-# The switches of Gemma's block (glassgpt.hf.gemma): what every other family must leave off.
-GEMMA_SWITCHES_OFF = dict(post_norms=False, norm_offset=False, embed_scale=False,
-                          sliding_window=None, query_pre_attn_scalar=None, attn_softcap=None)
 
 
 def decoder_settings(config: GPTConfig) -> dict[str, Any]:
