@@ -23,6 +23,7 @@ from transformer_lens.model_bridge import TransformerBridge  # noqa: E402
 
 import test_interop_families as families  # noqa: E402
 import test_interop_gemma as gemma  # noqa: E402
+import test_interop_neox as neox  # noqa: E402
 from glassgpt.hf.interop import from_hf  # noqa: E402
 from glassgpt.interp import patching, run_with_cache, run_with_hooks  # noqa: E402
 from test_interop_families import FAMILIES  # noqa: E402
@@ -68,6 +69,8 @@ def tiny_hf_model(family: str) -> torch.nn.Module:
         return hf_model.eval()
     if family in FAMILIES:
         return families.hf_model(family)
+    if family == "gpt-neox":
+        return neox.neox_model()
     return gemma.hf_model(family)
 
 
@@ -89,9 +92,14 @@ def pair(request, tmp_path_factory):
 
 # One of each family glassgpt imports: GPT-2, Llama, Llama 3 with its scaled rotary, Qwen2,
 # Qwen3 (QK-norm, its own head width), SmolLM3 (layers without rotary), Gemma 2 (score cap,
-# sliding window) and Gemma 3 (local and global layers, one KV head).
+# sliding window), Gemma 3 (local and global layers, one KV head) and GPT-NeoX (rotary with
+# LayerNorm, its sequential block).
 PATCHED_FAMILIES = ["gpt2", "llama", "llama-llama3", "qwen2", "qwen3-own-head-width", "smollm3",
-                    "gemma2-softcap", "mqa-2-to-1"]
+                    "gemma2-softcap", "mqa-2-to-1", "gpt-neox"]
+# HF's GPT-NeoX sums its fused q/k/v and its attention in another order than glassgpt: the
+# activations agree to ~1e-6, and the patching maps, divided by the metric's normaliser, to
+# ~1.5e-5 (float32 rounding, the same on every cell), so its maps are held to 3e-5.
+PATCH_TOL = {"gpt-neox": 3e-5}
 
 
 @pytest.fixture(scope="module", params=PATCHED_FAMILIES)
@@ -151,16 +159,21 @@ def patching_run(family_pair):
         clean_logits, lens_clean_cache = bridge.run_with_cache(clean)
         corrupted_logits = bridge(corrupted)
     metric = patching.normalized_logit_diff(clean_logits, corrupted_logits, 7, 11)
-    return model, bridge, corrupted, clean_cache, lens_clean_cache, metric
+    return model, bridge, corrupted, clean_cache, lens_clean_cache, metric, family_pair[0]
+
+
+def family_of(run: tuple) -> str:
+    return run[-1]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("function", PATCHING)
 def test_patching_equals_transformer_lens(patching_run, function) -> None:
-    model, bridge, corrupted, clean_cache, lens_clean_cache, metric = patching_run
+    model, bridge, corrupted, clean_cache, lens_clean_cache, metric, _ = patching_run
     ours = getattr(patching, function)(model, corrupted, clean_cache, metric)
     theirs = getattr(lens_patching, function)(bridge, corrupted, lens_clean_cache, metric)
-    torch.testing.assert_close(ours, theirs.to(ours.dtype), atol=TOL, rtol=0)
+    tol = PATCH_TOL.get(family_of(patching_run), TOL)
+    torch.testing.assert_close(ours, theirs.to(ours.dtype), atol=tol, rtol=0)
 
 
 @pytest.mark.slow
@@ -177,7 +190,7 @@ def test_resid_mid_patching_lands_where_each_side_says(patching_run) -> None:
       one, so that lands exactly the clean resid_mid in the stream);
     - TransformerLens's resid_mid patch is glassgpt's patch of the MLP's input alone (ln2's
       output, per position, as the norm works per position)."""
-    model, bridge, corrupted, clean_cache, lens_clean_cache, metric = patching_run
+    model, bridge, corrupted, clean_cache, lens_clean_cache, metric, _ = patching_run
     with torch.no_grad():
         _, lens_corrupted_cache = bridge.run_with_cache(corrupted)
     landing = {}
@@ -186,11 +199,12 @@ def test_resid_mid_patching_lands_where_each_side_says(patching_run) -> None:
         landing[f"blocks.{layer}.hook_attn_out"] = lens_clean_cache[mid] - lens_corrupted_cache[pre]
     ours = patching.get_act_patch_resid_mid(model, corrupted, clean_cache, metric)
     theirs = lens_patching.get_act_patch_attn_out(bridge, corrupted, landing, metric)
-    torch.testing.assert_close(ours, theirs.to(ours.dtype), atol=TOL, rtol=0)
+    tol = PATCH_TOL.get(family_of(patching_run), TOL)
+    torch.testing.assert_close(ours, theirs.to(ours.dtype), atol=tol, rtol=0)
 
     mlp_only = patch_mlp_input(model, corrupted, clean_cache, metric)
     lens_mid = lens_patching.get_act_patch_resid_mid(bridge, corrupted, lens_clean_cache, metric)
-    torch.testing.assert_close(mlp_only, lens_mid.to(mlp_only.dtype), atol=TOL, rtol=0)
+    torch.testing.assert_close(mlp_only, lens_mid.to(mlp_only.dtype), atol=tol, rtol=0)
     assert (ours - mlp_only).abs().max() > 0.1  # the two conventions do differ here
 
 
