@@ -34,6 +34,7 @@ from glassgpt.hf.translation import (
     one_dropout_rate,
     reader,
     rotary_context,
+    shape_settings,
     unless_usual,
 )
 
@@ -129,20 +130,13 @@ def neox_settings(config: GPTConfig) -> dict[str, Any]:
     ConfigError names any switch GPT-NeoX lacks."""
     _check_neox(config)
     return dict(
-        vocab_size=config.vocab_size,
-        hidden_size=config.n_embd,
-        intermediate_size=config.hidden_width,
-        num_hidden_layers=config.n_layer,
-        num_attention_heads=config.n_head,
+        shape_settings(config),
         hidden_act=ACTIVATION_TO_HF[config.activation],
-        max_position_embeddings=config.block_size,
         layer_norm_eps=config.norm_eps,
-        tie_word_embeddings=config.tie_weights,
         use_parallel_residual=False,
         attention_bias=True,
         attention_dropout=config.dropout,
         hidden_dropout=config.dropout,
-        pad_token_id=None,
     )
 
 

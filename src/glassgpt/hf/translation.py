@@ -202,22 +202,30 @@ class FamilyFields:
                               f"setting")
 
 
-def decoder_settings(config: GPTConfig) -> dict[str, Any]:
-    """The transformers config settings the Llama family and Gemma share (the shape, the norm's
-    epsilon, the tie, the dropout); each family adds its activation, biases and its own."""
+def shape_settings(config: GPTConfig) -> dict[str, Any]:
+    """The transformers config settings every rotary family writes alike: the shape, the
+    position table's length and the tie (and no padding token)."""
     return dict(
         vocab_size=config.vocab_size,
         hidden_size=config.n_embd,
         intermediate_size=config.hidden_width,
         num_hidden_layers=config.n_layer,
         num_attention_heads=config.n_head,
+        max_position_embeddings=config.block_size,
+        tie_word_embeddings=config.tie_weights,
+        pad_token_id=None,
+    )
+
+
+def decoder_settings(config: GPTConfig) -> dict[str, Any]:
+    """The transformers config settings the Llama family and Gemma share (the shape, the norm's
+    epsilon, the tie, the dropout); each family adds its activation, biases and its own."""
+    return dict(
+        shape_settings(config),
         num_key_value_heads=config.n_kv_head or config.n_head,
         head_dim=config.head_dim,
-        max_position_embeddings=config.block_size,
         rms_norm_eps=config.norm_eps,
-        tie_word_embeddings=config.tie_weights,
         attention_dropout=config.dropout,  # HF drops attention weights only
-        pad_token_id=None,
     )
 
 
