@@ -7,6 +7,7 @@ PyTorch operation it replaces. Shapes: B = batch, T = prompt length.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glassgpt.attention import explicit_attention
+from glassgpt.attention import explicit_attention, scale_and_cap
 from glassgpt.config import GPTConfig
 from glassgpt.decoding import (
     CompiledCPUEngine,
@@ -91,8 +92,8 @@ def test_one_query_attention_scales_by_one_over_sqrt_head_width(one_query):
 def test_one_query_attention_takes_the_scale_and_soft_cap_as_explicit_attention_does(one_query):
     q, k, v = (torch.randn(2, 3, n, 8, dtype=torch.float64) for n in (1, 9, 9))
     expected, _ = explicit_attention(q, k, v, None, nn.Identity(), scale=0.3, softcap=2.0)
-    torch.testing.assert_close(one_query(q, k, v, scale=0.3, softcap=2.0), expected,
-                               rtol=1e-12, atol=1e-12)
+    scored = functools.partial(scale_and_cap, head_dim=8, scale=0.3, softcap=2.0)
+    torch.testing.assert_close(one_query(q, k, v, scored), expected, rtol=1e-12, atol=1e-12)
 
 
 def as_subclass(linear: nn.Linear, cls: type[nn.Linear]) -> nn.Linear:

@@ -66,23 +66,28 @@ def test_explicit_attention_takes_its_scores_from_attention_scores():
 
 
 @pytest.mark.parametrize("one_query", [cpu.one_query_attention, cpu.one_query_matmul_attention])
-def test_the_compiled_steps_one_query_applies_the_models_scale_and_cap(one_query, monkeypatch):
-    """The step fuses its own q . k products, then hands them to the model's `scale_and_cap`:
-    the same step the explicit path takes, never a second copy of it."""
+def test_the_compiled_steps_one_query_applies_the_models_scale_and_cap(one_query):
+    """The step fuses its own q . k products, then hands them to the attention's own scoring
+    step (`MultiHeadSelfAttention.scored`, `scale_and_cap` with its scale and cap): the same
+    step the explicit path takes, never a second copy of it, so a new scoring switch changes
+    the attention and not the step."""
+    attn = attention.MultiHeadSelfAttention(16, 2)
+    attn.scale, attn.softcap = 0.3, 2.0  # Gemma's query_pre_attn_scalar and score cap
     calls = []
 
-    def spy(products, head_dim, scale, softcap):
-        calls.append((head_dim, scale, softcap))
-        return attention.scale_and_cap(products, head_dim, scale, softcap)
+    def spy(products):
+        calls.append(tuple(products.shape))
+        return attn.scored(products)
 
-    monkeypatch.setattr(cpu, "scale_and_cap", spy)
     g = torch.Generator().manual_seed(1)
     q, k, v = torch.randn(1, 2, 1, 8, generator=g), torch.randn(2, 1, 2, 6, 8, generator=g)[0], \
         torch.randn(1, 2, 6, 8, generator=g)
-    out = one_query(q, k, v, 0.3, 2.0)
-    assert calls == [(8, 0.3, 2.0)]
+    out = one_query(q, k, v, spy)
+    assert len(calls) == 1
     weights = torch.softmax(attention.attention_scores(q, k, 0.3, 2.0), dim=-1)  # (1, 2, 1, 6)
     torch.testing.assert_close(out, weights @ v, rtol=0, atol=1e-6)
+    torch.testing.assert_close(attn.scored(q @ k.transpose(-2, -1)),
+                               attention.attention_scores(q, k, 0.3, 2.0), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("switches", SWITCHES.values(), ids=SWITCHES.keys())
@@ -97,8 +102,8 @@ def test_the_decoding_steps_attention_is_the_models_last_row(switches):
         v = cache[f"blocks.{layer}.attn.hook_v"].transpose(1, 2)
         k, v = attention.repeat_kv(k, attn.groups), attention.repeat_kv(v, attn.groups)
         seen = slice(max(0, T - attn.window), T) if attn.window else slice(0, T)  # the band
-        out = cpu.one_query_attention(q[:, :, -1:], k[:, :, seen], v[:, :, seen], attn.scale,
-                                      attn.softcap)  # (B, H, 1, d)
+        out = cpu.one_query_attention(q[:, :, -1:], k[:, :, seen], v[:, :, seen],
+                                      attn.scored)  # (B, H, 1, d)
         z = cache[f"blocks.{layer}.attn.hook_z"][:, -1:].transpose(1, 2)  # (B, H, 1, d)
         torch.testing.assert_close(out, z, rtol=0, atol=1e-6)
 

@@ -364,6 +364,12 @@ class MultiHeadSelfAttention(nn.Module):
                                                               q.device, window)
         return fused_attention(q, k, v, mask, T > 1 and plain_causal, dropout_p, self.scale)
 
+    def scored(self, products: Tensor) -> Tensor:
+        """q . k products (any layout) -> this layer's scores before the mask: its scale and
+        soft-cap (`scale_and_cap`), the step a fused path (the compiled CPU step) applies to
+        its own products."""
+        return scale_and_cap(products, self.head_dim, self.scale, self.softcap)
+
     def scores(self, q: Tensor, k: Tensor, pad_mask: Tensor | None = None) -> Tensor:
         """What this layer's softmax takes (`hook_attn_scores`), (B, H, T, S), for q (B, H, T, d)
         over keys k (B, H or H_kv, S, d): its scale, soft-cap, causal mask and window."""

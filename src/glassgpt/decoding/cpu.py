@@ -107,21 +107,31 @@ class ReductionLinear(nn.Linear):
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
 
-def one_query_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None,
-                        softcap: float | None = None) -> Tensor:
+Scoring = Callable[[Tensor], Tensor]  # q . k products -> the scores the softmax takes
+
+
+def plain_scores(products: Tensor, head_dim: int) -> Tensor:
+    """The products times 1/sqrt(d): an attention's scores with no scale or cap of its own."""
+    return scale_and_cap(products, head_dim, None, None)
+
+
+def one_query_attention(q: Tensor, k: Tensor, v: Tensor,
+                        scored: Scoring | None = None) -> Tensor:
     """softmax(q k^T / sqrt(d)) v for one query position, as reductions a compiler can fuse.
 
-    q (B, H, 1, d), k and v (B, H, S, d) -> (B, H, 1, d); `scale` and `softcap` as in
-    `scale_and_cap`, the model's own step.
+    q (B, H, 1, d), k and v (B, H, S, d) -> (B, H, 1, d). `scored` turns the q . k products
+    into scores: the attention's own step (`MultiHeadSelfAttention.scored`: its scale, its
+    soft-cap), so a new scoring switch changes the attention, never this step; by default
+    1/sqrt(d).
     """
     products = (q * k).sum(dim=-1, keepdim=True)  # (B, H, 1, d) * (B, H, S, d) -> (B, H, S, 1)
-    scores = scale_and_cap(products, q.shape[-1], scale, softcap)  # the model's step, fused
+    scores = plain_scores(products, q.shape[-1]) if scored is None else scored(products)
     weights = torch.softmax(scores, dim=-2)
     return (weights * v).sum(dim=-2, keepdim=True)  # (B, H, S, d) -> (B, H, 1, d)
 
 
-def one_query_matmul_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None,
-                               softcap: float | None = None) -> Tensor:
+def one_query_matmul_attention(q: Tensor, k: Tensor, v: Tensor,
+                               scored: Scoring | None = None) -> Tensor:
     """`one_query_attention` as two batched matmuls, the softmax in float32 (or wider) between.
 
     For the wide step, which stores every intermediate (WIDE_CPU_STEP_OPTIONS): there the
@@ -132,7 +142,7 @@ def one_query_matmul_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | N
     """
     products = q @ k.transpose(-2, -1)  # (B, H, 1, d) @ (B, H, d, S) -> (B, H, 1, S)
     products = products.to(torch.promote_types(products.dtype, torch.float32))  # bf16 -> fp32
-    scores = scale_and_cap(products, q.shape[-1], scale, softcap)
+    scores = plain_scores(products, q.shape[-1]) if scored is None else scored(products)
     weights = torch.softmax(scores, dim=-1).to(v.dtype)
     return weights @ v  # (B, H, 1, S) @ (B, H, S, d) -> (B, H, 1, d)
 
@@ -149,7 +159,7 @@ class OneQueryAttention(MultiHeadSelfAttention):
         watched = self.hook_attn_scores.active or self.hook_pattern.active
         if (q.shape[2] == 1 and pad_mask is None and not watched and not self.training
                 and self.impl == "fused" and in_window):
-            return self.one_query(q, k, v, self.scale, self.softcap)
+            return self.one_query(q, k, v, self.scored)
         return super().attend(q, k, v, pad_mask, window)
 
 
