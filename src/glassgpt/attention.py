@@ -287,8 +287,12 @@ class MultiHeadSelfAttention(nn.Module):
         """x (B, T, C) -> y (B, T, C).
 
         `start_pos` (with a KV cache set up) means x holds positions start_pos.. of a sequence
-        whose earlier keys and values are already cached. The weights are `hook_pattern`'s
-        (glassgpt.interp), and switching a head off is a hook on `hook_z`: no arguments.
+        whose earlier keys and values are already cached. It is an int: the compiled CPU step
+        takes it as one symbolic size, so one graph serves every step and reads the cache as a
+        prefix, unmasked; only a replayed CUDA graph needs the position in a device tensor, and
+        its engine's twin attention reads it so (`decoding.cuda.StaticAttention`). The weights
+        are `hook_pattern`'s (glassgpt.interp), and switching a head off is a hook on `hook_z`:
+        no arguments.
         """
         check_stream(x, self.d_model, self.qkv.weight, "attention")
         B, T, C = x.shape
