@@ -45,7 +45,7 @@ def layout_of(name: str, config: GPTConfig) -> tuple[int, ...]:
     d = config.head_dim
     rows = [
         (r"hook_(pos_)?embed|ln_final\.hook_normalized", (B, T, C)),
-        (r"blocks\.\d+\.(hook_(resid_pre|resid_mid|resid_post|attn_out|mlp_out)"
+        (r"blocks\.\d+\.(hook_(resid_pre|resid_mid|resid_post|attn_out|mlp_in|mlp_out)"
          r"|ln[12](_post)?\.hook_normalized)", (B, T, C)),
         (r"blocks\.\d+\.attn\.(hook_(q|rot_q|z)|q_norm\.hook_normalized)", (B, T, H, d)),
         (r"blocks\.\d+\.attn\.(hook_(k|v|rot_k)|k_norm\.hook_normalized)", (B, T, H_kv, d)),

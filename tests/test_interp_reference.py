@@ -25,7 +25,7 @@ import test_interop_families as families  # noqa: E402
 import test_interop_gemma as gemma  # noqa: E402
 import test_interop_neox as neox  # noqa: E402
 from glassgpt.hf.interop import from_hf  # noqa: E402
-from glassgpt.interp import patching, run_with_cache, run_with_hooks  # noqa: E402
+from glassgpt.interp import patching, run_with_cache  # noqa: E402
 from test_interop_families import FAMILIES  # noqa: E402
 from test_interop_modern import randomize  # noqa: E402
 
@@ -188,8 +188,8 @@ def test_resid_mid_patching_lands_where_each_side_says(patching_run) -> None:
     - glassgpt's resid_mid patch is TransformerLens's attn_out patch with attn_out set to
       clean resid_mid - corrupted resid_pre (upstream of the patch the run is the corrupted
       one, so that lands exactly the clean resid_mid in the stream);
-    - TransformerLens's resid_mid patch is glassgpt's patch of the MLP's input alone (ln2's
-      output, per position, as the norm works per position)."""
+    - TransformerLens's resid_mid patch is glassgpt's patch of `hook_mlp_in`, the MLP branch's
+      copy of the stream (TransformerLens's own name for it), which reaches the MLP alone."""
     model, bridge, corrupted, clean_cache, lens_clean_cache, metric, _ = patching_run
     with torch.no_grad():
         _, lens_corrupted_cache = bridge.run_with_cache(corrupted)
@@ -202,25 +202,10 @@ def test_resid_mid_patching_lands_where_each_side_says(patching_run) -> None:
     tol = PATCH_TOL.get(family_of(patching_run), TOL)
     torch.testing.assert_close(ours, theirs.to(ours.dtype), atol=tol, rtol=0)
 
-    mlp_only = patch_mlp_input(model, corrupted, clean_cache, metric)
+    mlp_only = patching.generic_activation_patch(model, corrupted, clean_cache, metric,
+                                                 patching.layer_pos_setter, "mlp_in",
+                                                 ("layer", "pos"))
     lens_mid = lens_patching.get_act_patch_resid_mid(bridge, corrupted, lens_clean_cache, metric)
     torch.testing.assert_close(mlp_only, lens_mid.to(mlp_only.dtype), atol=tol, rtol=0)
     assert (ours - mlp_only).abs().max() > 0.1  # the two conventions do differ here
 
-
-def patch_mlp_input(model, corrupted: torch.Tensor, clean_cache, metric) -> torch.Tensor:
-    """(L, T): the metric with the MLP's input alone (ln2's output) at (layer, pos) taken from
-    the clean run, the residual stream left as the corrupted run has it."""
-    L, T = model.config.n_layer, corrupted.shape[1]
-    results = torch.zeros(L, T)
-    for layer in range(L):
-        name = f"blocks.{layer}.ln2.hook_normalized"
-        for pos in range(T):
-            def patch(x, _name, pos=pos, clean=clean_cache[name]):
-                x = x.clone()
-                x[:, pos] = clean[:, pos]
-                return x
-            with torch.no_grad():
-                logits = run_with_hooks(model, corrupted, [(name, patch)])
-            results[layer, pos] = float(metric(logits))
-    return results

@@ -173,9 +173,11 @@ class TransformerBlock(nn.Module):
         # TransformerLens's names for Gemma's post_attention / post_feedforward norms
         self.ln1_post = make_norm(config) if config.post_norms else None
         self.ln2_post = make_norm(config) if config.post_norms else None
-        # Hook points (glassgpt.hooks) on the residual stream and on what each sub-layer adds.
+        # Hook points (glassgpt.hooks) on the residual stream and on what each sub-layer adds;
+        # `hook_mlp_in` is the MLP branch's copy of the stream (TransformerLens's name): a patch
+        # there reaches the MLP alone, one at `hook_resid_mid` the stream as well.
         add_hook_points(self, "hook_resid_pre", "hook_attn_out", "hook_resid_mid",
-                        "hook_mlp_out", "hook_resid_post")
+                        "hook_mlp_in", "hook_mlp_out", "hook_resid_post")
         # The variant's formula, chosen once here; `forward` calls it, so a subclass that
         # overrides `forward` keeps its own.
         self.sublayers = (post_ln_sublayers if not config.pre_ln
@@ -193,7 +195,7 @@ def pre_ln_sublayers(block: TransformerBlock, x: Tensor, pad_mask: Tensor | None
     """Pre-LN: u = x + attn(ln1(x)); z = u + ffn(ln2(u))."""
     a = block.attn(block.ln1(x), pad_mask=pad_mask, start_pos=start_pos)
     u = block.hook_resid_mid(x + block.hook_attn_out(a))  # (B, T, C): between the two
-    f = block.hook_mlp_out(block.ffn(block.ln2(u)))
+    f = block.hook_mlp_out(block.ffn(block.ln2(block.hook_mlp_in(u))))
     return block.hook_resid_post(u + f)  # the second residual adds to u, not to x
 
 
@@ -203,7 +205,7 @@ def sandwich_sublayers(block: TransformerBlock, x: Tensor, pad_mask: Tensor | No
     added, so what joins the residual stream has a learned, bounded scale."""
     a = block.attn(block.ln1(x), pad_mask=pad_mask, start_pos=start_pos)
     u = block.hook_resid_mid(x + block.hook_attn_out(block.ln1_post(a)))  # (B, T, C)
-    f = block.hook_mlp_out(block.ln2_post(block.ffn(block.ln2(u))))
+    f = block.hook_mlp_out(block.ln2_post(block.ffn(block.ln2(block.hook_mlp_in(u)))))
     return block.hook_resid_post(u + f)
 
 
@@ -213,5 +215,5 @@ def post_ln_sublayers(block: TransformerBlock, x: Tensor, pad_mask: Tensor | Non
     normalised: u = ln1(x + attn(x)); z = ln2(u + ffn(u))."""
     a = block.attn(x, pad_mask=pad_mask, start_pos=start_pos)
     u = block.hook_resid_mid(block.ln1(x + block.hook_attn_out(a)))  # (B, T, C)
-    f = block.hook_mlp_out(block.ffn(u))
+    f = block.hook_mlp_out(block.ffn(block.hook_mlp_in(u)))
     return block.hook_resid_post(block.ln2(u + f))

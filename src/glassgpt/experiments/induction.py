@@ -93,7 +93,7 @@ class AttentionOnlyBlock(TransformerBlock):
         if not config.pre_ln:
             raise ConfigError("the attention-only block of this experiment is Pre-LN")
         super()._build(config, *args, **kwargs)  # whatever else the library's block takes
-        del self.ln2, self.ffn, self.hook_resid_mid, self.hook_mlp_out
+        del self.ln2, self.ffn, self.hook_resid_mid, self.hook_mlp_in, self.hook_mlp_out
 
     def forward(self, x: Tensor, pad_mask: Tensor | None = None,
                 start_pos: int | None = None) -> Tensor:

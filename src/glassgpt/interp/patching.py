@@ -31,6 +31,7 @@ Setter = Callable[[Tensor, tuple[int, ...], Tensor], Tensor]
 ACTIVATIONS = {
     "resid_pre": "blocks.{l}.hook_resid_pre",
     "resid_mid": "blocks.{l}.hook_resid_mid",
+    "mlp_in": "blocks.{l}.hook_mlp_in",
     "resid_post": "blocks.{l}.hook_resid_post",
     "attn_out": "blocks.{l}.hook_attn_out",
     "mlp_out": "blocks.{l}.hook_mlp_out",
