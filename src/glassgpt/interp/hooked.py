@@ -129,13 +129,15 @@ def expand_hooks(points: Mapping[str, HookPoint],
     if hooks is None or isinstance(hooks, str | Mapping) or not isinstance(hooks, Iterable):
         raise InputError(f"hooks must be a list of (name, fn) pairs, got "
                          f"{type(hooks).__name__}")
-    expanded = []
+    expanded, checked = [], set()
     for pair in hooks:
         if not (isinstance(pair, tuple) and len(pair) == 2):
             raise InputError(f"a hook is a (name, fn) pair with fn(tensor, name), got "
                              f"{pair!r:.80}")
         where, fn = pair
-        check_hook_fn(fn, pair)
+        if id(fn) not in checked:  # run_with_cache hands one fn for every point it keeps
+            check_hook_fn(fn, pair)
+            checked.add(id(fn))
         if callable(where):
             names = select_names(points, where)
             if not names:
@@ -170,11 +172,10 @@ def one_run_at_a_time(model: nn.Module) -> Iterator[None]:
 
 
 @contextmanager
-def attached(model: nn.Module, hooks: Iterable[tuple[str, HookFn]]) -> Iterator[None]:
-    """Attach `(name, fn)` hooks to the model's points for the duration of the block; a name
-    may be a predicate over names, standing for every point it selects."""
-    points = hook_points(model)
-    hooks = expand_hooks(points, hooks)
+def attached(points: Mapping[str, HookPoint],
+             hooks: Iterable[tuple[str, HookFn]]) -> Iterator[None]:
+    """Attach `(name, fn)` hooks (names already checked, `expand_hooks`) to their points for
+    the duration of the block; they are removed after it, also on an error."""
     with ExitStack() as stack:
         for name, fn in hooks:
             handle = points[name].register_forward_hook(_as_forward_hook(fn, name))
@@ -237,12 +238,12 @@ def _watch(tensor: Tensor, name: str) -> None:
     return None
 
 
-def watching_every_path(model: nn.Module) -> list[tuple[str, HookFn]]:
+def watching_every_path(points: Mapping[str, HookPoint]) -> list[tuple[str, HookFn]]:
     """Do-nothing hooks on every point whose being watched changes how its activation is
     computed (the attention pattern: the explicit path; a LayerNorm's x_hat: the norm in steps).
     Every run of glassgpt.interp carries them, so a patched run and its clean run compute alike
     (patching a run with its own cache gives exactly 1)."""
-    return [(name, _watch) for name, point in hook_points(model).items() if point.decides_path]
+    return [(name, _watch) for name, point in points.items() if point.decides_path]
 
 
 def run_with_hooks(model: nn.Module, ids: Tensor,
@@ -256,7 +257,7 @@ def run_with_hooks(model: nn.Module, ids: Tensor,
     check_run_ids(ids)
     hooks = expand_hooks(points, hooks)
     with one_run_at_a_time(model), eval_mode(model), \
-            attached(model, [*watching_every_path(model), *hooks]):
+            attached(points, [*watching_every_path(points), *hooks]):
         return logits_of(model, ids, stop_at_layer)
 
 
@@ -298,8 +299,9 @@ def run_with_cache(model: nn.Module, ids: Tensor, names: NamesFilter = None,
     def keep(tensor: Tensor, name: str) -> None:
         store[name] = tensor.detach()
 
-    selected = select_names(hook_points(model), names)
+    points = hook_points(model)
+    selected = select_names(points, names)
     with torch.no_grad():
         logits = run_with_hooks(model, ids, [(name, keep) for name in selected], stop_at_layer)
-    ordered = {name: store[name] for name in hook_points(model) if name in store}
+    ordered = {name: store[name] for name in points if name in store}
     return logits, ActivationCache(ordered, ids=ids, model=model)
