@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from glassgpt.errors import InputError, ModelError
+from glassgpt.interp import checks
 from glassgpt.interp.hooked import (
     ActivationCache,
     cached,
@@ -113,12 +114,10 @@ def logit_attribution(model: nn.Module, ids: Tensor, token: int, pos: int = -1, 
     hook_points(model)
     check_sum_of_parts(model)
     check_run_ids(ids)
-    check_position(pos, ids.shape[1])
-    vocab = model.config.vocab_size
-    for name, value in (("token", token), ("against", against)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or not 0 <= value < vocab):
-            raise InputError(f"{name} must be a token id in [0, {vocab}), got {value!r}")
+    checks.position("pos", pos, ids.shape[1])
+    checks.token_id("token", token, model.config.vocab_size)
+    if against is not None:
+        checks.token_id("against", against, model.config.vocab_size)
     if cache is None:
         _, cache = run_with_cache(model, ids, stop_at_layer=model.config.n_layer)  # no logits
     else:
@@ -143,12 +142,6 @@ def logit_attribution(model: nn.Module, ids: Tensor, token: int, pos: int = -1, 
     values = torch.stack(values)
     return Attribution(labels, values, raw_logit(model, stream, token, against),
                        *grids(model, labels, values))
-
-
-def check_position(pos: object, length: int) -> None:
-    if isinstance(pos, bool) or not isinstance(pos, int) or not -length <= pos < length:
-        raise InputError(f"pos must be an int in [-{length}, {length}) for {length} tokens, got "
-                         f"{pos!r:.40}")
 
 
 def check_cache_of(cache: object, model: nn.Module, ids: Tensor) -> None:

@@ -32,6 +32,28 @@ def index(what: str, value: Any, size: int) -> int:
     return value
 
 
+def within(what: str, value: Any, low: int, high: int) -> int:
+    """`value` as an int in [low, high], else an InputError naming it and the range (a bool,
+    a float or a slice included)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+            or not low <= value <= high:
+        raise InputError(f"{what} must be an int in [{low}, {high}], got {value!r:.40}")
+    return int(value)
+
+
+def position(what: str, value: Any, length: int) -> int:
+    """`value` as a position of `length` tokens, from the end when negative (-1: the last)."""
+    return within(what, value, -length, length - 1)
+
+
+def token_id(what: str, value: Any, vocab_size: int) -> int:
+    """`value` as a token id of a vocabulary of `vocab_size`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+            or not 0 <= value < vocab_size:
+        raise InputError(f"{what} must be a token id in [0, {vocab_size}), got {value!r:.40}")
+    return int(value)
+
+
 def count(what: str, value: Any) -> int:
     """`value` as a positive int (how many top tokens, say)."""
     value = integer(what, value)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from glassgpt.errors import InputError
+from glassgpt.interp import checks
 from glassgpt.interp.hooked import cached, check_run_ids, hook_points, run_with_hooks
 
 Metric = Callable[[Tensor], Tensor | float]
@@ -66,13 +67,9 @@ def check_logits_and_tokens(clean_logits: object, corrupted_logits: object, answ
     if clean_logits.shape[-1] != corrupted_logits.shape[-1]:
         raise InputError(f"the clean and corrupted logits have vocabularies of "
                          f"{clean_logits.shape[-1]} and {corrupted_logits.shape[-1]}")
-    vocab = clean_logits.shape[-1]
-    for name, token in (("answer", answer), ("wrong", wrong)):
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-            raise InputError(f"{name} must be a token id in [0, {vocab}), got {token!r:.40}")
-    length = min(clean_logits.shape[1], corrupted_logits.shape[1])
-    if isinstance(pos, bool) or not isinstance(pos, int) or not -length <= pos < length:
-        raise InputError(f"pos must be an int in [-{length}, {length}), got {pos!r:.40}")
+    checks.token_id("answer", answer, clean_logits.shape[-1])
+    checks.token_id("wrong", wrong, clean_logits.shape[-1])
+    checks.position("pos", pos, min(clean_logits.shape[1], corrupted_logits.shape[1]))
 
 
 def normalized_logit_diff(clean_logits: Tensor, corrupted_logits: Tensor, answer: int,

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from glassgpt.errors import InputError
+from glassgpt.interp import checks
 from glassgpt.interp.hooked import check_run_ids, hook_points, run_with_cache
 
 
@@ -50,11 +51,6 @@ def check_repeated(tokens: Tensor, block_size: int) -> Tensor:
     return tokens
 
 
-def check_whole(name: str, value: object, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise InputError(f"{name} must be an int in [{low}, {high}], got {value!r:.40}")
-
-
 def diagonal_mean(pattern: Tensor, offset: int, start: int) -> Tensor:
     """pattern (B, H, T, T) -> (H,): the mean of pattern[:, :, i, i - offset] for i >= start."""
     T = pattern.shape[-1]
@@ -79,8 +75,8 @@ def head_scores(model: nn.Module, half: int | None = None, batch: int = 8,
                 or not 2 <= half <= block_size // 2:
             raise InputError(f"half must be an int in [2, block_size // 2 = "
                              f"{block_size // 2}], got {half!r}")
-        check_whole("batch", batch, 1, 2**20)
-        check_whole("seed", seed, 0, 2**63 - 1)  # what torch.Generator.manual_seed takes
+        checks.within("batch", batch, 1, 2**20)
+        checks.within("seed", seed, 0, 2**63 - 1)  # what torch.Generator.manual_seed takes
         ids = repeated_random_tokens(model.config.vocab_size, half, batch, seed)
     ids = ids.to(next(model.parameters()).device)
     _, cache = run_with_cache(model, ids, names=lambda n: n.endswith("attn.hook_pattern"),
