@@ -147,7 +147,13 @@ def test_imported_and_exported_models_equal_transformers(arch, shape, dtype) -> 
 def test_imported_model_generates_transformers_greedy_tokens(arch, shape) -> None:
     hf_model = tiny_hf_model(arch, dict(shape), torch.float64, seed=3, scale=GENERATION_SCALE)
     model = from_hf(in_float64(hf_model))
-    prompt = tokens(shape["vocab_size"], 3, seed=4)
+    check_greedy_tokens_equal(hf_model, model, shape["vocab_size"])
+
+
+def check_greedy_tokens_equal(hf_model: torch.nn.Module, model: torch.nn.Module,
+                              vocab_size: int) -> None:
+    """13 greedy tokens after a 3-token prompt: glassgpt's `generate` gives transformers'."""
+    prompt = tokens(vocab_size, 3, seed=4)
     theirs = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
                                max_new_tokens=13, min_new_tokens=13)
     ours = generate(model, prompt, max_new_tokens=13, temperature=0.0)

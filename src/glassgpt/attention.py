@@ -196,7 +196,7 @@ class MultiHeadSelfAttention(nn.Module):
     """Multi-head self-attention: one `qkv` projection, heads as a batch dimension, one `proj`.
 
     `qkv` is Linear(C, 3C) producing Q, K, V in that order along the last axis, and `proj` is
-    W_O; both copy 1:1 into `nn.MultiheadAttention` (`reference.to_torch_multihead`).
+    W_O; both copy 1:1 into `nn.MultiheadAttention` (`experiments.references.to_torch_multihead`).
     `impl="fused"` uses scaled_dot_product_attention; the explicit path runs instead whenever
     the scores or the pattern are watched (a hook on `hook_attn_scores` or `hook_pattern`), with
     a soft-cap, or with `impl="explicit"`.
