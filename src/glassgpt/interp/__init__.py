@@ -10,8 +10,8 @@ Hugging Face models included).
 and `.scores` the previous-token, duplicate-token and induction scores.
 """
 
+from glassgpt.interp.cache import ActivationCache
 from glassgpt.interp.hooked import (
-    ActivationCache,
     hook_points,
     run_with_cache,
     run_with_hooks,

@@ -22,13 +22,8 @@ from torch import Tensor, nn
 
 from glassgpt.errors import InputError, ModelError
 from glassgpt.interp import checks
-from glassgpt.interp.hooked import (
-    ActivationCache,
-    cached,
-    check_run_ids,
-    hook_points,
-    run_with_cache,
-)
+from glassgpt.interp.cache import ActivationCache, cached
+from glassgpt.interp.hooked import check_run_ids, hook_points, run_with_cache
 from glassgpt.norms import ManualLayerNorm
 
 

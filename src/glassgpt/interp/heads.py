@@ -24,7 +24,8 @@ from glassgpt import hooks
 from glassgpt.errors import InputError
 from glassgpt.hooks import lens_name, recorded
 from glassgpt.interp import checks, hooked
-from glassgpt.interp.hooked import ActivationCache, NamesFilter, run_with_hooks, select_names
+from glassgpt.interp.cache import ActivationCache
+from glassgpt.interp.hooked import NamesFilter, run_with_hooks, select_names
 from glassgpt.model import GPT
 
 

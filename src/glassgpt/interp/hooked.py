@@ -8,10 +8,8 @@ run must differ only by the patch) and give the model back the mode it had.
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import threading
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 
@@ -21,57 +19,15 @@ from torch import Tensor, nn
 from glassgpt.errors import InputError, ModelError
 from glassgpt.hooks import HookPoint
 from glassgpt.inputs import check_id_tensor
+from glassgpt.interp.cache import (  # MissingActivationError: tests import it from here
+    ActivationCache,
+    MissingActivationError,  # noqa: F401
+    unknown_name_message,
+)
 from glassgpt.model import eval_mode
 
 HookFn = Callable[[Tensor, str], Tensor | None]
 NamesFilter = str | Iterable[str] | Callable[[str], bool] | None
-
-
-class MissingActivationError(InputError, KeyError):
-    """A cache holds no activation under the name asked for (a KeyError too, as a Mapping's
-    missing key is). The message names the missing point and the closest names held."""
-
-    def __str__(self) -> str:  # KeyError's would quote the whole message
-        return str(self.args[0])
-
-
-class ActivationCache(Mapping[str, Tensor]):
-    """Hook name -> the activation a run produced there (detached). A missing name raises
-    MissingActivationError, saying which names the cache has. `ids` and `model` are the run's
-    own (the model weakly held), so a reader can tell a cache of other tokens or another
-    model from the one it was handed."""
-
-    def __init__(self, tensors: dict[str, Tensor], ids: Tensor | None = None,
-                 model: nn.Module | None = None):
-        self._tensors = tensors
-        self.ids = ids
-        self._model = None if model is None else weakref.ref(model)
-
-    @property
-    def model(self) -> nn.Module | None:
-        return None if self._model is None else self._model()
-
-    def __getitem__(self, name: str) -> Tensor:
-        if name not in self._tensors:
-            raise MissingActivationError(unknown_name_message(name, self._tensors, "this cache"))
-        return self._tensors[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._tensors)
-
-    def __len__(self) -> int:
-        return len(self._tensors)
-
-    def __repr__(self) -> str:
-        return f"ActivationCache({len(self)} activations)"
-
-
-def cached(cache: Mapping[str, Tensor], name: str) -> Tensor:
-    """cache[name] from an ActivationCache or a plain dict of tensors; a missing name raises
-    MissingActivationError naming it (a dict's bare KeyError would name nothing)."""
-    if name not in cache:
-        raise MissingActivationError(unknown_name_message(name, cache, "the cache"))
-    return cache[name]
 
 
 def hook_points(model: nn.Module) -> dict[str, HookPoint]:
@@ -83,13 +39,6 @@ def hook_points(model: nn.Module) -> dict[str, HookPoint]:
         raise ModelError(f"{type(model).__name__} has no hook points: glassgpt.interp takes a "
                          "glassgpt GPT")
     return points
-
-
-def unknown_name_message(name: object, known: Iterable[str], where: str) -> str:
-    known = list(known)
-    close = difflib.get_close_matches(str(name), known, n=3)
-    hint = f"; did you mean {', '.join(close)}?" if close else f"; it has {len(known)} names"
-    return f"no hook point {name!r} in {where}{hint}"
 
 
 def select_names(points: Mapping[str, HookPoint], names: NamesFilter) -> list[str]:

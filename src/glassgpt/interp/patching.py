@@ -22,7 +22,8 @@ from torch import Tensor, nn
 
 from glassgpt.errors import InputError
 from glassgpt.interp import checks
-from glassgpt.interp.hooked import cached, check_run_ids, hook_points, run_with_hooks
+from glassgpt.interp.cache import cached
+from glassgpt.interp.hooked import check_run_ids, hook_points, run_with_hooks
 
 Metric = Callable[[Tensor], Tensor | float]
 Progress = Callable[[int, int], None]
