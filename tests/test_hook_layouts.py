@@ -1,9 +1,10 @@
 """Every hook point keeps TransformerLens's layout, on every model variant (issue 39).
 
 The convention, by what a point holds: the residual stream and what a sub-layer adds to it
-(batch, pos, d_model); a head's q, k, v, rotated q and k, their QK-norm and z (batch, pos,
-head, d_head), K and V with their own head count; scores and pattern (batch, head, query, key);
-the MLP's hidden activations (batch, pos, d_mlp). A point that is in none of these rows fails
+(batch, pos, d_model); a norm's scale (batch, pos, 1); a head's q, k, v, rotated q and k,
+their QK-norm and z (batch, pos, head, d_head), K and V with their own head count; each head's
+result (batch, pos, head, d_model); scores and pattern (batch, head, query, key); the MLP's
+hidden activations (batch, pos, d_mlp). A point that is in none of these rows fails
 the test, so a new point has to say which layout it keeps.
 Sizes are all distinct (B=2, T=5, C=24, H=4, H_kv=2, d=10, F=40), so a swapped axis shows.
 """
@@ -36,6 +37,10 @@ VARIANTS = {
                   qk_norm=True, bias=False, head_dim=D, post_norms=True, norm_offset=True,
                   sliding_window=3, local_layers=[0], attn_softcap=5.0, logit_softcap=9.0,
                   query_pre_attn_scalar=12, embed_scale=True),
+    # ARENA's two-layer model: attention only, no norm, shortformer positions (issue 40)
+    "arena": dict(attn_only=True, norm="none", position="shortformer", mlp_hidden=None),
+    "attn-only llama": dict(attn_only=True, position="rope", norm="rmsnorm", n_kv_head=KV,
+                            bias=False, mlp_hidden=None),
 }
 
 
@@ -45,6 +50,10 @@ def layout_of(name: str, config: GPTConfig) -> tuple[int, ...]:
     d = config.head_dim
     rows = [
         (r"hook_(pos_)?embed|ln_final\.hook_normalized", (B, T, C)),
+        (r"(blocks\.\d+\.ln[12](_post)?|ln_final)\.hook_scale", (B, T, 1)),
+        (r"blocks\.\d+\.attn\.q_norm\.hook_scale", (B, T, H, 1)),
+        (r"blocks\.\d+\.attn\.k_norm\.hook_scale", (B, T, H_kv, 1)),
+        (r"blocks\.\d+\.attn\.hook_result", (B, T, H, C)),
         (r"blocks\.\d+\.(hook_(resid_pre|resid_mid|resid_post|attn_out|mlp_in|mlp_out)"
          r"|ln[12](_post)?\.hook_normalized)", (B, T, C)),
         (r"blocks\.\d+\.attn\.(hook_(q|rot_q|z)|q_norm\.hook_normalized)", (B, T, H, d)),
@@ -60,8 +69,8 @@ def layout_of(name: str, config: GPTConfig) -> tuple[int, ...]:
 
 def model_of(switches: dict) -> GPT:
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=37, block_size=8, n_layer=2, n_head=H, n_embd=C,
-                       mlp_hidden=F, dropout=0.0, **switches)
+    config = GPTConfig(**{**dict(vocab_size=37, block_size=8, n_layer=2, n_head=H, n_embd=C,
+                                 mlp_hidden=F, dropout=0.0), **switches})
     return GPT(config).eval()
 
 

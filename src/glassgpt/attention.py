@@ -7,9 +7,8 @@ Notation used in every shape comment of this file:
 `MultiHeadSelfAttention` keeps two paths that compute the same numbers:
   * explicit: scores = q @ k^T / sqrt(d), mask, softmax, dropout, weights @ v  (you can see it all)
   * fused:    torch.nn.functional.scaled_dot_product_attention                  (fast kernels)
-The textbook forms it is checked against (one module per head; `nn.MultiheadAttention`) are
-`glassgpt.experiments.references`'s.
-Plain PyTorch only: the speed paths of decoding live beside the model, in `glassgpt.decoding`.
+Its textbook references (one module per head; `nn.MultiheadAttention`) are in
+`glassgpt.experiments.references`; the speed paths of decoding in `glassgpt.decoding`.
 
 The modern switches (docs/modern.md) are steps added to the same path, each off by default:
   * grouped-query attention (`n_kv_head` < H): qkv makes H query heads but only n_kv_head
@@ -44,11 +43,9 @@ from glassgpt.rotary import RotaryEmbedding
 
 
 class KVCache(nn.Module):
-    """Preallocated keys and values of the positions decoded so far.
-
-    The buffers are allocated once at their largest size; `update` writes the new positions in place
-    and returns views of everything up to the newest one, so decoding allocates nothing per step.
-    """
+    """Preallocated keys and values of the positions decoded so far: allocated once at their
+    largest size, `update` writes new positions in place and returns views up to the newest one,
+    so decoding allocates nothing per step."""
 
     def __init__(self, batch_size: int, n_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
@@ -59,7 +56,7 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     @property
-    def max_len(self) -> int:
+    def max_len(self) -> int:  # positions the buffers hold
         return self.k.shape[2]
 
     def update(self, start_pos: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -121,8 +118,7 @@ def soft_cap(values: Tensor, cap: float | None) -> Tensor:
 
 
 def score_scale(head_dim: int, scale: float | None) -> float:
-    """What q . k is multiplied by: `scale` (Gemma's query_pre_attn_scalar ** -0.5), else
-    1/sqrt(d)."""
+    """q . k's factor: `scale` (Gemma's query_pre_attn_scalar ** -0.5), else 1/sqrt(d)."""
     return 1.0 / math.sqrt(head_dim) if scale is None else scale
 
 
@@ -187,8 +183,8 @@ def check_stream(x: object, d_model: int, weight: Tensor, what: str) -> None:
                          f"to the other (e.g. x.to({weight.dtype}))")
 
 
-def repeat_kv(x: Tensor, groups: int) -> Tensor:
-    """(B, H_kv, S, d) -> (B, H_kv * groups, S, d): query head h reads K/V head h // groups."""
+def repeat_kv(x: Tensor, groups: int) -> Tensor:  # query head h reads K/V head h // groups
+    """(B, H_kv, S, d) -> (B, H_kv * groups, S, d)."""
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
@@ -264,6 +260,7 @@ class MultiHeadSelfAttention(nn.Module):
             add_hook_points(self, "hook_rot_q", "hook_rot_k", transpose=(1, 2))
         add_hook_points(self, "hook_attn_scores", "hook_pattern", decides_path=True)
         add_hook_points(self, "hook_z")
+        add_hook_points(self, "hook_result", decides_path=True)  # (B, T, H, C): per head
 
     def kv_head_of(self, head: int) -> int:
         """The K/V head that query head `head` reads: each serves `groups` heads in a row."""
@@ -283,7 +280,7 @@ class MultiHeadSelfAttention(nn.Module):
         return x.view(B, T, -1, self.head_dim).transpose(1, 2)
 
     def forward(self, x: Tensor, pad_mask: Tensor | None = None,
-                start_pos: int | None = None) -> Tensor:
+                start_pos: int | None = None, qk_pos: Tensor | None = None) -> Tensor:
         """x (B, T, C) -> y (B, T, C).
 
         `start_pos` (with a KV cache set up) means x holds positions start_pos.. of a sequence
@@ -292,27 +289,35 @@ class MultiHeadSelfAttention(nn.Module):
         prefix, unmasked; only a replayed CUDA graph needs the position in a device tensor, and
         its engine's twin attention reads it so (`decoding.cuda.StaticAttention`). The weights
         are `hook_pattern`'s (glassgpt.interp), and switching a head off is a hook on `hook_z`:
-        no arguments.
+        no arguments. `qk_pos` (B, T, C): shortformer positions (`project`).
         """
         check_stream(x, self.d_model, self.qkv.weight, "attention")
-        B, T, C = x.shape
-        q, k, v = self.project(x, start_pos)  # (B, H, T, d), 2 x (B, H_kv, T, d)
+        q, k, v = self.project(x, start_pos, qk_pos)  # (B, H, T, d), 2 x (B, H_kv, T, d)
         window = self.window
         if start_pos is not None:
             if self.kv_cache is None:
                 raise InputError("start_pos given but no KV cache is set up on this module")
-            k, v, pad_mask, window = self.read_cache(k, v, pad_mask, start_pos, T)
+            k, v, pad_mask, window = self.read_cache(k, v, pad_mask, start_pos, x.shape[1])
         k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)  # 2 x (B, H, S, d)
         y = self.attend(q, k, v, pad_mask, window)  # (B, H, T, d)
         z = self.hook_z(y.transpose(1, 2))  # (B, T, H, d): each head's output, side by side
-        return self.resid_dropout(self.proj(z.reshape(B, T, self.q_width)))  # (B, T, H*d) -> C
+        return self.resid_dropout(self.output(z))  # (B, T, C)
+
+    def output(self, z: Tensor) -> Tensor:
+        """z (B, T, H, d) -> (B, T, C) through W_O (`proj`). Watched, each head's share z_h W_O[h]
+        passes `hook_result` (B, T, H, C), TransformerLens's; the output is their sum + bias."""
+        if not self.hook_result._forward_hooks:
+            return self.proj(z.flatten(2))  # (B, T, H*d) -> (B, T, C): one product
+        w_o = self.proj.weight.view(self.d_model, self.n_heads, self.head_dim)  # (C, H, d)
+        result = self.hook_result(torch.einsum("bthd,chd->bthc", z, w_o))  # (B, T, H, C)
+        summed = result.sum(dim=2)  # (B, T, C)
+        return summed if self.proj.bias is None else summed + self.proj.bias
 
     def read_cache(self, k: Tensor, v: Tensor, pad_mask: Tensor | None, start_pos: int,
                    T: int) -> tuple[Tensor, Tensor, Tensor | None, int | None]:
         """Write the T new keys and values at start_pos.. and return the keys the new queries
         may see (B, H_kv, S, d), their padding, and the window still to mask as a band. A local
-        layer reads from W - 1 keys before its first query on: what makes decoding a local
-        layer cost W keys, not S."""
+        layer reads from W - 1 keys before its first query on: decoding costs W keys, not S."""
         k, v = self.kv_cache.update(start_pos, k, v)  # 2 x (B, H_kv, S, d)
         lo = 0 if self.window is None else max(0, k.shape[2] - T - self.window + 1)
         if lo == 0:
@@ -325,16 +330,19 @@ class MultiHeadSelfAttention(nn.Module):
         start = 0 if start_pos is None else start_pos
         return torch.arange(start, start + T, device=device)
 
-    def project(self, x: Tensor,
-                start_pos: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def project(self, x: Tensor, start_pos: int | None = None,
+                qk_pos: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """x (B, T, C) -> q (B, H, T, d), k and v (B, H_kv, T, d): exactly the ones `forward`
         attends with (after QK-norm and rotary), before the cache and the K/V repeat.
 
-        `start_pos` places x at positions start_pos.. (it matters only to rotary positions).
-        """
+        `start_pos` places x at positions start_pos.. (it matters only to rotary positions);
+        `qk_pos` (shortformer) is added to the queries' and keys' input, not the values'."""
         B, T, _ = x.shape
         kv_width = self.n_kv_head * self.head_dim
-        q, k, v = self.qkv(x).split([self.q_width, kv_width, kv_width], dim=2)  # (B, T, .)
+        if qk_pos is None:
+            q, k, v = self.qkv(x).split([self.q_width, kv_width, kv_width], dim=2)  # (B, T, .)
+        else:
+            q, k, v = self.shortformer_qkv(x, qk_pos, kv_width)
         q = self.hook_q(q.view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, H, T, d)
         k = self.hook_k(k.view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, H_kv, T, d)
         v = self.hook_v(v.view(B, T, -1, self.head_dim)).transpose(1, 2)  # (B, H_kv, T, d)
@@ -346,6 +354,15 @@ class MultiHeadSelfAttention(nn.Module):
             q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)  # unchanged
             q, k = self.hook_rot_q(q), self.hook_rot_k(k)  # seen as (B, T, heads, d)
         return q, k, v
+
+    def shortformer_qkv(self, x: Tensor, qk_pos: Tensor,
+                        kv_width: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Shortformer (Press et al. 2021): the rows of `qkv` for Q and K read x + qk_pos, the
+        rows for V read x, so positions steer where heads look but never enter the stream."""
+        rows, bias = self.q_width + kv_width, self.qkv.bias
+        qk = F.linear(x + qk_pos, self.qkv.weight[:rows], None if bias is None else bias[:rows])
+        v = F.linear(x, self.qkv.weight[rows:], None if bias is None else bias[rows:])
+        return (*qk.split([self.q_width, kv_width], dim=2), v)  # (B, T, H*d), 2 x (B, T, H_kv*d)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, pad_mask: Tensor | None,
                window: int | None = None) -> Tensor:

@@ -3,7 +3,8 @@
 Shapes: B = batch, T = positions, C = width, F = the MLP's hidden width (4C by default).
 A block maps (B, T, C) -> (B, T, C), which is what makes blocks stackable. Pre-LN or Post-LN is
 chosen once, when a block is built: its `forward` calls `pre_ln_sublayers`, `sandwich_sublayers`
-(Pre-LN with `post_norms`) or `post_ln_sublayers`, each its formula in straight lines.
+(Pre-LN with `post_norms`), `post_ln_sublayers` or `attention_only_sublayers` (`attn_only`: no
+MLP), each its formula in straight lines.
 The MLPs: `FeedForward` (C -> F -> C with one activation, GPT-2's) and beside it `SwiGLUFeedForward`
 (a gated MLP, Llama's and Qwen3's) and `GeGLUFeedForward` (its tanh-GELU sibling, Gemma's). With
 `post_norms` (Gemma) each sub-layer's output is normalised too before it joins the residual
@@ -29,8 +30,8 @@ from glassgpt.hooks import add_hook_points
 from glassgpt.norms import make_norm
 
 __all__ = ["FeedForward", "GeGLUFeedForward", "ReLUSquared", "SwiGLUFeedForward",
-           "TransformerBlock", "make_activation", "make_mlp", "post_ln_sublayers",
-           "pre_ln_sublayers", "sandwich_sublayers"]
+           "TransformerBlock", "attention_only_sublayers", "make_activation", "make_mlp",
+           "post_ln_sublayers", "pre_ln_sublayers", "sandwich_sublayers"]
 
 
 class ReLUSquared(nn.Module):
@@ -165,11 +166,17 @@ class TransformerBlock(nn.Module):
         self.pre_ln, self.d_model = config.pre_ln, config.n_embd
         self.ln1 = make_norm(config)
         self.attn = MultiHeadSelfAttention.from_config(config, causal, layer)
-        self.ln2 = make_norm(config)
-        self.ffn = make_mlp(config)
         if config.post_norms and not config.pre_ln:
             raise ConfigError("post_norms normalises the sub-layers' outputs of a Pre-LN block; "
                               "a Post-LN block normalises the sums already")
+        if config.attn_only:  # TransformerLens's attn_only (ARENA's model): no MLP, no ln2
+            self.ln2 = self.ffn = self.ln2_post = None
+            self.ln1_post = make_norm(config) if config.post_norms else None
+            add_hook_points(self, "hook_resid_pre", "hook_attn_out", "hook_resid_post")
+            self.sublayers = attention_only_sublayers
+            return
+        self.ln2 = make_norm(config)
+        self.ffn = make_mlp(config)
         # TransformerLens's names for Gemma's post_attention / post_feedforward norms
         self.ln1_post = make_norm(config) if config.post_norms else None
         self.ln2_post = make_norm(config) if config.post_norms else None
@@ -184,36 +191,51 @@ class TransformerBlock(nn.Module):
                           else sandwich_sublayers if config.post_norms else pre_ln_sublayers)
 
     def forward(self, x: Tensor, pad_mask: Tensor | None = None,
-                start_pos: int | None = None) -> Tensor:
-        """x (B, T, C) -> z (B, T, C) through this block's variant (`sublayers`)."""
+                start_pos: int | None = None, qk_pos: Tensor | None = None) -> Tensor:
+        """x (B, T, C) -> z (B, T, C) through this block's variant (`sublayers`). `qk_pos`
+        (B, T, C): shortformer positions, added to the attention's query and key inputs."""
         check_stream(x, self.d_model, self.attn.qkv.weight, "block")
-        return self.sublayers(self, self.hook_resid_pre(x), pad_mask, start_pos)
+        return self.sublayers(self, self.hook_resid_pre(x), pad_mask, start_pos, qk_pos)
 
 
 def pre_ln_sublayers(block: TransformerBlock, x: Tensor, pad_mask: Tensor | None,
-                     start_pos: int | None) -> Tensor:
+                     start_pos: int | None, qk_pos: Tensor | None = None) -> Tensor:
     """Pre-LN: u = x + attn(ln1(x)); z = u + ffn(ln2(u))."""
-    a = block.attn(block.ln1(x), pad_mask=pad_mask, start_pos=start_pos)
+    a = block.attn(block.ln1(x), pad_mask=pad_mask, start_pos=start_pos, qk_pos=qk_pos)
     u = block.hook_resid_mid(x + block.hook_attn_out(a))  # (B, T, C): between the two
     f = block.hook_mlp_out(block.ffn(block.ln2(block.hook_mlp_in(u))))
     return block.hook_resid_post(u + f)  # the second residual adds to u, not to x
 
 
 def sandwich_sublayers(block: TransformerBlock, x: Tensor, pad_mask: Tensor | None,
-                       start_pos: int | None) -> Tensor:
+                       start_pos: int | None, qk_pos: Tensor | None = None) -> Tensor:
     """Pre-LN with `post_norms` (Gemma): each sub-layer's output normalised before it is
     added, so what joins the residual stream has a learned, bounded scale."""
-    a = block.attn(block.ln1(x), pad_mask=pad_mask, start_pos=start_pos)
+    a = block.attn(block.ln1(x), pad_mask=pad_mask, start_pos=start_pos, qk_pos=qk_pos)
     u = block.hook_resid_mid(x + block.hook_attn_out(block.ln1_post(a)))  # (B, T, C)
     f = block.hook_mlp_out(block.ln2_post(block.ffn(block.ln2(block.hook_mlp_in(u)))))
     return block.hook_resid_post(u + f)
 
 
 def post_ln_sublayers(block: TransformerBlock, x: Tensor, pad_mask: Tensor | None,
-                      start_pos: int | None) -> Tensor:
+                      start_pos: int | None, qk_pos: Tensor | None = None) -> Tensor:
     """Post-LN (the original Transformer's order): the same parts, each residual sum
     normalised: u = ln1(x + attn(x)); z = ln2(u + ffn(u))."""
-    a = block.attn(x, pad_mask=pad_mask, start_pos=start_pos)
+    a = block.attn(x, pad_mask=pad_mask, start_pos=start_pos, qk_pos=qk_pos)
     u = block.hook_resid_mid(block.ln1(x + block.hook_attn_out(a)))  # (B, T, C)
     f = block.hook_mlp_out(block.ffn(block.hook_mlp_in(u)))
     return block.hook_resid_post(block.ln2(u + f))
+
+
+def attention_only_sublayers(block: TransformerBlock, x: Tensor, pad_mask: Tensor | None,
+                             start_pos: int | None, qk_pos: Tensor | None = None) -> Tensor:
+    """`attn_only` (TransformerLens's, ARENA's two-layer model): the attention and its residual
+    alone. Pre-LN: z = x + attn(ln1(x)) (ln1_post(attn(...)) with post_norms); Post-LN:
+    z = ln1(x + attn(x))."""
+    if not block.pre_ln:
+        a = block.attn(x, pad_mask=pad_mask, start_pos=start_pos, qk_pos=qk_pos)
+        return block.hook_resid_post(block.ln1(x + block.hook_attn_out(a)))
+    a = block.attn(block.ln1(x), pad_mask=pad_mask, start_pos=start_pos, qk_pos=qk_pos)
+    if block.ln1_post is not None:
+        a = block.ln1_post(a)
+    return block.hook_resid_post(x + block.hook_attn_out(a))  # (B, T, C)

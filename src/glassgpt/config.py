@@ -18,6 +18,7 @@ from importlib import resources
 from typing import Any
 
 from glassgpt.config_checks import (
+    check_arena_switches,
     check_choice,
     check_dropout,
     check_field_types,
@@ -40,8 +41,10 @@ PRESETS_PACKAGE = "glassgpt.presets"
 # gated tanh-GELU MLP of Gemma
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "relu2", "swiglu", "geglu")
 GATED_ACTIVATIONS = ("swiglu", "geglu")  # whole MLPs with a gate and an up matrix
-POSITIONS = ("learned", "rope", "none")  # a learned table, rotary, or no positions (NoPE)
-NORMS = ("layernorm", "rmsnorm")
+# a learned table, rotary, no positions (NoPE), or a learned table added to the queries' and
+# keys' inputs only, never to the residual stream (shortformer: TransformerLens's, ARENA's)
+POSITIONS = ("learned", "rope", "none", "shortformer")
+NORMS = ("layernorm", "rmsnorm", "none")
 ATTENTION_IMPLS = ("fused", "explicit")
 
 
@@ -91,9 +94,10 @@ class GPTConfig:
     norm_eps: float = setting(1e-5, "epsilon of every LayerNorm / RMSNorm (was `ln_eps`)")
     attn_impl: str = setting("fused", "attention path: fused or explicit")
     # The modern Transformer (docs/modern.md); the defaults above and below are GPT-2.
-    position: str = setting("learned", "positions: learned, rope or none")
+    position: str = setting("learned", "positions: learned, rope, none or shortformer")
     rope_theta: float = setting(10000.0, "base of the rotary angles")
-    norm: str = setting("layernorm", "layernorm or rmsnorm")
+    norm: str = setting("layernorm", "layernorm, rmsnorm or none")
+    attn_only: bool = setting(False, "blocks of attention alone, no MLP (ARENA's model)")
     mlp_hidden: int | None = setting(None, "MLP hidden width (default 4C)")
     n_kv_head: int | None = setting(None, "key/value heads (default n_head; 1: multi-query)")
     qk_norm: bool = setting(False, "RMSNorm on queries and keys (Qwen3)")
@@ -151,6 +155,7 @@ class GPTConfig:
         check_nope_layers(self)
         check_local_layers(self)
         check_gemma_switches(self)
+        check_arena_switches(self)
         object.__setattr__(self, "_checked", True)  # from now on, every change is checked
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -171,10 +176,8 @@ class GPTConfig:
             raise
 
     def _derive_head_dim(self) -> None:
-        """head_dim left None is n_embd // n_head, and stays derived: it follows a later
-        change of n_embd or n_head (`to_dict` writes None for it, a config.json as before the
-        switch). `dataclasses.replace` passes the value on: give head_dim=None beside new
-        widths."""
+        """head_dim left None is n_embd // n_head and follows later changes of either (`to_dict`
+        writes None); `dataclasses.replace` passes the value on: give None beside new widths."""
         if self.head_dim is None or self.__dict__.get("_head_dim_derived"):
             d = check_heads_divide_width(self.n_embd, self.n_head)
             object.__setattr__(self, "head_dim", d)
@@ -184,13 +187,11 @@ class GPTConfig:
             check_size("n_head * head_dim", self.n_head * self.head_dim)
 
     @property
-    def q_width(self) -> int:
-        """Width of all query heads side by side, H * d: n_embd unless head_dim is set."""
+    def q_width(self) -> int:  # all query heads side by side, H * d: n_embd unless head_dim is set
         return self.n_head * self.head_dim
 
     @property
-    def kv_width(self) -> int:
-        """Width of the keys (or the values) of every K/V head side by side, H_kv * d."""
+    def kv_width(self) -> int:  # the keys (or the values) of every K/V head side by side, H_kv * d
         return (self.n_kv_head or self.n_head) * self.head_dim
 
     @property
@@ -198,8 +199,7 @@ class GPTConfig:
         """Whether q, k and v have biases: qkv_bias, or bias when it is None."""
         return self.bias if self.qkv_bias is None else self.qkv_bias
 
-    def is_local(self, layer: int) -> bool:
-        """Whether layer `layer` attends through the sliding window."""
+    def is_local(self, layer: int) -> bool:  # whether layer `layer` has the sliding window
         if self.sliding_window is None:
             return False
         return self.local_layers is None or layer in self.local_layers

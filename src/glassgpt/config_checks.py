@@ -169,6 +169,16 @@ def check_gemma_switches(config: Any) -> None:
         raise ConfigError(f"norm_offset scales an RMSNorm by 1 + w, but norm={config.norm!r}")
 
 
+def check_arena_switches(config: Any) -> None:
+    """Raise ConfigError where attn_only, norm="none" or shortformer positions meet a switch
+    they leave nothing for: an MLP width without an MLP, output norms without norms."""
+    if config.attn_only and config.mlp_hidden is not None:
+        raise ConfigError(f"mlp_hidden={config.mlp_hidden} sizes an MLP, but attn_only blocks "
+                          "have none")
+    if config.post_norms and config.norm == "none":
+        raise ConfigError("post_norms normalises the sub-layers' outputs, but norm='none'")
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # training precision (autocast)
 OPTIMIZERS = ("adamw", "muon")  # glassgpt.training.optim
 SCHEDULES = ("cosine", "wsd")  # learning-rate decay after warmup (glassgpt.training.optim.lr_at)

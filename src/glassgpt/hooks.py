@@ -19,6 +19,8 @@ from contextlib import contextmanager
 
 from torch import Tensor, nn
 
+from glassgpt.errors import InputError
+
 # glassgpt's module name -> TransformerLens's, where they differ (state-dict keys keep ours).
 LENS_MODULE_NAMES = {"ffn": "mlp", "ln_f": "ln_final"}
 
@@ -35,6 +37,9 @@ class HookPoint(nn.Module):
                  decides_path: bool = False) -> None:
         super().__init__()
         self.name = ""  # set by name_hook_points once the point's place in the model is known
+        # What a hook may keep between calls (TransformerLens's `hook.ctx`: a hook that scores
+        # a pattern can leave its number here for the caller to read after the run).
+        self.ctx: dict = {}
         self.transpose = transpose
         # True where a hook changes how the owner computes (the fused kernel never forms the
         # activation, so a watched point takes the written-out path): glassgpt.interp watches
@@ -59,6 +64,14 @@ class HookPoint(nn.Module):
         """Whether a hook is attached: code that would skip computing this activation (the
         fused attention kernel never forms the pattern) computes it when someone is looking."""
         return bool(self._forward_hooks)
+
+    def layer(self) -> int:
+        """The index of the block this point is in (`blocks.3.attn.hook_z` -> 3), as
+        TransformerLens's `hook.layer()`; a point outside the blocks has none."""
+        parts = self.name.split(".")
+        if len(parts) < 3 or parts[0] != "blocks" or not parts[1].isdigit():
+            raise InputError(f"hook point {self.name!r} is not inside a block: it has no layer")
+        return int(parts[1])
 
     def extra_repr(self) -> str:
         return self.name

@@ -85,8 +85,10 @@ class GPT(nn.Module):
         self.config = config
         C = config.n_embd
         self.tok_emb = nn.Embedding(config.vocab_size, C)
-        # Rotary positions act inside attention and "none" uses none: only "learned" has a table.
-        self.pos_emb = nn.Embedding(config.block_size, C) if config.position == "learned" else None
+        # Rotary positions act inside attention and "none" uses none: a learned table is added
+        # to the stream, a shortformer one to the attention's query and key inputs only.
+        tabled = config.position in ("learned", "shortformer")
+        self.pos_emb = nn.Embedding(config.block_size, C) if tabled else None
         self.drop = nn.Dropout(config.dropout)
         # A fresh block per layer: `[block] * L` would make every layer the same module.
         self.blocks = nn.ModuleList(TransformerBlock.from_config(config, layer=i)
@@ -154,9 +156,16 @@ class GPT(nn.Module):
         if self.config.embed_scale:
             x = x * torch.tensor(math.sqrt(self.config.n_embd), dtype=x.dtype)
         x = self.hook_embed(x)
-        if self.pos_emb is not None:
+        if self.config.position == "learned":
             x = x + self.hook_pos_embed(self.pos_emb(positions).expand_as(x))  # (T, C) per row
         return self.drop(x)
+
+    def shortformer_positions(self, positions: Tensor, x: Tensor) -> dict[str, Tensor]:
+        """With shortformer positions, {"qk_pos": (B, T, C)}: the position embeddings every
+        block's attention adds to its query and key inputs (none reach the stream); else {}."""
+        if self.config.position != "shortformer":
+            return {}
+        return {"qk_pos": self.hook_pos_embed(self.pos_emb(positions).expand_as(x))}
 
     def layers(self, idx: Tensor, *, start_pos: int | None = None,
                pad_mask: Tensor | None = None,
@@ -171,10 +180,12 @@ class GPT(nn.Module):
         """
         offset = 0 if start_pos is None else start_pos
         self.check_tokens(idx, offset, check_ids)
-        x = self.embed(idx, self.positions[offset:offset + idx.shape[1]])  # (B, T, C)
+        positions = self.positions[offset:offset + idx.shape[1]]  # (T,)
+        x = self.embed(idx, positions)  # (B, T, C)
+        extra = self.shortformer_positions(positions, x)
         yield 0, x
         for depth, block in enumerate(self.blocks, start=1):
-            x = block(x, pad_mask=pad_mask, start_pos=start_pos)
+            x = block(x, pad_mask=pad_mask, start_pos=start_pos, **extra)
             yield depth, x
 
     def read_out(self, x: Tensor) -> Tensor:

@@ -8,8 +8,10 @@ RMSNorm drops the centring and the shift: one statistic instead of two, and no b
 stores its gain as an offset, gamma = 1 + w with w starting at 0 (`norm_offset`), so weight
 decay pulls the gain towards 1 rather than 0.
 The model uses `LayerNorm` (PyTorch's fused kernel) and `RMSNorm` below; `ManualLayerNorm` exists
-for reading, and the tests hold each to its PyTorch sibling. Each has a hook point,
-`hook_normalized`, at x_hat: normalised, before the scale (TransformerLens's convention).
+for reading, and the tests hold each to its PyTorch sibling. Each has two hook points with
+TransformerLens's names: `hook_scale`, the divisor (B, T, 1) (sqrt(var + eps), or
+sqrt(mean(x^2) + eps)), and `hook_normalized`, x_hat: normalised, before the gain.
+`norm="none"` (TransformerLens's normalization_type=None) builds no norm at all.
 """
 
 from __future__ import annotations
@@ -34,18 +36,20 @@ class ManualLayerNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d_model))  # gamma
         self.bias = nn.Parameter(torch.zeros(d_model)) if bias else None  # beta
-        add_hook_points(self, "hook_normalized")
+        add_hook_points(self, "hook_scale", "hook_normalized")
 
     def forward(self, x: Tensor) -> Tensor:
-        return layer_norm_steps(x, self.weight, self.bias, self.eps, self.hook_normalized)
+        return layer_norm_steps(x, self.weight, self.bias, self.eps, self.hook_scale,
+                                self.hook_normalized)
 
 
 def layer_norm_steps(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float,
-                     hook_normalized: HookPoint) -> Tensor:
+                     hook_scale: HookPoint, hook_normalized: HookPoint) -> Tensor:
     """LayerNorm step by step: centre, divide by the standard deviation, scale, shift."""
     mean = x.mean(dim=-1, keepdim=True)  # (B, T, 1)
     var = x.var(dim=-1, keepdim=True, unbiased=False)  # (B, T, 1)
-    x_hat = hook_normalized((x - mean) / torch.sqrt(var + eps))  # (B, T, C)
+    scale = hook_scale(torch.sqrt(var + eps))  # (B, T, 1): the divisor, TransformerLens's scale
+    x_hat = hook_normalized((x - mean) / scale)  # (B, T, C)
     y = x_hat * weight
     return y if bias is None else y + bias
 
@@ -53,17 +57,19 @@ def layer_norm_steps(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float,
 class LayerNorm(nn.LayerNorm):
     """`nn.LayerNorm` (one fused kernel) with a hook point at x_hat.
 
-    The fused kernel never forms x_hat, so while a hook is attached to `hook_normalized` the
-    same numbers are computed in steps (`layer_norm_steps`) and x_hat passes through the point.
+    The fused kernel never forms x_hat or the scale it divides by, so while a hook is attached
+    to `hook_normalized` or `hook_scale` the same numbers are computed in steps
+    (`layer_norm_steps`) and pass through the points.
     """
 
     def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True):
         super().__init__(dim, eps=eps, bias=bias)
-        add_hook_points(self, "hook_normalized", decides_path=True)
+        add_hook_points(self, "hook_scale", "hook_normalized", decides_path=True)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.hook_normalized._forward_hooks:  # watched: x_hat must exist to be seen
-            return layer_norm_steps(x, self.weight, self.bias, self.eps, self.hook_normalized)
+        if self.hook_normalized._forward_hooks or self.hook_scale._forward_hooks:  # watched
+            return layer_norm_steps(x, self.weight, self.bias, self.eps, self.hook_scale,
+                                    self.hook_normalized)
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
@@ -83,7 +89,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         # `point_transpose`: how hooks see x_hat where the input is not TransformerLens's
         # layout (QK-norm's q and k arrive as (B, H, T, d); their point shows (B, T, H, d)).
-        add_hook_points(self, "hook_normalized", decides_path=True, transpose=point_transpose)
+        add_hook_points(self, "hook_scale", "hook_normalized", decides_path=True,
+                        transpose=point_transpose)
 
     @property
     def gain(self) -> Tensor:
@@ -91,7 +98,8 @@ class RMSNorm(nn.Module):
         return 1.0 + self.weight if self.offset else self.weight
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.hook_normalized._forward_hooks or not self._fused_computes_the_same(x):
+        watched = self.hook_normalized._forward_hooks or self.hook_scale._forward_hooks
+        if watched or not self._fused_computes_the_same(x):
             return self.steps(x)  # watched (x_hat must exist to be seen), or half precision
         # under autocast the gain takes x's precision, as a matmul's weight would
         return F.rms_norm(x, self.weight.shape, self.gain.to(x.dtype), self.eps)
@@ -108,10 +116,21 @@ class RMSNorm(nn.Module):
         """RMSNorm written out: the mean square in float32 at least, x_hat, then the gain."""
         wide = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16/fp16 -> fp32
         mean_square = wide.pow(2).mean(dim=-1, keepdim=True)  # (..., 1)
-        x_hat = self.hook_normalized(wide * torch.rsqrt(mean_square + self.eps))  # (..., dim)
+        x_hat = self.hook_normalized(wide * self.inverse_scale(mean_square))  # (..., dim)
         if self.offset:  # Gemma: (1 + w) in the wide precision, then cast
             return (x_hat * (1.0 + self.weight.to(wide.dtype))).to(x.dtype)
         return self.weight * x_hat.to(x.dtype)
+
+    def inverse_scale(self, mean_square: Tensor) -> Tensor:
+        """1 / sqrt(mean_square + eps), as rsqrt computes it (Hugging Face's arithmetic); the
+        scale itself, sqrt(...), passes `hook_scale` when watched, and only a replaced scale
+        is divided by (so reading it changes no number)."""
+        inverse = torch.rsqrt(mean_square + self.eps)  # (..., 1)
+        if not self.hook_scale._forward_hooks:
+            return inverse
+        scale = torch.sqrt(mean_square + self.eps)
+        seen = self.hook_scale(scale)
+        return inverse if seen is scale else 1.0 / seen
 
     def extra_repr(self) -> str:
         offset = ", offset (1 + w)" if self.offset else ""
@@ -130,13 +149,15 @@ def autocast_enabled(device_type: str) -> bool:
 
 
 def make_norm(config: GPTConfig, dim: int | None = None) -> nn.Module:
-    """The normalisation `config.norm` ("layernorm" | "rmsnorm") over `dim` features (default
-    the width C), with `config.norm_eps`.
+    """The normalisation `config.norm` ("layernorm" | "rmsnorm" | "none") over `dim` features
+    (default the width C), with `config.norm_eps`.
 
     `config.bias` gives LayerNorm its shift beta; RMSNorm never has one (as in every model that
     uses it).
     """
     dim = config.n_embd if dim is None else dim
+    if config.norm == "none":  # TransformerLens's normalization_type=None: no norm, no point
+        return nn.Identity()
     if config.norm == "rmsnorm":
         return RMSNorm(dim, eps=config.norm_eps, offset=config.norm_offset)
     return LayerNorm(dim, eps=config.norm_eps, bias=config.bias)

@@ -83,8 +83,9 @@ def static_step(model: Any, token: Tensor, pos: Tensor, key_positions: Tensor) -
     """
     unwritten = (key_positions > pos).expand(token.shape[0], -1)  # (B, S)
     x = model.embed(token, pos)  # (B, 1, C)
+    extra = model.shortformer_positions(pos, x)  # {} unless positions reach q and k only
     for block in model.blocks:
-        x = block(x, pad_mask=unwritten, start_pos=pos)
+        x = block(x, pad_mask=unwritten, start_pos=pos, **extra)
     return model.read_out(x)[:, -1]  # (B, 1, V) -> (B, V)
 
 

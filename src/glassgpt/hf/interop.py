@@ -189,6 +189,7 @@ def hf_config_from_glassgpt(config: GPTConfig, bos_token_id: int | None = None,
     """The `transformers` config of the architecture `config` is (GPT2Config, LlamaConfig,
     Qwen3Config, Qwen2Config, SmolLM3Config, Gemma3TextConfig, Gemma2Config or GPTNeoXConfig;
     see `architecture_for`); a ConfigError names any switch that architecture lacks."""
+    config = with_mlps_config(config)
     arch, chosen_by = family_choice(config)
     settings = _settings_of(arch, chosen_by, config)
     for name, token_id in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)):
@@ -374,7 +375,7 @@ def to_hf(model: GPT | nn.Module, bos_token_id: int | None = None,
 
     `model` may be wrapped in DDP or `torch.compile`; the plain GPT inside is what is copied.
     """
-    model = unwrap_model(model)
+    model = with_zero_mlps(unwrap_model(model))
     config = model.config
     hf_config = hf_config_from_glassgpt(config, bos_token_id, eos_token_id)
     arch = architecture_for(config)
@@ -388,6 +389,33 @@ def to_hf(model: GPT | nn.Module, bos_token_id: int | None = None,
             for name, part in zip(m.theirs, m.theirs_from(ours[m.ours]), strict=True):
                 _copy_weight(hf_weights[name], part, name)
     return hf_model.eval()
+
+
+def with_mlps_config(config: GPTConfig) -> GPTConfig:
+    """An `attn_only` config as one every family holds: MLPs of the usual width 4C (GPT-2's
+    config has no other), which `with_zero_mlps` gives zero weights, so they add exactly 0;
+    any other config as it is."""
+    if not config.attn_only:
+        return config
+    return dataclasses.replace(config, attn_only=False, mlp_hidden=None)
+
+
+def with_zero_mlps(model: GPT) -> GPT:
+    """`model` itself, or for an `attn_only` model the GPT of `with_mlps_config` computing
+    exactly what it computes: the same weights and an MLP per block whose weights are all
+    zero, so each adds 0 to the stream (no family has attention-only blocks; read back, it is
+    a model with MLPs of zeros)."""
+    if not model.config.attn_only:
+        return model
+    with torch.random.fork_rng(devices=[]), torch.device(model.tok_emb.weight.device):
+        twin = GPT(with_mlps_config(model.config))  # its initialisation draws no caller's numbers
+    missing, unexpected = twin.load_state_dict(model.state_dict(), strict=False)
+    assert not unexpected and all(".ln2." in key or ".ffn." in key for key in missing), missing
+    with torch.no_grad():
+        for block in twin.blocks:
+            for weight in block.ffn.parameters():
+                weight.zero_()
+    return twin.to(model.tok_emb.weight.dtype).eval()
 
 
 def _current_names(arch: Architecture, weights: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -48,7 +48,7 @@ def check_sum_of_parts(model: nn.Module) -> None:
 def residual_parts(model: nn.Module, cache, pos: int) -> tuple[list[str], list[Tensor]]:
     """The parts whose sum is the stream entering the final norm, at `pos`: each (B, C)."""
     labels, parts = ["embed"], [cached(cache, "hook_embed")[:, pos]]
-    if "hook_pos_embed" in cache:
+    if model.config.position == "learned":  # shortformer positions never enter the stream
         labels.append("pos_embed")
         parts.append(cache["hook_pos_embed"][:, pos])
     for layer, block in enumerate(model.blocks):
@@ -67,8 +67,9 @@ def residual_parts(model: nn.Module, cache, pos: int) -> tuple[list[str], list[T
                                                           head_parts, f"L{layer} attn norm")
         labels += head_labels
         parts += head_parts
-        labels.append(f"L{layer} MLP")
-        parts.append(cached(cache, f"blocks.{layer}.hook_mlp_out")[:, pos])
+        if block.ffn is not None:  # an attn_only block has no MLP
+            labels.append(f"L{layer} MLP")
+            parts.append(cached(cache, f"blocks.{layer}.hook_mlp_out")[:, pos])
     return labels, parts
 
 
@@ -80,7 +81,7 @@ def through_frozen_norm(norm: nn.Module, labels: list[str], parts: list[Tensor],
     (`name` + " bias"). Their sum is the norm's output exactly."""
     wide = [part.double() for part in parts]
     scale, centred = frozen_norm(norm, sum(wide))
-    gain = getattr(norm, "gain", norm.weight).double()
+    gain = norm_gain(norm).double()
     out = [(part - part.mean(-1, keepdim=True) if centred else part) / scale * gain
            for part in wide]
     shift = getattr(norm, "bias", None)
@@ -90,14 +91,25 @@ def through_frozen_norm(norm: nn.Module, labels: list[str], parts: list[Tensor],
 
 
 def frozen_norm(norm: nn.Module, stream: Tensor) -> tuple[Tensor, bool]:
-    """The final norm's scale on this stream (B, 1), and whether it centres (LayerNorm)."""
+    """The final norm's scale on this stream (B, 1), and whether it centres (LayerNorm);
+    with no norm (`norm="none"`) a scale of 1."""
     centred = isinstance(norm, nn.LayerNorm | ManualLayerNorm)
     wide = stream.double()
+    if isinstance(norm, nn.Identity):
+        return torch.ones_like(wide[..., :1]), False
     if centred:
         scale = torch.sqrt(wide.var(-1, keepdim=True, unbiased=False) + norm.eps)
     else:
         scale = torch.sqrt(wide.pow(2).mean(-1, keepdim=True) + norm.eps)
     return scale, centred
+
+
+def norm_gain(norm: nn.Module) -> Tensor:
+    """What a norm multiplies each feature by: RMSNorm's gain (1 + w with norm_offset), a
+    LayerNorm's weight, 1 for no norm."""
+    if isinstance(norm, nn.Identity):
+        return torch.ones(1)
+    return getattr(norm, "gain", norm.weight)
 
 
 def logit_attribution(model: nn.Module, ids: Tensor, token: int, pos: int = -1, *,
@@ -123,8 +135,7 @@ def logit_attribution(model: nn.Module, ids: Tensor, token: int, pos: int = -1, 
     direction = model.lm_head.weight[token].double()  # (C,)
     if against is not None:
         direction = direction - model.lm_head.weight[against].double()
-    gain = getattr(model.ln_f, "gain", model.ln_f.weight)  # RMSNorm's 1 + w with norm_offset
-    gamma = gain.double() * direction  # (C,)
+    gamma = norm_gain(model.ln_f).double() * direction  # (C,)
     values = []
     for part in parts:
         part = part.double()
