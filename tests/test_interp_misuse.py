@@ -15,7 +15,7 @@ from glassgpt.config import GPTConfig
 from glassgpt.errors import GlassGPTError, InputError, ModelError
 from glassgpt.interp import run_with_cache, run_with_hooks, zero_heads
 from glassgpt.interp.attribution import logit_attribution
-from glassgpt.interp.hooked import MissingActivationError
+from glassgpt.interp.cache import MissingActivationError
 from glassgpt.interp.patching import (
     get_act_patch_attn_head_out_by_pos,
     get_act_patch_attn_out,

@@ -19,11 +19,7 @@ from torch import Tensor, nn
 from glassgpt.errors import InputError, ModelError
 from glassgpt.hooks import HookPoint
 from glassgpt.inputs import check_id_tensor
-from glassgpt.interp.cache import (  # MissingActivationError: tests import it from here
-    ActivationCache,
-    MissingActivationError,  # noqa: F401
-    unknown_name_message,
-)
+from glassgpt.interp.cache import ActivationCache, unknown_name_message
 from glassgpt.model import eval_mode
 
 HookFn = Callable[[Tensor, str], Tensor | None]
