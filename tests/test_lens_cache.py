@@ -383,3 +383,24 @@ def test_refusals_name_the_problem(gpt2_run):
     sums_to(sandwich.decompose_resid(), sandwich["resid_post", -1])  # sub-layer outputs add up
     with pytest.raises(InputError, match="post_norms"):
         sandwich.stack_head_results()
+
+
+class Wrapper(torch.nn.Module):
+    """What HookedGPT is to the cache: a module holding the glass model as `.glass`, with a
+    tokenizer's to_single_token."""
+
+    def __init__(self, glass: torch.nn.Module):
+        super().__init__()
+        self.glass = glass
+
+    def to_single_token(self, text: str) -> int:
+        return {" road": 7, " path": 9}[text]
+
+
+def test_a_wrapper_s_cache_reads_the_glass_weights_and_its_tokens(gpt2_run):
+    model, _, cache = gpt2_run
+    wrapper = Wrapper(model)
+    wrapped = ActivationCache(dict(cache.items()), cache.ids, wrapper)
+    stack = cache.get_full_resid_decomposition()
+    same(wrapped.get_full_resid_decomposition(), stack)
+    same(wrapped.logit_attrs(stack, " road", " path"), cache.logit_attrs(stack, 7, 9))

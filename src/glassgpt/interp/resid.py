@@ -67,11 +67,14 @@ def take(tensor: Tensor, index: int | slice | Tensor, dim: int) -> Tensor:
 
 
 def glass_model(cache: Any) -> nn.Module:
+    """The glassgpt GPT whose weights the analysis reads: the cache's model, or the one a
+    wrapper of it (HookedGPT) holds as `.glass`."""
     model = cache.model
     if model is None:
         raise InputError("this analysis reads the model's weights, and this cache has no model "
                          "(made without one, or the model is gone): run_with_cache again")
-    return model
+    inner = getattr(model, "glass", None)
+    return inner if isinstance(inner, nn.Module) else model
 
 
 def layer_count(cache: Any, layer: Any, what: str = "layer") -> int:
@@ -291,10 +294,20 @@ def apply_ln_to_stack(cache: Any, stack: Tensor, layer: Any, mlp_input: bool, po
     return stack / scale
 
 
+def token_ids(cache: Any, tokens: Any) -> Any:
+    """Tokens as ids: a string is one token of the cache's model's tokenizer (a HookedGPT's
+    to_single_token); a bare glassgpt GPT has none."""
+    if not isinstance(tokens, str):
+        return tokens
+    to_single_token = getattr(cache.model, "to_single_token", None)
+    if to_single_token is None:
+        raise InputError(f"a glassgpt GPT has no tokenizer: pass token ids, not {tokens!r:.40} "
+                         "(or run a HookedGPT, which has one)")
+    return to_single_token(tokens)
+
+
 def token_directions(model: nn.Module, tokens: Any) -> Tensor:
     """Token ids -> their unembedding directions, W_U[:, id]: (C,) for one, (*shape, C)."""
-    if isinstance(tokens, str):
-        raise InputError(f"a glassgpt model has no tokenizer: pass token ids, not {tokens!r:.40}")
     ids = torch.as_tensor(tokens) if not isinstance(tokens, Tensor) else tokens
     vocab = model.config.vocab_size
     if ids.is_floating_point() or ids.dtype == torch.bool or ids.numel() == 0 \
@@ -307,6 +320,8 @@ def token_directions(model: nn.Module, tokens: Any) -> Tensor:
 def logit_attrs(cache: Any, stack: Tensor, tokens: Any, incorrect_tokens: Any,
                 pos_slice: Slicing, batch_slice: Slicing, has_batch_dim: bool) -> Tensor:
     model = glass_model(cache)
+    tokens = token_ids(cache, tokens)
+    incorrect_tokens = token_ids(cache, incorrect_tokens)
     directions = token_directions(model, tokens)
     if incorrect_tokens is not None:
         if torch.as_tensor(tokens).shape != torch.as_tensor(incorrect_tokens).shape:
