@@ -404,3 +404,14 @@ def test_a_wrapper_s_cache_reads_the_glass_weights_and_its_tokens(gpt2_run):
     stack = cache.get_full_resid_decomposition()
     same(wrapped.get_full_resid_decomposition(), stack)
     same(wrapped.logit_attrs(stack, " road", " path"), cache.logit_attrs(stack, 7, 9))
+
+
+def test_a_cache_built_in_transformer_lens_s_order(gpt2_run):
+    """ARENA builds caches as TransformerLens's ActivationCache(cache_dict, model)."""
+    model, _, cache = gpt2_run
+    built = ActivationCache(dict(cache.items()), model)
+    assert built.model is model and built.ids is None and built.has_batch_dim
+    same(built.decompose_resid(), cache.decompose_resid())
+    single = ActivationCache({k: v[0] for k, v in cache.items()}, model, False)
+    assert not single.has_batch_dim and single.model is model
+    same(single.decompose_resid(pos_slice=-1), cache.decompose_resid(pos_slice=-1)[:, 0])

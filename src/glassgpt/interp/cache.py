@@ -47,6 +47,10 @@ class ActivationCache(Mapping[str, Tensor]):
 
     def __init__(self, tensors: dict[str, Tensor], ids: Tensor | None = None,
                  model: nn.Module | None = None, has_batch_dim: bool = True):
+        if isinstance(ids, nn.Module):  # TransformerLens's order (ARENA's code builds caches
+            # as ActivationCache(tensors, model[, has_batch_dim]))
+            has_batch_dim = model if isinstance(model, bool) else has_batch_dim
+            ids, model = None, ids
         self._tensors = tensors
         self.ids = ids
         self._model = None if model is None else weakref.ref(model)
