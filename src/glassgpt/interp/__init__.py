@@ -6,6 +6,8 @@ Hugging Face models included).
     logits, cache = run_with_cache(model, ids)            # cache["blocks.0.attn.hook_pattern"]
     run_with_hooks(model, ids, [("blocks.0.attn.hook_z", ablate_head_1)])
 
+`HookedGPT` is a glassgpt model with TransformerLens's face (`model.run_with_cache(text)`,
+`model.W_Q`, `hook.ctx`, ...), on which TransformerLens's and ARENA's code runs unchanged.
 `glassgpt.interp.patching` holds the patching functions, `.attribution` the logit attribution
 and `.scores` the previous-token, duplicate-token and induction scores.
 """
@@ -17,5 +19,7 @@ from glassgpt.interp.hooked import (
     run_with_hooks,
     zero_heads,
 )
+from glassgpt.interp.hooked_gpt import HookedGPT
 
-__all__ = ["ActivationCache", "hook_points", "run_with_cache", "run_with_hooks", "zero_heads"]
+__all__ = ["ActivationCache", "HookedGPT", "hook_points", "run_with_cache", "run_with_hooks",
+           "zero_heads"]

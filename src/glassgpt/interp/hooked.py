@@ -26,8 +26,17 @@ HookFn = Callable[[Tensor, str], Tensor | None]
 NamesFilter = str | Iterable[str] | Callable[[str], bool] | None
 
 
+def as_glass(model: object) -> object:
+    """The glassgpt GPT a caller means: `model` itself, or the glass model a HookedGPT wraps
+    (`model.glass`), so that every function of glassgpt.interp takes either."""
+    inner = getattr(model, "glass", None) if isinstance(model, nn.Module) else None
+    return inner if isinstance(inner, nn.Module) else model
+
+
 def hook_points(model: nn.Module) -> dict[str, HookPoint]:
-    """Every hook point of a glassgpt model, by its TransformerLens name, in forward order."""
+    """Every hook point of a glassgpt model (or a HookedGPT's), by its TransformerLens name, in
+    forward order."""
+    model = as_glass(model)
     if not isinstance(model, nn.Module):
         raise ModelError(f"glassgpt.interp takes a glassgpt GPT, got {type(model).__name__}")
     points = {m.name: m for m in model.modules() if isinstance(m, HookPoint)}
@@ -198,6 +207,7 @@ def run_with_hooks(model: nn.Module, ids: Tensor,
     return value, when not None, replaces the activation). Attention runs its explicit path
     and LayerNorm its written-out one (`watching_every_path`). `stop_at_layer` l (as in
     TransformerLens) runs only the first l blocks and returns the residual stream (B, T, C)."""
+    model = as_glass(model)  # a HookedGPT runs its glass model
     points = hook_points(model)  # first: a model that is none is refused before all else
     check_run_ids(ids)
     hooks = expand_hooks(points, hooks)

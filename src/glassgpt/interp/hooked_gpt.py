@@ -1,0 +1,381 @@
+"""HookedGPT: a glassgpt GPT with TransformerLens's face, so TransformerLens and ARENA code runs
+on it unchanged.
+
+    model = HookedGPT.from_run("runs/x")               # or HookedGPT(gpt, tokenizer)
+    logits, cache = model.run_with_cache("Hello world", remove_batch_dim=True)
+    cache["pattern", 0]                                # (H, T, T)
+    model.run_with_hooks(tokens, return_type=None,
+                         fwd_hooks=[(lambda name: name.endswith("pattern"), score_hook)])
+    model.W_Q.shape                                    # (L, H, C, d); model.OV a FactoredMatrix
+
+It wraps the glass model (`model.glass`, a submodule: `.to()`, `.eval()`, `parameters()` work)
+and changes nothing in it. Every run goes through glassgpt.interp's `run_with_hooks`: its
+checks, its guard against a run started from a hook, eval mode, and hooks removed afterwards.
+A TransformerLens hook is called `fn(tensor, hook=point)`, `point` being glassgpt's HookPoint
+(`point.name`, `point.layer()`, `point.ctx`, a dict that stays on the point between runs), and
+may edit the tensor in place and return None. Hooks added with `add_hook` or `hooks()` stay
+attached to every run until `reset_hooks`. Gradients at hook points (`bwd_hooks`, dir="bwd")
+are not there yet (issue 42): asking for them is an InputError.
+
+The weights in TransformerLens's layout are `LensWeights`'s, the tokenisation methods
+`LensTokenMethods`'s (what BOS is: glassgpt.interp.lens_tokens), the settings `LensConfig`'s;
+`fold_ln`, `center_writing_weights` and `center_unembed` process a copy of the weights
+(glassgpt.interp.lens_process). glassgpt.interp's free functions take a HookedGPT too: the
+glass model's own attributes (`config`, `blocks`, `ln_f`, `lm_head`, ...) read through.
+Notation: B = batch, T = positions, C = width, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from glassgpt.errors import InputError, ModelError
+from glassgpt.hooks import HookPoint, lens_name
+from glassgpt.interp import lens_process
+from glassgpt.interp.cache import ActivationCache
+from glassgpt.interp.hooked import expand_hooks, hook_points, run_with_hooks, select_names
+from glassgpt.interp.lens_config import FOLDED_TYPES, LensConfig, lens_config
+from glassgpt.interp.lens_tokens import LensTokenizer, LensTokenMethods
+from glassgpt.interp.lens_weights import LensWeights
+from glassgpt.model import GPT
+from glassgpt.tokenizers import Tokenizer
+
+RETURN_TYPES = ("logits", "loss", "both", None)
+LensHookFn = Callable[..., Tensor | None]  # fn(tensor, hook=point)
+NO_GRADIENT_HOOKS = ("backward hooks are not supported yet: gradients at hook points are "
+                     "issue 42; use forward hooks (fwd_hooks, dir='fwd')")
+
+
+@dataclass(frozen=True)
+class AttachedHook:
+    """A hook of `add_hook` / `hooks()`: on one point, as glassgpt's fn(tensor, name)."""
+
+    name: str
+    fn: Callable[[Tensor, str], Tensor | None]
+    permanent: bool
+    level: int | None  # the `hooks()` context that added it; None: add_hook
+
+
+def check_lens_hook_fn(fn: object) -> None:
+    """A TransformerLens hook is called as fn(tensor, hook=point): refuse one that cannot be,
+    now, rather than with a TypeError from inside the forward pass."""
+    if not callable(fn):
+        raise InputError(f"a hook is a (name, fn) pair with fn(tensor, hook=point), got "
+                         f"{fn!r:.60}")
+    try:
+        inspect.signature(fn).bind(None, hook=None)
+    except TypeError as error:
+        raise InputError(f"a TransformerLens hook is called as fn(tensor, hook=point); "
+                         f"{fn!r:.60} cannot be: {error}") from None
+    except ValueError:  # a builtin without a signature: it is tried as it is
+        pass
+
+
+def loss_fn(logits: Tensor, tokens: Tensor, attention_mask: Tensor | None = None,
+            per_token: bool = False) -> Tensor:
+    """TransformerLens's next-token loss: -log p(tokens[:, i + 1]) at each position i, (B, T - 1)
+    with `per_token`, else its mean (over the positions whose token and next token are real,
+    where `attention_mask` (B, T) marks padding with 0)."""
+    if not isinstance(logits, Tensor) or logits.dim() != 3 or not isinstance(tokens, Tensor) \
+            or tuple(tokens.shape) != tuple(logits.shape[:2]) or tokens.shape[1] < 2:
+        got = [tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+               for x in (logits, tokens)]
+        raise InputError(f"loss_fn takes logits (B, T, V) and tokens (B, T), T >= 2, got "
+                         f"{got[0]} and {got[1]}")
+    log_probs = F.log_softmax(logits, dim=-1)[:, :-1]  # (B, T - 1, V)
+    next_tokens = tokens[:, 1:].to(logits.device)  # (B, T - 1)
+    losses = -log_probs.gather(-1, next_tokens[..., None])[..., 0]  # (B, T - 1)
+    if attention_mask is None:
+        return losses if per_token else losses.mean()
+    real = attention_mask.to(logits.device).bool()
+    both_real = real[:, :-1] & real[:, 1:]  # (B, T - 1)
+    losses = losses.masked_fill(~both_real, 0.0)
+    return losses if per_token else losses.sum() / both_real.sum().clamp(min=1)
+
+
+class HookedGPT(LensWeights, LensTokenMethods, nn.Module):
+    """A glassgpt GPT (`glass`) as TransformerLens's HookedTransformer: `model(input,
+    return_type=...)`, `run_with_cache`, `run_with_hooks`, `hooks`, `add_hook`, `reset_hooks`,
+    `cfg`, `tokenizer`, the weights in TransformerLens's layout and its tokenisation methods."""
+
+    def __init__(self, model: GPT, tokenizer: Tokenizer | LensTokenizer | None = None, *,
+                 fold_ln: bool = False, center_writing_weights: bool = False,
+                 center_unembed: bool = False, model_name: str = "glassgpt"):
+        super().__init__()
+        if not isinstance(model, GPT):
+            raise ModelError(f"HookedGPT wraps a glassgpt GPT, got {type(model).__name__}")
+        self.glass = model
+        self.tokenizer = tokenizer if isinstance(tokenizer, LensTokenizer) or tokenizer is None \
+            else LensTokenizer(tokenizer)
+        if self.tokenizer is not None and len(self.tokenizer) > model.config.vocab_size:
+            raise ModelError(f"the tokenizer has {len(self.tokenizer)} tokens, more than the "
+                             f"model's vocab_size={model.config.vocab_size}")
+        has_bos = self.tokenizer is not None and self.tokenizer.bos_token_id is not None
+        kind = None if self.tokenizer is None else f"glassgpt {self.tokenizer.inner.kind}"
+        self.cfg: LensConfig = lens_config(model, has_bos, model_name, kind)
+        self._points = hook_points(model)
+        self._attached: list[AttachedHook] = []
+        self._context_level = 0
+        self._owns_weights = False  # True once the weights are a copy of the caller's model's
+        for wanted, process in ((fold_ln, self.fold_layer_norm),
+                                (center_writing_weights, self.center_writing_weights),
+                                (center_unembed, self.center_unembed)):
+            if wanted:
+                process()
+
+    @classmethod
+    def from_run(cls, run_dir: str | Path, *, checkpoint: str = "best",
+                 device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                 fold_ln: bool = False, center_writing_weights: bool = False,
+                 center_unembed: bool = False) -> HookedGPT:
+        """The model and tokenizer of a run directory (trained here or imported from Hugging
+        Face), as `glassgpt sample` and the view open it."""
+        from glassgpt.rundir.checkpoint import load_model  # the run directory's layer, once
+        model, tokenizer = load_model(run_dir, device, checkpoint, dtype)
+        return cls(model, tokenizer, fold_ln=fold_ln,
+                   center_writing_weights=center_writing_weights,
+                   center_unembed=center_unembed, model_name=Path(run_dir).name)
+
+    # --- the glass model's own attributes, for glassgpt.interp's free functions ---------------
+
+    @property
+    def config(self) -> Any:
+        return self.glass.config
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.glass.blocks
+
+    @property
+    def tok_emb(self) -> nn.Embedding:
+        return self.glass.tok_emb
+
+    @property
+    def pos_emb(self) -> nn.Embedding | None:
+        return self.glass.pos_emb
+
+    @property
+    def ln_f(self) -> nn.Module:
+        return self.glass.ln_f
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.glass.lm_head
+
+    def layers(self, idx: Tensor, **options: Any) -> Iterator[tuple[int, Tensor]]:
+        return self.glass.layers(idx, **options)
+
+    def check_tokens(self, idx: Tensor, start_pos: int = 0, check_ids: bool = True) -> None:
+        self.glass.check_tokens(idx, start_pos, check_ids)
+
+    def read_out(self, x: Tensor) -> Tensor:
+        return self.glass.read_out(x)
+
+    # --- hook points ----------------------------------------------------------------------
+
+    @property
+    def hook_dict(self) -> dict[str, HookPoint]:
+        """Every hook point by its TransformerLens name, in forward order."""
+        return dict(self._points)
+
+    @property
+    def mod_dict(self) -> dict[str, nn.Module]:
+        """Every module of the model by its TransformerLens name (`blocks.0.mlp`, ...)."""
+        return {lens_name(path): module for path, module in self.glass.named_modules() if path}
+
+    def _as_glass_pairs(self, hooks: Iterable[tuple[Any, LensHookFn]]) -> list[tuple[str, Any]]:
+        """TransformerLens (name or filter, fn(tensor, hook=point)) pairs -> glassgpt's checked
+        (name, fn(tensor, name)) pairs, one a hook point (a filter stands for each it picks)."""
+        if hooks is None or isinstance(hooks, str | dict) or not isinstance(hooks, Iterable):
+            raise InputError(f"hooks must be a list of (name, fn) pairs, got "
+                             f"{type(hooks).__name__}")
+        pairs = []
+        for pair in hooks:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise InputError(f"a hook is a (name, fn) pair with fn(tensor, hook=point), "
+                                 f"got {pair!r:.80}")
+            where, fn = pair
+            check_lens_hook_fn(fn)
+            pairs.append((where, self._called_with_point(fn)))
+        return expand_hooks(self._points, pairs)
+
+    def _called_with_point(self, fn: LensHookFn) -> Callable[[Tensor, str], Tensor | None]:
+        def call(tensor: Tensor, name: str) -> Tensor | None:
+            return fn(tensor, hook=self._points[name])
+        return call
+
+    def add_hook(self, name: str | Callable[[str], bool], hook: LensHookFn, dir: str = "fwd",
+                 is_permanent: bool = False, level: int | None = None) -> None:
+        """Attach `hook` to the point `name` (or to each point a filter picks) for every run
+        until `reset_hooks` (with including_permanent=True for a permanent one)."""
+        if dir != "fwd":
+            raise InputError(NO_GRADIENT_HOOKS if dir == "bwd" else
+                             f"dir must be 'fwd' (or 'bwd', not yet supported), got {dir!r:.20}")
+        self._attached += [AttachedHook(point, fn, is_permanent, level)
+                           for point, fn in self._as_glass_pairs([(name, hook)])]
+
+    def reset_hooks(self, clear_contexts: bool = True, direction: str = "both",
+                    including_permanent: bool = False, level: int | None = None) -> None:
+        """Remove the attached hooks (the permanent ones too with `including_permanent`; only
+        those of one `hooks()` context with `level`), and empty every point's ctx."""
+        if clear_contexts:
+            for point in self._points.values():
+                point.ctx = {}
+        self._attached = [hook for hook in self._attached
+                          if (hook.permanent and not including_permanent)
+                          or (level is not None and hook.level != level)]
+
+    @contextmanager
+    def hooks(self, fwd_hooks: Iterable[tuple[Any, LensHookFn]] = (),
+              bwd_hooks: Iterable[tuple[Any, LensHookFn]] = (), reset_hooks_end: bool = True,
+              clear_contexts: bool = False) -> Iterator[HookedGPT]:
+        """Within the block, `fwd_hooks` are attached to every run; after it they are removed
+        (unless reset_hooks_end=False), and the points' ctx emptied with `clear_contexts`."""
+        if bwd_hooks:
+            raise InputError(NO_GRADIENT_HOOKS)
+        pairs = self._as_glass_pairs(fwd_hooks)  # all checked before any is attached
+        self._context_level += 1
+        level = self._context_level
+        self._attached += [AttachedHook(name, fn, False, level) for name, fn in pairs]
+        try:
+            yield self
+        finally:
+            if reset_hooks_end:
+                self.reset_hooks(clear_contexts, including_permanent=False, level=level)
+            self._context_level -= 1
+
+    # --- running ----------------------------------------------------------------------------
+
+    def forward(self, input: str | list[str] | Tensor, return_type: str | None = "logits",
+                loss_per_token: bool = False, prepend_bos: bool | None = None,
+                stop_at_layer: int | None = None,
+                padding_side: str | None = None) -> Tensor | tuple[Tensor, Tensor] | None:
+        """A text, texts or token ids (B, T) / (T,) -> logits (B, T, V) ("logits"), the
+        next-token loss ("loss", (B, T - 1) with loss_per_token), both, or None; with
+        `stop_at_layer` l (negative: from the end) the residual stream (B, T, C) after the first
+        l blocks, whatever the return_type."""
+        return self._run(input, return_type, loss_per_token, prepend_bos, stop_at_layer,
+                         padding_side)
+
+    def run_with_hooks(self, input: str | list[str] | Tensor,
+                       fwd_hooks: Iterable[tuple[Any, LensHookFn]] = (),
+                       bwd_hooks: Iterable[tuple[Any, LensHookFn]] = (),
+                       reset_hooks_end: bool = True, clear_contexts: bool = False,
+                       **forward_options: Any) -> Any:
+        """`model(input, **forward_options)` with `fwd_hooks` attached for this run (and kept
+        with reset_hooks_end=False)."""
+        with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end, clear_contexts):
+            return self(input, **forward_options)
+
+    def run_with_cache(self, input: str | list[str] | Tensor, names_filter: Any = None,
+                       remove_batch_dim: bool = False, return_type: str | None = "logits",
+                       loss_per_token: bool = False, prepend_bos: bool | None = None,
+                       stop_at_layer: int | None = None,
+                       padding_side: str | None = None) -> tuple[Any, ActivationCache]:
+        """(`model(input, ...)`'s output, the activations `names_filter` picks (None: all; a
+        name, names, or a predicate on names), detached); `remove_batch_dim` drops the batch
+        axis of a one-prompt run. The attached hooks run first: the cache holds what they left."""
+        store: dict[str, Tensor] = {}
+
+        def keep(tensor: Tensor, name: str) -> None:
+            store[name] = tensor.detach()
+
+        selected = select_names(self._points, names_filter)
+        ids, mask = self._input_ids(input, prepend_bos, padding_side)
+        if remove_batch_dim and ids.shape[0] != 1:
+            raise InputError(f"remove_batch_dim takes one prompt, got a batch of {ids.shape[0]}")
+        output = self._run_ids(ids, mask, return_type, loss_per_token, stop_at_layer,
+                               [(name, keep) for name in selected])
+        ordered = {name: store[name] for name in self._points if name in store}
+        cache = ActivationCache(ordered, ids=ids, model=self)
+        return output, cache.remove_batch_dim() if remove_batch_dim else cache
+
+    def loss_fn(self, logits: Tensor, tokens: Tensor, attention_mask: Tensor | None = None,
+                per_token: bool = False) -> Tensor:
+        return loss_fn(logits, tokens, attention_mask, per_token)
+
+    def _run(self, input: Any, return_type: str | None, loss_per_token: bool,
+             prepend_bos: bool | None, stop_at_layer: int | None,
+             padding_side: str | None) -> Any:
+        ids, mask = self._input_ids(input, prepend_bos, padding_side)
+        return self._run_ids(ids, mask, return_type, loss_per_token, stop_at_layer, [])
+
+    def _run_ids(self, ids: Tensor, mask: Tensor | None, return_type: str | None,
+                 loss_per_token: bool, stop_at_layer: int | None,
+                 extra: list[tuple[str, Callable]]) -> Any:
+        """One run of the glass model with the attached hooks, then `extra` ones."""
+        if return_type not in RETURN_TYPES:
+            raise InputError(f"return_type must be 'logits', 'loss', 'both' or None, got "
+                             f"{return_type!r:.40}")
+        if isinstance(stop_at_layer, int) and not isinstance(stop_at_layer, bool) \
+                and stop_at_layer < 0:
+            stop_at_layer += self.cfg.n_layers  # TransformerLens's: -1 skips the last block
+        hooks = [*((hook.name, hook.fn) for hook in self._attached), *extra]
+        output = run_with_hooks(self.glass, ids, hooks, stop_at_layer)
+        if stop_at_layer is not None or return_type == "logits":
+            return output  # (B, T, C) or (B, T, V)
+        if return_type is None:
+            return None
+        loss = loss_fn(output, ids, mask, loss_per_token)
+        return loss if return_type == "loss" else (output, loss)
+
+    def _input_ids(self, input: Any, prepend_bos: bool | None,
+                   padding_side: str | None) -> tuple[Tensor, Tensor | None]:
+        """A text, texts or ids -> (ids (B, T) on the model's device, padding mask or None)."""
+        device = self.glass.tok_emb.weight.device
+        if isinstance(input, Tensor):
+            ids = input[None] if input.dim() == 1 else input  # (T,) -> (1, T)
+            return ids.to(device), None
+        if isinstance(input, str) or (isinstance(input, list) and input
+                                      and all(isinstance(text, str) for text in input)):
+            ids, mask = self.tokens_and_mask(input, prepend_bos, padding_side)
+            return ids.to(device), (None if bool(mask.all()) else mask.to(device))
+        raise InputError(f"input must be a string, a list of strings or token ids (B, T) / "
+                         f"(T,), got {input!r:.60}")
+
+    # --- processing the weights (on a copy) -------------------------------------------------
+
+    def _own_weights(self) -> nn.Module:
+        """The glass model, copied the first time the weights are processed: the caller's
+        model is never changed."""
+        if not self._owns_weights:
+            self.glass = copy.deepcopy(self.glass)
+            self._points = hook_points(self.glass)
+            self._owns_weights = True
+        return self.glass
+
+    def fold_layer_norm(self) -> None:
+        """Fold each norm's gain and shift into the weights reading it (TransformerLens's
+        fold_ln); cfg.normalization_type becomes "LNPre" / "RMSPre"."""
+        lens_process.fold_layer_norm(self._own_weights())
+        self.cfg.normalization_type = FOLDED_TYPES[self.cfg.normalization_type]
+
+    def center_writing_weights(self) -> None:
+        """Centre W_E, W_pos, W_O, b_O, W_out, b_out over the width (LayerNorm models)."""
+        lens_process.center_writing_weights(self._own_weights())
+
+    def center_unembed(self) -> None:
+        """Centre W_U and b_U over the vocabulary (the log-probs stay as they were)."""
+        lens_process.center_unembed(self._own_weights())
+
+    def set_use_attn_result(self, use_attn_result: bool) -> None:
+        """TransformerLens's switch for `hook_result`; every glassgpt attention has the point
+        (computed when watched), so this only records the setting in cfg."""
+        self.cfg.use_attn_result = bool(use_attn_result)
+
+    def _apply(self, fn: Callable, *args: Any, **kwargs: Any) -> HookedGPT:
+        """`.to()`, `.cuda()`, `.half()`: cfg.device and cfg.dtype follow the weights."""
+        super()._apply(fn, *args, **kwargs)
+        weight = self.glass.tok_emb.weight
+        self.cfg.device, self.cfg.dtype = str(weight.device), weight.dtype
+        return self
