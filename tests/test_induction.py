@@ -6,6 +6,7 @@ induction head sits above layer 0. Plus the data, the attention-only model and t
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -14,14 +15,11 @@ import torch
 
 from conftest import quick_experiment
 from glassgpt.cli import main
-from glassgpt.config import GPTConfig
 from glassgpt.experiments import EXPERIMENTS
 from glassgpt.experiments.induction import (
     LAYERS,
     QUICK,
     SCORE_SEED,
-    AttentionOnlyGPT,
-    as_gpt,
     crossing_step,
     model_of,
     repeat_batch,
@@ -70,8 +68,8 @@ def test_repeat_batch_repeats_a_variable_stretch_at_the_end() -> None:
 
 def test_attention_only_model_has_no_mlp_and_keeps_the_hook_names() -> None:
     torch.manual_seed(0)
-    model = AttentionOnlyGPT(GPTConfig(vocab_size=20, block_size=16, n_layer=2, n_head=2,
-                                       n_embd=16, position="rope"))
+    model = model_of(2, dataclasses.replace(QUICK, vocab_size=20, half=8, n_head=2, n_embd=16),
+                     seed=0)
     names = set(hook_points(model))
     assert {"blocks.1.attn.hook_pattern", "blocks.0.hook_attn_out",
             "blocks.1.hook_resid_post"} <= names
@@ -89,12 +87,6 @@ def test_crossing_step_is_where_a_curve_went_half_way() -> None:
     assert crossing_step([0, 10, 20, 30], [4.0, 3.9, 1.0, 0.8]) == 20
     assert crossing_step([0, 10, 20, 30], [0.0, 0.1, 0.7, 0.8]) == 20
     assert crossing_step([0, 10, 20], [0.02, 0.03, 0.05]) is None  # nothing happened
-
-
-def test_as_gpt_computes_exactly_what_the_attention_only_model_computes() -> None:
-    model = model_of(2, QUICK, seed=0).eval()
-    ids = torch.randint(QUICK.vocab_size, (3, 2 * QUICK.half))
-    assert torch.equal(as_gpt(model)(ids)[0], model(ids)[0])
 
 
 def test_the_2_layer_model_is_saved_as_a_run_that_sample_and_view_open(tmp_path: Path,

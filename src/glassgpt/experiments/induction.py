@@ -16,7 +16,6 @@ Notation: B = batch, T = positions, L = layers, H = heads, V = vocabulary.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import string
 from dataclasses import dataclass
@@ -26,17 +25,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from matplotlib.figure import Figure
-from torch import Tensor, nn
+from torch import Tensor
 
-from glassgpt.attention import check_stream
-from glassgpt.block import TransformerBlock
 from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError
 from glassgpt.experiments.charlm import CharLMSettings, model_config, train_char_lm
 from glassgpt.experiments.results import Check, ExperimentResult, Table, step_taken
 from glassgpt.experiments.tasks import single_thread
 from glassgpt.figures import LABEL_PT, label_axes, new_figure, save_figure
-from glassgpt.hooks import name_hook_points
 from glassgpt.interp.scores import head_scores
 from glassgpt.model import GPT, eval_mode
 from glassgpt.rundir.checkpoint import save_model
@@ -82,39 +78,6 @@ QUICK = InductionSettings(steps=400, eval_every=20, tolerance=40,
                           shakespeare_score_every=50)
 
 
-class AttentionOnlyBlock(TransformerBlock):
-    """A Pre-LN block without its MLP: z = x + attn(ln1(x)).
-
-    `TransformerBlock`'s attention, first norm and hook points, built from the config the same
-    way; `ln2`, the MLP and their two hook points are gone, so each layer's only way to move
-    information is attention (what makes the circuit readable head by head)."""
-
-    def _build(self, config: GPTConfig, *args: Any, **kwargs: Any) -> None:
-        if not config.pre_ln:
-            raise ConfigError("the attention-only block of this experiment is Pre-LN")
-        super()._build(config, *args, **kwargs)  # whatever else the library's block takes
-        del self.ln2, self.ffn, self.hook_resid_mid, self.hook_mlp_in, self.hook_mlp_out
-
-    def forward(self, x: Tensor, pad_mask: Tensor | None = None,
-                start_pos: int | None = None) -> Tensor:
-        check_stream(x, self.d_model, self.attn.qkv.weight, "block")
-        x = self.hook_resid_pre(x)
-        a = self.attn(self.ln1(x), pad_mask=pad_mask, start_pos=start_pos)
-        return self.hook_resid_post(x + self.hook_attn_out(a))  # (B, T, C)
-
-
-class AttentionOnlyGPT(GPT):
-    """The library's GPT with `AttentionOnlyBlock`s: the same embeddings, final norm, tied head,
-    GPT-2 initialisation and hook-point names."""
-
-    def __init__(self, config: GPTConfig):
-        super().__init__(config)
-        self.blocks = nn.ModuleList(AttentionOnlyBlock.from_config(config, layer=i)
-                                    for i in range(config.n_layer))
-        self._init_gpt2_weights()  # the new blocks start as GPT's own would
-        name_hook_points(self)
-
-
 def repeat_batch(batch_size: int, half: int, shortest: int, vocab_size: int,
                  generator: torch.Generator) -> tuple[Tensor, Tensor]:
     """Sequences (B, T = 2 * half) and the targets that are predictable (B, T), a bool mask.
@@ -132,17 +95,18 @@ def repeat_batch(batch_size: int, half: int, shortest: int, vocab_size: int,
     return tokens.gather(1, source), t > repeat_start  # (B, T), (B, T)
 
 
-def model_of(n_layer: int, s: InductionSettings, seed: int) -> AttentionOnlyGPT:
-    """An attention-only model with rotary positions, its query and key projections drawn at
-    std `s.qk_init_std`.
+def model_of(n_layer: int, s: InductionSettings, seed: int) -> GPT:
+    """An attention-only model (`attn_only`: blocks without their MLP, so each layer's only
+    way to move information is attention) with rotary positions, its query and key
+    projections drawn at std `s.qk_init_std`.
 
     GPT-2's std of 0.02 makes every q . k nearly 0, so every pattern starts uniform and the
     plateau before the phase change is long and varies with the seed (400 to 800 steps for
     seeds 0, 1, 2 at the full size); at ~1/sqrt(C) it ended at 250 to 300 steps for each."""
     torch.manual_seed(seed)
-    model = AttentionOnlyGPT(GPTConfig(vocab_size=s.vocab_size, block_size=2 * s.half,
-                                       n_layer=n_layer, n_head=s.n_head, n_embd=s.n_embd,
-                                       dropout=0.0, position="rope"))
+    model = GPT(GPTConfig(vocab_size=s.vocab_size, block_size=2 * s.half, n_layer=n_layer,
+                          n_head=s.n_head, n_embd=s.n_embd, dropout=0.0, position="rope",
+                          attn_only=True))
     with torch.no_grad():
         for block in model.blocks:
             attn = block.attn
@@ -166,7 +130,7 @@ def induction_scores(model: GPT, half: int, batch: int) -> Tensor:
 
 
 def train_repeats(n_layer: int, s: InductionSettings,
-                  seed: int) -> tuple[dict[str, Any], AttentionOnlyGPT]:
+                  seed: int) -> tuple[dict[str, Any], GPT]:
     """Train one attention-only model; every `eval_every` steps read its repeated-part loss
     and each head's induction score. Returns the readings and the trained model."""
     model = model_of(n_layer, s, seed)
@@ -195,34 +159,16 @@ def train_repeats(n_layer: int, s: InductionSettings,
             "score_rise_step": crossing_step(steps, best)}, model
 
 
-def as_gpt(model: AttentionOnlyGPT) -> GPT:
-    """The library's GPT computing exactly what `model` computes: each block keeps the same
-    attention and norm, and gets an MLP one unit wide whose output weights are zero, so it
-    adds exactly 0 to the residual stream. `sample`, `view` and `convert` build a GPT from a
-    run's config; an attention-only block is no setting of it."""
-    config = dataclasses.replace(model.config, mlp_hidden=1)
-    with torch.random.fork_rng(devices=[]):  # building it draws no numbers the caller sees
-        gpt = GPT(config)
-    missing, unexpected = gpt.load_state_dict(model.state_dict(), strict=False)
-    assert not unexpected and all(".ln2." in key or ".ffn." in key for key in missing), missing
-    with torch.no_grad():
-        for block in gpt.blocks:
-            block.ffn.proj.weight.zero_()
-            block.ffn.proj.bias.zero_()
-    return gpt.eval()
-
-
-def save_induction_run(model: AttentionOnlyGPT, run_dir: Path, seed: int) -> Path:
+def save_induction_run(model: GPT, run_dir: Path, seed: int) -> Path:
     """Save `model` as a run directory (new, or an empty directory) that `glassgpt sample`,
     `view` and `convert --to-hf` open; it appears whole or not at all."""
     tokenizer = CharTokenizer.from_text(RUN_ALPHABET)
     if tokenizer.vocab_size != model.config.vocab_size:
         raise ConfigError(f"the run's {tokenizer.vocab_size} characters cannot name "
                           f"{model.config.vocab_size} random tokens")
-    extra = {"experiment": "induction", "seed": seed,
-             "note": "attention-only: each MLP is one unit wide with zero output weights"}
+    extra = {"experiment": "induction", "seed": seed}
     with staged_directory(run_dir) as staging:
-        save_model(staging, as_gpt(model), tokenizer, extra=extra)
+        save_model(staging, model, tokenizer, extra=extra)
     return run_dir
 
 

@@ -35,7 +35,7 @@ class Attribution:
     values: Tensor  # (len(labels),), adding up to `logit`
     logit: float  # the model's own logit (difference) before any soft-cap
     heads: Tensor  # (L, H): the heads' values again, as a grid
-    mlps: Tensor  # (L,)
+    mlps: Tensor  # (L,): 0 for a block without an MLP (attn_only)
 
 
 def check_sum_of_parts(model: nn.Module) -> None:
@@ -184,5 +184,5 @@ def grids(model: nn.Module, labels: list[str], values: Tensor) -> tuple[Tensor, 
     L, H = model.config.n_layer, model.config.n_head
     by_label = dict(zip(labels, values.tolist(), strict=True))
     heads = torch.tensor([[by_label[f"L{l}H{h}"] for h in range(H)] for l in range(L)])
-    mlps = torch.tensor([by_label[f"L{l} MLP"] for l in range(L)])
+    mlps = torch.tensor([by_label.get(f"L{l} MLP", 0.0) for l in range(L)])  # attn_only: 0
     return heads, mlps
