@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 
-import einops
 import pytest
 import torch
 
@@ -135,14 +134,15 @@ def test_the_definitions_differ_where_worked_out_by_hand(hand_made_scores):
 # ARENA_3.0, chapter1_transformer_interp/exercises/part2_intro_to_mech_interp/solutions.py
 # (unchanged but for the store and seq_len passed in, which ARENA keeps as globals).
 def arena_induction_score_hook(pattern, hook, seq_len, induction_score_store):
+    einops = pytest.importorskip("einops")  # TransformerLens's dependency, not glassgpt's
     induction_stripe = pattern.diagonal(dim1=-2, dim2=-1, offset=1 - seq_len)
     induction_score = einops.reduce(induction_stripe,
                                     "batch head_index position -> head_index", "mean")
     induction_score_store[hook.layer(), :] = induction_score
 
 
-def arena_prev_attn_score(cache, layer, head):  # prev_attn_detector's score, one sequence
-    attention_pattern = cache[f"blocks.{layer}.attn.hook_pattern"][0][head]
+def arena_prev_attn_score(cache, layer, head):  # prev_attn_detector's score
+    attention_pattern = cache["pattern", layer][head]
     return attention_pattern.diagonal(-1).mean()
 
 
@@ -160,6 +160,7 @@ def test_arena_definition_is_arenas_own_hook_on_the_same_tokens():
     assert (scores.half, scores.prefix) == (7, 1)
     one = head_scores(model, tokens=tokens[:1], definition="arena")
     _, one_cache = run_with_cache(model, tokens[:1])
+    one_cache.remove_batch_dim()  # as ARENA's: (H, T, T) patterns
     want = torch.tensor([[arena_prev_attn_score(one_cache, layer, head) for head in range(4)]
                          for layer in range(2)])
     torch.testing.assert_close(one.previous_token, want, atol=1e-7, rtol=0)
@@ -286,3 +287,22 @@ def test_detect_head_refuses_text_without_a_tokenizer_and_a_cache_of_other_ids()
         detect_head(model, [bos_a_a(batch=1)], "induction_head", cache=cache)
     with pytest.warns(UserWarning, match="other than 0 and 1"):
         detect_head(model, bos_a_a(batch=1), torch.ones(T, T).tril() / 2)
+
+
+def test_a_hooked_gpt_its_text_and_its_own_cache_give_the_glass_models_numbers():
+    from glassgpt.interp import HookedGPT
+    from glassgpt.tokenizers import CharTokenizer
+    model = tiny()
+    hooked = HookedGPT(model, CharTokenizer.from_text("abcdef "))
+    text = "abc fed bc fed "  # "a", then "bc fed " twice; a character tokenizer: no BOS
+    ids = hooked.to_tokens(text)  # (1, 15)
+    want = detect_head(model, ids, "induction_head")
+    _, cache = hooked.run_with_cache(text, remove_batch_dim=True)  # (H, T, T) patterns
+    for got in (detect_head(hooked, text, "induction_head"),
+                detect_head(hooked, text, "induction_head", cache=cache),
+                detect_head(model, ids, "induction_head", cache=cache)):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    scores = head_scores(hooked, tokens=ids)
+    assert (scores.prefix, scores.half) == (1, 7)
+    torch.testing.assert_close(scores.induction, head_scores(model, tokens=ids).induction,
+                               atol=0, rtol=0)

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from glassgpt.errors import InputError
 from glassgpt.interp import checks
 from glassgpt.interp.cache import ActivationCache, cached
-from glassgpt.interp.hooked import check_run_ids, hook_points, run_with_cache
+from glassgpt.interp.hooked import as_glass, check_run_ids, hook_points, run_with_cache
 
 DEFINITIONS = ("glassgpt", "arena", "transformer_lens")
 HEAD_KINDS = ("previous_token_head", "duplicate_token_head", "induction_head")
@@ -76,7 +76,7 @@ def repeats_after(tokens: Tensor, prefix: int) -> bool:
 
 def find_prefix(tokens: Tensor) -> int:
     """The shortest prefix after which `tokens` repeat, looked for only while it is shorter
-    than the half (a longer one is more likely a chance repeat at the end: say it, prefix=)."""
+    than the half (a longer one is more likely a chance repeat near the end: pass prefix=)."""
     T = tokens.shape[1]
     for prefix in range(T % 2, T, 2):
         if prefix >= (T - prefix) // 2:
@@ -363,7 +363,7 @@ def cached_patterns(cache: Mapping[str, Tensor], model: nn.Module, ids: Tensor) 
     if not isinstance(cache, Mapping):
         raise InputError(f"cache must be a run_with_cache cache, got {type(cache).__name__}")
     if isinstance(cache, ActivationCache) and cache.ids is not None:
-        if cache.model is not None and cache.model is not model:
+        if cache.model is not None and as_glass(cache.model) is not as_glass(model):
             raise InputError("the cache was made by another model: pass cache=None or this "
                              "model's run of seq")
         if not torch.equal(cache.ids.cpu(), ids.cpu()):
