@@ -117,6 +117,8 @@ def test_return_types_and_the_loss_are_transformer_lens_s(model):
     torch.testing.assert_close(model(tokens, return_type="loss"), loss, atol=0, rtol=0)
     assert model(tokens, return_type="loss", loss_per_token=True).shape == (2, 6)
     assert model(tokens, return_type=None) is None
+    loss.backward()  # gradients flow as in TransformerLens (ARENA part 1 trains through it)
+    assert model.glass.tok_emb.weight.grad.abs().sum() > 0
     with pytest.raises(InputError, match="return_type must be"):
         model(tokens, return_type="logit")
 
@@ -126,6 +128,8 @@ def test_a_padded_batch_of_texts_leaves_the_padding_out_of_the_loss(model):
     batch_loss = model(["the cat sat on the mat", "the cat"], return_type="loss")
     per_token = [model(t, return_type="loss", loss_per_token=True) for t in (long, short)]
     torch.testing.assert_close(batch_loss, torch.cat(per_token, 1).mean(), atol=1e-6, rtol=0)
+    with pytest.raises(InputError, match="on the right"):
+        model(["the cat sat on the mat", "the cat"], padding_side="left")
 
 
 def test_stop_at_layer_returns_the_stream_negative_from_the_end(model):

@@ -339,7 +339,13 @@ class HookedGPT(LensWeights, LensTokenMethods, nn.Module):
         if isinstance(input, str) or (isinstance(input, list) and input
                                       and all(isinstance(text, str) for text in input)):
             ids, mask = self.tokens_and_mask(input, prepend_bos, padding_side)
-            return ids.to(device), (None if bool(mask.all()) else mask.to(device))
+            if bool(mask.all()):
+                return ids.to(device), None
+            if not bool(mask[:, 0].all()):  # left padding would shift every position
+                raise InputError("a run pads texts of different lengths on the right (the "
+                                 "glass model takes no attention mask, and positions must start "
+                                 "at each text's first token): leave padding_side as 'right'")
+            return ids.to(device), mask.to(device)
         raise InputError(f"input must be a string, a list of strings or token ids (B, T) / "
                          f"(T,), got {input!r:.60}")
 
