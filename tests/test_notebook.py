@@ -22,7 +22,10 @@ CLAIMS = ["same as the module: True True", "parallel == per-head loop (<= 1e-12)
           "GPT-2 small: 124,439,808 counted, 124,439,808 by the formula",
           "sum of the heads' contributions == the attention's output: True",
           "attribution adds up to the logit: True", "patched with its own clean cache: 1.0",
-          "resid_pre at the changed position, layer 0: 1.0"]
+          "resid_pre at the changed position, layer 0: 1.0",
+          # section 10: ARENA's cells on a HookedGPT
+          "ARENA's scores == head_scores(definition='arena'): True",
+          "utils.get_act_name('v', 1): blocks.1.attn.hook_v"]
 
 
 def printed(notebook) -> str:
@@ -45,3 +48,9 @@ def test_the_tour_notebook_runs_top_to_bottom_and_its_claims_hold(tmp_path):
     # Switching both MLPs off makes the prompt's loss worse (the last ablation line).
     losses = [float(v) for v in re.findall(r"^loss ([\d.]+), next after", text, re.MULTILINE)]
     assert len(losses) == 3 and losses[2] > losses[0]
+    # ARENA's detector finds induction heads in the model trained on BOS + A + A, and zeroing
+    # a head's values costs loss (a hook whose in-place edit was lost would cost none).
+    assert re.search(r"^Induction heads =  \d\.\d", text, re.MULTILINE)
+    added = re.search(r"loss added by zeroing each head's values \(layer x head\): (.*)$", text,
+                      re.MULTILINE).group(1)
+    assert max(float(v) for v in re.findall(r"-?[\d.]+", added)) > 0.05
