@@ -101,10 +101,9 @@ def test_cfg_has_transformer_lens_names():
 
 def test_forward_takes_text_texts_and_ids_as_glassgpt_runs_them(model):
     tokens = ids()
-    torch.testing.assert_close(model(tokens), run_with_hooks(model.glass, tokens), atol=0,
-                               rtol=0)
+    assert torch.equal(model(tokens), run_with_hooks(model.glass, tokens))
     torch.testing.assert_close(model(tokens), model.glass(tokens)[0], atol=1e-5, rtol=0)
-    torch.testing.assert_close(model(tokens[0]), model(tokens[:1]), atol=0, rtol=0)
+    assert torch.equal(model(tokens[0]), model(tokens[:1]))
     text = model(["the cat", "the dog"])
     torch.testing.assert_close(text, model(model.to_tokens(["the cat", "the dog"])))
 
@@ -114,7 +113,7 @@ def test_return_types_and_the_loss_are_transformer_lens_s(model):
     logits, loss = model(tokens, return_type="both")
     by_hand = F.cross_entropy(logits[:, :-1].reshape(-1, 300), tokens[:, 1:].reshape(-1))
     torch.testing.assert_close(loss, by_hand, atol=1e-6, rtol=0)
-    torch.testing.assert_close(model(tokens, return_type="loss"), loss, atol=0, rtol=0)
+    assert torch.equal(model(tokens, return_type="loss"), loss)
     assert model(tokens, return_type="loss", loss_per_token=True).shape == (2, 6)
     assert model(tokens, return_type=None) is None
     loss.backward()  # gradients flow as in TransformerLens (ARENA part 1 trains through it)
@@ -145,9 +144,9 @@ def test_run_with_cache_is_glassgpt_s_cache_with_transformer_lens_options(model)
     logits, cache = model.run_with_cache(ids())
     theirs_logits, theirs = run_with_cache(model.glass, ids())
     assert list(cache) == list(theirs) and cache.model is model
-    torch.testing.assert_close(logits, theirs_logits, atol=0, rtol=0)
+    assert torch.equal(logits, theirs_logits)
     for name in theirs:
-        torch.testing.assert_close(cache[name], theirs[name], atol=0, rtol=0)
+        assert torch.equal(cache[name], theirs[name])
     _, one = model.run_with_cache(ids(1), names_filter=lambda n: n.endswith("pattern"),
                                   remove_batch_dim=True)
     assert list(one) == ["blocks.0.attn.hook_pattern", "blocks.1.attn.hook_pattern"]
@@ -177,8 +176,8 @@ def test_a_hook_gets_the_point_edits_in_place_and_is_removed_after(model):
     by_glassgpt = run_with_hooks(model.glass, ids(), [
         (f"blocks.{layer}.attn.hook_z", lambda z, name: z.index_fill(2, torch.tensor([0]), 0.0))
         for layer in range(2)])
-    torch.testing.assert_close(ablated, by_glassgpt, atol=0, rtol=0)
-    torch.testing.assert_close(model(ids()), clean, atol=0, rtol=0)  # the hook is gone
+    assert torch.equal(ablated, by_glassgpt)
+    assert torch.equal(model(ids()), clean)  # the hook is gone
 
 
 def test_ctx_stays_on_the_point_until_reset_hooks_clears_it(model):
@@ -198,9 +197,9 @@ def test_hooks_kept_with_reset_hooks_end_false_run_until_reset(model):
     clean = model(ids())
     zero_embed = ("hook_embed", lambda x, hook: torch.zeros_like(x))
     first = model.run_with_hooks(ids(), fwd_hooks=[zero_embed], reset_hooks_end=False)
-    torch.testing.assert_close(model(ids()), first, atol=0, rtol=0)
+    assert torch.equal(model(ids()), first)
     model.reset_hooks()
-    torch.testing.assert_close(model(ids()), clean, atol=0, rtol=0)
+    assert torch.equal(model(ids()), clean)
 
 
 def test_add_hook_permanent_and_nested_hook_contexts(model):
@@ -219,7 +218,7 @@ def test_add_hook_permanent_and_nested_hook_contexts(model):
     assert calls == ["perm"]
     model.reset_hooks(including_permanent=True)
     calls.clear()
-    torch.testing.assert_close(model(ids()), clean, atol=0, rtol=0)
+    assert torch.equal(model(ids()), clean)
     assert calls == []
 
 
@@ -260,7 +259,7 @@ def test_a_failing_hook_leaves_no_hook_behind(model):
 
     with pytest.raises(RuntimeError, match="boom"):
         model.run_with_hooks(ids(), fwd_hooks=[("hook_embed", broken)])
-    torch.testing.assert_close(model(ids()), clean, atol=0, rtol=0)
+    assert torch.equal(model(ids()), clean)
 
 
 def test_hook_dict_and_mod_dict_use_transformer_lens_names(model):
@@ -270,8 +269,7 @@ def test_hook_dict_and_mod_dict_use_transformer_lens_names(model):
 
 
 def test_glassgpt_interp_functions_take_a_hooked_gpt(model):
-    torch.testing.assert_close(run_with_cache(model, ids())[0], run_with_cache(model.glass,
-                                                                               ids())[0])
+    assert torch.equal(run_with_cache(model, ids())[0], run_with_cache(model.glass, ids())[0])
     _, clean_cache = run_with_cache(model, ids(seed=2))
     def metric(logits):
         return logits.sum()

@@ -48,6 +48,7 @@ from glassgpt.interp.lens_config import FOLDED_TYPES, LensConfig, lens_config
 from glassgpt.interp.lens_tokens import LensTokenizer, LensTokenMethods
 from glassgpt.interp.lens_weights import LensWeights
 from glassgpt.model import GPT
+from glassgpt.rundir.checkpoint import load_model
 from glassgpt.tokenizers import Tokenizer
 
 RETURN_TYPES = ("logits", "loss", "both", None)
@@ -140,7 +141,6 @@ class HookedGPT(LensWeights, LensTokenMethods, nn.Module):
                  center_unembed: bool = False) -> HookedGPT:
         """The model and tokenizer of a run directory (trained here or imported from Hugging
         Face), as `glassgpt sample` and the view open it."""
-        from glassgpt.rundir.checkpoint import load_model  # the run directory's layer, once
         model, tokenizer = load_model(run_dir, device, checkpoint, dtype)
         return cls(model, tokenizer, fold_ln=fold_ln,
                    center_writing_weights=center_writing_weights,
