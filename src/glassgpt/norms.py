@@ -48,8 +48,9 @@ def layer_norm_steps(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float,
     """LayerNorm step by step: centre, divide by the standard deviation, scale, shift."""
     mean = x.mean(dim=-1, keepdim=True)  # (B, T, 1)
     var = x.var(dim=-1, keepdim=True, unbiased=False)  # (B, T, 1)
+    centred = x - mean  # (B, T, C)
     scale = hook_scale(torch.sqrt(var + eps))  # (B, T, 1): the divisor, TransformerLens's scale
-    x_hat = hook_normalized((x - mean) / scale)  # (B, T, C)
+    x_hat = hook_normalized(centred / scale)  # (B, T, C)
     y = x_hat * weight
     return y if bias is None else y + bias
 
