@@ -21,8 +21,8 @@ from glassgpt.errors import InputError
 from glassgpt.interp import checks
 from glassgpt.interp.cache import cached
 from glassgpt.interp.hooked import check_run_ids, hook_points, run_with_hooks
-from glassgpt.interp.patching_result import Metric, metric_value
-from glassgpt.interp.patching_sweep import Progress, check_same_run_shape
+from glassgpt.interp.patching.result import Metric, metric_value
+from glassgpt.interp.patching.sweep import Progress, check_same_run_shape
 
 COMPONENTS = ("q", "k", "v")
 

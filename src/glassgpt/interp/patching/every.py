@@ -19,15 +19,15 @@ from collections.abc import Callable, Mapping, Sequence
 from torch import Tensor, nn
 
 from glassgpt.errors import InputError
-from glassgpt.interp import patching_sweep as sweeps
 from glassgpt.interp.hooked import check_run_ids, hook_points
-from glassgpt.interp.patching_result import (
+from glassgpt.interp.patching import sweep as sweeps
+from glassgpt.interp.patching.result import (
     Metric,
     PatchingResult,
     as_result,
     stack_patch_types,
 )
-from glassgpt.interp.patching_sweep import Progress, sweep_shape
+from glassgpt.interp.patching.sweep import Progress, sweep_shape
 
 HEAD_TYPES = ("out", "q", "k", "v", "pattern")
 BLOCK_TYPES = ("resid_pre", "attn_out", "mlp_out")

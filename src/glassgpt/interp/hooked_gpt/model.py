@@ -18,9 +18,9 @@ attached to every run until `reset_hooks`. Gradients at hook points (`bwd_hooks`
 are not there yet (issue 42): asking for them is an InputError.
 
 The weights in TransformerLens's layout are `LensWeights`'s, the tokenisation methods
-`LensTokenMethods`'s (what BOS is: glassgpt.interp.lens_tokens), the settings `LensConfig`'s;
+`LensTokenMethods`'s (what BOS is: glassgpt.interp.hooked_gpt.tokens), the settings `LensConfig`'s;
 `fold_ln`, `center_writing_weights` and `center_unembed` process a copy of the weights
-(glassgpt.interp.lens_process). glassgpt.interp's free functions take a HookedGPT too: the
+(glassgpt.interp.hooked_gpt.process). glassgpt.interp's free functions take a HookedGPT too: the
 glass model's own attributes (`config`, `blocks`, `ln_f`, `lm_head`, ...) read through.
 Notation: B = batch, T = positions, C = width, V = vocabulary.
 """
@@ -41,12 +41,12 @@ from torch import Tensor, nn
 
 from glassgpt.errors import InputError, ModelError
 from glassgpt.hooks import HookPoint, lens_name
-from glassgpt.interp import lens_process
 from glassgpt.interp.cache import ActivationCache
 from glassgpt.interp.hooked import expand_hooks, hook_points, run_with_hooks, select_names
-from glassgpt.interp.lens_config import FOLDED_TYPES, LensConfig, lens_config
-from glassgpt.interp.lens_tokens import LensTokenizer, LensTokenMethods
-from glassgpt.interp.lens_weights import LensWeights
+from glassgpt.interp.hooked_gpt import process
+from glassgpt.interp.hooked_gpt.config import FOLDED_TYPES, LensConfig, lens_config
+from glassgpt.interp.hooked_gpt.tokens import LensTokenizer, LensTokenMethods
+from glassgpt.interp.hooked_gpt.weights import LensWeights
 from glassgpt.model import GPT
 from glassgpt.rundir.checkpoint import load_model
 from glassgpt.tokenizers import Tokenizer
@@ -128,11 +128,11 @@ class HookedGPT(LensWeights, LensTokenMethods, nn.Module):
         self._attached: list[AttachedHook] = []
         self._context_level = 0
         self._owns_weights = False  # True once the weights are a copy of the caller's model's
-        for wanted, process in ((fold_ln, self.fold_layer_norm),
-                                (center_writing_weights, self.center_writing_weights),
-                                (center_unembed, self.center_unembed)):
+        for wanted, step in ((fold_ln, self.fold_layer_norm),
+                             (center_writing_weights, self.center_writing_weights),
+                             (center_unembed, self.center_unembed)):
             if wanted:
-                process()
+                step()
 
     @classmethod
     def from_run(cls, run_dir: str | Path, *, checkpoint: str = "best",
@@ -363,16 +363,16 @@ class HookedGPT(LensWeights, LensTokenMethods, nn.Module):
     def fold_layer_norm(self) -> None:
         """Fold each norm's gain and shift into the weights reading it (TransformerLens's
         fold_ln); cfg.normalization_type becomes "LNPre" / "RMSPre"."""
-        lens_process.fold_layer_norm(self._own_weights())
+        process.fold_layer_norm(self._own_weights())
         self.cfg.normalization_type = FOLDED_TYPES[self.cfg.normalization_type]
 
     def center_writing_weights(self) -> None:
         """Centre W_E, W_pos, W_O, b_O, W_out, b_out over the width (LayerNorm models)."""
-        lens_process.center_writing_weights(self._own_weights())
+        process.center_writing_weights(self._own_weights())
 
     def center_unembed(self) -> None:
         """Centre W_U and b_U over the vocabulary (the log-probs stay as they were)."""
-        lens_process.center_unembed(self._own_weights())
+        process.center_unembed(self._own_weights())
 
     def set_use_attn_result(self, use_attn_result: bool) -> None:
         """TransformerLens's switch for `hook_result`; every glassgpt attention has the point

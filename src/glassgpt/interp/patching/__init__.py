@@ -11,9 +11,9 @@ much of the clean answer that one place carries. `normalized_logit_diff` is the 
     metric = normalized_logit_diff(clean_logits, corrupted_logits, answer, wrong)
     get_act_patch_resid_pre(model, corrupted_ids, clean_cache, metric)  # (L, T)
 
-Where each part lives: one sweep and the functions fixing its arguments in `patching_sweep`,
-the metric's reduce modes and `PatchingResult` in `patching_result`, the stacked *_every
-functions in `patching_every`, direct path patching in `patching_direct`.
+Where each part lives: one sweep and the functions fixing its arguments in `.sweep`, the
+metric's reduce modes and `PatchingResult` in `.result`, the stacked *_every functions in
+`.every`, direct path patching in `.direct`.
 """
 
 from __future__ import annotations
@@ -23,17 +23,17 @@ from torch import Tensor
 
 from glassgpt.errors import InputError
 from glassgpt.interp import checks
-from glassgpt.interp.patching_direct import (
+from glassgpt.interp.patching.direct import (
     get_act_patch_direct_path,
     get_act_patch_direct_path_all_sources,
 )
-from glassgpt.interp.patching_every import (
+from glassgpt.interp.patching.every import (
     get_act_patch_attn_head_all_pos_every,
     get_act_patch_attn_head_by_pos_every,
     get_act_patch_block_every,
 )
-from glassgpt.interp.patching_result import REDUCE_MODES, Metric, PatchingResult, metric_value
-from glassgpt.interp.patching_sweep import (
+from glassgpt.interp.patching.result import REDUCE_MODES, Metric, PatchingResult, metric_value
+from glassgpt.interp.patching.sweep import (
     ACTIVATIONS,
     Progress,
     Setter,

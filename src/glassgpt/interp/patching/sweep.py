@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from glassgpt.errors import InputError
 from glassgpt.interp.cache import cached
 from glassgpt.interp.hooked import check_run_ids, hook_points, run_with_hooks
-from glassgpt.interp.patching_result import Metric, Metrics, PatchingResult
+from glassgpt.interp.patching.result import Metric, Metrics, PatchingResult
 
 Progress = Callable[[int, int], None]
 Setter = Callable[[Tensor, tuple[int, ...], Tensor], Tensor]
@@ -140,7 +140,7 @@ def generic_activation_patch(model: nn.Module, corrupted_tokens: Tensor,
     with one axis per name (e.g. (L, T) for ("layer", "pos")). `progress(done, total)` is
     called after each patched run (one forward pass each: a caller can show how far it is).
     `reduce`, `baseline` and a mapping of metrics are TransformerLens 4.x's
-    (glassgpt.interp.patching_result): with reduce="none", baseline=True or a mapping the
+    (glassgpt.interp.patching.result): with reduce="none", baseline=True or a mapping the
     answer is a PatchingResult.
 
     The clean cache must come from a prompt of the corrupted one's batch and length (and from

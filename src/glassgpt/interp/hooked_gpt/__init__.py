@@ -1,0 +1,10 @@
+"""`HookedGPT`: a glassgpt GPT with TransformerLens's face, on which TransformerLens's and
+ARENA's code runs unchanged. The class is `.model`'s; its settings in TransformerLens's names
+(`cfg`) are `.config`'s, the tokenisation methods and what BOS is `.tokens`'s, the weights in
+TransformerLens's layout `.weights`'s, and `fold_ln` / `center_writing_weights` /
+`center_unembed` `.process`'s.
+"""
+
+from glassgpt.interp.hooked_gpt.model import HookedGPT, loss_fn
+
+__all__ = ["HookedGPT", "loss_fn"]
