@@ -13,8 +13,10 @@ notebook's globals, and TransformerLens's tests/unit/test_patching.py cases.
 
 The model: the repeat has one length (n = 8 after BOS, as ARENA's seq_len), so in ~150 steps
 layer 0 learns to look back n - 1 positions and predicts the repeat; ARENA's induction detector
-finds those heads (a stripe score of ~0.9). (A true two-step induction circuit, which no
-position gives away, takes thousands of steps: `glassgpt demo induction`.)
+finds those heads (a stripe score of ~0.9). The two-step induction circuit, which no position
+gives away, is `glassgpt demo induction`'s run (its repeats start at every offset): the
+detectors, the score hook and the ablations run on it too, on both sides, and find the
+induction heads in layer 1, where the circuit puts them.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from transformer_lens import patching as lens_patching  # noqa: E402
 from transformer_lens import utilities as lens_utils  # noqa: E402 (4.x: what `utils` was)
 from transformer_lens.model_bridge import TransformerBridge  # noqa: E402
 
+from conftest import quick_experiment  # noqa: E402
 from glassgpt.config import GPTConfig  # noqa: E402
 from glassgpt.hf.convert import export_run  # noqa: E402
 from glassgpt.interp import patching, utils  # noqa: E402
@@ -50,9 +53,11 @@ SEQ_LEN = 8  # ARENA's seq_len: rep_tokens are BOS + 8 random tokens + the same 
 BOS = 0  # <|endoftext|>, the first token of a BPE tokenizer trained here
 
 
-def repeated_tokens(batch: int, generator: torch.Generator) -> torch.Tensor:
-    """(batch, 1 + 2 * SEQ_LEN): BOS, SEQ_LEN random tokens, the same again (ARENA's rep_tokens)."""
-    half = torch.randint(1, 257, (batch, SEQ_LEN), generator=generator)
+def repeated_tokens(batch: int, generator: torch.Generator, seq_len: int = SEQ_LEN,
+                    vocab: int = 257) -> torch.Tensor:
+    """(batch, 1 + 2 * seq_len): BOS, seq_len random tokens, the same again (ARENA's
+    rep_tokens)."""
+    half = torch.randint(1, vocab, (batch, seq_len), generator=generator)
     return torch.cat([torch.full((batch, 1), BOS), half, half], dim=1)
 
 
@@ -84,10 +89,37 @@ def sides(tmp_path_factory):
         str(tmp / "hf"), hf_model=hf_model, device="cpu",
         tokenizer=transformers.AutoTokenizer.from_pretrained(tmp / "hf"))
     bridge.set_use_attn_result(True)  # hook_result, which HookedTransformer's cfg switched on
-    return {"glassgpt": SimpleNamespace(model=HookedGPT.from_run(tmp / "run"),
-                                        FactoredMatrix=FactoredMatrix, utils=utils),
+    return both_sides(tmp / "run", bridge, SEQ_LEN, 257)
+
+
+def both_sides(run, bridge, seq_len: int, vocab: int) -> dict[str, SimpleNamespace]:
+    """The two sides of one run: its HookedGPT with glassgpt's FactoredMatrix and utils, and
+    TransformerLens's bridge with TransformerLens's; each with ARENA's seq_len and tokens."""
+    def tokens(batch: int = 1) -> torch.Tensor:
+        return repeated_tokens(batch, torch.Generator().manual_seed(123), seq_len, vocab)
+
+    return {"glassgpt": SimpleNamespace(model=HookedGPT.from_run(run), utils=utils,
+                                        FactoredMatrix=FactoredMatrix, seq_len=seq_len,
+                                        rep_tokens=tokens),
             "transformer_lens": SimpleNamespace(model=bridge, utils=lens_utils,
-                                                FactoredMatrix=transformer_lens.FactoredMatrix)}
+                                                FactoredMatrix=transformer_lens.FactoredMatrix,
+                                                seq_len=seq_len, rep_tokens=tokens)}
+
+
+@pytest.fixture(scope="module")
+def induction_sides(tmp_path_factory):
+    """The same two sides over `glassgpt demo induction --quick`'s run (seed 0): a two-layer
+    attention-only model with rotary positions, trained on repeats of every offset, so its
+    layer-1 heads are induction heads by the two-step circuit, not by position. It exports as
+    GPT-NeoX whose MLPs are zero."""
+    tmp = tmp_path_factory.mktemp("demo")
+    run = quick_experiment("induction", tmp / "out", seed=0).numbers["run"]
+    export_run(run, tmp / "hf")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp / "hf").eval()
+    bridge = TransformerBridge.boot_transformers(
+        str(tmp / "hf"), hf_model=hf_model, device="cpu",
+        tokenizer=transformers.AutoTokenizer.from_pretrained(tmp / "hf"))
+    return both_sides(run, bridge, 15, 64)  # BOS + 15 + 15: the run's 32 positions
 
 
 def on_both(sides, excerpt, *args):
@@ -105,15 +137,11 @@ def assert_equal(ours, theirs):
         assert ours == theirs
 
 
-def rep_tokens(batch: int = 1) -> torch.Tensor:
-    return repeated_tokens(batch, torch.Generator().manual_seed(123))
-
-
 # --- ARENA: the detectors (section 2, "Finding induction heads") ----------------------------
 
 def detectors(side, threshold=0.4):
     model = side.model
-    _, cache = model.run_with_cache(rep_tokens(), remove_batch_dim=True)
+    _, cache = model.run_with_cache(side.rep_tokens(), remove_batch_dim=True)
 
     def current_attn_detector(cache):  # ARENA, solutions.py
         attn_heads = []
@@ -159,7 +187,7 @@ def test_arena_detectors_find_the_same_heads(sides):
 # --- ARENA: induction_score_hook with hook.layer() (section 3, "Hooks") ----------------------
 
 def induction_scores(side):
-    model, seq_len = side.model, SEQ_LEN
+    model, seq_len = side.model, side.seq_len
     induction_score_store = torch.zeros((model.cfg.n_layers, model.cfg.n_heads),
                                         device=model.cfg.device)
 
@@ -169,7 +197,7 @@ def induction_scores(side):
         induction_score_store[hook.layer(), :] = induction_score
 
     pattern_hook_names_filter = lambda name: name.endswith("pattern")  # noqa: E731 (ARENA's)
-    model.run_with_hooks(rep_tokens(10), return_type=None,
+    model.run_with_hooks(side.rep_tokens(10), return_type=None,
                          fwd_hooks=[(pattern_hook_names_filter, induction_score_hook)])
     return induction_score_store
 
@@ -184,7 +212,7 @@ def test_arena_induction_score_hook_reads_hook_layer(sides):
 
 def logit_attributions(side):
     model = side.model
-    tokens = rep_tokens()
+    tokens = side.rep_tokens()
     _, cache = model.run_with_cache(tokens, remove_batch_dim=True)
 
     def logit_attribution(embed, l1_results, l2_results, W_U, tokens):  # noqa: N803 (ARENA's)
@@ -233,7 +261,7 @@ def ablation_scores(side):
                 ablation_scores[layer, head] = loss - loss_no_ablation
         return ablation_scores
 
-    return get_ablation_scores(model, rep_tokens())
+    return get_ablation_scores(model, side.rep_tokens())
 
 
 def test_arena_ablation_scores(sides):
@@ -313,7 +341,7 @@ def test_arena_full_circuits_as_factored_matrices(sides):
 
 def decomposed_qk(side):
     model = side.model
-    _, rep_cache = model.run_with_cache(rep_tokens(), remove_batch_dim=True)
+    _, rep_cache = model.run_with_cache(side.rep_tokens(), remove_batch_dim=True)
 
     def decompose_qk_input(cache):  # ARENA, solutions.py
         y0 = cache["embed"].unsqueeze(0)
@@ -335,7 +363,7 @@ def test_arena_decompose_qk_input(sides):
 
 
 def ablation_induction_scores(side):
-    model, utils, seq_len, tokens = side.model, side.utils, SEQ_LEN, rep_tokens()
+    model, utils, seq_len, tokens = side.model, side.utils, side.seq_len, side.rep_tokens()
 
     def ablation_induction_score(prev_head_index, ind_head_index):  # ARENA, solutions.py
         def ablation_hook(v, hook):
@@ -384,3 +412,24 @@ def test_get_act_patch_attn_head_all_pos_every_shape_and_values(sides):
     assert not torch.all(ours == ours[0, 0, 0]) and torch.isfinite(ours).all()  # ... its values
     # the metric sums 257 logits (values up to ~30): float32's own rounding there is ~2e-6
     torch.testing.assert_close(ours, theirs.to(ours.dtype), atol=TOL, rtol=1e-6)
+
+
+# --- the same excerpts on a true induction circuit (`glassgpt demo induction`'s run) ----------
+
+def test_arena_finds_the_demos_induction_heads_in_layer_1_as_transformer_lens_does(
+        induction_sides):
+    ours, theirs = on_both(induction_sides, detectors)
+    assert ours == theirs
+    assert ours[2] and all(head.startswith("1.") for head in ours[2]), ours[2]
+    scores, lens_scores = on_both(induction_sides, induction_scores)
+    assert_equal(scores, lens_scores)
+    assert scores[1].max() > 0.5 and scores[0].max() < 0.3  # the second layer, by the circuit
+
+
+def test_arena_ablations_on_the_demos_run_equal_transformer_lens(induction_sides):
+    ours, theirs = on_both(induction_sides, ablation_scores)
+    assert_equal(ours, theirs)
+    ours, theirs = on_both(induction_sides, ablation_induction_scores)
+    for a, b in zip(ours, theirs, strict=True):
+        assert abs(a - b) <= TOL
+    assert min(ours[1:]) < ours[0] - 0.05  # some previous-token head feeds head 1.2
