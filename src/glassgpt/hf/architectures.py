@@ -341,6 +341,17 @@ def architecture_for(config: GPTConfig) -> Architecture:
     return family_choice(config)[0]
 
 
+def refuse_what_no_family_has(config: GPTConfig) -> None:
+    """ConfigError for a switch no Hugging Face family computes, whichever family the rest of
+    the config would choose."""
+    if config.position == "shortformer":
+        raise ConfigError("position='shortformer' cannot be exported: no Hugging Face family "
+                          "adds positions to the queries and keys alone")
+    if config.norm == "none":
+        raise ConfigError("norm='none' cannot be exported: every Hugging Face family "
+                          "glassgpt exports has norms")
+
+
 def family_choice(config: GPTConfig) -> tuple[Architecture, str]:
     """The HF architecture that computes what `config` does, and the switches that chose it:
     GPT-2 for learned positions; Gemma's block (its post-norms,
@@ -348,7 +359,10 @@ def family_choice(config: GPTConfig) -> tuple[Architecture, str]:
     ones are GPT-NeoX with LayerNorm and a plain (ungated) MLP, else Qwen3 with QK-norm, SmolLM3
     with NoPE layers, Qwen2 with biases on q, k and v alone, Llama otherwise. Whether it can
     hold every other switch is its settings' check, whose refusal names the switches that chose
-    it: the one a user changed may have moved the config to another family."""
+    it: the one a user changed may have moved the config to another family. No family has
+    shortformer positions or a model without norms (ARENA's model): those are refused first,
+    by name."""
+    refuse_what_no_family_has(config)
     if config.position == "learned":
         return GPT2, "position='learned'"
     gemma = [f"{name}=True" for name in ("post_norms", "norm_offset", "embed_scale")
