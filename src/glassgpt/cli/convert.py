@@ -2,6 +2,7 @@
 
     glassgpt convert --from-hf NAME_OR_DIR --out RUN_DIR   # hub name (e.g. gpt2) or local dir
     glassgpt convert RUN_DIR --to-hf OUT_DIR               # a save_pretrained directory
+    glassgpt convert RUN_DIR --to-lens OUT_DIR             # TransformerLens's checkpoint format
 
 The families, both ways: GPT-2, Llama (3.x too), Qwen2/2.5, Qwen3, SmolLM3, Gemma 2 and 3, and
 GPT-NeoX (its sequential block). The export writes the architecture the run has: GPT-2 (learned
@@ -10,6 +11,9 @@ and QK-norm), Llama (the same without QK-norm), or the others where their switch
 
 Exporting, and downloading a hub name, need the optional extra `hf` (transformers); importing a
 local directory needs nothing more, because glassgpt reads it itself (safetensors only).
+`--to-lens` writes what TransformerLens's HookedTransformer saved (config.json of its config's
+fields, model.safetensors of its state_dict()'s tensors), ARENA's models (attention-only, no
+norms, shortformer positions) too; it needs no extra (glassgpt.interp.hooked_gpt.checkpoint).
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Import a Hugging Face GPT-2, Llama, Qwen2/3, SmolLM3, Gemma 2/3 or "
                     "GPT-NeoX (hub name or save_pretrained directory) into a run directory, "
                     "or export a run to a save_pretrained directory of the architecture it has. "
-                    f"Exporting, and downloading, need {INSTALL_HINT}.")
+                    f"Exporting, and downloading, need {INSTALL_HINT}. --to-lens exports a run "
+                    "in TransformerLens's HookedTransformer format instead (config.json and "
+                    "model.safetensors), which needs no extra.")
     parser.add_argument("run_dir", nargs="?", metavar="RUN_DIR", type=nonempty_arg,
-                        help="run directory to export (with --to-hf)")
+                        help="run directory to export (with --to-hf or --to-lens)")
     parser.add_argument("--from-hf", metavar="NAME_OR_DIR", type=nonempty_arg,
                         help="hub model name (e.g. gpt2) or a save_pretrained directory of a "
                              "GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM, ... "
@@ -45,13 +51,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="new run directory for --from-hf")
     parser.add_argument("--to-hf", metavar="OUT_DIR", type=nonempty_arg,
                         help="new save_pretrained directory")
+    parser.add_argument("--to-lens", metavar="OUT_DIR", type=nonempty_arg,
+                        help="new directory of TransformerLens's checkpoint format: config.json "
+                             "(HookedTransformerConfig's fields) and model.safetensors "
+                             "(HookedTransformer.state_dict()'s tensors)")
     parser.add_argument("--tokenizer", metavar="FILE", type=nonempty_arg,
                         help="tokenizer file for --from-hf when the model comes without one "
                              "(a tokenizer.json or a glassgpt tokenizer)")
-    add_checkpoint_flag(parser, "export with --to-hf")
+    add_checkpoint_flag(parser, "export with --to-hf or --to-lens")
     parser.add_argument("--force", action="store_true",
-                        help="with --to-hf, replace an earlier export glassgpt wrote in OUT_DIR "
-                             "(it carries glassgpt-export.json; nothing else is replaced)")
+                        help="with --to-hf or --to-lens, replace an earlier export of that kind "
+                             "glassgpt wrote in OUT_DIR (nothing else is replaced)")
     parser.add_argument("--dropout", type=float, default=None,
                         help="dropout of the imported model (default: the model's own)")
     parser.set_defaults(handler=run_convert)
@@ -60,7 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_convert(args: argparse.Namespace) -> int:
     _hide_hf_progress_bars()
     importing = args.from_hf is not None or args.out is not None
-    exporting = args.run_dir is not None or args.to_hf is not None
+    exporting = args.run_dir is not None or args.to_hf is not None or args.to_lens is not None
     if importing == exporting:
         raise CommandLineError("convert: give either --from-hf NAME_OR_DIR --out RUN_DIR, or "
                                "RUN_DIR --to-hf OUT_DIR")
@@ -68,13 +78,18 @@ def run_convert(args: argparse.Namespace) -> int:
         if args.from_hf is None or args.out is None:
             raise CommandLineError("convert: --from-hf and --out go together")
         if args.force:
-            raise CommandLineError("convert: --force applies to --to-hf only (an import "
-                                   "never replaces a run)")
+            raise CommandLineError("convert: --force applies to --to-hf and --to-lens only (an "
+                                   "import never replaces a run)")
         return import_from_hf(args.from_hf, Path(args.out), args.tokenizer, args.dropout)
-    if args.run_dir is None or args.to_hf is None:
-        raise CommandLineError("convert: RUN_DIR and --to-hf go together")
+    if args.to_hf is not None and args.to_lens is not None:
+        raise CommandLineError("convert: give one of --to-hf and --to-lens")
+    if args.run_dir is None or (args.to_hf is None and args.to_lens is None):
+        raise CommandLineError("convert: RUN_DIR and --to-hf (or --to-lens) go together")
     if args.tokenizer is not None or args.dropout is not None:
         raise CommandLineError("convert: --tokenizer and --dropout apply to --from-hf only")
+    if args.to_lens is not None:
+        return export_to_lens(Path(args.run_dir), Path(args.to_lens), args.checkpoint,
+                              args.force)
     return export_to_hf(Path(args.run_dir), Path(args.to_hf), args.checkpoint, args.force)
 
 
@@ -137,4 +152,16 @@ def export_to_hf(run_dir: Path, out: Path, checkpoint: str = "best", force: bool
         print(f"wrote {out}: model only; its {exported.tokenizer_kind} tokenizer has no Hugging "
               f"Face equivalent, encode text with `glassgpt.tokenizers.load_tokenizer("
               f"'{run_dir / 'tokenizer.json'}')`")
+    return 0
+
+
+def export_to_lens(run_dir: Path, out: Path, checkpoint: str = "best", force: bool = False
+                   ) -> int:
+    from glassgpt.interp.hooked_gpt.checkpoint import export_lens_run
+
+    exported = export_lens_run(run_dir, out, checkpoint, force)
+    say(f"exporting {exported.weights}")
+    print(f"wrote {out}: config.json and model.safetensors in TransformerLens's format (load "
+          f"with HookedGPT.from_lens_checkpoint, or HookedTransformer(HookedTransformerConfig("
+          f"**config)).load_state_dict)")
     return 0

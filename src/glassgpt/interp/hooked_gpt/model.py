@@ -44,6 +44,7 @@ from glassgpt.hooks import HookPoint, lens_name
 from glassgpt.interp.cache import ActivationCache
 from glassgpt.interp.hooked import expand_hooks, hook_points, run_with_hooks, select_names
 from glassgpt.interp.hooked_gpt import process
+from glassgpt.interp.hooked_gpt.checkpoint import lens_state_dict, load_lens_checkpoint
 from glassgpt.interp.hooked_gpt.config import FOLDED_TYPES, LensConfig, lens_config
 from glassgpt.interp.hooked_gpt.tokens import LensTokenizer, LensTokenMethods
 from glassgpt.interp.hooked_gpt.weights import LensWeights
@@ -145,6 +146,21 @@ class HookedGPT(LensWeights, LensTokenMethods, nn.Module):
         return cls(model, tokenizer, fold_ln=fold_ln,
                    center_writing_weights=center_writing_weights,
                    center_unembed=center_unembed, model_name=Path(run_dir).name)
+
+    @classmethod
+    def from_lens_checkpoint(cls, cfg: dict[str, Any] | str | Path,
+                             state_dict: dict[str, Tensor] | str | Path,
+                             tokenizer: Tokenizer | LensTokenizer | None = None) -> HookedGPT:
+        """A TransformerLens checkpoint (ARENA's pretrained models): HookedTransformerConfig's
+        fields (a dict or config.json), HookedTransformer.state_dict() (a dict, .safetensors or
+        .pth of tensors) as a glass model computing the same (hooked_gpt.checkpoint)."""
+        model = load_lens_checkpoint(cfg, state_dict)
+        name = cfg.get("model_name") if isinstance(cfg, dict) else None
+        return cls(model, tokenizer, model_name=name if isinstance(name, str) else "lens")
+
+    def lens_state_dict(self) -> dict[str, Tensor]:
+        """The weights as HookedTransformer.state_dict() holds them (hooked_gpt.checkpoint)."""
+        return lens_state_dict(self.glass)
 
     # --- the glass model's own attributes, for glassgpt.interp's free functions ---------------
 

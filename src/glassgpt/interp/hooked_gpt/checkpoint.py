@@ -1,0 +1,412 @@
+"""TransformerLens's checkpoint format, both ways: a glassgpt model as what
+`HookedTransformer.state_dict()` and its `HookedTransformerConfig` hold, and such a checkpoint
+(ARENA's pretrained models, saved by TransformerLens 2.x/3.x) as a glassgpt model.
+
+    state, cfg = lens_state_dict(model), lens_config_dict(model)
+    model = model_from_lens_checkpoint(cfg, read_lens_state("attn_only_2L_half.pth"))
+    export_lens_run("runs/x", "out/")  # `glassgpt convert RUN --to-lens OUT`
+
+The keys ("property format"; L layers, H heads, H_kv key/value heads, d head width, C width,
+F MLP width, V vocabulary), each TransformerLens's matrix multiplied from the left, x @ W:
+
+    embed.W_E (V, C)   pos_embed.W_pos (n_ctx, C): learned and shortformer positions only
+    blocks.{l}.ln1.w, ln1.b (C,): LayerNorm both, RMSNorm w, no norm neither (ln2 likewise,
+        absent when attn_only; ln_final.w, ln_final.b after the last block)
+    blocks.{l}.attn.W_Q (H, C, d)  b_Q (H, d)  W_O (H, d, C)  b_O (C,)
+    blocks.{l}.attn.W_K, W_V (H, C, d)  b_K, b_V (H, d); with grouped heads _W_K, _W_V
+        (H_kv, C, d) and _b_K, _b_V (H_kv, d), TransformerLens's names for the stored ones
+    blocks.{l}.attn.mask (n_ctx, n_ctx) bool, attn.IGNORE (): buffers, written as TL wrote them
+    blocks.{l}.mlp.W_in (C, F)  b_in (F,)  W_out (F, C)  b_out (C,); gated: W_gate (C, F) too
+    unembed.W_U (C, V)  unembed.b_U (V,)
+
+A bias glassgpt leaves out is written as zeros. Rotary models carry no sin/cos tables (TL
+recomputes them; its 4.x converter refuses them). TL's gated MLP adds b_in after the gate,
+act(x W_gate) * (x W_in) + b_in, where glassgpt has no bias: it is zero both ways. What TL's
+checkpoint cannot hold is refused by name (`check_exportable`), and so is a config field
+glassgpt cannot compute. A file is read as safetensors or `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from glassgpt.config import GPTConfig
+from glassgpt.errors import CheckpointError, ConfigError
+from glassgpt.interp.hooked_gpt.config import gpt_config_from_lens, lens_config
+from glassgpt.interp.hooked_gpt.weights import bias_or_zeros, output_weight, qkv_rows
+from glassgpt.model import GPT
+from glassgpt.rundir.checkpoint import (
+    describe_weights,
+    initialisation_skipped,
+    load_model,
+    model_holding,
+)
+from glassgpt.storage import files
+from glassgpt.storage.commit import staged_directory
+from glassgpt.storage.tensorfile import SafetensorsFile, check_finite
+
+CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
+WRITTEN_BY = {"written_by": "glassgpt convert --to-lens"}  # the safetensors metadata: our mark
+# buffers HookedTransformer saved beside its weights, recomputed from the config
+BUFFER_SUFFIXES = (".mask", ".IGNORE", ".rotary_sin", ".rotary_cos")
+PICKLE_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")  # read with torch.load(weights_only=True)
+# GPTConfig field -> (what it is, whether its value is one TransformerLens has no field for)
+UNEXPORTABLE = {"pre_ln": ("Post-LN blocks; HookedTransformer's are Pre-LN", lambda v: not v),
+                "post_norms": ("Gemma's norms after each sub-layer", bool),
+                "norm_offset": ("Gemma's RMSNorm gain 1 + w", bool),
+                "embed_scale": ("Gemma's token embeddings times sqrt(n_embd)", bool),
+                "sliding_window": ("local attention layers", bool),
+                "qk_norm": ("RMSNorm on queries and keys", bool),
+                "rope_scaling": ("scaled rotary positions", bool),
+                "nope_layers": ("layers without rotary positions", bool),
+                "position": ("no positions, NoPE", lambda v: v == "none"),
+                "activation": ("ReLU squared", lambda v: v == "relu2")}
+
+
+# --- glassgpt -> TransformerLens ----------------------------------------------------------------
+
+def check_exportable(config: GPTConfig) -> None:
+    """ConfigError naming the first switch TransformerLens's checkpoint has no field for."""
+    for name, (what, unholdable) in UNEXPORTABLE.items():
+        value = getattr(config, name)
+        if unholdable(value):
+            raise ConfigError(f"{name}={value!r} ({what}) has no field in TransformerLens's "
+                              f"HookedTransformer checkpoint; this model cannot be written in it")
+
+
+def lens_config_dict(model: GPT, tokenizer_name: str | None = None,
+                     model_name: str = "glassgpt") -> dict[str, Any]:
+    """HookedTransformerConfig's fields for glassgpt `model` (JSON values; a field left at
+    TransformerLens's default where glassgpt uses it is left out, so older versions read it)."""
+    check_exportable(model.config)
+    lens = lens_config(model, True, model_name, tokenizer_name)
+    fields = {name: getattr(lens, name) for name in (
+        "n_layers", "d_model", "n_ctx", "d_head", "n_heads", "d_mlp", "act_fn", "d_vocab",
+        "d_vocab_out", "eps", "attn_only", "normalization_type", "positional_embedding_type",
+        "original_architecture", "model_name", "tokenizer_name")}
+    if lens.positional_embedding_type == "rotary":  # the whole head, in GPT-NeoX's halves
+        fields.update(rotary_dim=lens.rotary_dim, rotary_base=lens.rotary_base,
+                      rotary_adjacent_pairs=False)
+    optional = {"n_key_value_heads": (lens.n_key_value_heads, None),
+                "gated_mlp": (lens.gated_mlp, False), "final_rms": (lens.final_rms, False),
+                "attn_scores_soft_cap": (lens.attn_scores_soft_cap, -1.0),
+                "output_logits_soft_cap": (lens.output_logits_soft_cap, -1.0)}
+    fields.update({name: value for name, (value, default) in optional.items()
+                   if value != default})
+    if model.config.query_pre_attn_scalar is not None:
+        fields["attn_scale"] = lens.attn_scale  # TL divides the scores by it
+    return fields
+
+
+def per_head(attn: nn.Module, which: str) -> tuple[Tensor, Tensor]:
+    """W (heads, C, d) and b (heads, d) of the queries, keys or values, as stored: grouped
+    K/V heads are not repeated here (TransformerLens's _W_K)."""
+    rows = attn.qkv.weight[qkv_rows(attn, which)]  # (heads * d, C)
+    weight = rows.reshape(-1, attn.head_dim, attn.d_model).transpose(1, 2)  # (heads, C, d)
+    bias = attn.qkv.bias
+    if bias is None:
+        return weight, weight.new_zeros(weight.shape[0], attn.head_dim)
+    return weight, bias[qkv_rows(attn, which)].reshape(-1, attn.head_dim)  # (heads, d)
+
+
+def attention_tensors(attn: nn.Module, n_ctx: int) -> dict[str, Tensor]:
+    kv = "_" if attn.n_kv_head != attn.n_heads else ""  # TL's stored name of grouped K/V
+    (w_q, b_q), (w_k, b_k), (w_v, b_v) = (per_head(attn, which) for which in "qkv")
+    device = w_q.device
+    return {"W_Q": w_q, f"{kv}W_K": w_k, f"{kv}W_V": w_v, "W_O": output_weight(attn),
+            "b_Q": b_q, f"{kv}b_K": b_k, f"{kv}b_V": b_v, "b_O": bias_or_zeros(attn.proj),
+            "mask": torch.ones(n_ctx, n_ctx, dtype=torch.bool, device=device).tril(),
+            "IGNORE": torch.tensor(-math.inf, device=device)}
+
+
+def mlp_tensors(mlp: nn.Module) -> dict[str, Tensor]:
+    out = {"W_out": mlp.proj.weight.T, "b_out": bias_or_zeros(mlp.proj)}  # (F, C), (C,)
+    if not hasattr(mlp, "gate"):
+        return {"W_in": mlp.fc.weight.T, "b_in": bias_or_zeros(mlp.fc), **out}  # (C, F), (F,)
+    for linear in (mlp.gate, mlp.up):  # TL's gated MLP adds b_in after the gate, nothing before
+        if linear.bias is not None and bool(linear.bias.any()):
+            raise ConfigError("this gated MLP has biases on its gate and up matrices; "
+                              "TransformerLens's gated MLP has none there (its b_in is added "
+                              "after the gate), so it cannot be written in its checkpoint")
+    return {"W_in": mlp.up.weight.T, "W_gate": mlp.gate.weight.T,
+            "b_in": mlp.up.weight.new_zeros(mlp.up.weight.shape[0]), **out}
+
+
+def norm_tensors(norm: nn.Module) -> dict[str, Tensor]:
+    """LayerNorm: w and b (zeros without a shift); RMSNorm: w; no norm (Identity): nothing."""
+    if isinstance(norm, nn.Identity):
+        return {}
+    if not hasattr(norm, "bias"):  # RMSNorm
+        return {"w": norm.weight}
+    return {"w": norm.weight, "b": bias_or_zeros(norm)}
+
+
+def prefixed(prefix: str, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {f"{prefix}.{name}": tensor for name, tensor in tensors.items()}
+
+
+def lens_state_dict(model: GPT) -> dict[str, Tensor]:
+    """glassgpt `model`'s weights under HookedTransformer.state_dict()'s keys and shapes (new
+    tensors, contiguous: safetensors and torch.save take them as they are)."""
+    check_exportable(model.config)
+    state = {"embed.W_E": model.tok_emb.weight}
+    if model.pos_emb is not None:
+        state["pos_embed.W_pos"] = model.pos_emb.weight
+    for layer, block in enumerate(model.blocks):
+        state |= prefixed(f"blocks.{layer}.ln1", norm_tensors(block.ln1))
+        if block.ffn is not None:
+            state |= prefixed(f"blocks.{layer}.ln2", norm_tensors(block.ln2))
+        state |= prefixed(f"blocks.{layer}.attn",
+                          attention_tensors(block.attn, model.config.block_size))
+        if block.ffn is not None:
+            state |= prefixed(f"blocks.{layer}.mlp", mlp_tensors(block.ffn))
+    state |= prefixed("ln_final", norm_tensors(model.ln_f))
+    state |= {"unembed.W_U": model.lm_head.weight.T, "unembed.b_U": bias_or_zeros(model.lm_head)}
+    return {name: tensor.detach().clone(memory_format=torch.contiguous_format)
+            for name, tensor in state.items()}
+
+
+# --- TransformerLens -> glassgpt ----------------------------------------------------------------
+
+def expected_lens_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Key -> shape of the weights a checkpoint of `config` holds (buffers aside): the export's
+    own layout, read off a model on the meta device (nothing allocated). Biases are written
+    whether glassgpt has them or not, so the model is built without."""
+    config = dataclasses.replace(config, bias=False, qkv_bias=False)
+    with torch.device("meta"), initialisation_skipped():
+        state = lens_state_dict(GPT(config))
+    return {name: tuple(t.shape) for name, t in state.items()
+            if not name.endswith(BUFFER_SUFFIXES)}
+
+
+def check_lens_keys(state: dict[str, Tensor], expected: dict[str, tuple[int, ...]]) -> None:
+    """CheckpointError naming a missing, unexpected or misshapen tensor."""
+    missing = [name for name in expected if name not in state]
+    unexpected = [name for name in state if name not in expected]
+    if missing or unexpected:
+        raise CheckpointError(f"the TransformerLens checkpoint does not match its config: "
+                              f"missing {missing[:4]}, unexpected {unexpected[:4]}")
+    for name, shape in expected.items():
+        tensor = state[name]
+        if not isinstance(tensor, Tensor) or not tensor.is_floating_point():
+            raise CheckpointError(f"the TransformerLens checkpoint's {name} is not a floating "
+                                  f"point tensor ({type(tensor).__name__})")
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(f"the TransformerLens checkpoint's {name} has shape "
+                                  f"{tuple(tensor.shape)}, its config needs {shape}")
+
+
+def completed(state: dict[str, Tensor], config: GPTConfig, unit_norms: bool
+              ) -> dict[str, Tensor]:
+    """The checkpoint's weights (buffers dropped), with what TransformerLens may leave out
+    filled in: b_U (its minGPT and legacy loaders write none) and, for "LNPre"/"RMSPre", the
+    norms' unit gains and zero shifts, which compute exactly what a bare norm does."""
+    weights = {name: tensor for name, tensor in state.items()
+               if not name.endswith(BUFFER_SUFFIXES)}
+    expected = expected_lens_shapes(config)
+    like = weights.get("embed.W_E")
+    if not isinstance(like, Tensor):
+        raise CheckpointError("the TransformerLens checkpoint has no embed.W_E tensor")
+    fills = {"unembed.b_U": 0.0}
+    if unit_norms:
+        fills |= {name: float(name.endswith(".w")) for name in expected
+                  if name.startswith(("blocks.", "ln_final")) and ".ln" in f".{name}"
+                  and name.endswith((".w", ".b"))}
+    for name, value in fills.items():
+        if name not in weights:
+            weights[name] = torch.full(expected[name], value, dtype=like.dtype)
+    check_lens_keys(weights, expected)
+    return weights
+
+
+def any_nonzero(weights: dict[str, Tensor], suffixes: tuple[str, ...]) -> bool:
+    return any(bool(t.any()) for name, t in weights.items() if name.endswith(suffixes))
+
+
+def glass_attention(weights: dict[str, Tensor], prefix: str, config: GPTConfig
+                    ) -> dict[str, Tensor]:
+    kv = "_" if (config.n_kv_head or config.n_head) != config.n_head else ""
+    names = (("W_Q", "b_Q"), (f"{kv}W_K", f"{kv}b_K"), (f"{kv}W_V", f"{kv}b_V"))
+    rows = [weights[f"{prefix}.{w}"].transpose(1, 2).flatten(0, 1) for w, _ in names]
+    tensors = {"qkv.weight": torch.cat(rows),  # (H d + 2 H_kv d, C): rows [Q, K, V]
+               "proj.weight": weights[f"{prefix}.W_O"].flatten(0, 1).T}  # (C, H d)
+    if config.has_qkv_bias:
+        tensors["qkv.bias"] = torch.cat([weights[f"{prefix}.{b}"].flatten() for _, b in names])
+    if config.bias:
+        tensors["proj.bias"] = weights[f"{prefix}.b_O"]
+    return tensors
+
+
+def glass_mlp(weights: dict[str, Tensor], prefix: str, config: GPTConfig) -> dict[str, Tensor]:
+    get = {name: weights[f"{prefix}.{name}"] for name in ("W_in", "b_in", "W_out", "b_out")}
+    tensors = {"proj.weight": get["W_out"].T}
+    gated = config.activation in ("swiglu", "geglu")
+    if gated:
+        if bool(get["b_in"].any()):
+            raise CheckpointError(f"{prefix}.b_in is not zero: TransformerLens's gated MLP adds "
+                                  f"it after the gate, where glassgpt's has no bias")
+        tensors |= {"gate.weight": weights[f"{prefix}.W_gate"].T, "up.weight": get["W_in"].T}
+    else:
+        tensors["fc.weight"] = get["W_in"].T
+    if config.bias:
+        zeros = get["b_in"].new_zeros(get["b_in"].shape)
+        tensors |= ({"gate.bias": zeros, "up.bias": zeros} if gated else {"fc.bias": get["b_in"]})
+        tensors["proj.bias"] = get["b_out"]
+    return tensors
+
+
+def glass_norm(weights: dict[str, Tensor], prefix: str, config: GPTConfig) -> dict[str, Tensor]:
+    if config.norm == "none":
+        return {}
+    tensors = {"weight": weights[f"{prefix}.w"]}
+    if config.norm == "layernorm" and config.bias:
+        tensors["bias"] = weights[f"{prefix}.b"]
+    return tensors
+
+
+def glass_tensors(weights: dict[str, Tensor], config: GPTConfig) -> dict[str, Tensor]:
+    """The checkpoint's weights under glassgpt's names and layout (GPT.state_dict())."""
+    tensors = {"tok_emb.weight": weights["embed.W_E"]}
+    if "pos_embed.W_pos" in weights:
+        tensors["pos_emb.weight"] = weights["pos_embed.W_pos"]
+    parts = [("ln1", "ln1", glass_norm), ("attn", "attn", glass_attention)]
+    if not config.attn_only:
+        parts += [("ln2", "ln2", glass_norm), ("ffn", "mlp", glass_mlp)]
+    for layer in range(config.n_layer):
+        for glass, lens, convert in parts:
+            tensors |= prefixed(f"blocks.{layer}.{glass}",
+                                convert(weights, f"blocks.{layer}.{lens}", config))
+    tensors |= prefixed("ln_f", glass_norm(weights, "ln_final", config))
+    if not config.tie_weights:
+        tensors["lm_head.weight"] = weights["unembed.W_U"].T  # (V, C)
+    return {name: tensor.contiguous() for name, tensor in tensors.items()}
+
+
+def model_from_lens_checkpoint(cfg: dict[str, Any], state: dict[str, Tensor]) -> GPT:
+    """A glassgpt GPT computing what HookedTransformer(HookedTransformerConfig(**cfg)) with
+    `state` loaded computes (eval mode). The biases are glassgpt's `bias` / `qkv_bias` when
+    any is nonzero (else none); the head is tied when W_U is W_E transposed bit for bit."""
+    settings, unit_norms = gpt_config_from_lens(cfg)
+    if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+        raise CheckpointError(f"a TransformerLens state dict maps names to tensors, got "
+                              f"{type(state).__name__}")
+    weights = completed(state, GPTConfig(**settings), unit_norms)
+    dtype = weights["embed.W_E"].dtype
+    weights = {name: tensor.to(dtype) for name, tensor in weights.items()}
+    check_finite(weights, "the TransformerLens checkpoint", CheckpointError)
+    if bool(weights["unembed.b_U"].any()):
+        raise CheckpointError("unembed.b_U is not zero, and a glassgpt LM head has no bias: "
+                              "these logits cannot be computed exactly")
+    settings |= dict(
+        qkv_bias=any_nonzero(weights, (".b_Q", ".b_K", ".b_V")),
+        bias=any_nonzero(weights, (".b_O", ".b_in", ".b_out", "ln1.b", "ln2.b", "ln_final.b")),
+        tie_weights=torch.equal(weights["unembed.W_U"].T, weights["embed.W_E"]))
+    config = GPTConfig(**settings)
+    tensors = glass_tensors(weights, config)
+    return model_holding(config, tensors, "the TransformerLens checkpoint").eval()
+
+
+# --- files ----------------------------------------------------------------------------------------
+
+def read_lens_state(path: str | Path) -> dict[str, Tensor]:
+    """A state dict from a file: safetensors, or a .pth / .pt of tensors read with
+    torch.load(weights_only=True); a pickle holding anything else is refused."""
+    path = Path(path).expanduser()
+    if path.suffix == ".safetensors":
+        with SafetensorsFile(path, CheckpointError) as file:
+            return file.read_all()
+    if path.suffix not in PICKLE_SUFFIXES:
+        raise CheckpointError(f"{path}: a TransformerLens state dict is read from .safetensors "
+                              f"or {', '.join(PICKLE_SUFFIXES)} (torch.save of tensors)")
+    with open(files.open_regular_file(path, CheckpointError), "rb") as file:
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as error:
+            reason = (str(error).strip() or "empty").splitlines()[0][:160]
+            raise CheckpointError(f"{path} is not a file of tensors torch.load can read with "
+                                  f"weights_only=True (no object is unpickled): {reason}"
+                                  ) from None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, Tensor)
+                                              for k, v in state.items()):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a state dict of "
+                              f"named tensors")
+    return state
+
+
+def load_lens_checkpoint(cfg: dict[str, Any] | str | Path,
+                         state: dict[str, Tensor] | str | Path) -> GPT:
+    """`model_from_lens_checkpoint` of a config (a dict, a HookedTransformerConfig or a
+    config.json) and a state dict (or its file)."""
+    if isinstance(cfg, str | Path):
+        cfg = files.read_json_object(Path(cfg).expanduser(), CheckpointError)
+    elif not isinstance(cfg, dict) and callable(getattr(cfg, "to_dict", None)):
+        cfg = dict(cfg.to_dict())  # a HookedTransformerConfig
+    if isinstance(state, str | Path):
+        state = read_lens_state(state)
+    return model_from_lens_checkpoint(cfg, state)
+
+
+def is_lens_export(out: Path) -> bool:
+    """Whether `out` holds an earlier `--to-lens` export: its two files and our mark."""
+    if {p.name for p in out.iterdir()} != {CONFIG_NAME, WEIGHTS_NAME}:
+        return False
+    if files.entry_kind(out / WEIGHTS_NAME) != "file":
+        return False
+    try:
+        with safe_open(out / WEIGHTS_NAME, framework="pt") as file:
+            return (file.metadata() or {}).get("written_by") == WRITTEN_BY["written_by"]
+    except Exception:  # noqa: BLE001 (safetensors raises its own errors for a damaged file)
+        return False
+
+
+def write_lens_checkpoint(model: GPT, out: str | Path, force: bool = False) -> Path:
+    """OUT/config.json (lens_config_dict) and OUT/model.safetensors (lens_state_dict), the
+    directory whole or not at all. An existing non-empty `out` is replaced only with `force`,
+    and only when it is an earlier export of this kind."""
+    out = files.check_can_make_dir(Path(out).expanduser(), CheckpointError)
+    cfg, state = lens_config_dict(model), lens_state_dict(model)  # refusals before writing
+    replacing = out.exists() and any(out.iterdir())
+    if replacing and not force:
+        raise CheckpointError(f"{out} already exists and is not an empty directory; choose a "
+                              f"new one, or replace an earlier --to-lens export with --force")
+    if replacing and not is_lens_export(out):
+        raise CheckpointError(f"{out} does not hold a TransformerLens export glassgpt wrote "
+                              f"(only {CONFIG_NAME} and a marked {WEIGHTS_NAME}); it is not "
+                              f"replaced")
+    with staged_directory(out, replacing) as staging:
+        (staging / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+        save_file({name: t.cpu() for name, t in state.items()}, staging / WEIGHTS_NAME,
+                  metadata=WRITTEN_BY)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LensExport:
+    """What `export_lens_run` wrote: the directory, and which weights (in words)."""
+
+    out: Path
+    weights: str
+
+
+def export_lens_run(run_dir: str | Path, out: str | Path, checkpoint: str = "best",
+                    force: bool = False) -> LensExport:
+    """`glassgpt convert RUN --to-lens OUT`: the run's `checkpoint` weights, written by
+    `write_lens_checkpoint`; `out` must be outside the run."""
+    from glassgpt.hf.convert import check_apart  # the one overlap check of every export
+
+    run_dir, out = Path(run_dir).expanduser(), Path(out).expanduser()
+    files.check_can_make_dir(out, CheckpointError)
+    check_apart(out, run_dir, f"{run_dir}, the run being exported")
+    model, _ = load_model(run_dir, checkpoint=checkpoint)
+    return LensExport(write_lens_checkpoint(model, out, force),
+                      describe_weights(run_dir, checkpoint))
