@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from glassgpt.errors import InputError, ModelError
 from glassgpt.hooks import HookPoint, lens_name
+from glassgpt.inputs import check_token_ids
 from glassgpt.interp.cache import ActivationCache
 from glassgpt.interp.hooked import expand_hooks, hook_points, run_with_hooks, select_names
 from glassgpt.interp.hooked_gpt import process
@@ -94,6 +95,13 @@ def loss_fn(logits: Tensor, tokens: Tensor, attention_mask: Tensor | None = None
                for x in (logits, tokens)]
         raise InputError(f"loss_fn takes logits (B, T, V) and tokens (B, T), T >= 2, got "
                          f"{got[0]} and {got[1]}")
+    check_token_ids(tokens, logits.shape[-1])  # integers in the logits' vocabulary
+    if attention_mask is not None and (not isinstance(attention_mask, Tensor)
+                                       or attention_mask.shape != tokens.shape):
+        got = (tuple(attention_mask.shape) if isinstance(attention_mask, Tensor)
+               else type(attention_mask).__name__)
+        raise InputError(f"attention_mask must be a tensor shaped as tokens "
+                         f"{tuple(tokens.shape)}, got {got}")
     log_probs = F.log_softmax(logits, dim=-1)[:, :-1]  # (B, T - 1, V)
     next_tokens = tokens[:, 1:].to(logits.device)  # (B, T - 1)
     losses = -log_probs.gather(-1, next_tokens[..., None])[..., 0]  # (B, T - 1)
@@ -226,8 +234,19 @@ class HookedGPT(LensWeights, LensTokenMethods, nn.Module):
         return expand_hooks(self._points, pairs)
 
     def _called_with_point(self, fn: LensHookFn) -> Callable[[Tensor, str], Tensor | None]:
+        """fn(tensor, hook=point) as glassgpt's fn(tensor, name). A TransformerLens hook may edit
+        its tensor in place and return None (ARENA's ablations do): it is handed its own copy,
+        and the copy, once edited, is the replacement. The model's own tensor is no place for
+        such an edit: some are views of one split (q, k, v: autograd refuses), broadcast
+        (hook_pos_embed), still read on another path (hook_mlp_in is the stream itself), or
+        compared by identity (a RMSNorm's hook_scale)."""
         def call(tensor: Tensor, name: str) -> Tensor | None:
-            return fn(tensor, hook=self._points[name])
+            own = tensor.clone()
+            version = own._version  # bumped by every in-place edit
+            replaced = fn(own, hook=self._points[name])
+            if replaced is None and own._version != version:
+                return own
+            return replaced
         return call
 
     def add_hook(self, name: str | Callable[[str], bool], hook: LensHookFn, dir: str = "fwd",
@@ -335,7 +354,11 @@ class HookedGPT(LensWeights, LensTokenMethods, nn.Module):
                              f"{return_type!r:.40}")
         if isinstance(stop_at_layer, int) and not isinstance(stop_at_layer, bool) \
                 and stop_at_layer < 0:
-            stop_at_layer += self.cfg.n_layers  # TransformerLens's: -1 skips the last block
+            n_layers = self.cfg.n_layers
+            if stop_at_layer < -n_layers:  # named as given, not as the count it would become
+                raise InputError(f"stop_at_layer must be an int in [-{n_layers}, {n_layers}], "
+                                 f"got {stop_at_layer}")
+            stop_at_layer += n_layers  # TransformerLens's: -1 skips the last block
         hooks = [*((hook.name, hook.fn) for hook in self._attached), *extra]
         output = run_with_hooks(self.glass, ids, hooks, stop_at_layer)
         if stop_at_layer is not None or return_type == "logits":
