@@ -174,7 +174,11 @@ def patched_run(model: nn.Module, corrupted_tokens: Tensor, clean_cache: Mapping
 
     def patch(corrupted: Tensor, _name: str) -> Tensor:
         check_same_run_shape(clean, corrupted, _name)
-        return patch_setter(corrupted.clone(), index, clean)
+        patched = corrupted.clone()
+        replaced = patch_setter(patched, index, clean)
+        # a setter that edits in place and returns None (TransformerLens's hooks may) patched
+        # the copy: that copy is the patch, not the untouched corrupted activation
+        return patched if replaced is None else replaced
 
     with torch.no_grad():
         return run_with_hooks(model, corrupted_tokens, [(name, patch)])
