@@ -73,7 +73,12 @@ class ActivationCache(Mapping[str, Tensor]):
         if isinstance(key, tuple) and 1 <= len(key) <= 3:
             name, layer, layer_type = (*key, None, None)[:3]
             if isinstance(layer, int) and not isinstance(layer, bool) and layer < 0:
-                layer += self._n_layer()
+                n_layer = self._n_layer()
+                if layer < -n_layer:  # named as given, not as the index it would become
+                    raise MissingActivationError(f"layer {layer} does not exist: this cache's "
+                                                 f"model has layers 0..{n_layer - 1} (or -1 .. "
+                                                 f"-{n_layer} from the end)")
+                layer += n_layer
             return self._act_name(name, layer, layer_type)
         raise MissingActivationError(f"a cache key is a hook name or (name, layer[, layer_type]), "
                                      f"got {key!r:.60}")

@@ -19,12 +19,14 @@ import torch
 from glassgpt.errors import InputError
 
 # The activations of each part of a block; a name here fixes its layer type, whatever was given.
-ATTENTION_NAMES = ("q", "k", "v", "z", "rot_q", "rot_k", "result", "pattern", "attn_scores",
-                   "q_input", "k_input", "v_input")
+ATTENTION_NAMES = ("q", "k", "v", "z", "rot_q", "rot_k", "result", "pattern", "attn_scores")
 MLP_NAMES = ("pre", "post", "mid", "pre_linear")
 NORM_NAMES = ("scale", "normalized")  # without a layer: the final norm's
+# The block's own points (TransformerLens's split inputs q_input, k_input, v_input are the
+# block's, blocks.{l}.hook_q_input, not the attention's).
 STREAM_NAMES = ("embed", "pos_embed", "tokens", "resid_pre", "resid_mid", "resid_post",
-                "attn_out", "mlp_out", "attn_in", "mlp_in", "unembed")
+                "attn_out", "mlp_out", "attn_in", "mlp_in", "q_input", "k_input", "v_input",
+                "unembed")
 SHORT_NAMES = ATTENTION_NAMES + MLP_NAMES + NORM_NAMES + STREAM_NAMES
 
 # Other spellings TransformerLens takes for the same activations and layer types.
