@@ -63,7 +63,13 @@ def take(tensor: Tensor, index: int | slice | Tensor, dim: int) -> Tensor:
     """tensor indexed by `index` along `dim` (negative counts from the end)."""
     if isinstance(index, Tensor):
         index = index.to(tensor.device)
-    return tensor[(slice(None),) * (dim % tensor.dim()) + (index,)]
+    axis = dim % tensor.dim()
+    try:
+        return tensor[(slice(None),) * axis + (index,)]
+    except IndexError:  # a position, prompt or neuron past the end: named, not torch's words
+        shown = index.tolist() if isinstance(index, Tensor) else index
+        raise InputError(f"index {shown!r:.60} is out of range for an axis of size "
+                         f"{tensor.shape[axis]}") from None
 
 
 def glass_model(cache: Any) -> nn.Module:
@@ -234,7 +240,7 @@ def get_neuron_results(cache: Any, layer: Any, neuron_slice: Slicing, pos_slice:
     w_out = take(neuron_output_weights(model, layer), neurons, 0)  # (F', C)
     if project_output_onto is None:
         return acts[..., None] * w_out  # (..., F', C)
-    projected = w_out @ project_output_onto  # (F', outs) or (F',)
+    projected = w_out @ direction(project_output_onto, w_out.shape[-1])  # (F', outs) or (F',)
     return acts * projected if project_output_onto.dim() == 1 else acts[..., None] * projected
 
 
@@ -262,7 +268,18 @@ def stack_neuron_results(cache: Any, layer: Any, pos_slice: Slicing, neuron_slic
 
 def projected(stack: Tensor, onto: Tensor | None) -> Tensor:
     """stack (..., C) @ onto (C,) or (C, outs); None: the stack itself."""
-    return stack if onto is None else stack @ onto
+    return stack if onto is None else stack @ direction(onto, stack.shape[-1])
+
+
+def direction(onto: Any, width: int) -> Tensor:
+    """`project_output_onto` as it must be: a float tensor (C,) or (C, outs)."""
+    if not isinstance(onto, Tensor) or onto.dim() not in (1, 2) or onto.shape[0] != width \
+            or not onto.is_floating_point():
+        got = (f"{onto.dtype} of shape {tuple(onto.shape)}" if isinstance(onto, Tensor)
+               else type(onto).__name__)
+        raise InputError(f"project_output_onto must be a float tensor (d_model,) or "
+                         f"(d_model, n) with d_model = {width}, got {got}")
+    return onto
 
 
 def target_norm(model: nn.Module, layer: int, mlp_input: bool) -> tuple[nn.Module, str]:
@@ -277,6 +294,11 @@ def apply_ln_to_stack(cache: Any, stack: Tensor, layer: Any, mlp_input: bool, po
                       batch_slice: Slicing, has_batch_dim: bool,
                       recompute_ln: bool = False) -> Tensor:
     model, layer = glass_model(cache), layer_count(cache, layer)
+    width = model.config.n_embd
+    if not isinstance(stack, Tensor) or stack.dim() < 2 or stack.shape[-1] != width:
+        got = tuple(stack.shape) if isinstance(stack, Tensor) else type(stack).__name__
+        raise InputError(f"a residual stack is a tensor (parts, ..., d_model = {width}), got "
+                         f"{got}")
     batch = as_index(batch_slice, "batch_slice")
     if has_batch_dim:
         stack = take(stack, batch, 1)  # (parts, B', ...)
@@ -291,7 +313,12 @@ def apply_ln_to_stack(cache: Any, stack: Tensor, layer: Any, mlp_input: bool, po
     scale = take(cache[scale_name], as_index(pos_slice), -2)  # (..., 1)
     if cache.has_batch_dim:
         scale = take(scale, batch, 0)
-    return stack / scale
+    try:
+        return stack / scale
+    except RuntimeError:  # a stack of other positions or prompts than the scale read here
+        raise InputError(f"a residual stack of shape {tuple(stack.shape)} does not fit this "
+                         f"cache's {scale_name} {tuple(scale.shape)} (after pos_slice and "
+                         "batch_slice): slice the stack and pass the same pos_slice") from None
 
 
 def token_ids(cache: Any, tokens: Any) -> Any:
