@@ -41,6 +41,11 @@ from glassgpt.errors import InputError
 Scalar = int | float | Tensor
 
 
+class FactoredIndexError(InputError, IndexError):
+    """An index past a FactoredMatrix's end, or not an index at all (an IndexError too, so
+    that iterating over the leading dim stops where it should)."""
+
+
 class FactoredMatrix:
     """M = A @ B kept as its factors: A (..., ldim, mdim), B (..., mdim, rdim)."""
 
@@ -49,6 +54,10 @@ class FactoredMatrix:
             if not isinstance(factor, Tensor) or factor.dim() < 2:
                 got = tuple(factor.shape) if isinstance(factor, Tensor) else type(factor).__name__
                 raise InputError(f"factor {name} must be a tensor of 2+ dims, got {got}")
+            if not (factor.is_floating_point() or factor.is_complex()):
+                raise InputError(f"factor {name} must hold floating-point (or complex) numbers, "
+                                 f"got {factor.dtype}: its norm and SVD are not defined")
+        check_same_kind(A, B, "the factors A and B")
         if A.shape[-1] != B.shape[-2]:
             raise InputError(f"factors do not chain: A {tuple(A.shape)} @ B {tuple(B.shape)} "
                              f"needs A's last dim to equal B's second to last")
@@ -100,11 +109,13 @@ class FactoredMatrix:
         """M @ other: a FactoredMatrix, or a (..., ldim) vector when other is a vector."""
         if isinstance(other, FactoredMatrix):
             check_chain(self.shape, other.shape)
+            check_same_kind(self.A, other.A, "the two FactoredMatrices")
             return (self @ other.A) @ other.B
         if not isinstance(other, Tensor):
             return NotImplemented
         if other.dim() == 0:
             raise InputError("a 0-dim tensor is a scalar: multiply with *, not @")
+        check_same_kind(self.A, other, "the FactoredMatrix and the tensor")
         if other.dim() == 1:
             check_chain(self.shape, other.shape + (1,))
             return (self.A @ (self.B @ other.unsqueeze(-1))).squeeze(-1)  # (..., ldim)
@@ -121,6 +132,7 @@ class FactoredMatrix:
             return NotImplemented
         if other.dim() == 0:
             raise InputError("a 0-dim tensor is a scalar: multiply with *, not @")
+        check_same_kind(other, self.A, "the tensor and the FactoredMatrix")
         if other.dim() == 1:
             check_chain((1,) + tuple(other.shape), self.shape)
             return ((other.unsqueeze(-2) @ self.A) @ self.B).squeeze(-2)  # (..., rdim)
@@ -236,12 +248,21 @@ class FactoredMatrix:
         return result
 
     def _index_factors(self, items: tuple, matrix_dims_indexed: int) -> FactoredMatrix:
+        try:
+            return self._indexed(items, matrix_dims_indexed)
+        except (IndexError, TypeError) as error:  # torch's words for a bad index, named here
+            reason = str(error).splitlines()[0][:120]
+            raise FactoredIndexError(f"index {items!r:.80} does not index a FactoredMatrix of "
+                                     f"shape {tuple(self.shape)}: {reason}") from None
+
+    def _indexed(self, items: tuple, matrix_dims_indexed: int) -> FactoredMatrix:
         if matrix_dims_indexed <= 0:
             return FactoredMatrix(self.A[items], self.B[items])
         if matrix_dims_indexed == 1:
-            leading, rows = items[:-1], keep_dim(items[-1])
+            leading, rows = items[:-1], keep_dim(items[-1], self.ldim)
             return FactoredMatrix(self.A[leading + (rows,)], self.B[leading])
-        leading, rows, columns = items[:-2], keep_dim(items[-2]), keep_dim(items[-1])
+        leading = items[:-2]
+        rows, columns = keep_dim(items[-2], self.ldim), keep_dim(items[-1], self.rdim)
         return FactoredMatrix(self.A[leading + (rows,)], self.B[leading + (slice(None), columns)])
 
     def _new_matrix_dim(self, where: int) -> FactoredMatrix:
@@ -257,10 +278,24 @@ class FactoredMatrix:
 
 
 def check_chain(left: tuple[int, ...] | torch.Size, right: tuple[int, ...] | torch.Size) -> None:
-    """InputError unless a (..., n, k) matrix can multiply a (..., k, m) one."""
+    """InputError unless a (..., n, k) matrix can multiply a (..., k, m) one (leading dims
+    that broadcast)."""
     if left[-1] != right[-2]:
         raise InputError(f"shapes {tuple(left)} and {tuple(right)} do not chain: "
                          f"{left[-1]} != {right[-2]}")
+    try:
+        torch.broadcast_shapes(tuple(left[:-2]), tuple(right[:-2]))
+    except RuntimeError:
+        raise InputError(f"shapes {tuple(left)} and {tuple(right)} do not chain: their leading "
+                         f"dims do not broadcast") from None
+
+
+def check_same_kind(left: Tensor, right: Tensor, what: str) -> None:
+    """InputError unless two tensors to be multiplied share a dtype and a device (torch's
+    matmul would refuse them midway, or an SVD would run in the wrong precision)."""
+    if left.dtype != right.dtype or left.device != right.device:
+        raise InputError(f"{what} must share a dtype and a device, got {left.dtype} on "
+                         f"{left.device} and {right.dtype} on {right.device}")
 
 
 def float_for_linalg(x: Tensor) -> Tensor:
@@ -292,13 +327,16 @@ def fill_ellipsis(items: tuple, ndim: int) -> tuple:
     return items[:where[0]] + (slice(None),) * missing + items[where[0] + 1:]
 
 
-def keep_dim(item: Any) -> Any:
-    """An integer index of a row or column as the one-long slice that keeps its dim (-1 becomes
-    slice(-1, None), since slice(-1, 0) is empty); any other index as it is. A Python bool is an
-    int here (True: row 1), as in TransformerLens."""
+def keep_dim(item: Any, size: int) -> Any:
+    """An integer index of a row or column (of a dim of `size`) as the one-long slice that
+    keeps its dim (-1 becomes slice(-1, None), since slice(-1, 0) is empty); any other index as
+    it is. A Python bool is an int here (True: row 1), as in TransformerLens. An int past the
+    end is refused: as a slice it would give an empty matrix, not an error."""
     if isinstance(item, Tensor) and item.dim() == 0 and not item.is_floating_point() \
             and not item.is_complex() and item.dtype != torch.bool:
         item = int(item)
     if isinstance(item, numbers.Integral):
+        if not -size <= int(item) < size:
+            raise IndexError(f"index {int(item)} is out of range for a dim of size {size}")
         return slice(int(item), int(item) + 1 or None)
     return item
