@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -225,8 +224,22 @@ def completed(state: dict[str, Tensor], config: GPTConfig, unit_norms: bool
     for name, value in fills.items():
         if name not in weights:
             weights[name] = torch.full(expected[name], value, dtype=like.dtype)
+        elif name != "unembed.b_U":
+            check_unit_norm(name, weights[name], value)
     check_lens_keys(weights, expected)
     return weights
+
+
+def check_unit_norm(name: str, tensor: object, value: float) -> None:
+    """A "LNPre"/"RMSPre" checkpoint that still holds a norm's gain or shift: TransformerLens's
+    parameter-free norm never reads it, so only the unit gain / zero shift it stands for is
+    taken; any other value would be computed here and ignored there."""
+    if isinstance(tensor, Tensor) and tensor.is_floating_point() \
+            and bool((tensor == value).all()):
+        return
+    raise CheckpointError(f"the TransformerLens config's norms are LNPre/RMSPre (no gain, no "
+                          f"shift), yet the checkpoint's {name} is not all {value:g}: fold it, "
+                          f"or give the config's normalization_type as LN/RMS")
 
 
 def any_nonzero(weights: dict[str, Tensor], suffixes: tuple[str, ...]) -> bool:
@@ -331,7 +344,8 @@ def read_lens_state(path: str | Path) -> dict[str, Tensor]:
     with open(files.open_regular_file(path, CheckpointError), "rb") as file:
         try:
             state = torch.load(file, map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as error:
+        except Exception as error:  # noqa: BLE001 (the weights-only unpickler raises what
+            # a damaged file makes it: UnpicklingError, EOFError, KeyError, IndexError, ...)
             reason = (str(error).strip() or "empty").splitlines()[0][:160]
             raise CheckpointError(f"{path} is not a file of tensors torch.load can read with "
                                   f"weights_only=True (no object is unpickled): {reason}"

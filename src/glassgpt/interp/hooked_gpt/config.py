@@ -225,6 +225,15 @@ def lens_query_scalar(cfg: dict, d_head: int) -> float | None:
     return float(scale) ** 2
 
 
+def lens_float(cfg: dict, name: str, default: float) -> float:
+    """cfg[name] (or `default` when absent) as a float; a string or None is refused by name."""
+    value = cfg.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"HookedTransformerConfig's {name} must be a number, got "
+                          f"{value!r:.40}")
+    return float(value)
+
+
 def lens_cap(cfg: dict, name: str) -> float | None:
     value = cfg.get(name, -1.0)
     return None if value is None or float(value) <= 0 else float(value)
@@ -256,7 +265,7 @@ def gpt_config_from_lens(cfg: dict) -> tuple[dict, bool]:
         head_dim=None if n_heads * d_head == d_model else d_head,
         activation=lens_activation(cfg, attn_only), attn_only=attn_only, mlp_hidden=d_mlp,
         n_kv_head=cfg.get("n_key_value_heads"), norm=norm,
-        norm_eps=float(cfg.get("eps", 1e-5)), position=lens_position(cfg, d_head),
+        norm_eps=lens_float(cfg, "eps", 1e-5), position=lens_position(cfg, d_head),
         rope_theta=float(cfg.get("rotary_base", 10000)),
         query_pre_attn_scalar=lens_query_scalar(cfg, d_head),
         attn_softcap=lens_cap(cfg, "attn_scores_soft_cap"),
