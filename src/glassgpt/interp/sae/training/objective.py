@@ -1,0 +1,166 @@
+"""What one training step of a dictionary minimises, per architecture, as SAELens 6 trains it.
+
+Notation: x (N, d_in) the activations read, y (N, d_out) the target (x itself, or a
+transcoder's MLP output), pre (N, d_sae) the pre-activations, f (N, d_sae) the latents,
+n (d_sae,) the decoder rows' norms.
+
+    mse        = sum over d_out of (x_hat - y)^2, mean over N      (every architecture)
+    standard   + l1 * mean_N sum_i f_i * n_i              decoder-norm-weighted L1
+    topk       pre * n ranks the latents (rescale_acts_by_decoder_norm), f / n decodes
+               + aux * AuxK (below)
+    batchtopk  as topk, but the k * N largest of the whole batch are kept; the threshold is a
+               moving average of the smallest kept latent (SAELens's topk_threshold)
+    jumprelu   f = pre * [pre > threshold], the threshold trained through SAELens's
+               straight-through estimator (a rectangle of width `bandwidth`)
+               + l0 * mean_N sum_i [pre_i > threshold_i]   (SAELens's "step" L0 loss)
+
+AuxK (OpenAI's "Scaling and evaluating sparse autoencoders", App. B.1, as SAELens computes
+it): the k_aux = d_in / 2 largest pre-activations of the dead latents reconstruct the error
+y - x_hat (no bias); scaled by min(dead / k_aux, 1). SAELens 6 keeps no unit-norm constraint on
+the decoder: the L1 and the TopK ranking weigh each latent by its decoder norm instead, and a
+TopK dictionary's norms are folded into its encoder when it is saved (`inference_tensors`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from glassgpt.interp.sae import SAE
+from glassgpt.interp.sae.training.settings import DictionarySettings
+
+
+@dataclass
+class StepOutput:
+    loss: Tensor  # the sum of the terms below, what backward() runs from
+    terms: dict[str, Tensor]  # "mse_loss", "l1_loss", "l0_loss", "auxk_loss" (detached)
+    latents: Tensor  # f (N, d_sae), detached
+    reconstruction: Tensor  # x_hat (N, d_out), detached
+
+
+class _JumpReLU(torch.autograd.Function):
+    """pre * [pre > threshold]; gradient to pre where it passes, and to the threshold through
+    a rectangle kernel of width `bandwidth` (SAELens's estimator, ste_to_input False)."""
+
+    @staticmethod
+    def forward(ctx: Any, pre: Tensor, threshold: Tensor, bandwidth: float) -> Tensor:
+        ctx.save_for_backward(pre, threshold)
+        ctx.bandwidth = bandwidth
+        return pre * (pre > threshold).to(pre.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        pre, threshold = ctx.saved_tensors
+        near = _rectangle((pre - threshold) / ctx.bandwidth)
+        threshold_grad = -(threshold / ctx.bandwidth * near * grad).sum(0)  # (d_sae,)
+        return (pre > threshold).to(grad.dtype) * grad, threshold_grad, None
+
+
+class _Step(torch.autograd.Function):
+    """[pre > threshold], its gradient to the threshold only (SAELens's L0 estimator)."""
+
+    @staticmethod
+    def forward(ctx: Any, pre: Tensor, threshold: Tensor, bandwidth: float) -> Tensor:
+        ctx.save_for_backward(pre, threshold)
+        ctx.bandwidth = bandwidth
+        return (pre > threshold).to(pre.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor, None]:
+        pre, threshold = ctx.saved_tensors
+        near = _rectangle((pre - threshold) / ctx.bandwidth)
+        return None, -(near * grad / ctx.bandwidth).sum(0), None
+
+
+def _rectangle(z: Tensor) -> Tensor:
+    return ((z > -0.5) & (z < 0.5)).to(z.dtype)
+
+
+def training_step(sae: SAE, settings: DictionarySettings, x: Tensor, y: Tensor,
+                  sparsity_weight: float, dead: Tensor, batch_threshold: Tensor | None
+                  ) -> StepOutput:
+    """The loss of one batch x (N, d_in) -> y (N, d_out). `sparsity_weight` is the L1 or L0
+    coefficient of this step (after its warm-up), `dead` (d_sae,) the latents counted dead,
+    `batch_threshold` (a float64 scalar, batchtopk only) updated in place."""
+    arch = settings.architecture
+    sae_in = x - sae.b_dec if sae.cfg.apply_b_dec_to_input else x
+    pre = sae_in @ sae.W_enc + sae.b_enc  # (N, d_sae)
+    norms = sae.W_dec.norm(dim=-1)  # (d_sae,)
+    terms: dict[str, Tensor] = {}
+    if arch in ("topk", "batchtopk"):
+        pre = pre * norms  # rank by what a latent writes (rescale_acts_by_decoder_norm)
+        f = _top_k(pre, int(settings.k)) if arch == "topk" else _batch_top_k(pre, settings.k)
+        x_hat = (f / norms) @ sae.W_dec + sae.b_dec  # (N, d_out)
+        terms["auxk_loss"] = settings.aux_loss_coefficient * auxk_loss(
+            sae, pre, dead, (y - x_hat).detach(), norms)
+        if arch == "batchtopk":
+            _update_batch_threshold(batch_threshold, f.detach(), settings.topk_threshold_lr)
+    elif arch == "jumprelu":
+        threshold = sae.threshold
+        f = _JumpReLU.apply(pre, threshold, settings.jumprelu_bandwidth)
+        x_hat = f @ sae.W_dec + sae.b_dec
+        l0 = _Step.apply(pre, threshold, settings.jumprelu_bandwidth).sum(-1)  # (N,)
+        terms["l0_loss"] = (sparsity_weight * l0).mean()
+    else:
+        f = F.relu(pre)
+        x_hat = f @ sae.W_dec + sae.b_dec
+        terms["l1_loss"] = (sparsity_weight * (f * norms).norm(p=1, dim=-1)).mean()
+    terms = {"mse_loss": (x_hat - y).pow(2).sum(-1).mean(), **terms}
+    loss = sum(terms.values())
+    return StepOutput(loss, {name: t.detach() for name, t in terms.items()}, f.detach(),
+                      x_hat.detach())
+
+
+def _top_k(pre: Tensor, k: int) -> Tensor:
+    values, indices = pre.topk(k, dim=-1, sorted=False)  # (N, k)
+    return torch.zeros_like(pre).scatter(-1, indices, values.relu())
+
+
+def _batch_top_k(pre: Tensor, k: float) -> Tensor:
+    """The k * N largest latents of the whole batch (after a ReLU), zero elsewhere."""
+    acts = pre.relu()
+    flat = acts.flatten()
+    kept = flat.topk(int(k * pre.shape[0]), dim=-1)
+    return torch.zeros_like(flat).scatter(-1, kept.indices, kept.values).reshape(acts.shape)
+
+
+@torch.no_grad()
+def _update_batch_threshold(threshold: Tensor, f: Tensor, lr: float) -> None:
+    positive = f[f > 0]
+    if positive.numel():
+        threshold.mul_(1 - lr).add_(lr * positive.min().to(threshold.dtype))
+
+
+def auxk_loss(sae: SAE, pre: Tensor, dead: Tensor, error: Tensor, norms: Tensor) -> Tensor:
+    """OpenAI's AuxK as SAELens computes it (see the module docstring); 0 with no dead latent."""
+    n_dead = int(dead.sum())
+    if n_dead == 0:
+        return pre.new_zeros(())
+    k_aux = sae.cfg.d_in // 2
+    scale = min(n_dead / k_aux, 1.0)
+    k_aux = min(k_aux, n_dead)
+    candidates = torch.where(dead[None], pre, -torch.inf)  # living latents never chosen
+    top = candidates.topk(k_aux, dim=-1, sorted=False)
+    acts = torch.zeros_like(pre).scatter(-1, top.indices, top.values)  # (N, d_sae)
+    recons = (acts / norms) @ sae.W_dec  # no b_dec: the error already lacks it
+    return scale * (recons - error).pow(2).sum(-1).mean()
+
+
+def inference_tensors(sae: SAE, settings: DictionarySettings,
+                      batch_threshold: Tensor | None) -> dict[str, Tensor]:
+    """The tensors SAELens saves for inference: a TopK's (and BatchTopK's) decoder norms folded
+    into the encoder (W_dec rows of norm 1), a BatchTopK's batch threshold as every latent's
+    JumpReLU threshold."""
+    tensors = {name: t.detach().clone() for name, t in sae.state_dict().items()}
+    if settings.architecture in ("topk", "batchtopk"):
+        norms = tensors["W_dec"].norm(dim=-1).clamp(min=1e-8)  # (d_sae,)
+        tensors["b_enc"] = tensors["b_enc"] * norms
+        tensors["W_dec"] = tensors["W_dec"] / norms[:, None]
+        tensors["W_enc"] = tensors["W_enc"] * norms[None, :]
+    if settings.architecture == "batchtopk":
+        tensors["threshold"] = torch.full_like(tensors["b_enc"], float(batch_threshold))
+    return tensors

@@ -1,0 +1,158 @@
+"""`DictionarySettings`: what `train_dictionary` trains, with SAELens 6's training defaults.
+
+Names follow SAELens's runner config where one exists (l1_coefficient, l0_coefficient,
+lr_warm_up_steps, lr_decay_steps, aux_loss_coefficient, topk_threshold_lr, decoder_init_norm,
+jumprelu_init_threshold, jumprelu_bandwidth); `dead_tokens` replaces its `dead_feature_window`
+(steps) with the number of tokens a latent may go without firing before it counts as dead.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from glassgpt.config import setting
+from glassgpt.errors import ConfigError
+
+ARCHITECTURES = ("standard", "topk", "batchtopk", "jumprelu")
+MLP_INPUT = re.compile(r"blocks\.(\d+)\.ln2\.hook_normalized")
+
+
+@dataclass
+class DictionarySettings:
+    """Every setting of a dictionary's training; checked when built (ConfigError naming the
+    first wrong field). `hook_out` is where a transcoder writes (default: the MLP output of
+    the block whose MLP input `hook` is)."""
+
+    hook: str = setting("", "the hook point the dictionary reads")
+    d_sae: int = setting(0, "number of latents")
+    architecture: str = setting("standard", "standard (L1), topk, batchtopk or jumprelu")
+    transcoder: bool = setting(False, "reconstruct hook_out from hook (an MLP's transcoder)")
+    hook_out: str | None = setting(None, "a transcoder's target point")
+    k: float | None = setting(None, "topk: latents kept per token; batchtopk: on average")
+    l1_coefficient: float = setting(5.0, "standard: weight of the decoder-norm-weighted L1")
+    l0_coefficient: float = setting(1.0, "jumprelu: weight of the L0 penalty")
+    sparsity_warm_up_steps: int = setting(0, "steps over which the L1/L0 weight rises from 0")
+    tokens: int = setting(2_000_000, "activations to train on in all")
+    batch_tokens: int = setting(4096, "activations per optimizer step")
+    context: int = setting(128, "tokens per window the model reads (at most its block_size)")
+    lr: float = setting(3e-4, "Adam learning rate")
+    adam_beta1: float = setting(0.9, "Adam beta1")
+    adam_beta2: float = setting(0.999, "Adam beta2")
+    lr_warm_up_steps: int = setting(0, "steps of linear lr warm-up")
+    lr_decay_steps: int | None = setting(None, "last steps of linear lr decay to 0 (default: "
+                                         "a fifth of the steps)")
+    decoder_init_norm: float = setting(0.1, "norm of each decoder row at the start")
+    aux_loss_coefficient: float = setting(1.0, "topk/batchtopk: weight of the AuxK loss")
+    topk_threshold_lr: float = setting(0.01, "batchtopk: rate of the threshold's moving "
+                                       "average")
+    jumprelu_init_threshold: float = setting(0.01, "jumprelu: starting threshold")
+    jumprelu_bandwidth: float = setting(0.05, "jumprelu: straight-through estimator width")
+    dead_tokens: int = setting(1_000_000, "a latent silent for this many tokens is dead")
+    eval_every: int = setting(100, "steps between metric reports (0: only at the end)")
+    eval_windows: int = setting(8, "windows of held-out data per metric report")
+    checkpoint_every: int = setting(500, "steps between checkpoints (0: only at the end)")
+    seed: int = setting(0, "seed of the initialisation and of the windows drawn")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.hook, str) or not self.hook:
+            raise ConfigError("hook must name a hook point, e.g. blocks.0.hook_resid_post")
+        if self.architecture not in ARCHITECTURES:
+            raise ConfigError(f"architecture {self.architecture!r:.40} is none of "
+                              f"{', '.join(ARCHITECTURES)}")
+        for name in ("d_sae", "tokens", "batch_tokens", "context", "dead_tokens",
+                     "eval_windows"):
+            _positive_int(getattr(self, name), name)
+        for name in ("sparsity_warm_up_steps", "lr_warm_up_steps", "eval_every",
+                     "checkpoint_every", "seed"):
+            _count(getattr(self, name), name)
+        for name in ("l1_coefficient", "l0_coefficient", "aux_loss_coefficient"):
+            _non_negative(getattr(self, name), name)
+        for name in ("lr", "decoder_init_norm", "topk_threshold_lr", "jumprelu_bandwidth"):
+            if _non_negative(getattr(self, name), name) == 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        _non_negative(self.jumprelu_init_threshold, "jumprelu_init_threshold")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= _non_negative(getattr(self, name), name) < 1:
+                raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.tokens < self.batch_tokens:
+            raise ConfigError(f"tokens={self.tokens} is less than one batch of "
+                              f"batch_tokens={self.batch_tokens}")
+        self._check_k()
+        self._check_transcoder()
+        if self.lr_decay_steps is None:
+            self.lr_decay_steps = self.steps // 5
+        _count(self.lr_decay_steps, "lr_decay_steps")
+        if self.lr_warm_up_steps + self.lr_decay_steps > self.steps:
+            raise ConfigError(f"lr_warm_up_steps + lr_decay_steps = "
+                              f"{self.lr_warm_up_steps + self.lr_decay_steps} is more than "
+                              f"the {self.steps} steps")
+
+    def _check_k(self) -> None:
+        if self.architecture in ("topk", "batchtopk"):
+            if self.k is None:
+                raise ConfigError(f"the {self.architecture} architecture needs k (--k)")
+            if self.architecture == "topk":
+                _positive_int(self.k, "k")
+            elif _non_negative(self.k, "k") == 0:
+                raise ConfigError(f"k must be positive, got {self.k}")
+            if self.k > self.d_sae:
+                raise ConfigError(f"k = {self.k} latents of d_sae = {self.d_sae}")
+        elif self.k is not None:
+            raise ConfigError(f"k is a setting of topk and batchtopk, not of "
+                              f"{self.architecture}")
+
+    def _check_transcoder(self) -> None:
+        if not self.transcoder:
+            if self.hook_out is not None:
+                raise ConfigError("hook_out is a transcoder's setting (transcoder=True)")
+            return
+        if self.architecture not in ("standard", "jumprelu"):
+            raise ConfigError(f"SAELens's transcoders are standard or jumprelu, not "
+                              f"{self.architecture}")
+        if self.hook_out is None:
+            match = MLP_INPUT.fullmatch(self.hook)
+            if match is None:
+                raise ConfigError(f"a transcoder of {self.hook} needs hook_out (the default "
+                                  f"pairs blocks.L.ln2.hook_normalized with "
+                                  f"blocks.L.hook_mlp_out)")
+            self.hook_out = f"blocks.{match.group(1)}.hook_mlp_out"
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps in all: the whole batches that `tokens` holds."""
+        return self.tokens // self.batch_tokens
+
+    @property
+    def target_hook(self) -> str:
+        """The point whose activations the dictionary reconstructs."""
+        return self.hook_out if self.transcoder else self.hook
+
+    @property
+    def hooks(self) -> list[str]:
+        return list(dict.fromkeys([self.hook, self.target_hook]))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if _count(value, name) == 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value}")
+    return value
+
+
+def _count(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ConfigError(f"{name} must be a whole number >= 0, got {value!r:.40}")
+    return int(value)
+
+
+def _non_negative(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+            or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{name} must be a finite number >= 0, got {value!r:.40}")
+    return float(value)

@@ -1,0 +1,302 @@
+"""`DictionaryTrainer`: Adam over a dictionary's weights on a stream of activations, saved in
+SAELens's format with everything a resume needs beside it.
+
+A step: the L1/L0 weight of its warm-up, the batch's loss (glassgpt.interp.sae.training.
+objective), backward, gradients clipped to norm 1 and Adam (SAELens's recipe), then the lr of
+SAELens's constant schedule with linear warm-up and decay. Each latent's tokens since it last
+fired decide which are dead (for AuxK); firing counts over SAELens's window of 2,000 steps give
+the density saved as sparsity.safetensors.
+
+The directory `out` holds SAELens's files (cfg.json, sae_weights.safetensors,
+sparsity.safetensors) and glassgpt's trainer state (trainer_state.json,
+trainer_state.safetensors: the weights as trained, Adam's moments, the step, the counters and the
+data position). Each save replaces the whole directory at once (staged beside it, renamed into
+place). A resumed run continues bit for bit as if it had not stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save as safetensors_bytes
+from torch import Tensor
+
+from glassgpt.errors import CheckpointError, ConfigError
+from glassgpt.interp.sae import SAE, SAEConfig, SAEMetadata
+from glassgpt.interp.sae.disk import CFG_FILE, SAE_FILES, SPARSITY_FILE, WEIGHTS_FILE
+from glassgpt.interp.sae.metrics import DictionaryMetrics, ReconstructionMeter, log_density
+from glassgpt.interp.sae.training.activations import ActivationSource
+from glassgpt.interp.sae.training.objective import inference_tensors, training_step
+from glassgpt.interp.sae.training.settings import DictionarySettings
+from glassgpt.storage import files
+from glassgpt.storage.commit import staged_directory
+from glassgpt.storage.tensorfile import SafetensorsFile
+from glassgpt.training.steps import stop_on_sigint
+
+STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
+OWN_FILES = (*SAE_FILES, STATE_JSON, STATE_TENSORS)
+FEATURE_SAMPLING_WINDOW = 2000  # steps over which firing counts gather (SAELens's default)
+GRAD_CLIP = 1.0  # SAELens clips every step to this norm
+# Evaluate(sae) -> metrics on held-out data, or None (a toy source has none).
+Evaluate = Callable[[SAE], DictionaryMetrics | None]
+
+
+@dataclass
+class DictionaryResult:
+    sae: SAE  # as trained (unfolded); SAE.load(out) gives the saved, SAELens-format one
+    out: Path
+    step: int
+    interrupted: bool
+    metrics: DictionaryMetrics | None  # the last report's
+    seconds: float
+
+
+class DictionaryTrainer:
+    """Trains a dictionary of `settings` on `source` into `out` (see the module docstring).
+    `metadata` goes into cfg.json's metadata (hook_name is set from the settings);
+    `report(step, record)` receives each report; `stop` (or Ctrl-C, SIGTERM) saves and
+    returns at the next step."""
+
+    def __init__(self, settings: DictionarySettings, source: ActivationSource, d_in: int,
+                 d_out: int, out: str | Path, *, evaluate: Evaluate | None = None,
+                 metadata: dict[str, Any] | None = None, device: str | torch.device = "cpu",
+                 report: Callable[[int, dict[str, Any]], None] | None = None,
+                 stop: threading.Event | None = None):
+        self.settings, self.source, self.out = settings, source, Path(out)
+        self.evaluate, self.report, self.stop = evaluate, report, stop
+        torch.manual_seed(settings.seed)
+        self.sae = build_sae(settings, d_in, d_out, metadata or {}).to(device)
+        trained = [p for name, p in self.sae.named_parameters()
+                   if not (name == "threshold" and settings.architecture == "batchtopk")]
+        self.optimizer = torch.optim.Adam(trained, lr=settings.lr,
+                                          betas=(settings.adam_beta1, settings.adam_beta2))
+        d_sae = settings.d_sae
+        self.step = 0
+        self.tokens_since_fired = torch.zeros(d_sae, dtype=torch.long, device=device)
+        self.fired = torch.zeros(d_sae, dtype=torch.float64, device=device)
+        self.window_tokens = 0
+        self.batch_threshold = torch.zeros((), dtype=torch.float64, device=device)
+        self.metrics: DictionaryMetrics | None = None
+
+    # --- the schedule ------------------------------------------------------------------------
+
+    def lr_at(self, step: int) -> float:
+        """SAELens's "constant" schedule: linear warm-up from lr / w, flat, then a linear decay
+        to 0 over the last lr_decay_steps (the factor at the k-th of them is 1 - k / decay)."""
+        s = self.settings
+        factor = 1.0
+        if step < s.lr_warm_up_steps:
+            w = s.lr_warm_up_steps
+            factor = 1 / w + (1 - 1 / w) * (step / (w - 1) if w > 1 else 1.0)
+        decay_start = s.steps - s.lr_decay_steps
+        if s.lr_decay_steps and step >= decay_start:
+            factor = 1 - (step - decay_start) / s.lr_decay_steps
+        return s.lr * factor
+
+    def sparsity_weight(self, step: int) -> float:
+        s = self.settings
+        weight = s.l0_coefficient if s.architecture == "jumprelu" else s.l1_coefficient
+        if step < s.sparsity_warm_up_steps:
+            return weight * step / s.sparsity_warm_up_steps
+        return weight
+
+    @property
+    def dead(self) -> Tensor:
+        return self.tokens_since_fired > self.settings.dead_tokens
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> DictionaryResult:
+        start, s = time.perf_counter(), self.settings
+        interrupted = False
+        with stop_on_sigint(self.stop) as stop_requested:
+            while self.step < s.steps:
+                record = self.train_step()
+                done = self.step == s.steps
+                if (s.eval_every and self.step % s.eval_every == 0) or done:
+                    record |= self.evaluate_now()
+                if self.report is not None:
+                    self.report(self.step, record)
+                stopping = stop_requested.is_set() and not done
+                if done or stopping or (s.checkpoint_every
+                                        and self.step % s.checkpoint_every == 0):
+                    self.save()
+                if stopping:
+                    interrupted = True
+                    break
+        return DictionaryResult(self.sae, self.out, self.step, interrupted, self.metrics,
+                                time.perf_counter() - start)
+
+    def train_step(self) -> dict[str, Any]:
+        s = self.settings
+        x, y = self.source.next_batch()
+        lr = self.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if s.architecture == "jumprelu":  # SAELens keeps the threshold >= 0 by projection
+            with torch.no_grad():
+                self.sae.threshold.clamp_(min=0.0)
+        out = training_step(self.sae, s, x, y, self.sparsity_weight(self.step), self.dead,
+                            self.batch_threshold)
+        if not bool(torch.isfinite(out.loss)):
+            raise CheckpointError(f"the dictionary's loss became NaN or infinite at step "
+                                  f"{self.step}; try a lower lr (nothing was saved for it)")
+        self._count_firing(out.latents)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.sae.parameters(), GRAD_CLIP)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        meter = ReconstructionMeter(s.d_sae)
+        meter.add(y, out.latents, out.reconstruction)
+        batch = meter.result()
+        return {"step": self.step, "lr": lr, "loss": float(out.loss.detach()),
+                **{name: float(t) for name, t in out.terms.items()},
+                "l0": batch.l0, "explained_variance": batch.explained_variance,
+                "dead": int(self.dead.sum())}
+
+    @torch.no_grad()
+    def _count_firing(self, f: Tensor) -> None:
+        if self.step % FEATURE_SAMPLING_WINDOW == 0:
+            self.fired.zero_()
+            self.window_tokens = 0
+        fired = (f != 0)
+        self.tokens_since_fired += f.shape[0]
+        self.tokens_since_fired[fired.any(0)] = 0
+        self.fired += fired.sum(0).double()
+        self.window_tokens += f.shape[0]
+
+    def evaluate_now(self) -> dict[str, Any]:
+        if self.evaluate is None:
+            return {}
+        self.metrics = self.evaluate(self.inference_sae())
+        return {f"eval_{name}": value for name, value in self.metrics.summary().items()}
+
+    def inference_sae(self) -> SAE:
+        """The dictionary as it is saved: SAELens's inference tensors and cfg."""
+        sae = SAE(self.sae.cfg).to(self.sae.W_enc.device)
+        with torch.no_grad():
+            for name, tensor in inference_tensors(self.sae, self.settings,
+                                                  self.batch_threshold).items():
+                getattr(sae, name).copy_(tensor)
+        if self.window_tokens:
+            sae.log_sparsity = log_density(self.fired / self.window_tokens).float()
+        return sae
+
+    # --- files -------------------------------------------------------------------------------
+
+    def save(self) -> Path:
+        """SAELens's files and the trainer state, replacing `out` as a whole."""
+        sae = self.inference_sae()
+        tensors = {f"sae.{name}": t.detach() for name, t in self.sae.state_dict().items()}
+        tensors |= {f"adam.{i}.{key}": value for i, state in
+                    self.optimizer.state_dict()["state"].items() for key, value in state.items()}
+        tensors |= {"tokens_since_fired": self.tokens_since_fired, "fired": self.fired,
+                    "batch_threshold": self.batch_threshold,
+                    "data_state": self.source.get_state()}
+        state = {"written_by": "glassgpt", "step": self.step, "window_tokens":
+                 self.window_tokens, "settings": self.settings.to_dict()}
+        replacing = self.out.exists() and any(self.out.iterdir())
+        with staged_directory(self.out, replacing) as staging:
+            files.write_text_atomic(staging / CFG_FILE, json.dumps(sae.cfg.to_dict()))
+            files.write_bytes_atomic(staging / WEIGHTS_FILE, safetensors_bytes(
+                {name: t.detach().cpu().contiguous() for name, t in sae.state_dict().items()}))
+            if sae.log_sparsity is not None:
+                files.write_bytes_atomic(staging / SPARSITY_FILE, safetensors_bytes(
+                    {"sparsity": sae.log_sparsity.cpu().contiguous()}))
+            files.write_bytes_atomic(staging / STATE_TENSORS, safetensors_bytes(
+                {name: t.detach().cpu().contiguous() for name, t in tensors.items()}))
+            files.write_text_atomic(staging / STATE_JSON, json.dumps(state))
+        return self.out
+
+    def resume(self) -> None:
+        """Continue from the trainer state in `out`: weights as trained, Adam, step, counters
+        and the data position. Settings that differ from the saved ones are refused (the
+        number of tokens may grow)."""
+        state = read_state(self.out)
+        saved = dict(state["settings"], tokens=self.settings.tokens,
+                     lr_decay_steps=self.settings.lr_decay_steps)
+        if saved != self.settings.to_dict():
+            changed = [k for k, v in saved.items() if self.settings.to_dict().get(k) != v]
+            raise ConfigError(f"{self.out} was trained with other settings "
+                              f"({', '.join(changed[:3])}); resume with the same ones")
+        with SafetensorsFile(self.out / STATE_TENSORS, CheckpointError) as file:
+            tensors = {name: file.read(name) for name in file.header}
+        device = self.sae.W_enc.device
+        with torch.no_grad():
+            for name, param in self.sae.state_dict().items():
+                param.copy_(tensors[f"sae.{name}"])
+        adam = self.optimizer.state_dict()
+        adam["state"] = {}
+        for name, tensor in tensors.items():
+            if name.startswith("adam."):
+                _, index, key = name.split(".")
+                adam["state"].setdefault(int(index), {})[key] = tensor
+        self.optimizer.load_state_dict(adam)
+        self.tokens_since_fired = tensors["tokens_since_fired"].to(device)
+        self.fired = tensors["fired"].to(device)
+        self.batch_threshold = tensors["batch_threshold"].to(device)
+        self.source.set_state(tensors["data_state"])
+        self.step, self.window_tokens = int(state["step"]), int(state["window_tokens"])
+
+
+def build_sae(settings: DictionarySettings, d_in: int, d_out: int,
+              metadata: dict[str, Any]) -> SAE:
+    """A fresh dictionary, initialised as SAELens's trainer does: decoder rows of norm
+    decoder_init_norm, the encoder their transpose (a transcoder's its own), biases 0."""
+    meta = SAEMetadata(metadata, hook_name=settings.hook)
+    arch = settings.architecture
+    if settings.transcoder:
+        meta.hook_name_out = settings.hook_out
+        cfg = SAEConfig(d_in, settings.d_sae, "transcoder" if arch == "standard" else
+                        "jumprelu_transcoder", apply_b_dec_to_input=False, d_out=d_out,
+                        metadata=meta)
+    elif arch == "batchtopk":
+        cfg = SAEConfig.batchtopk(d_in, settings.d_sae, settings.k, settings.hook,
+                                  metadata=meta)
+    elif arch == "topk":
+        cfg = SAEConfig(d_in, settings.d_sae, "topk", k=int(settings.k),
+                        rescale_acts_by_decoder_norm=True, metadata=meta)
+    else:
+        cfg = SAEConfig(d_in, settings.d_sae, arch, metadata=meta)
+    sae = SAE(cfg)
+    with torch.no_grad():
+        sae.W_dec.mul_(settings.decoder_init_norm / sae.W_dec.norm(dim=-1, keepdim=True))
+        if not settings.transcoder:
+            sae.W_enc.copy_(sae.W_dec.T)
+        if sae.threshold is not None:
+            sae.threshold.fill_(settings.jumprelu_init_threshold if arch == "jumprelu" else 0)
+    return sae
+
+
+def read_state(out: Path) -> dict[str, Any]:
+    if files.entry_kind(out / STATE_JSON) == "missing":
+        raise CheckpointError(f"{out} holds no glassgpt dictionary training to resume "
+                              f"({STATE_JSON} is missing)")
+    state = files.read_json_object(out / STATE_JSON, CheckpointError)
+    if state.get("written_by") != "glassgpt" or not isinstance(state.get("settings"), dict):
+        raise CheckpointError(f"{out / STATE_JSON} is not a glassgpt trainer state")
+    return state
+
+
+def check_out(out: Path, force: bool, resume: bool) -> None:
+    """A new training goes into a missing or empty directory; an existing one only with
+    `force`, and only when glassgpt's dictionary training wrote it (nothing else inside)."""
+    if resume or not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    if not force:
+        raise CheckpointError(f"{out} exists; pass --force to replace the dictionary there, "
+                              f"or --resume to continue its training")
+    foreign = sorted(e.name for e in out.iterdir() if e.name not in OWN_FILES) \
+        if out.is_dir() else [out.name]
+    if foreign or files.entry_kind(out / STATE_JSON) == "missing":
+        raise CheckpointError(f"{out} is not a dictionary glassgpt trained "
+                              f"({', '.join(foreign[:3]) or 'no ' + STATE_JSON}); it is not "
+                              f"replaced")
