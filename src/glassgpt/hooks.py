@@ -3,7 +3,9 @@
 A hook point returns its input unchanged. It exists so that a cache, a patch or an ablation can
 reach inside the model without a new forward argument: `glassgpt.interp` attaches a PyTorch
 forward hook to the point, reads the tensor or returns a replacement, and removes the hook again.
-Unused, a point is one module call that returns its argument.
+Unused, a point is one module call that returns its argument. Attaching a hook `fn(tensor, name)`
+by name lives here too (`attached`, `hooks_attached`), so that decoding, below interp, can run
+hooks at every step of a sampling.
 
 The names are TransformerLens's, so that its tutorials carry over: `hook_embed`,
 `blocks.0.attn.hook_q` (batch, pos, head, d_head), `blocks.0.attn.hook_pattern`
@@ -14,12 +16,16 @@ name is its module path, with two of glassgpt's module names spelled as Transfor
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 
+import torch
 from torch import Tensor, nn
 
 from glassgpt.errors import InputError
+
+# A hook: fn(tensor, name) -> a replacement for the activation, or None to leave it.
+HookFn = Callable[[Tensor, str], Tensor | None]
 
 # glassgpt's module name -> TransformerLens's, where they differ (state-dict keys keep ours).
 LENS_MODULE_NAMES = {"ffn": "mlp", "ln_f": "ln_final"}
@@ -120,3 +126,72 @@ def recorded(*modules: nn.Module) -> Iterator[list[Tensor]]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+# --- attaching hooks by name -----------------------------------------------------------------
+# Here, in the glass, so that every layer above can attach a hook the same way: glassgpt.interp
+# for one run, glassgpt.decoding for every step of a sampling.
+
+@contextmanager
+def attached(points: Mapping[str, HookPoint],
+             hooks: Iterable[tuple[str, HookFn]]) -> Iterator[None]:
+    """Attach `(name, fn)` hooks (names already checked against `points`) for the duration of
+    the block; they are removed after it, also on an error."""
+    with ExitStack() as stack:
+        for name, fn in hooks:
+            handle = points[name].register_forward_hook(_as_forward_hook(fn, name))
+            stack.callback(handle.remove)
+        yield
+
+
+def _as_forward_hook(fn: HookFn, name: str) -> Callable:
+    def forward_hook(module: nn.Module, inputs: tuple, output: Tensor) -> Tensor | None:
+        replaced = fn(output, name)
+        if replaced is not None:
+            check_replacement(replaced, output, name)
+        return replaced
+    return forward_hook
+
+
+def check_replacement(replaced: object, output: Tensor, name: str) -> None:
+    """A hook's replacement must be what the model would have computed there in all but its
+    values: same shape, dtype and device (a silent cast of int64 or bf16 would hide the
+    mistake), and no NaN (a NaN carried on poisons every number after it)."""
+    want = f"a tensor of shape {tuple(output.shape)}, {output.dtype} on {output.device}"
+    if not isinstance(replaced, Tensor):
+        raise InputError(f"the hook on {name} must return None or {want}, got "
+                         f"{type(replaced).__name__}")
+    if replaced.shape != output.shape or replaced.dtype != output.dtype \
+            or replaced.device != output.device:
+        raise InputError(f"the hook on {name} must return None or {want}, got shape "
+                         f"{tuple(replaced.shape)}, {replaced.dtype} on {replaced.device}")
+    if replaced.is_floating_point() and torch.isnan(replaced).any():
+        raise InputError(f"the hook on {name} returned a tensor holding NaN")
+
+
+def named_hooks(model: nn.Module, hooks: object) -> list[tuple[str, HookFn]]:
+    """`hooks` as (name, fn) pairs on `model`'s points, each name one of its points and each fn
+    callable, refused by name (InputError) before anything is attached."""
+    if hooks is None or isinstance(hooks, str | Mapping) or not isinstance(hooks, Iterable):
+        raise InputError(f"hooks must be a list of (name, fn) pairs, got {type(hooks).__name__}")
+    points = {m.name for m in model.modules() if isinstance(m, HookPoint)}
+    pairs = []
+    for pair in hooks:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
+                and callable(pair[1])):
+            raise InputError(f"a hook is a (name, fn) pair with fn(tensor, name), got "
+                             f"{pair!r:.80}")
+        if pair[0] not in points:
+            raise InputError(f"the model has no hook point {pair[0]!r:.80} (e.g. "
+                             f"{', '.join(sorted(points)[:3])})")
+        pairs.append(pair)
+    return pairs
+
+
+@contextmanager
+def hooks_attached(model: nn.Module, hooks: Iterable[tuple[str, HookFn]]) -> Iterator[None]:
+    """`named_hooks(model, hooks)` attached to `model`'s points for the duration of the block."""
+    pairs = named_hooks(model, hooks)
+    points = {m.name: m for m in model.modules() if isinstance(m, HookPoint)}
+    with attached(points, pairs):
+        yield

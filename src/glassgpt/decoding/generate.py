@@ -8,6 +8,7 @@ Shapes: B = batch, T = prompt length, V = vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Generator, Iterable, Iterator
 from typing import Any
@@ -26,6 +27,7 @@ from glassgpt.decoding.sampling import (
     draw,
 )
 from glassgpt.errors import InputError, ModelError
+from glassgpt.hooks import HookFn, hooks_attached, named_hooks
 from glassgpt.inputs import check_token_ids
 from glassgpt.machine.devices import ThreadTuner, tuner_for
 from glassgpt.model import eval_mode
@@ -143,7 +145,8 @@ def _check_call(model: Any, idx: Tensor, cfg: SamplingConfig) -> None:
 
 @torch.no_grad()
 def generate_stream(model: Any, idx: Tensor, sampling: SamplingConfig | None = None,
-                    **settings: Any) -> Iterator[Tensor]:
+                    hooks: Iterable[tuple[str, HookFn]] = (), **settings: Any
+                    ) -> Iterator[Tensor]:
     """Yield up to `max_new_tokens` new tokens (B, 1) one by one, continuing idx (B, T).
 
     `settings` are fields of `SamplingConfig` (e.g. `max_new_tokens=50, temperature=0.8`),
@@ -154,9 +157,18 @@ def generate_stream(model: Any, idx: Tensor, sampling: SamplingConfig | None = N
     Logits that are NaN or infinite raise ModelError: the prompt's at once (one read-back), a
     later step's when decoding ends (the steps keep a flag on the device; until then such a
     step samples from a uniform row, so nothing fails half way).
+
+    `hooks`: (hook point name, fn(tensor, name)) pairs, as glassgpt.interp's run_with_hooks
+    takes them (names, not predicates), attached while decoding runs: a returned tensor
+    replaces the activation at every step. A hook sees the positions a step computes (the
+    prompt at the prefill, then the one new token with the KV cache, or the whole window
+    without it). Only engines that run the model's own modules take hooks: "auto" then means
+    the eager model, and a compiled step or a CUDA graph is refused (InputError).
     """
     cfg = _settings(sampling, settings)
     _check_call(model, idx, cfg)
+    # Refused by name before any work; no hooks (the default) costs nothing, here or per step.
+    hooks = named_hooks(model, hooks) if hooks != () else []
     if cfg.max_new_tokens == 0:
         return
     generator = None
@@ -164,40 +176,66 @@ def generate_stream(model: Any, idx: Tensor, sampling: SamplingConfig | None = N
         generator = torch.Generator(device=idx.device).manual_seed(cfg.seed)
     with eval_mode(model):
         name = cfg.engine
-        if name == "auto":  # a short decoding is not worth timing the engines for
+        if hooks:
+            name = engine_taking_hooks(name, cfg.compiled)
+        elif name == "auto":  # a short decoding is not worth timing the engines for
             name = auto_engine_name(model, cfg.max_new_tokens, cfg.compiled)
         engine = engine_for(model, name, cfg.compiled)
-        decoder = _Decoder(engine, model.config.block_size, idx, cfg.max_new_tokens, cfg.use_cache)
-        finished = torch.zeros(idx.shape[0], 1, dtype=torch.bool, device=idx.device)
-        try:
-            logits = decoder.prefill()
-            raise_unless_finite(logits)  # damaged weights show here, before the first token
-            all_finite = torch.ones((), dtype=torch.bool, device=idx.device)
-            for i in range(cfg.max_new_tokens):
-                token, all_finite = engine.pick(logits, all_finite, cfg, generator)
-                if cfg.stop_token is not None:
-                    token = token.masked_fill(finished, cfg.stop_token)
-                    finished |= token == cfg.stop_token
-                yield token
-                # The one host sync per step, and only when a stop token can end decoding early.
-                if (cfg.stop_token is not None and bool(finished.all())) \
-                        or i == cfg.max_new_tokens - 1:
-                    break
-                logits = decoder.step(token)
-            if not bool(all_finite):
-                raise ModelError(NOT_FINITE)
-        finally:
-            decoder.close()
+        # On the modules the engine runs (a threaded engine's twin shares the model's points'
+        # names); with no hooks nothing is attached, and no step does any work for them.
+        watching = hooks_attached(engine.model, hooks) if hooks else contextlib.nullcontext()
+        with watching:
+            yield from _decode(engine, model.config.block_size, idx, cfg, generator)
+
+
+def engine_taking_hooks(name: str, compiled: bool) -> str:
+    """The engine a decoding with hooks runs on: "auto" is the eager model; a compiled step or
+    a captured CUDA graph never calls the hook points, so they are refused rather than have
+    the hooks silently ignored."""
+    if compiled:
+        raise InputError("hooks cannot reach inside a compiled decoding step: decode with "
+                         "compiled=False (the eager engine)")
+    if name == "cuda-graph":
+        raise InputError("the cuda-graph engine replays a captured step that hooks cannot "
+                         "reach: decode with hooks on engine 'eager' (or 'auto')")
+    return EagerEngine.name if name == "auto" else name
+
+
+def _decode(engine: EagerEngine, block_size: int, idx: Tensor, cfg: SamplingConfig,
+            generator: torch.Generator | None) -> Iterator[Tensor]:
+    """generate_stream's loop, on an engine already chosen."""
+    decoder = _Decoder(engine, block_size, idx, cfg.max_new_tokens, cfg.use_cache)
+    finished = torch.zeros(idx.shape[0], 1, dtype=torch.bool, device=idx.device)
+    try:
+        logits = decoder.prefill()
+        raise_unless_finite(logits)  # damaged weights show here, before the first token
+        all_finite = torch.ones((), dtype=torch.bool, device=idx.device)
+        for i in range(cfg.max_new_tokens):
+            token, all_finite = engine.pick(logits, all_finite, cfg, generator)
+            if cfg.stop_token is not None:
+                token = token.masked_fill(finished, cfg.stop_token)
+                finished |= token == cfg.stop_token
+            yield token
+            # The one host sync per step, and only when a stop token can end decoding early.
+            if (cfg.stop_token is not None and bool(finished.all())) \
+                    or i == cfg.max_new_tokens - 1:
+                break
+            logits = decoder.step(token)
+        if not bool(all_finite):
+            raise ModelError(NOT_FINITE)
+    finally:
+        decoder.close()
 
 
 def generate(model: Any, idx: Tensor, sampling: SamplingConfig | None = None,
-             **settings: Any) -> Tensor:
+             hooks: Iterable[tuple[str, HookFn]] = (), **settings: Any) -> Tensor:
     """Continue idx (B, T); returns (B, T + n) with n <= max_new_tokens (fewer after a stop).
 
     `settings` are fields of `SamplingConfig`, e.g.
-    `generate(model, prompt, max_new_tokens=20, temperature=0.8, top_k=10, seed=0)`.
+    `generate(model, prompt, max_new_tokens=20, temperature=0.8, top_k=10, seed=0)`;
+    `hooks` are (name, fn) pairs run at every step (`generate_stream`).
     """
-    return torch.cat([idx, *generate_stream(model, idx, sampling, **settings)], dim=1)
+    return torch.cat([idx, *generate_stream(model, idx, sampling, hooks, **settings)], dim=1)
 
 
 # --- text ------------------------------------------------------------------------------------

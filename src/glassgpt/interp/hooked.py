@@ -11,18 +11,17 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
 
 from glassgpt.errors import InputError, ModelError
-from glassgpt.hooks import HookPoint
+from glassgpt.hooks import HookFn, HookPoint, attached
 from glassgpt.inputs import check_id_tensor
 from glassgpt.interp.cache import ActivationCache, unknown_name_message
 from glassgpt.model import eval_mode
 
-HookFn = Callable[[Tensor, str], Tensor | None]
 NamesFilter = str | Iterable[str] | Callable[[str], bool] | None
 
 
@@ -123,43 +122,6 @@ def one_run_at_a_time(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         running.discard(id(model))
-
-
-@contextmanager
-def attached(points: Mapping[str, HookPoint],
-             hooks: Iterable[tuple[str, HookFn]]) -> Iterator[None]:
-    """Attach `(name, fn)` hooks (names already checked, `expand_hooks`) to their points for
-    the duration of the block; they are removed after it, also on an error."""
-    with ExitStack() as stack:
-        for name, fn in hooks:
-            handle = points[name].register_forward_hook(_as_forward_hook(fn, name))
-            stack.callback(handle.remove)
-        yield
-
-
-def _as_forward_hook(fn: HookFn, name: str) -> Callable:
-    def forward_hook(module: nn.Module, inputs: tuple, output: Tensor) -> Tensor | None:
-        replaced = fn(output, name)
-        if replaced is not None:
-            check_replacement(replaced, output, name)
-        return replaced
-    return forward_hook
-
-
-def check_replacement(replaced: object, output: Tensor, name: str) -> None:
-    """A hook's replacement must be what the model would have computed there in all but its
-    values: same shape, dtype and device (a silent cast of int64 or bf16 would hide the
-    mistake), and no NaN (a NaN carried on poisons every number after it)."""
-    want = f"a tensor of shape {tuple(output.shape)}, {output.dtype} on {output.device}"
-    if not isinstance(replaced, Tensor):
-        raise InputError(f"the hook on {name} must return None or {want}, got "
-                         f"{type(replaced).__name__}")
-    if replaced.shape != output.shape or replaced.dtype != output.dtype \
-            or replaced.device != output.device:
-        raise InputError(f"the hook on {name} must return None or {want}, got shape "
-                         f"{tuple(replaced.shape)}, {replaced.dtype} on {replaced.device}")
-    if replaced.is_floating_point() and torch.isnan(replaced).any():
-        raise InputError(f"the hook on {name} returned a tensor holding NaN")
 
 
 def check_run_ids(ids: object) -> None:

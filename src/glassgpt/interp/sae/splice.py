@@ -26,13 +26,13 @@ import torch
 from torch import Tensor, nn
 
 from glassgpt.errors import InputError
+from glassgpt.hooks import check_replacement
 from glassgpt.interp.cache import ActivationCache, unknown_name_message
 from glassgpt.interp.hooked import (
     HookFn,
     NamesFilter,
     as_glass,
     check_hook_fn,
-    check_replacement,
     check_run_ids,
     hook_points,
     run_with_cache,
