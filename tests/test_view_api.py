@@ -422,6 +422,7 @@ def test_only_the_documented_endpoints_exist_and_none_takes_a_file(client):
     assert paths == {"/", "/api/card", "/api/tokenize", "/api/predictions", "/api/attention",
                      "/api/overview", "/api/attends", "/api/head", "/api/ablate", "/api/sample",
                      "/api/mlp", "/api/patching", "/api/progress", "/api/attribution",
+                     "/api/dictionaries", "/api/features", "/api/feature", "/api/clamp",
                      "/static"}
 
 

@@ -31,6 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     view.add_argument("--host", default=DEFAULT_HOST,
                       help=f"address to listen on (default {DEFAULT_HOST}, this machine only; "
                            f"0.0.0.0 makes the page reachable from the network)")
+    view.add_argument("--sae", type=path_arg, action="append", default=[], metavar="SAE",
+                      help="a sparse dictionary (SAELens's format, glassgpt sae train) for the "
+                           "Features panel; repeat for several")
     add_checkpoint_flag(view, "show")
     add_threads_flag(view)
     view.set_defaults(handler=run_view)
@@ -40,6 +43,7 @@ def run_view(args: argparse.Namespace) -> int:
     # Imported here: --help should not pay for torch, the model or the web framework.
     from glassgpt.machine.devices import cpu_threads
     from glassgpt.rundir.checkpoint import describe_weights
+    from glassgpt.view.features import load_dictionaries
     from glassgpt.view.server import (
         allowed_hosts_for,
         create_app,
@@ -52,13 +56,14 @@ def run_view(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise CommandLineError(f"--port must be between 0 and 65535, got {args.port}")
     view = load_for_view(args.run_dir, checkpoint=args.checkpoint, threads=args.threads)
+    dictionaries = load_dictionaries(view, args.sae)  # each refused in one line unless it fits
     try:
         sock = open_socket(args.host, args.port)
     except OSError as error:
         reason = error.strerror or str(error)
         raise CommandLineError(f"cannot listen on {args.host}:{args.port} ({reason}); choose "
                                f"another --port or --host") from None
-    app = create_app(view, allowed_hosts_for(args.host))
+    app = create_app(view, allowed_hosts_for(args.host), dictionaries)
     c = view.model.config
     print(f"glassgpt view: {args.run_dir}, {describe_weights(args.run_dir, args.checkpoint)} "
           f"({c.n_layer} layers, {c.n_head} heads, context {c.block_size}, "

@@ -15,6 +15,7 @@ from typing import Any
 from glassgpt.config import sampling_defaults
 from glassgpt.decoding.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K, DEFAULT_TOP_P
 from glassgpt.errors import GlassGPTError
+from glassgpt.view.features import CLAMP_NEW_TOKENS, TOP_PER_POSITION
 
 MAX_BODY_BYTES = 256 * 2**10  # a prompt of MAX_PROMPT_CHARS characters fits with room to spare
 REQUIRED = object()
@@ -69,6 +70,15 @@ SAMPLE = {"prompt": PROMPT, "max_new_tokens": Field((int,), PANEL.max_new_tokens
           "temperature": Field(NUMBER, PANEL.temperature),
           "top_k": Field((int,), PANEL.top_k, True), "top_p": Field(NUMBER, PANEL.top_p, True),
           "seed": Field((int,), PANEL.seed, True)}
+
+# The Features panel: a dictionary by name (null: the first the view was started with).
+DICTIONARY = Field((str,), None, True)
+FEATURES = {"prompt": PROMPT, "sae": DICTIONARY, "k": Field((int,), TOP_PER_POSITION)}
+FEATURE = {"sae": DICTIONARY, "feature": Field((int,)), "prompt": Field((str,), None, True),
+           "position": Field((int,), None, True)}
+CLAMP = {**SAMPLE, "sae": DICTIONARY, "feature": Field((int,)),
+         "value": Field(NUMBER, None, True), "scale": Field(NUMBER, None, True),
+         "max_new_tokens": Field((int,), CLAMP_NEW_TOKENS)}
 
 
 def one_line(error: BaseException | str) -> str:

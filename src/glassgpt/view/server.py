@@ -22,6 +22,12 @@
                            MLP's push on that token's logit (minus against's), adding up to it
     POST /api/sample       {prompt, max_new_tokens, temperature, top_k, top_p, seed}
                            -> server-sent events: token ..., then done (or error)
+    GET  /api/dictionaries -> the sparse dictionaries the view was started with (--sae)
+    POST /api/features     {prompt, sae|null, k}            -> the top features at each position
+    POST /api/feature      {sae|null, feature, prompt|null, position|null} -> a feature's top
+                           contexts, density, logit effects, and its writers at that position
+    POST /api/clamp        {prompt, sae|null, feature, value|null, scale|null, max_new_tokens,
+                           temperature, top_k, top_p, seed} -> clamped beside untouched text
 
 A bad request gets a 4xx JSON `{"error": "one line"}`. The model runs off the event loop, on one
 thread of its own: requests queue for it instead of stalling the server, and PyTorch keeps one
@@ -39,6 +45,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
@@ -58,7 +65,9 @@ from glassgpt.errors import GlassGPTError
 from glassgpt.machine.devices import settle_threads
 from glassgpt.model import count_parameters
 from glassgpt.rundir.checkpoint import load_model
+from glassgpt.view import features
 from glassgpt.view import requests as req
+from glassgpt.view.features import Dictionaries
 from glassgpt.view.inspector import RunView
 from glassgpt.view.progress import Progress
 
@@ -103,10 +112,12 @@ def load_for_view(run_dir: str | Path, device: str | torch.device = "cpu",
 
 # --- the app -------------------------------------------------------------------------------
 
-def create_app(view: RunView, allowed_hosts: tuple[str, ...] = LOOPBACK_NAMES) -> Starlette:
+def create_app(view: RunView, allowed_hosts: tuple[str, ...] = LOOPBACK_NAMES,
+               dictionaries: Dictionaries | None = None) -> Starlette:
     """The Starlette app serving `view`. `allowed_hosts`: the Host names it answers (a page on
-    another site that rebinds its name to 127.0.0.1 is refused); ("*",) answers any."""
-    api = Api(view)
+    another site that rebinds its name to 127.0.0.1 is refused); ("*",) answers any.
+    `dictionaries`: the sparse dictionaries of the Features panel (`features.load_dictionaries`)."""
+    api = Api(view, dictionaries or Dictionaries(view, {}))
     routes = [
         Route("/", api.page),
         Route("/api/card", api.card),
@@ -122,6 +133,10 @@ def create_app(view: RunView, allowed_hosts: tuple[str, ...] = LOOPBACK_NAMES) -
         Route("/api/progress", api.progress_answer),
         Route("/api/attribution", api.attribution, methods=["POST"]),
         Route("/api/sample", api.sample, methods=["POST"]),
+        Route("/api/dictionaries", api.dictionaries),
+        Route("/api/features", api.top_features, methods=["POST"]),
+        Route("/api/feature", api.feature, methods=["POST"]),
+        Route("/api/clamp", api.clamp, methods=["POST"]),
         Mount("/static", StaticFiles(packages=[("glassgpt.view", "static")]), name="static"),
     ]
     handlers = {HTTPException: http_error, GlassGPTError: user_error,
@@ -231,8 +246,8 @@ async def server_error(request: Request, error: Exception) -> Response:
 class Api:
     """The endpoints: parse the request, run `RunView` on the model thread, answer JSON."""
 
-    def __init__(self, view: RunView):
-        self.view = view
+    def __init__(self, view: RunView, dictionaries: Dictionaries):
+        self.view, self.dicts = view, dictionaries
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glassgpt-model")
         self.page_html = resources.files("glassgpt.view").joinpath("static/index.html") \
             .read_text("utf-8")
@@ -287,6 +302,27 @@ class Api:
 
     async def attribution(self, request: Request) -> Response:
         return await self._answer(request, req.ATTRIBUTION, self.view.attribution)
+
+    async def dictionaries(self, request: Request) -> Response:
+        return JSONResponse({"dictionaries": self.dicts.listing()})
+
+    async def top_features(self, request: Request) -> Response:
+        return await self._answer(request, req.FEATURES,
+                                  partial(features.top_features, self.view, self.dicts))
+
+    async def feature(self, request: Request) -> Response:
+        return await self._answer(request, req.FEATURE,
+                                  partial(features.feature, self.view, self.dicts))
+
+    async def clamp(self, request: Request) -> Response:
+        values = await read_fields(request, req.CLAMP)
+        edit = {name: values.pop(name) for name in ("prompt", "sae", "feature", "value", "scale")}
+        sampling = SamplingConfig(**values)  # checked here: a mistake is a 400
+        # Decoding keeps its KV cache on the model: a clamp waits for a running sample.
+        async with self.sampling:
+            answer = await self.on_model_thread(
+                lambda: features.clamp(self.view, self.dicts, sampling=sampling, **edit))
+        return JSONResponse(answer)
 
     async def _answer(self, request: Request, fields: dict[str, req.Field],
                       compute: Callable[..., dict[str, Any]]) -> Response:
