@@ -67,7 +67,8 @@ def test_demo_all_quick_runs_every_experiment_and_sums_up(tmp_path: Path, capsys
     data = json.loads((tmp_path / "all.json").read_text())
     assert list(data["experiments"]) == ["shapes", "parity", "multihead", "layernorm", "params",
                                          "residual", "dropout", "sharing", "positions", "norms",
-                                         "mlps", "kvheads", "qknorm", "induction", "windows"]
+                                         "mlps", "kvheads", "qknorm", "induction", "windows",
+                                         "features"]
     assert data["seed"] == 0 and data["quick"] is True
     for name, result in data["experiments"].items():
         assert result["checks"] and all(c["holds"] for c in result["checks"]), name
@@ -77,7 +78,7 @@ def test_demo_all_quick_runs_every_experiment_and_sums_up(tmp_path: Path, capsys
     assert params["gpt2_small_total"] == 124_439_808
     assert "124,439,808" in out
     assert "[block] * L" in out  # printed as written, not eaten as rich markup
-    assert out.rstrip().endswith("15/15 experiments showed what they claim")
+    assert out.rstrip().endswith("16/16 experiments showed what they claim")
     run = Path("pics") / "induction_run"  # the run `demo induction` saves, copied into --out
     assert data["experiments"]["induction"]["numbers"]["run"] == str(run)
     assert f"run: {run} (open it with `glassgpt view {run}`" in out

@@ -190,4 +190,5 @@ def test_unknown_experiment_and_option_are_config_errors(tmp_path: Path) -> None
         run_experiment("params", tmp_path, d_model=32)
     assert list(EXPERIMENTS) == ["shapes", "parity", "multihead", "layernorm", "params",
                                  "residual", "dropout", "sharing", "positions", "norms", "mlps",
-                                 "kvheads", "qknorm", "induction", "windows"]
+                                 "kvheads", "qknorm", "induction", "windows",
+                                 "features"]

@@ -27,6 +27,7 @@ from glassgpt.experiments import (
     EXPERIMENTS,
     attention_maps,
     dropout,
+    features,
     induction,
     kvheads,
     layernorm,
@@ -201,6 +202,11 @@ WIN_NUMBERS = {"window": 3, "local_reach": 4, "chance": 0.125, "steps": 400,
                          "windowed": [2432, 131456, 1048960, 4194688],
                          "glassgpt_allocates": 4096, "glassgpt_context": 16}}
 
+FEATURE_NUMBERS = {"toy": {"matched": torch.eye(64).clamp(min=0.2).tolist(),
+                           "max_cosine": [0.99] * 60 + [0.7] * 4,
+                           "random_max_cosine": [0.6] * 64},
+                   "char": {"share": [1.0] * 30 + [0.5] * 26,
+                            "coordinate_share": [0.4] * 126 + [0.9] * 2}}
 
 # Every figure-drawing function, keyed by the experiment (or command) it belongs to.
 FIGURES: dict[str, dict[str, Callable[[], list[Figure]]]] = {
@@ -227,6 +233,8 @@ FIGURES: dict[str, dict[str, Callable[[], list[Figure]]]] = {
     "qknorm": {"with and without": lambda: [qknorm.qknorm_figure(QK_NUMBERS)]},
     "induction": {"2 and 1 layers": lambda: [induction.induction_figure(IND_NUMBERS)]},
     "windows": {"local and global": lambda: [windows.windows_figure(WIN_NUMBERS)]},
+    "features": {"toy and char": lambda: [features.features_figure(FEATURE_NUMBERS,
+                                                                   features.QUICK)]},
     "attention": {
         "2 layers x 2 heads, 12 chars": lambda: attention_pages(2, 2, char_labels(12)),
         "cpu-small, 27 chars, one grid": lambda: attention_pages(4, 4, char_labels(27)),
@@ -268,7 +276,8 @@ def test_every_text_is_on_the_canvas_and_readable(name: str,
 def test_every_experiment_and_every_figure_function_is_covered() -> None:
     assert set(FIGURES) == {*EXPERIMENTS, "attention"}
     modules = [shapes, parity, multihead, layernorm, params, residual, dropout, sharing,
-               positions, norms, mlps, kvheads, qknorm, induction, windows, attention_maps]
+               positions, norms, mlps, kvheads, qknorm, induction, windows, features,
+               attention_maps]
     figure_functions = {f"{module.__name__}.{name}" for module in modules
                         for name, function in inspect.getmembers(module, inspect.isfunction)
                         if function.__module__ == module.__name__
@@ -289,6 +298,7 @@ def test_every_experiment_and_every_figure_function_is_covered() -> None:
         "glassgpt.experiments.qknorm.qknorm_figure",
         "glassgpt.experiments.induction.induction_figure",
         "glassgpt.experiments.windows.windows_figure",
+        "glassgpt.experiments.features.features_figure",
         "glassgpt.experiments.attention_maps.page_figure",
     }
 

@@ -34,6 +34,8 @@ EXPERIMENTS: dict[str, str] = {
     "induction": "induction heads: a 2-layer attention-only model's phase change, 1 layer cannot",
     # Local and global layers (issue 30, Gemma).
     "windows": "sliding windows: what local layers cannot see, a global layer, the KV cache",
+    # Features, not only heads (issue 41): sparse dictionaries with known answers.
+    "features": "a dictionary recovers planted features, then reads a char model's residual",
 }
 
 # Extra keyword arguments an experiment accepts beyond out_dir, seed and quick.
