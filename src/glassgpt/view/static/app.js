@@ -225,7 +225,8 @@ async function promptChanged() {
     renderTokens();
     await Promise.all([loadAttention(generation), loadPredictions(generation),
       loadAttends(generation), loadOverview(generation), loadInside(generation),
-      loadMlp(generation), loadAblation(generation), loadAttribution(generation)]);
+      loadMlp(generation), loadAblation(generation), loadAttribution(generation),
+      loadFeatures(generation)]);
   } catch (error) {
     if (generation === state.generation) showPromptError(error.message);
   }
@@ -261,6 +262,7 @@ function select(position) {
   loadInside(state.generation).catch((e) => showPromptError(e.message));
   loadMlp(state.generation).catch((e) => showPromptError(e.message));
   loadAttribution(state.generation).catch((e) => showPromptError(e.message));
+  loadFeatures(state.generation).catch((e) => showPromptError(e.message));
 }
 
 function tokenName(i) { return `'${visible(state.tokens[i].text)}' (position ${i})`; }
@@ -1213,6 +1215,7 @@ async function start() {
     $("run-summary").textContent = `cannot load the model card: ${error.message}`;
     return;
   }
+  await startFeatures();
   $("prompt").value = state.card.example_prompt;
   $("patch-clean").value = state.card.example_prompt;
   await promptChanged();
