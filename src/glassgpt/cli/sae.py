@@ -27,8 +27,8 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("train", formatter_class=DefaultsHelpFormatter,
                             help="train a sparse autoencoder or transcoder on a hook point",
                             description="Train a dictionary on activations of RUN_DIR's model "
-                            "at --hook, streamed from the run's data; saved in SAELens's "
-                            "format, with its trainer state for --resume.")
+                            "at --hook, streamed from the run's data or a text file; saved in "
+                            "SAELens's format, with its trainer state for --resume.")
     p.add_argument("run_dir", type=path_arg, metavar="RUN_DIR")
     p.add_argument("--hook", required=True, help="hook point, e.g. blocks.0.hook_resid_post")
     p.add_argument("--out", type=path_arg, required=True, help="directory to write")
@@ -46,7 +46,8 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-every", type=int, default=100, help="steps between metric lines")
     p.add_argument("--checkpoint-every", type=int, default=500, help="steps between saves")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", type=path_arg, help="prepared data directory (default: the run's)")
+    p.add_argument("--data", type=path_arg, help="prepared data directory, or a text file "
+                   "(tokenised with the run's tokenizer into the cache) (default: the run's)")
     p.add_argument("--resume", action="store_true", help="continue the training in --out")
     p.add_argument("--force", action="store_true", help="replace the dictionary glassgpt "
                    "trained in --out")

@@ -63,3 +63,32 @@ def check_finite_activations(activations: Tensor, hook: str) -> None:
     if not bool(torch.isfinite(activations).all()):
         raise DataError(f"the model's activations at {hook} hold NaN or infinite values; a "
                         f"dictionary cannot be trained on them (check the run's weights)")
+
+
+class TensorActivations:
+    """Activations already computed (cached to a file, or a toy's), read in order one batch of
+    `batch_tokens` rows a step, from the start again when they run out; its state is the
+    next row. `targets` (a transcoder's) default to the activations themselves."""
+
+    def __init__(self, activations: Tensor, batch_tokens: int, targets: Tensor | None = None):
+        if targets is not None and targets.shape[0] != activations.shape[0]:
+            raise DataError(f"{targets.shape[0]} target rows for {activations.shape[0]} "
+                            f"activations")
+        check_finite_activations(activations, "the activations given")
+        self.x = activations  # (rows, d_in)
+        self.y = activations if targets is None else targets  # (rows, d_out)
+        self.batch_tokens = batch_tokens
+        self.row = 0
+
+    def next_batch(self) -> tuple[Tensor, Tensor]:
+        if self.row + self.batch_tokens > self.x.shape[0]:
+            self.row = 0
+        rows = slice(self.row, self.row + self.batch_tokens)
+        self.row += self.batch_tokens
+        return self.x[rows], self.y[rows]
+
+    def get_state(self) -> Tensor:
+        return torch.tensor(self.row)
+
+    def set_state(self, state: Tensor) -> None:
+        self.row = int(state)

@@ -3,6 +3,7 @@ from that run's prepared data, into a directory SAELens reads."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from glassgpt.data import PreparedData, sequential_batches
+from glassgpt.data import PreparedData, cache_dir, prepare, sequential_batches, sha256_of
+from glassgpt.data.datadir import holds_corpus
 from glassgpt.errors import ConfigError, InputError
 from glassgpt.interp.cache import unknown_name_message
 from glassgpt.interp.hooked import as_glass, hook_points, run_with_cache
@@ -21,6 +23,7 @@ from glassgpt.interp.sae.training.settings import DictionarySettings
 from glassgpt.interp.sae.training.trainer import DictionaryResult, DictionaryTrainer, check_out
 from glassgpt.machine.memory import gib, physical_memory
 from glassgpt.rundir import checkpoint as ckpt
+from glassgpt.storage.layout import TOKENIZER_FILE
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -34,7 +37,8 @@ def train_dictionary(run_or_model: str | Path | ckpt.Run | nn.Module,
                      stop: threading.Event | None = None) -> DictionaryResult:
     """Train the dictionary `settings` describe on the model of a run directory (its
     `checkpoint` weights) or on a glassgpt model, reading windows of the train split of `data`
-    (default: the run's data directory) and reporting metrics on its val split. Everything is
+    (default: the run's data directory; a text file is tokenised with the run's tokenizer,
+    see `prepared_text`) and reporting metrics on its val split. Everything is
     checked before anything is written: the hook names, the widths, whether `d_sae` fits in
     memory, `out` (see trainer.check_out). Returns the trainer's result."""
     out = Path(out)
@@ -69,13 +73,31 @@ def _model_and_data(run_or_model: Any, data: str | Path | None, checkpoint: str,
     if isinstance(run_or_model, nn.Module):
         if data is None:
             raise ConfigError("a model without its run needs data= (a prepared data directory)")
+        if Path(data).is_file():
+            raise ConfigError(f"{data} is a text file; a model without its run has no "
+                              f"tokenizer to read it with: give the run, or prepared data")
         return as_glass(run_or_model).to(device).eval(), Path(data), {"model_name": "glassgpt"}
     run = ckpt.open_run(run_or_model)
     model, _ = run.load_model(device, checkpoint=checkpoint)
     data_dir = data or run.data_dir
     if data_dir is None:
         raise ConfigError(f"{run.dir} records no data directory; pass --data")
+    if Path(data_dir).is_file():
+        data_dir = prepared_text(Path(data_dir), run)
     return model, Path(data_dir), {"model_name": str(run.dir)}
+
+
+def prepared_text(text: Path, run: ckpt.Run) -> Path:
+    """A text file tokenised with the run's tokenizer, by glassgpt's data pipeline (streamed
+    through in pieces, the ids written to disk and memory-mapped, never all in memory), into
+    glassgpt's cache: once per text and tokenizer, again only when the text changes. Its last
+    tenth is the held-out split the metrics read."""
+    tokenizer_key = hashlib.sha256(run.tokenizer().to_json().encode("utf-8")).hexdigest()
+    text_key = sha256_of(text)
+    data_dir = cache_dir() / "data" / f"sae-text-{text_key[:16]}-{tokenizer_key[:16]}"
+    if not holds_corpus(data_dir, text_key):
+        prepare(data_dir, text, tokenizer_file=run.paths[TOKENIZER_FILE], force=True)
+    return data_dir
 
 
 def check_hooks(model: nn.Module, settings: DictionarySettings, context: int,
