@@ -25,7 +25,7 @@ from glassgpt.storage.outputs import check_output_file
 if TYPE_CHECKING:  # torch and glassgpt.bench load in the handlers: --help answers at once
     from glassgpt import bench
 
-WORKLOADS = ("train", "generate", "all", "threads", "ladder", "startup")
+WORKLOADS = ("train", "generate", "all", "threads", "ladder", "startup", "sae")
 # --quick: (training preset, decoding preset) per device, 3 rounds.
 QUICK_PRESETS = {"cpu": ("cpu-small", "shakespeare-char"), "cuda": ("gpt2", "gpt2")}
 QUICK_ROUNDS = 3
@@ -69,6 +69,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="one model shape per workload and fewer rounds: a few minutes "
                    f"(presets: {QUICK_PRESETS['cpu']} on a CPU, {QUICK_PRESETS['cuda']} on "
                    f"CUDA); with ladder, every rung at a toy size: {LADDER_QUICK_TIME}")
+    p.add_argument("--saelens-python", type=path_arg, metavar="PYTHON",
+                   help="bench sae: the python of a venv with sae-lens, to measure SAELens's "
+                   "trainer beside glassgpt's (default: $GLASSGPT_SAELENS_PYTHON)")
     add_ladder_flags(p)
     p.set_defaults(handler=run_bench)
 
@@ -96,6 +99,8 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ConfigError("--device cuda was asked for, but CUDA is not available here")
     if args.workload == "threads":
         return _bench_threads(args)
+    if args.workload == "sae":
+        return _bench_sae(args)
     if args.workload == "ladder":  # time to loss, one speedrun change at a time
         return run_ladder_command(args)
     train_presets, decode_presets = _presets(args)
@@ -129,6 +134,33 @@ def _bench_threads(args: argparse.Namespace) -> int:
     for r in rows:
         table.add_row(r.setting, str(r.threads_used), f"{r.tokens_per_s:,.0f}",
                       f"{r.step_seconds * 1e3:.1f}", f"{r.tokens_per_s / best_fixed:.0%}")
+    output_console().print(table)
+    if args.json is not None:
+        write_text_atomic(args.json, json.dumps([dataclasses.asdict(r) for r in rows],
+                                                indent=2) + "\n")
+    return 0
+
+
+def _bench_sae(args: argparse.Namespace) -> int:
+    """`bench sae`: a 16x TopK dictionary on a 128-wide model's activations, glassgpt's trainer
+    beside SAELens's on the same cached activations, and glassgpt streaming from the model."""
+    from glassgpt.bench.report import machine_info
+    from glassgpt.bench.sae import FULL, QUICK, bench_sae
+
+    size = QUICK if args.quick else FULL
+    with Console(stderr=True).status(f"training {size.d_sae}-latent dictionaries"):
+        rows = bench_sae(size, args.saelens_python)
+    saelens = any(r.contender.startswith("SAELens") for r in rows)
+    table = Table(title=f"Training a TopK dictionary (d_in {size.d_model}, d_sae {size.d_sae}, "
+                  f"k {size.k}, batch {size.batch_tokens})",
+                  caption=f"{machine_info()['cpu']}, {os.cpu_count()} cores"
+                  + ("" if saelens else "; SAELens not measured (no --saelens-python)"))
+    for column in ("contender", "activations", "activations/s", "peak MiB", "explained var"):
+        table.add_column(column, justify="left" if column == "contender" else "right")
+    for r in rows:
+        ev = "" if r.explained_variance is None else f"{r.explained_variance:.3f}"
+        table.add_row(r.contender, f"{r.tokens:,}", f"{r.activations_per_s:,.0f}",
+                      f"{r.peak_rss_mib:,.0f}", ev)
     output_console().print(table)
     if args.json is not None:
         write_text_atomic(args.json, json.dumps([dataclasses.asdict(r) for r in rows],
