@@ -97,15 +97,17 @@ class ReconstructionMeter:
         self.fired = torch.zeros(d_sae, dtype=torch.float64)
 
     def add(self, y: Tensor, f: Tensor, y_hat: Tensor) -> None:
-        """y, y_hat (N, d_out), f (N, d_sae)."""
+        """y, y_hat (N, d_out); f: the latents (N, d_sae), or already each latent's count of
+        the rows it fired on (d_sae,), as a trainer has them (a pass over f the fewer)."""
+        firing = torch.count_nonzero(f, dim=0) if f.dim() == 2 else f  # (d_sae,)
         y, y_hat = y.double(), y_hat.double()
         self.tokens += y.shape[0]
-        self.active += float((f != 0).sum())
+        self.active += float(firing.sum())
         self.squared_error += float((y - y_hat).pow(2).sum())
         self.squared_norm += float(y.pow(2).sum())
         batch_sum = y.sum(0).cpu()
         self.sum_y = batch_sum if self.sum_y is None else self.sum_y + batch_sum
-        self.fired += (f != 0).sum(0).double().cpu()
+        self.fired += firing.double().cpu()
 
     def result(self, dense_threshold: float = DENSE_THRESHOLD, **ce: float
                ) -> DictionaryMetrics:

@@ -38,7 +38,7 @@ from glassgpt.interp.sae.training.settings import DictionarySettings
 class StepOutput:
     loss: Tensor  # the sum of the terms below, what backward() runs from
     terms: dict[str, Tensor]  # "mse_loss", "l1_loss", "l0_loss", "auxk_loss" (detached)
-    latents: Tensor  # f (N, d_sae), detached
+    firing: Tensor  # (d_sae,): how many of the N rows each latent fired on
     reconstruction: Tensor  # x_hat (N, d_out), detached
 
 
@@ -91,14 +91,21 @@ def training_step(sae: SAE, settings: DictionarySettings, x: Tensor, y: Tensor,
     pre = sae_in @ sae.W_enc + sae.b_enc  # (N, d_sae)
     norms = sae.W_dec.norm(dim=-1)  # (d_sae,)
     terms: dict[str, Tensor] = {}
+    firing = None
     if arch in ("topk", "batchtopk"):
         pre = pre * norms  # rank by what a latent writes (rescale_acts_by_decoder_norm)
-        f = _top_k(pre, int(settings.k)) if arch == "topk" else _batch_top_k(pre, settings.k)
-        x_hat = (f / norms) @ sae.W_dec + sae.b_dec  # (N, d_out)
+        if arch == "topk":
+            values, indices = pre.topk(int(settings.k), dim=-1, sorted=False)  # (N, k)
+            values = values.relu()
+            x_hat = decode_rows(sae.W_dec, indices, values / norms[indices]) + sae.b_dec
+            firing = torch.bincount(indices[values > 0], minlength=pre.shape[1])
+            f = None
+        else:
+            f = _batch_top_k(pre, settings.k)
+            x_hat = (f / norms) @ sae.W_dec + sae.b_dec  # (N, d_out)
+            _update_batch_threshold(batch_threshold, f.detach(), settings.topk_threshold_lr)
         terms["auxk_loss"] = settings.aux_loss_coefficient * auxk_loss(
             sae, pre, dead, (y - x_hat).detach(), norms)
-        if arch == "batchtopk":
-            _update_batch_threshold(batch_threshold, f.detach(), settings.topk_threshold_lr)
     elif arch == "jumprelu":
         threshold = sae.threshold
         f = _JumpReLU.apply(pre, threshold, settings.jumprelu_bandwidth)
@@ -111,13 +118,18 @@ def training_step(sae: SAE, settings: DictionarySettings, x: Tensor, y: Tensor,
         terms["l1_loss"] = (sparsity_weight * (f * norms).norm(p=1, dim=-1)).mean()
     terms = {"mse_loss": (x_hat - y).pow(2).sum(-1).mean(), **terms}
     loss = sum(terms.values())
-    return StepOutput(loss, {name: t.detach() for name, t in terms.items()}, f.detach(),
+    if firing is None:
+        firing = torch.count_nonzero(f.detach(), dim=0)  # (d_sae,)
+    return StepOutput(loss, {name: t.detach() for name, t in terms.items()}, firing,
                       x_hat.detach())
 
 
-def _top_k(pre: Tensor, k: int) -> Tensor:
-    values, indices = pre.topk(k, dim=-1, sorted=False)  # (N, k)
-    return torch.zeros_like(pre).scatter(-1, indices, values.relu())
+def decode_rows(w_dec: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
+    """sum_j weights[n, j] * w_dec[indices[n, j]]: (N, k) chosen latents -> (N, d_out), the
+    product f @ W_dec of a latent vector with k nonzeros, without forming the (N, d_sae)
+    zeros around them. A TopK dictionary of 16x width keeps 1 latent in 64: this costs k rows,
+    the dense product all d_sae of them, forward and backward."""
+    return F.embedding_bag(indices, w_dec, per_sample_weights=weights, mode="sum")
 
 
 def _batch_top_k(pre: Tensor, k: float) -> Tensor:
@@ -144,9 +156,9 @@ def auxk_loss(sae: SAE, pre: Tensor, dead: Tensor, error: Tensor, norms: Tensor)
     scale = min(n_dead / k_aux, 1.0)
     k_aux = min(k_aux, n_dead)
     candidates = torch.where(dead[None], pre, -torch.inf)  # living latents never chosen
-    top = candidates.topk(k_aux, dim=-1, sorted=False)
-    acts = torch.zeros_like(pre).scatter(-1, top.indices, top.values)  # (N, d_sae)
-    recons = (acts / norms) @ sae.W_dec  # no b_dec: the error already lacks it
+    top = candidates.topk(k_aux, dim=-1, sorted=False)  # (N, k_aux)
+    # no b_dec: the error already lacks it
+    recons = decode_rows(sae.W_dec, top.indices, top.values / norms[top.indices])
     return scale * (recons - error).pow(2).sum(-1).mean()
 
 

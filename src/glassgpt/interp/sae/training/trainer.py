@@ -148,14 +148,14 @@ class DictionaryTrainer:
         if not bool(torch.isfinite(out.loss)):
             raise CheckpointError(f"the dictionary's loss became NaN or infinite at step "
                                   f"{self.step}; try a lower lr (nothing was saved for it)")
-        self._count_firing(out.latents)
+        self._count_firing(out.firing, x.shape[0])
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(self.sae.parameters(), GRAD_CLIP)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         meter = ReconstructionMeter(s.d_sae)
-        meter.add(y, out.latents, out.reconstruction)
+        meter.add(y, out.firing, out.reconstruction)
         batch = meter.result()
         return {"step": self.step, "lr": lr, "loss": float(out.loss.detach()),
                 **{name: float(t) for name, t in out.terms.items()},
@@ -163,15 +163,15 @@ class DictionaryTrainer:
                 "dead": int(self.dead.sum())}
 
     @torch.no_grad()
-    def _count_firing(self, f: Tensor) -> None:
+    def _count_firing(self, firing: Tensor, tokens: int) -> None:
+        """Add one batch of `tokens` rows, each latent firing on `firing` (d_sae,) of them."""
         if self.step % FEATURE_SAMPLING_WINDOW == 0:
             self.fired.zero_()
             self.window_tokens = 0
-        fired = (f != 0)
-        self.tokens_since_fired += f.shape[0]
-        self.tokens_since_fired[fired.any(0)] = 0
-        self.fired += fired.sum(0).double()
-        self.window_tokens += f.shape[0]
+        self.tokens_since_fired += tokens
+        self.tokens_since_fired[firing > 0] = 0
+        self.fired += firing.double()
+        self.window_tokens += tokens
 
     def evaluate_now(self) -> dict[str, Any]:
         if self.evaluate is None:
