@@ -290,3 +290,25 @@ def test_nan_activations_are_refused(tmp_path: Path) -> None:
     check_finite_activations(torch.ones(3, 4), "blocks.0.hook_resid_post")
     with pytest.raises(DataError, match="blocks.0.hook_resid_post hold NaN"):
         check_finite_activations(torch.tensor([[1.0, float("nan")]]), "blocks.0.hook_resid_post")
+
+
+def test_the_command_lines_defaults_are_the_settings_own() -> None:
+    """`glassgpt sae train`'s flags show their defaults in --help, which imports no torch, so
+    the numbers stand in the CLI too; this holds them to DictionarySettings's, the one source."""
+    import dataclasses
+
+    from glassgpt.cli import build_parser
+    from glassgpt.cli.sae import ARCHITECTURES as CLI_ARCHITECTURES
+    from glassgpt.interp.sae.training import ARCHITECTURES
+
+    sae = build_parser()._subparsers._group_actions[0].choices["sae"]
+    train = sae._subparsers._group_actions[0].choices["train"]
+    flags = {action.dest: action.default for action in train._actions}
+    fields = {field.name: field.default for field in dataclasses.fields(DictionarySettings)}
+    same_as = {"l1": "l1_coefficient", "l0": "l0_coefficient", "tokens": "tokens",
+               "batch_tokens": "batch_tokens", "lr": "lr", "eval_every": "eval_every",
+               "checkpoint_every": "checkpoint_every", "seed": "seed",
+               "architecture": "architecture"}
+    assert {flag: flags[flag] for flag in same_as} == {
+        flag: fields[field] for flag, field in same_as.items()}
+    assert CLI_ARCHITECTURES == ARCHITECTURES

@@ -11,6 +11,8 @@ from typing import Any
 from glassgpt.cli.common import DefaultsHelpFormatter, add_checkpoint_flag, path_arg, say
 
 INTERRUPTED_EXIT_CODE = 130
+# DictionarySettings's choices and defaults, written again here because --help imports no
+# torch (glassgpt.interp does); tests/test_sae_train.py holds them equal.
 ARCHITECTURES = ("standard", "topk", "batchtopk", "jumprelu")
 
 
