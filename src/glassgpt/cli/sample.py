@@ -69,6 +69,18 @@ def _register_sample(subparsers: argparse._SubParsersAction) -> None:
                    "torch has cached it), then a faster step for the tokens inside the "
                    f"context; on a CPU it pays off after about {COMPILE_PAYS_OFF_STEPS:,} such "
                    "steps, so rarely for one sample")
+    steer = p.add_argument_group("steering (adds a direction to an activation at every step)")
+    steer.add_argument("--steer", action="append", metavar="FEATURE_OR_VECTOR",
+                       help="SAE_DIR:INDEX (a dictionary's decoder row, SAELens's format) or a "
+                       "vector file (.safetensors of one tensor, or a .json list of numbers); "
+                       "repeat to steer along several")
+    steer.add_argument("--at", action="append", metavar="HOOK",
+                       help="the hook point to add it at, a TransformerLens name such as "
+                       "blocks.0.hook_resid_post (default: the dictionary's); once for every "
+                       "--steer, or once each")
+    steer.add_argument("--scale", action="append", type=float, metavar="S",
+                       help="how much of the direction to add; once for every --steer, or "
+                       "once each")
     add_checkpoint_flag(p, "sample from")
     add_threads_flag(p)
     p.set_defaults(handler=run_sample)
@@ -113,6 +125,7 @@ def run_sample(args: argparse.Namespace) -> int:
     if args.system is not None and args.chat is None:
         raise CommandLineError("--system goes with --chat MESSAGE (a system message before "
                                "the user's)")
+    steers = steer_flags(args)  # refused before the model is read
     device = resolve_device(args.device)
     if args.seed + args.num_samples - 1 > INT64_MAX:  # sample i uses seed + i
         raise ConfigError(f"--num-samples {args.num_samples} from --seed {args.seed} needs seeds "
@@ -131,7 +144,10 @@ def run_sample(args: argparse.Namespace) -> int:
     # A chat template writes the begin-of-sequence token itself, where a model has one.
     prompt, length = encode_prompt(tokenizer, text, block_size, device,
                                    special=args.chat is None)
+    hooks, steering_lines = steering_hooks(model, steers)  # refused before the first line
     say(f"sampling from {run.describe_weights(args.checkpoint)}")
+    for line in steering_lines:
+        say(line)
     warn_about_bf16(args.dtype, device)
     if length > block_size:
         say(f"note: the prompt has {length} tokens, more than the context of {block_size}; "
@@ -146,8 +162,8 @@ def run_sample(args: argparse.Namespace) -> int:
         if args.chat is None:
             print(args.prompt, end="", flush=True)  # a reply is printed alone
         # A reply's end-of-turn token ends decoding and is not printed; --stop cuts within it.
-        stream = stream_text(model, tokenizer, prompt, sampling,
-                             stop=end_of_turn or args.stop, threads=threads, seed=args.seed + i)
+        stream = stream_text(model, tokenizer, prompt, sampling, stop=end_of_turn or args.stop,
+                             threads=threads, hooks=hooks, seed=args.seed + i)
         pieces = until_stop(stream, args.stop) if end_of_turn and args.stop else stream
         if args.stream:
             for piece in pieces:
@@ -157,6 +173,50 @@ def run_sample(args: argparse.Namespace) -> int:
         print(flush=True)
         threads = stream.threads  # auto is settled by the first sample, not timed again
     return 0
+
+
+def steer_flags(args: argparse.Namespace) -> list[tuple[str, str | None, float]]:
+    """(FEATURE_OR_VECTOR, HOOK or None, scale) for each --steer: --at and --scale given once
+    apply to every --steer, given once per --steer they pair up in order."""
+    steers = args.steer or []
+    if not steers:
+        for flag, given in (("--at", args.at), ("--scale", args.scale)):
+            if given:
+                raise CommandLineError(f"{flag} goes with --steer FEATURE_OR_VECTOR")
+        return []
+    if args.compile:
+        raise CommandLineError("--compile cannot go with --steer: a compiled decoding step "
+                               "never calls the hook points a steering direction is added at; "
+                               "drop --compile")
+    if not args.scale:
+        raise CommandLineError("--steer needs --scale S: how much of the direction to add")
+    ats = _one_each(args.at or [None], "--at", len(steers))
+    scales = _one_each(args.scale, "--scale", len(steers))
+    return list(zip(steers, ats, scales, strict=True))
+
+
+def _one_each(values: list, flag: str, count: int) -> list:
+    if len(values) == 1:
+        return values * count
+    if len(values) != count:
+        raise CommandLineError(f"{flag} is given {len(values)} times for {count} --steer: give "
+                               f"it once for all of them, or once each")
+    return values
+
+
+def steering_hooks(model: Any, steers: list[tuple[str, str | None, float]]
+                   ) -> tuple[tuple, list[str]]:
+    """The (hook, fn) pairs that add each direction, each read and checked against the model
+    (() without steering: decoding then attaches nothing), and a line for each saying what is
+    added where."""
+    from glassgpt.interp.steering import load_steering, steering_hook
+
+    hooks, lines = [], []
+    for spec, at, scale in steers:
+        steering = load_steering(model, spec, at)
+        lines.append(f"steering: {scale:g} x {steering.source} added at {steering.hook}")
+        hooks.append((steering.hook, steering_hook(steering.direction, scale)))
+    return tuple(hooks), lines
 
 
 def chat_prompt(run: Any, message: str, system: str | None) -> tuple[str, str, int]:

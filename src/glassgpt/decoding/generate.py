@@ -281,17 +281,18 @@ class TextStream(Iterator[str]):
 def stream_text(model: Any, tokenizer: Tokenizer, prompt: Tensor,
                 sampling: SamplingConfig | None = None, stop: str | None = None,
                 tuner: ThreadTuner | None = None, threads: int | str | None = None,
-                **settings: Any) -> TextStream:
+                hooks: Iterable[tuple[str, HookFn]] = (), **settings: Any) -> TextStream:
     """The continuation of prompt (1, T) as text, piece by piece as tokens are sampled.
 
     With `stop`, the text ends just before `stop` first appears (and decoding ends there).
+    `hooks` run at every decoding step, as `generate_stream` runs them.
     `threads` (a count, "auto" or None: glassgpt.machine.threadsetting) is the CPU's thread count;
     "auto" times the decoding steps and keeps the faster count (an older caller may pass its
     own `tuner` instead). The stream's `threads` reports the count used.
     """
     if tuner is None and threads is not None:
         tuner = tuner_for(threads, prompt.device, compiled=_settings(sampling, settings).compiled)
-    tokens = generate_stream(model, prompt, sampling, **settings)
+    tokens = generate_stream(model, prompt, sampling, hooks, **settings)
     pieces = decode_incrementally(tokenizer, tuner.tuned(tokens) if tuner else tokens)
     return TextStream(until_stop(pieces, stop) if stop else pieces, tuner)
 
