@@ -229,16 +229,6 @@ def test_the_cache_holds_what_the_attached_hooks_left(model):
     model.reset_hooks()
 
 
-@pytest.mark.parametrize("call", [
-    lambda m: m.run_with_hooks(ids(), bwd_hooks=[("hook_embed", lambda g, hook: None)]),
-    lambda m: m.add_hook("hook_embed", lambda g, hook: None, dir="bwd"),
-    lambda m: m.hooks(bwd_hooks=[("hook_embed", lambda g, hook: None)]).__enter__()],
-    ids=["run_with_hooks", "add_hook", "hooks"])
-def test_backward_hooks_are_refused_as_issue_42(model, call):
-    with pytest.raises(InputError, match="issue 42"):
-        call(model)
-
-
 @pytest.mark.parametrize("hooks, message", [
     ([("hook_embd", lambda x, hook: None)], "did you mean hook_embed"),
     ([("hook_embed", lambda x: None)], r"fn\(tensor, hook=point\)"),

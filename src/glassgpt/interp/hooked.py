@@ -4,6 +4,12 @@ A hook is `fn(tensor, name)`; it may return a replacement for the activation (a 
 ablation) or None to leave it. Hooks live only for one call: they are removed afterwards, also
 when the forward raises. Both run the model in eval mode (no dropout: a patched and an unpatched
 run must differ only by the patch) and give the model back the mode it had.
+
+Gradients at hook points: a backward hook `fn(grad, name)` (`run_with_hooks(bwd_hooks=...)`)
+is tied to the run's autograd graph, not to the module, so it fires whenever the caller
+backpropagates through the returned output, after the call has returned;
+`run_with_cache(incl_bwd=True, metric=fn)` runs the backward itself and keeps each point's
+gradient under TransformerLens's `{name}_grad`.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from glassgpt.errors import InputError, ModelError
-from glassgpt.hooks import HookFn, HookPoint, attached
+from glassgpt.hooks import HookFn, HookPoint, attached, check_replacement
 from glassgpt.inputs import check_id_tensor
 from glassgpt.interp.cache import ActivationCache, unknown_name_message
 from glassgpt.model import eval_mode
@@ -164,18 +170,57 @@ def watching_every_path(points: Mapping[str, HookPoint]) -> list[tuple[str, Hook
 
 def run_with_hooks(model: nn.Module, ids: Tensor,
                    hooks: Iterable[tuple[str, HookFn]] = (),
-                   stop_at_layer: int | None = None) -> Tensor:
+                   stop_at_layer: int | None = None,
+                   bwd_hooks: Iterable[tuple[str, HookFn]] = ()) -> Tensor:
     """ids (B, T) -> logits (B, T, V), with each `fn(tensor, name)` run at its hook point (its
     return value, when not None, replaces the activation). Attention runs its explicit path
     and LayerNorm its written-out one (`watching_every_path`). `stop_at_layer` l (as in
-    TransformerLens) runs only the first l blocks and returns the residual stream (B, T, C)."""
+    TransformerLens) runs only the first l blocks and returns the residual stream (B, T, C).
+
+    `bwd_hooks` (name, fn) pairs: `fn(grad, name)` is called with the gradient at that point's
+    output (after the forward hooks: the tensor the model went on with) when the caller
+    backpropagates through the output, e.g. `metric(logits).backward()`; a tensor it returns
+    replaces the gradient. They need gradients enabled (not under torch.no_grad())."""
     model = as_glass(model)  # a HookedGPT runs its glass model
     points = hook_points(model)  # first: a model that is none is refused before all else
     check_run_ids(ids)
     hooks = expand_hooks(points, hooks)
+    gradient_hooks = [(name, gradient_watcher(fn)) for name, fn in expand_hooks(points, bwd_hooks)]
+    if gradient_hooks and not torch.is_grad_enabled():
+        raise InputError("bwd_hooks need gradients, but this run is under torch.no_grad() (or "
+                         "inference mode): run it with gradients enabled")
+    # The gradient watchers go last, so they see the activation the forward hooks left.
     with one_run_at_a_time(model), eval_mode(model), \
-            attached(points, [*watching_every_path(points), *hooks]):
+            attached(points, [*watching_every_path(points), *hooks, *gradient_hooks]):
         return logits_of(model, ids, stop_at_layer)
+
+
+def gradient_watcher(fn: HookFn) -> HookFn:
+    """A backward hook fn(grad, name) as a forward hook that hangs it on the activation's
+    autograd node: it fires in whatever backward later passes through this run's graph."""
+    def watch(tensor: Tensor, name: str) -> Tensor | None:
+        tracked = differentiable(tensor)
+        tracked.register_hook(lambda grad: checked_gradient(fn(grad, name), grad, name))
+        return None if tracked is tensor else tracked
+    return watch
+
+
+def differentiable(tensor: Tensor) -> Tensor:
+    """`tensor`, or where nothing upstream requires a gradient (frozen parameters) the same
+    values as a leaf that does: the gradient at an activation does not depend on whether the
+    weights before it are trainable."""
+    if tensor.requires_grad:
+        return tensor
+    if not tensor.is_floating_point():
+        raise InputError(f"no gradient at a {tensor.dtype} activation")
+    return tensor.detach().requires_grad_(True)
+
+
+def checked_gradient(replaced: Tensor | None, grad: Tensor, name: str) -> Tensor | None:
+    """A backward hook's return: None leaves the gradient, a tensor shaped as it replaces it."""
+    if replaced is not None:
+        check_replacement(replaced, grad, f"{name} (backward)")
+    return replaced
 
 
 # The points whose layout is (batch, pos, head, d_head): the ones zero_heads can switch off.
@@ -206,19 +251,70 @@ def zero_heads(*heads: int) -> HookFn:
 
 
 def run_with_cache(model: nn.Module, ids: Tensor, names: NamesFilter = None,
-                   stop_at_layer: int | None = None) -> tuple[Tensor, ActivationCache]:
+                   stop_at_layer: int | None = None, incl_bwd: bool = False,
+                   metric: Callable[[Tensor], Tensor] | None = None
+                   ) -> tuple[Tensor, ActivationCache]:
     """ids (B, T) -> (logits (B, T, V), cache): every activation selected by `names` (None: all
     of them), detached, under its TransformerLens name. With `stop_at_layer` l, only the first
     l blocks run and the residual stream (B, T, C) comes back in place of the logits (what a
-    look at early layers costs: no later block, no LM head)."""
-    store: dict[str, Tensor] = {}
+    look at early layers costs: no later block, no LM head).
 
-    def keep(tensor: Tensor, name: str) -> None:
-        store[name] = tensor.detach()
-
+    With `incl_bwd=True` and `metric` (the run's output -> a scalar tensor), the run is
+    differentiated: the cache also holds d metric / d activation under `{name}_grad` for each
+    selected point (zeros where the metric does not depend on it). The backward is taken with
+    torch.autograd.grad, so no parameter's .grad is touched. Without it the run is no_grad."""
     points = hook_points(model)
     selected = select_names(points, names)
-    with torch.no_grad():
-        logits = run_with_hooks(model, ids, [(name, keep) for name in selected], stop_at_layer)
-    ordered = {name: store[name] for name in points if name in store}
-    return logits, ActivationCache(ordered, ids=ids, model=model)
+    if not incl_bwd:
+        if metric is not None:
+            raise InputError("metric is what run_with_cache differentiates with incl_bwd=True; "
+                             "pass incl_bwd=True, or no metric")
+        with torch.no_grad():
+            logits, store = forward_keeping(model, ids, selected, stop_at_layer)
+        return logits, ActivationCache(in_order(points, store), ids=ids, model=model)
+    if not callable(metric):
+        raise InputError(f"incl_bwd=True needs metric=fn, fn(logits) -> a scalar tensor to "
+                         f"differentiate, got {metric!r:.40}")
+    with torch.enable_grad():  # asked for: a gradient, even from inside a no_grad block
+        logits, store = forward_keeping(model, ids, selected, stop_at_layer)
+        grads = gradients_of(metric(logits), store)
+    activations = in_order(points, {name: t.detach() for name, t in store.items()})
+    cache = {**activations, **{f"{name}_grad": grads[name] for name in activations}}
+    return logits.detach(), ActivationCache(cache, ids=ids, model=model)
+
+
+def forward_keeping(model: nn.Module, ids: Tensor, selected: list[str],
+                    stop_at_layer: int | None) -> tuple[Tensor, dict[str, Tensor]]:
+    """One run keeping each selected activation: detached under no_grad, else the live tensor
+    the model went on with (a leaf where nothing before it is trainable), to differentiate."""
+    store: dict[str, Tensor] = {}
+    grad = torch.is_grad_enabled()
+
+    def keep(tensor: Tensor, name: str) -> Tensor | None:
+        if not grad:
+            store[name] = tensor.detach()
+            return None
+        store[name] = differentiable(tensor)
+        return None if store[name] is tensor else store[name]
+
+    logits = run_with_hooks(model, ids, [(name, keep) for name in selected], stop_at_layer)
+    return logits, store
+
+
+def in_order(points: Mapping[str, HookPoint], store: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    return {name: store[name] for name in points if name in store}
+
+
+def gradients_of(value: object, live: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """d value / d each live activation (zeros for one the value does not depend on)."""
+    if not isinstance(value, Tensor) or value.numel() != 1 or not value.is_floating_point():
+        got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        raise InputError(f"the metric must return a scalar float tensor to differentiate, got "
+                         f"{got}")
+    if not value.requires_grad:
+        raise InputError("the metric's value does not depend on the run's activations (it "
+                         "has no gradient): compute it from the logits it is handed")
+    names = list(live)
+    grads = torch.autograd.grad(value.reshape(()), [live[n] for n in names], allow_unused=True)
+    return {name: (torch.zeros_like(live[name]) if grad is None else grad.detach())
+            for name, grad in zip(names, grads, strict=True)}

@@ -14,8 +14,10 @@ checks, its guard against a run started from a hook, eval mode, and hooks remove
 A TransformerLens hook is called `fn(tensor, hook=point)`, `point` being glassgpt's HookPoint
 (`point.name`, `point.layer()`, `point.ctx`, a dict that stays on the point between runs), and
 may edit the tensor in place and return None. Hooks added with `add_hook` or `hooks()` stay
-attached to every run until `reset_hooks`. Gradients at hook points (`bwd_hooks`, dir="bwd")
-are not there yet (issue 42): asking for them is an InputError.
+attached to every run until `reset_hooks`. A backward hook (`bwd_hooks`, dir="bwd") is called
+`fn(grad, hook=point)` when the caller backpropagates through a run's output (it hangs on the
+run's autograd graph, so it fires after the run returned); `run_with_cache(incl_bwd=True)`
+calls backward on the output itself (return_type="loss") and caches `{name}_grad`.
 
 The weights in TransformerLens's layout are `LensWeights`'s, the tokenisation methods
 `LensTokenMethods`'s (what BOS is: glassgpt.interp.hooked_gpt.tokens), the settings `LensConfig`'s;
@@ -27,6 +29,7 @@ Notation: B = batch, T = positions, C = width, V = vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 from collections.abc import Callable, Iterable, Iterator
@@ -55,8 +58,6 @@ from glassgpt.tokenizers import Tokenizer
 
 RETURN_TYPES = ("logits", "loss", "both", None)
 LensHookFn = Callable[..., Tensor | None]  # fn(tensor, hook=point)
-NO_GRADIENT_HOOKS = ("backward hooks are not supported yet: gradients at hook points are "
-                     "issue 42; use forward hooks (fwd_hooks, dir='fwd')")
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class AttachedHook:
     fn: Callable[[Tensor, str], Tensor | None]
     permanent: bool
     level: int | None  # the `hooks()` context that added it; None: add_hook
+    dir: str = "fwd"  # "bwd": called with the gradient at the point during a backward
 
 
 def check_lens_hook_fn(fn: object) -> None:
@@ -253,35 +255,38 @@ class HookedGPT(LensWeights, LensTokenMethods, nn.Module):
                  is_permanent: bool = False, level: int | None = None) -> None:
         """Attach `hook` to the point `name` (or to each point a filter picks) for every run
         until `reset_hooks` (with including_permanent=True for a permanent one)."""
-        if dir != "fwd":
-            raise InputError(NO_GRADIENT_HOOKS if dir == "bwd" else
-                             f"dir must be 'fwd' (or 'bwd', not yet supported), got {dir!r:.20}")
-        self._attached += [AttachedHook(point, fn, is_permanent, level)
+        if dir not in ("fwd", "bwd"):
+            raise InputError(f"dir must be 'fwd' or 'bwd', got {dir!r:.20}")
+        self._attached += [AttachedHook(point, fn, is_permanent, level, dir)
                            for point, fn in self._as_glass_pairs([(name, hook)])]
 
     def reset_hooks(self, clear_contexts: bool = True, direction: str = "both",
                     including_permanent: bool = False, level: int | None = None) -> None:
         """Remove the attached hooks (the permanent ones too with `including_permanent`; only
         those of one `hooks()` context with `level`), and empty every point's ctx."""
+        if direction not in ("fwd", "bwd", "both"):
+            raise InputError(f"direction must be 'fwd', 'bwd' or 'both', got {direction!r:.20}")
         if clear_contexts:
             for point in self._points.values():
                 point.ctx = {}
         self._attached = [hook for hook in self._attached
                           if (hook.permanent and not including_permanent)
-                          or (level is not None and hook.level != level)]
+                          or (level is not None and hook.level != level)
+                          or direction not in ("both", hook.dir)]
 
     @contextmanager
     def hooks(self, fwd_hooks: Iterable[tuple[Any, LensHookFn]] = (),
               bwd_hooks: Iterable[tuple[Any, LensHookFn]] = (), reset_hooks_end: bool = True,
               clear_contexts: bool = False) -> Iterator[HookedGPT]:
-        """Within the block, `fwd_hooks` are attached to every run; after it they are removed
-        (unless reset_hooks_end=False), and the points' ctx emptied with `clear_contexts`."""
-        if bwd_hooks:
-            raise InputError(NO_GRADIENT_HOOKS)
-        pairs = self._as_glass_pairs(fwd_hooks)  # all checked before any is attached
+        """Within the block, `fwd_hooks` and `bwd_hooks` are attached to every run; after it they
+        are removed (unless reset_hooks_end=False), and the points' ctx emptied with
+        `clear_contexts`. A backward hook hangs on each run's graph, so a backward taken after
+        the block still reaches the hooks of the runs made inside it."""
+        pairs = [(*pair, "fwd") for pair in self._as_glass_pairs(fwd_hooks)]
+        pairs += [(*pair, "bwd") for pair in self._as_glass_pairs(bwd_hooks)]  # all checked first
         self._context_level += 1
         level = self._context_level
-        self._attached += [AttachedHook(name, fn, False, level) for name, fn in pairs]
+        self._attached += [AttachedHook(name, fn, False, level, way) for name, fn, way in pairs]
         try:
             yield self
         finally:
@@ -308,7 +313,9 @@ class HookedGPT(LensWeights, LensTokenMethods, nn.Module):
                        reset_hooks_end: bool = True, clear_contexts: bool = False,
                        **forward_options: Any) -> Any:
         """`model(input, **forward_options)` with `fwd_hooks` attached for this run (and kept
-        with reset_hooks_end=False)."""
+        with reset_hooks_end=False); `bwd_hooks` fire when the caller backpropagates through
+        the output (e.g. `model.run_with_hooks(ids, return_type="loss", bwd_hooks=...)
+        .backward()`)."""
         with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end, clear_contexts):
             return self(input, **forward_options)
 
@@ -316,22 +323,40 @@ class HookedGPT(LensWeights, LensTokenMethods, nn.Module):
                        remove_batch_dim: bool = False, return_type: str | None = "logits",
                        loss_per_token: bool = False, prepend_bos: bool | None = None,
                        stop_at_layer: int | None = None,
-                       padding_side: str | None = None) -> tuple[Any, ActivationCache]:
+                       padding_side: str | None = None,
+                       incl_bwd: bool = False) -> tuple[Any, ActivationCache]:
         """(`model(input, ...)`'s output, the activations `names_filter` picks (None: all; a
         name, names, or a predicate on names), detached); `remove_batch_dim` drops the batch
-        axis of a one-prompt run. The attached hooks run first: the cache holds what they left."""
+        axis of a one-prompt run. The attached hooks run first: the cache holds what they left.
+        With `incl_bwd=True` (as TransformerLens: the output must be a scalar, e.g.
+        return_type="loss") `output.backward()` runs too, and the cache holds each point's
+        gradient under `{name}_grad`."""
         store: dict[str, Tensor] = {}
 
         def keep(tensor: Tensor, name: str) -> None:
             store[name] = tensor.detach()
 
+        def keep_grad(grad: Tensor, name: str) -> None:
+            store[f"{name}_grad"] = grad.detach()
+
         selected = select_names(self._points, names_filter)
         ids, mask = self._input_ids(input, prepend_bos, padding_side)
         if remove_batch_dim and ids.shape[0] != 1:
             raise InputError(f"remove_batch_dim takes one prompt, got a batch of {ids.shape[0]}")
-        output = self._run_ids(ids, mask, return_type, loss_per_token, stop_at_layer,
-                               [(name, keep) for name in selected])
+        if incl_bwd and (stop_at_layer is not None or return_type not in ("loss", "both")
+                         or loss_per_token):
+            raise InputError("incl_bwd=True calls backward on the output, which must be a scalar:"
+                             " run with return_type='loss' (no loss_per_token, no stop_at_layer)")
+        with torch.enable_grad() if incl_bwd else contextlib.nullcontext():
+            output = self._run_ids(ids, mask, return_type, loss_per_token, stop_at_layer,
+                                   [(name, keep) for name in selected],
+                                   [(name, keep_grad) for name in selected] if incl_bwd else [])
+            if incl_bwd:
+                (output if return_type == "loss" else output[1]).backward()
         ordered = {name: store[name] for name in self._points if name in store}
+        if incl_bwd:  # gradients in forward order too; zeros where the loss does not reach
+            ordered |= {f"{name}_grad": store.get(f"{name}_grad", torch.zeros_like(value))
+                        for name, value in list(ordered.items())}
         cache = ActivationCache(ordered, ids=ids, model=self)
         return output, cache.remove_batch_dim() if remove_batch_dim else cache
 
@@ -347,8 +372,10 @@ class HookedGPT(LensWeights, LensTokenMethods, nn.Module):
 
     def _run_ids(self, ids: Tensor, mask: Tensor | None, return_type: str | None,
                  loss_per_token: bool, stop_at_layer: int | None,
-                 extra: list[tuple[str, Callable]]) -> Any:
-        """One run of the glass model with the attached hooks, then `extra` ones."""
+                 extra: list[tuple[str, Callable]],
+                 extra_bwd: list[tuple[str, Callable]] = ()) -> Any:
+        """One run of the glass model with the attached hooks, then `extra` ones (and the
+        attached backward hooks, then `extra_bwd`)."""
         if return_type not in RETURN_TYPES:
             raise InputError(f"return_type must be 'logits', 'loss', 'both' or None, got "
                              f"{return_type!r:.40}")
@@ -359,8 +386,12 @@ class HookedGPT(LensWeights, LensTokenMethods, nn.Module):
                 raise InputError(f"stop_at_layer must be an int in [-{n_layers}, {n_layers}], "
                                  f"got {stop_at_layer}")
             stop_at_layer += n_layers  # TransformerLens's: -1 skips the last block
-        hooks = [*((hook.name, hook.fn) for hook in self._attached), *extra]
-        output = run_with_hooks(self.glass, ids, hooks, stop_at_layer)
+        hooks = [*((hook.name, hook.fn) for hook in self._attached if hook.dir == "fwd"), *extra]
+        bwd = [*((hook.name, hook.fn) for hook in self._attached if hook.dir == "bwd"),
+               *extra_bwd]
+        if not torch.is_grad_enabled():  # no graph for a backward hook to hang on (TL's too)
+            bwd = []
+        output = run_with_hooks(self.glass, ids, hooks, stop_at_layer, bwd_hooks=bwd)
         if stop_at_layer is not None or return_type == "logits":
             return output  # (B, T, C) or (B, T, V)
         if return_type is None:
