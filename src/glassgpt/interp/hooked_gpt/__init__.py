@@ -1,8 +1,9 @@
 """`HookedGPT`: a glassgpt GPT with TransformerLens's face, on which TransformerLens's and
-ARENA's code runs unchanged. The class is `.model`'s; its settings in TransformerLens's names
-(`cfg`) are `.config`'s, the tokenisation methods and what BOS is `.tokens`'s, the weights in
-TransformerLens's layout `.weights`'s, and `fold_ln` / `center_writing_weights` /
-`center_unembed` `.process`'s.
+ARENA's code runs unchanged. The class is `.model`'s; its hooks (`add_hook`, `hooks()`,
+`reset_hooks`) are `.hooks`'s, its settings in TransformerLens's names (`cfg`) `.config`'s,
+the tokenisation methods and what BOS is `.tokens`'s, the weights in TransformerLens's layout
+`.weights`'s, `fold_ln` / `center_writing_weights` / `center_unembed` `.process`'s, and
+TransformerLens's checkpoint format `.checkpoint`'s.
 """
 
 from glassgpt.interp.hooked_gpt.model import HookedGPT, loss_fn
