@@ -79,6 +79,17 @@ def quick_experiment(name: str, out_dir: Path, seed: int = 0, **options: Any) ->
     return result
 
 
+@pytest.fixture(scope="module")
+def gpt2_and_bridge(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """(glassgpt model, TransformerLens 4.x bridge) over one random GPT-2's weights
+    (test_interp_reference's `boot`; skipped where transformers or transformer-lens is
+    missing)."""
+    from test_interp_reference import boot
+
+    _, ours, bridge = boot("gpt2", tmp_path_factory.mktemp("gpt2"))
+    return ours, bridge
+
+
 @pytest.fixture(autouse=True)
 def _seed_everything() -> None:
     torch.manual_seed(0)

@@ -12,8 +12,6 @@ refused with one InputError. Shapes: B = batch, H = heads, T = positions, n = ha
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -170,17 +168,6 @@ def test_arena_definition_is_arenas_own_hook_on_the_same_tokens():
 
 # --- 3. TransformerLens's own detect_head ------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def bridge_pair(tmp_path_factory):
-    """(glassgpt model, TransformerLens bridge) over one random GPT-2's weights."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("transformer_lens")
-    os.environ.setdefault("WANDB_MODE", "disabled")
-    from test_interp_reference import boot
-    _, ours, bridge = boot("gpt2", tmp_path_factory.mktemp("gpt2"))
-    return ours, bridge
-
-
 def lens_detect_head(bridge, rows: torch.Tensor, kind, **options) -> torch.Tensor:
     """TransformerLens's detect_head on each row of ids, passed as a list of 'texts': the tiny
     tokenizer has no vocabulary, so the bridge's to_tokens is handed the ids the text stands for
@@ -204,8 +191,8 @@ OPTIONS = [dict(), dict(exclude_bos=True), dict(exclude_current_token=True),
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(map(str, o.items())) or "-")
 @pytest.mark.parametrize("kind", ["previous_token_head", "duplicate_token_head",
                                   "induction_head"])
-def test_detect_head_is_transformer_lens_detect_head(bridge_pair, kind, options):
-    ours, bridge = bridge_pair
+def test_detect_head_is_transformer_lens_detect_head(gpt2_and_bridge, kind, options):
+    ours, bridge = gpt2_and_bridge
     rows = bos_a_a(batch=2, half=5, seed=5) % 50  # (2, 11), ids of the bridge's vocabulary
     rows[1, 3] = rows[1, 1]  # a token seen twice within the half: several cells in a row
     for seq in (rows[0], rows):  # one sequence, and a batch scored as TransformerLens's list
@@ -214,8 +201,8 @@ def test_detect_head_is_transformer_lens_detect_head(bridge_pair, kind, options)
         torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
 
 
-def test_a_custom_pattern_and_a_cache_give_transformer_lens_numbers(bridge_pair):
-    ours, bridge = bridge_pair
+def test_a_custom_pattern_and_a_cache_give_transformer_lens_numbers(gpt2_and_bridge):
+    ours, bridge = gpt2_and_bridge
     ids = bos_a_a(batch=1, half=5, seed=6) % 50
     custom = torch.zeros(11, 11)
     custom[:, 0] = 1  # a BOS head

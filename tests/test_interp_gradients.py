@@ -9,8 +9,6 @@ activation (a norm-less model's last layer, a metric linear in the logits): equa
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -40,23 +38,13 @@ def metric(logits: torch.Tensor) -> torch.Tensor:
 
 # --- against TransformerLens 4.3 -------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def gpt2_pair(tmp_path_factory):
-    pytest.importorskip("transformers")
-    pytest.importorskip("transformer_lens")
-    os.environ.setdefault("WANDB_MODE", "disabled")
-    from test_interp_reference import boot
-    _, ours, bridge = boot("gpt2", tmp_path_factory.mktemp("gpt2"))
-    return ours, bridge
-
-
-def test_gradients_equal_transformer_lens(gpt2_pair) -> None:
+def test_gradients_equal_transformer_lens(gpt2_and_bridge) -> None:
     from transformer_lens.tools.analysis.attribution_patching import (
         cache_activation_and_gradient,
     )
 
     from test_interp_reference import names_for
-    model, bridge = gpt2_pair
+    model, bridge = gpt2_and_bridge
     ids = tokens(3)
     # hook_resid_mid is left out: TransformerLens 4.3 aliases it to ln2's input, not the stream
     # (see test_interp_reference.test_resid_mid_patching_lands_where_each_side_says).
@@ -72,8 +60,8 @@ def test_gradients_equal_transformer_lens(gpt2_pair) -> None:
     assert ours["hook_embed_grad"].abs().max() > 1e-3  # a gradient, not zeros on both sides
 
 
-def test_hooked_gpt_incl_bwd_equals_bridge(gpt2_pair) -> None:
-    model, bridge = gpt2_pair
+def test_hooked_gpt_incl_bwd_equals_bridge(gpt2_and_bridge) -> None:
+    model, bridge = gpt2_and_bridge
     ids = tokens(4)
     names = ["hook_embed", "blocks.0.attn.hook_pattern", "blocks.1.hook_mlp_out",
              "ln_final.hook_normalized"]
@@ -88,9 +76,9 @@ def test_hooked_gpt_incl_bwd_equals_bridge(gpt2_pair) -> None:
                                    rtol=0, msg=name)
 
 
-def test_node_attribution_patching_equals_transformer_lens(gpt2_pair) -> None:
+def test_node_attribution_patching_equals_transformer_lens(gpt2_and_bridge) -> None:
     from transformer_lens.tools.analysis import attribution_patching as lens_attr
-    model, bridge = gpt2_pair
+    model, bridge = gpt2_and_bridge
     clean, corrupt = tokens(5, length=6), tokens(6, length=6)
     ours = attr.attribution_patch(model, clean, corrupt, metric)
     theirs = lens_attr.attribution_patch(bridge, clean, corrupt, metric)

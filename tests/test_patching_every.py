@@ -168,12 +168,17 @@ def test_direct_path_equals_transformer_lens(run) -> None:
     assert_equal_maps(ours, theirs)
 
 
-def test_direct_path_into_a_shared_kv_head_is_refused_as_transformer_lens_refuses(run) -> None:
-    if run["family"] != "llama":
-        pytest.skip("only the Llama has grouped K/V heads")
+def test_direct_path_into_k_or_v_is_refused_only_where_heads_share_them(run) -> None:
+    """As TransformerLens refuses it: the Llama's K/V heads each serve two query heads, so a
+    path into one query head's k or v does not exist; GPT-2's heads each have their own."""
     for component in ("k", "v"):
-        with pytest.raises(InputError, match="K/V heads"):
-            direct_paths(run, "get_act_patch_direct_path", 0, 1, component=component)
+        if run["family"] == "llama":
+            with pytest.raises(InputError, match="K/V heads"):
+                direct_paths(run, "get_act_patch_direct_path", 0, 1, component=component)
+        else:
+            ours, theirs = direct_paths(run, "get_act_patch_direct_path", 0, 1,
+                                        component=component)
+            assert torch.isfinite(ours).all() and ours.shape == theirs.shape
 
 
 # --- what glassgpt refuses, each one InputError before any run -----------------------------------
