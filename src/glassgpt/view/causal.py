@@ -28,6 +28,7 @@ from glassgpt.interp.attribution import logit_attribution
 from glassgpt.interp.heads import block_sources
 from glassgpt.interp.hooked import run_with_cache
 from glassgpt.interp.scores import HeadScores, head_scores
+from glassgpt.interp.utils import get_act_name
 from glassgpt.model import count_parameters
 from glassgpt.view.values import Prompt, View, rounded, step_answer
 
@@ -170,7 +171,7 @@ def patching(view: View, clean: str, corrupted: str | None = None,
     runs = _check_work(view, len(clean_p.ids))
     L = model.config.n_layer
     kinds = ("resid_pre", "attn_out", "mlp_out", "z")
-    names = [patch.act_name(kind, layer) for kind in kinds for layer in range(L)]
+    names = [get_act_name(kind, layer) for kind in kinds for layer in range(L)]
     clean_logits, clean_cache = run_with_cache(model, clean_p.idx, names=names)
     corrupted_logits, _ = run_with_cache(model, corrupted_p.idx, names=[])
     answer, wrong = _answer_ids(view, clean_logits, corrupted_logits, answer, wrong)

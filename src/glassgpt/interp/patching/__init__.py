@@ -34,10 +34,8 @@ from glassgpt.interp.patching.every import (
 )
 from glassgpt.interp.patching.result import REDUCE_MODES, Metric, PatchingResult, metric_value
 from glassgpt.interp.patching.sweep import (
-    ACTIVATIONS,
     Progress,
     Setter,
-    act_name,
     generic_activation_patch,
     get_act_patch_attn_head_k_all_pos,
     get_act_patch_attn_head_k_by_pos,
@@ -63,7 +61,7 @@ from glassgpt.interp.patching.sweep import (
 )
 
 __all__ = [
-    "ACTIVATIONS", "REDUCE_MODES", "Metric", "PatchingResult", "Progress", "Setter", "act_name",
+    "REDUCE_MODES", "Metric", "PatchingResult", "Progress", "Setter",
     "check_logits_and_tokens", "generic_activation_patch",
     "get_act_patch_attn_head_all_pos_every", "get_act_patch_attn_head_by_pos_every",
     "get_act_patch_attn_head_k_all_pos", "get_act_patch_attn_head_k_by_pos",

@@ -21,38 +21,18 @@ from glassgpt.errors import InputError
 from glassgpt.interp.cache import cached
 from glassgpt.interp.hooked import check_run_ids, hook_points, run_with_hooks
 from glassgpt.interp.patching.result import Metric, Metrics, PatchingResult
+from glassgpt.interp.utils import get_act_name
 
 Progress = Callable[[int, int], None]
 Setter = Callable[[Tensor, tuple[int, ...], Tensor], Tensor]
 
-# A short activation name -> its hook point in layer l (TransformerLens's get_act_name).
-ACTIVATIONS = {
-    "resid_pre": "blocks.{l}.hook_resid_pre",
-    "resid_mid": "blocks.{l}.hook_resid_mid",
-    "mlp_in": "blocks.{l}.hook_mlp_in",
-    "resid_post": "blocks.{l}.hook_resid_post",
-    "attn_out": "blocks.{l}.hook_attn_out",
-    "mlp_out": "blocks.{l}.hook_mlp_out",
-    "q": "blocks.{l}.attn.hook_q",
-    "k": "blocks.{l}.attn.hook_k",
-    "v": "blocks.{l}.attn.hook_v",
-    "z": "blocks.{l}.attn.hook_z",
-    "pattern": "blocks.{l}.attn.hook_pattern",
-}
 AXES = ("layer", "pos", "head_index", "head", "src_pos", "dest_pos")
-
-
-def act_name(activation: str, layer: int) -> str:
-    """("z", 1) -> "blocks.1.attn.hook_z"."""
-    if activation not in ACTIVATIONS:
-        raise InputError(f"unknown activation {activation!r}; one of {', '.join(ACTIVATIONS)}")
-    return ACTIVATIONS[activation].format(l=layer)
 
 
 def check_patchable(model: nn.Module, activation: str) -> None:
     """The model has `activation` to patch (an attention-only block has no MLP, so no
     mlp_out): refused by name before any run, not as a cache miss midway."""
-    name = act_name(activation, 0)
+    name = get_act_name(activation, 0)
     if name not in hook_points(model):
         raise InputError(f"this model has no hook point {name}, so {activation!r} cannot be "
                          "patched (an attention-only model has no MLP)")
@@ -160,7 +140,7 @@ def generic_activation_patch(model: nn.Module, corrupted_tokens: Tensor,
     total = math.prod(shape)
     for done, index in enumerate(itertools.product(*(range(n) for n in shape))):
         logits = patched_run(model, corrupted_tokens, clean_cache, patch_setter,
-                             act_name(activation_name, index[0]), index)
+                             get_act_name(activation_name, index[0]), index)
         store[(slice(None), *index)] = metrics.measure(logits, index)
         if progress is not None:
             progress(done + 1, total)
