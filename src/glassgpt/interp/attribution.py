@@ -7,7 +7,7 @@ per part (plus the norm's own shift), and the terms add up to the logit exactly:
 
     logit(tok) = sum_parts  norm_frozen(part) . W_U[tok]  +  beta . W_U[tok]
 
-A head's part is its slice of the output projection applied to its `hook_z`. With
+A head's part is its share of the attention's output, `hook_result` (z_h W_O[h]). With
 `logit_softcap` the attributed number is the logit before the cap. A Post-LN model renormalises
 the stream after every block, so it is no sum of parts: it is refused.
 """
@@ -52,12 +52,11 @@ def residual_parts(model: nn.Module, cache, pos: int) -> tuple[list[str], list[T
         labels.append("pos_embed")
         parts.append(cache["hook_pos_embed"][:, pos])
     for layer, block in enumerate(model.blocks):
-        z = cached(cache, f"blocks.{layer}.attn.hook_z")[:, pos]  # (B, H, hd)
+        # each head's share z_h W_O[h], as the model formed it at its hook point
+        per_head = cached(cache, f"blocks.{layer}.attn.hook_result")[:, pos]  # (B, H, C)
         proj = block.attn.proj
-        w_o = proj.weight.view(proj.out_features, z.shape[1], z.shape[2])  # (C, H, hd)
-        per_head = torch.einsum("bhd,chd->bhc", z, w_o)  # (B, H, C)
         bias = None if proj.bias is None else proj.bias.expand_as(per_head[:, 0])
-        head_labels = [f"L{layer}H{head}" for head in range(z.shape[1])]
+        head_labels = [f"L{layer}H{head}" for head in range(per_head.shape[1])]
         head_parts = list(per_head.unbind(1))
         if bias is not None:
             head_labels.append(f"L{layer} attn bias")
