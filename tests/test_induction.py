@@ -120,6 +120,32 @@ def test_the_docs_walk_prints_its_numbers_rounded_on_the_demos_run(tmp_path: Pat
     assert not re.findall(r"\d\.\d{4,}", printed), printed
 
 
+def test_the_docs_graph_walk_finds_the_induction_head_on_the_demos_run(tmp_path: Path,
+                                                                      capsys) -> None:
+    """docs/interpretability.md's graph walk, run as pasted on the demo's attention-only run
+    (no MLP, so no transcoders): the strongest push on the answer is B where it first appeared,
+    and the head that carries most of it is the run's induction head by its scores."""
+    run = Path(quick_experiment("induction", tmp_path, seed=0).numbers["run"])
+    walk = (DOCS / "interpretability.md").read_text().split("<!-- section: graph walk -->")[1]
+    code = re.search(r"```python\n(.*?)```", walk, re.DOTALL).group(1)
+    assert 'load_transcoders(["runs/repeats-transcoders"])' in code
+    code = code.replace('"runs/repeats"', repr(str(run)))
+    code = code.replace('load_transcoders(["runs/repeats-transcoders"])', "[]")
+    scope: dict = {}
+    exec(compile(code, "docs/interpretability.md", "exec"), scope)
+    printed = capsys.readouterr().out
+    assert "0 active features; replacement score 1.00, completeness score 1.00" in printed
+    graph, split, row = scope["graph"], scope["split"], scope["row"]
+    assert int(row.abs().argmax()) == graph.token_index(10)  # B, the first time
+    assert f"B at 10 -> answer {split.weight:+.2f}" in printed
+    assert split.weight == pytest.approx(float(row[graph.token_index(10)]))
+    layer, head, share = split.top(1)[0]
+    model, _ = load_model(run)
+    scores = head_scores(model, half=QUICK.half, batch=QUICK.score_batch, seed=SCORE_SEED)
+    assert (layer, head) == divmod(int(scores.induction.argmax()), model.config.n_head)
+    assert share > split.weight / 2
+
+
 def test_the_demos_run_exports_to_transformers_with_the_same_logits(tmp_path: Path,
                                                                      capsys) -> None:
     """`convert --to-hf` refused the demo's run (rotary positions with LayerNorm were neither

@@ -55,7 +55,8 @@ class TensorInfo:
 class SafetensorsFile:
     """An open safetensors file whose header has been checked (a context manager).
 
-    `header` maps each tensor name to its TensorInfo; no tensor is read until asked for.
+    `header` maps each tensor name to its TensorInfo, `metadata` holds the header's
+    __metadata__ strings; no tensor is read until asked for.
     """
 
     def __init__(self, path: str | Path, error: ErrorType):
@@ -109,6 +110,7 @@ class SafetensorsFile:
         if not isinstance(metadata, dict) or not all(isinstance(v, str)
                                                      for v in metadata.values()):
             raise self._fail(f"{METADATA_KEY} must map names to strings")
+        self.metadata: dict[str, str] = metadata
         data_start = HEADER_LENGTH_BYTES + length
         header = {name: self._tensor_info(name, entry, data_start)
                   for name, entry in described.items()}

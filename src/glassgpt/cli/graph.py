@@ -1,0 +1,89 @@
+"""`glassgpt graph RUN --transcoders DIR --prompt TEXT`: the attribution graph of a prompt
+through a run's model with each MLP replaced by its transcoder (glassgpt.interp.graph)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from glassgpt.cli.common import DefaultsHelpFormatter, add_checkpoint_flag, path_arg, say
+from glassgpt.errors import ConfigError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "graph", formatter_class=DefaultsHelpFormatter,
+        help="draw a prompt's attribution graph over the run's transcoders",
+        description="The circuit from the prompt's tokens through transcoder features to its "
+                    "most likely next tokens (circuit-tracer's method): each MLP replaced by "
+                    "its transcoder plus an error node, attention patterns and norm scales "
+                    "frozen, edges the direct effects between nodes, pruned by influence on "
+                    "the logits. Prints the scores and the most influential features.")
+    p.add_argument("run_dir", type=path_arg, metavar="RUN_DIR")
+    p.add_argument("--transcoders", type=path_arg, nargs="+", default=[], metavar="DIR",
+                   help="transcoders, one a layer (glassgpt sae train --transcoder): their "
+                        "directories, or one directory holding them (an attention-only model "
+                        "needs none)")
+    p.add_argument("--prompt", required=True, help="the text whose next token is explained")
+    p.add_argument("--node-threshold", type=float, default=0.8,
+                   help="keep the features that carry this share of the influence")
+    p.add_argument("--edge-threshold", type=float, default=0.98,
+                   help="keep the edges that carry this share of the influence")
+    p.add_argument("--max-logits", type=int, default=10, help="most logit nodes")
+    p.add_argument("--logit-prob", type=float, default=0.95,
+                   help="logit nodes: the likeliest tokens until their probability reaches this")
+    p.add_argument("--top", type=int, default=10, help="features to list")
+    p.add_argument("--out", type=path_arg, help="save the whole graph (.safetensors)")
+    p.add_argument("--json", type=path_arg, help="write the pruned graph's nodes and edges")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
+    add_checkpoint_flag(p, "read")
+    p.set_defaults(handler=run_graph)
+
+
+def run_graph(args: argparse.Namespace) -> int:
+    from glassgpt.decoding.generate import encode_prompt
+    from glassgpt.interp.graph import attribution_graph, load_transcoders
+    from glassgpt.interp.graph.export import pruned_json, top_features
+    from glassgpt.interp.graph.prune import graph_scores, prune_graph
+    from glassgpt.rundir.checkpoint import load_model
+    from glassgpt.storage import files
+
+    for name in ("node_threshold", "edge_threshold", "logit_prob"):
+        if not 0 < getattr(args, name) <= 1:
+            raise ConfigError(f"--{name.replace('_', '-')} is a share in (0, 1], got "
+                              f"{getattr(args, name)}")
+    if args.max_logits < 1:
+        raise ConfigError(f"--max-logits must be positive, got {args.max_logits}")
+    model, tokenizer = load_model(args.run_dir, args.device, args.checkpoint)
+    transcoders = load_transcoders(args.transcoders, device=args.device)
+    ids, given = encode_prompt(tokenizer, args.prompt, model.config.block_size, args.device)
+    if given > ids.shape[1]:
+        say(f"the prompt has {given} tokens; the graph reads its last {ids.shape[1]}")
+    graph = attribution_graph(model, transcoders, ids, max_n_logits=args.max_logits,
+                              desired_logit_prob=args.logit_prob)
+    pruned = prune_graph(graph, args.node_threshold, args.edge_threshold)
+    replacement, completeness = graph_scores(graph)
+
+    def decode(token: int) -> str:
+        return tokenizer.decode([token])
+
+    kept = int(pruned.node_mask[:graph.n_features].sum())
+    print(f"{graph.n_pos} tokens, {graph.n_features} active features, {graph.n_logits} logits; "
+          f"kept {kept} features and {int(pruned.edge_mask.sum())} edges (node threshold "
+          f"{args.node_threshold}, edge threshold {args.edge_threshold})")
+    print(f"replacement score {replacement:.3f}, completeness score {completeness:.3f}")
+    print("logits: " + ", ".join(f"{decode(int(t))!r} {float(p):.3f}" for t, p in
+                                 zip(graph.logit_tokens, graph.logit_probabilities,
+                                     strict=True)))
+    for node in top_features(graph, pruned, args.top):
+        print(f"  layer {node['layer']} feature {node['feature']:>5} at "
+              f"{decode(int(graph.input_ids[node['position']]))!r} (position "
+              f"{node['position']}): activation {node['activation']:.3f}, influence "
+              f"{node['influence']:.3f}")
+    if args.out is not None:
+        print(f"saved {graph.save(args.out)}")
+    if args.json is not None:
+        data = pruned_json(graph, pruned, (args.node_threshold, args.edge_threshold), decode)
+        files.write_text_atomic(args.json, json.dumps(data))
+        print(f"wrote {args.json}")
+    return 0

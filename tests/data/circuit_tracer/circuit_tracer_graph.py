@@ -1,0 +1,189 @@
+"""circuit-tracer 0.5.0's graph of this folder's model and transcoders: the reference that
+tests/test_graph_reference.py holds glassgpt's attribution graph to.
+
+circuit-tracer pins TransformerLens < 4, so it runs in a venv of its own, offline, on a CPU:
+    python3 -m venv /tmp/ct && /tmp/ct/bin/pip install torch==2.13.0 circuit-tracer==0.5.0
+    .venv/bin/python tests/data/circuit_tracer/make_fixture.py BUILD    # glassgpt's side
+    /tmp/ct/bin/python tests/data/circuit_tracer/circuit_tracer_graph.py BUILD OUT
+Reads BUILD (make_fixture.py's output: the TransformerLens checkpoint of the model and the
+transcoders in circuit-tracer's layout) and writes OUT/reference.safetensors (the Graph's
+adjacency, nodes and logits, prune_graph's masks at 0.8 / 0.98 with the kept edges as index
+pairs, the node influences) and OUT/reference.json (the scores and settings).
+"""
+import json
+import sys
+from pathlib import Path
+
+import circuit_tracer
+import torch
+import torch.nn.functional as F
+from circuit_tracer import attribute
+from circuit_tracer.graph import (
+    compute_graph_scores,
+    compute_node_influence,
+    prune_graph,
+)
+from circuit_tracer.replacement_model.replacement_model_transformerlens import (
+    TransformerLensReplacementModel,
+)
+from circuit_tracer.transcoder import SingleLayerTranscoder, TranscoderSet
+from safetensors.torch import load_file, save_file
+from transformer_lens import HookedTransformerConfig
+
+FIX = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("build")
+OUT = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(".")
+torch.manual_seed(0)
+torch.set_grad_enabled(True)
+
+
+class IdTokenizer:
+    """The little of a HF tokenizer circuit-tracer touches: id 0 is the one special (BOS) id,
+    so a prompt starting with 0 is taken as is (nothing prepended)."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self.bos_token_id = 0
+        self.pad_token_id = None
+        self.eos_token_id = None
+        self.all_special_ids = [0]
+        self.padding_side = "right"
+
+    def decode(self, ids):
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        if isinstance(ids, int):
+            ids = [ids]
+        return "".join(chr(48 + i) for i in ids)
+
+
+def load_transcoders(folder: Path, n_layers: int, input_hook: str) -> TranscoderSet:
+    tcs = {}
+    for L in range(n_layers):
+        t = load_file(str(folder / f"layer_{L}.safetensors"))
+        d_sae, d_model = t["W_enc"].shape
+        tc = SingleLayerTranscoder(d_model, d_sae, F.relu, L, device=torch.device("cpu"),
+                                   dtype=torch.float32)
+        tc.load_state_dict(t, strict=True)
+        tcs[L] = tc
+    return TranscoderSet(tcs, feature_input_hook=input_hook, feature_output_hook="hook_mlp_out",
+                         scan="glassgpt-fixture")
+
+
+def build_model(tc_folder: Path, input_hook: str) -> TransformerLensReplacementModel:
+    cfg_dict = json.loads((FIX / "lens" / "config.json").read_text())
+    cfg = HookedTransformerConfig(**cfg_dict, device="cpu", dtype=torch.float32, seed=0)
+    model = TransformerLensReplacementModel(cfg)  # a plain HookedTransformer until configured
+    state = load_file(str(FIX / "lens" / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected, unexpected
+    assert all(k.endswith((".mask", ".IGNORE")) for k in missing), missing
+    model.tokenizer = IdTokenizer(cfg.d_vocab)
+    n_layers = cfg.n_layers
+    model._configure_replacement_model(load_transcoders(tc_folder, n_layers, input_hook))
+    model.eval()
+    return model
+
+
+def graph_tensors(graph, prune, scores) -> tuple[dict, dict]:
+    node_mask, edge_mask, cum = prune
+    t = {
+        "adjacency_matrix": graph.adjacency_matrix.float().contiguous(),
+        "active_features": graph.active_features.long().contiguous(),  # (n_active, 3) layer,pos,idx
+        "activation_values": graph.activation_values.float().contiguous(),
+        "logit_tokens": graph.logit_token_ids.long().contiguous(),
+        "logit_probabilities": graph.logit_probabilities.float().contiguous(),
+        "input_tokens": graph.input_tokens.long().contiguous(),
+        "prune_node_mask": node_mask.to(torch.uint8).contiguous(),
+        "prune_kept_edges": edge_mask.nonzero().to(torch.int32).contiguous(),  # (target, source)
+        "prune_cumulative_scores": cum.float().contiguous(),
+    }
+    # extras the project may want to check step by step
+    n_logits = len(graph.logit_targets)
+    logit_weights = torch.zeros(graph.adjacency_matrix.shape[0])
+    logit_weights[-n_logits:] = graph.logit_probabilities
+    t["node_influence"] = compute_node_influence(graph.adjacency_matrix, logit_weights).contiguous()
+    n_feat = len(graph.selected_features)
+    n_pos = graph.n_pos
+    n_layers = graph.cfg.n_layers
+    scalars = {
+        "circuit_tracer_version": circuit_tracer.__version__,
+        "torch_version": torch.__version__,
+        "n_layers": n_layers, "n_pos": n_pos, "n_features": n_feat,
+        "n_active_features": int(graph.active_features.shape[0]),
+        "n_error_nodes": n_layers * n_pos, "n_token_nodes": n_pos, "n_logit_nodes": n_logits,
+        "n_nodes": int(graph.adjacency_matrix.shape[0]),
+        "node_order": "features (selected, in active_features order), errors (layer-major: "
+                      "layer*n_pos+pos), tokens (pos), logits (descending prob)",
+        "adjacency_convention": "A[target, source] (rows = targets, columns = sources)",
+        "logit_token_strings": [lt.token_str for lt in graph.logit_targets],
+        "vocab_size": graph.vocab_size,
+        "input_string": graph.input_string,
+        "scan": graph.scan,
+        "node_threshold": 0.8, "edge_threshold": 0.98,
+        "replacement_score": scores[0], "completeness_score": scores[1],
+        "n_kept_nodes": int(node_mask.sum()), "n_kept_edges": int(edge_mask.sum()),
+        "feature_input_hook": "blocks.L.ln2.hook_normalized (TL 3.2.1: x_hat, before gain/bias)",
+        "feature_output_hook": "blocks.L.hook_mlp_out",
+        "position0_features_and_errors_zeroed": True,
+        "bos_prepended": False,
+    }
+    return t, scalars
+
+
+def run_one(model, prompt, tag, **kw):
+    graph = attribute(torch.tensor(prompt), model, **kw)
+    prune = prune_graph(graph, node_threshold=0.8, edge_threshold=0.98)
+    scores = compute_graph_scores(graph)
+    t, s = graph_tensors(graph, prune, scores)
+    s["attribute_kwargs"] = {"max_n_logits": 10, "desired_logit_prob": 0.95, "batch_size": 512,
+                             "max_feature_nodes": None, **kw}
+    save_file(t, str(OUT / f"{tag}.safetensors"))
+    (OUT / f"{tag}.json").write_text(json.dumps(s, indent=2) + "\n")
+    print(f"[{tag}] nodes={s['n_nodes']} feats={s['n_features']}/{s['n_active_features']} "
+          f"logits={s['n_logit_nodes']} repl={scores[0]:.6f} compl={scores[1]:.6f} "
+          f"kept nodes={s['n_kept_nodes']} edges={s['n_kept_edges']}")
+    return graph, t
+
+
+def main() -> int:
+    prompt = json.loads((FIX / "prompt.json").read_text())["prompt_ids"]
+    glass = load_file(str(FIX / "glass_acts.safetensors"))
+    model = build_model(FIX / "ct_tc", "ln2.hook_normalized")
+    ids = torch.tensor(prompt)
+
+    # 1. same model? logits and the hook point
+    with torch.no_grad():
+        logits, cache = model.run_with_cache(ids[None])
+    print("max |logits TL - glass| =", (logits[0] - glass["logits"]).abs().max().item())
+    for L in range(model.cfg.n_layers):
+        d = (cache[f"blocks.{L}.ln2.hook_normalized"][0] - glass[f"x_hat.{L}"]).abs().max()
+        d2 = (cache[f"blocks.{L}.hook_mlp_out"][0] - glass[f"mlp_out.{L}"]).abs().max()
+        print(f"layer {L}: max |TL ln2.hook_normalized - glass x_hat| = {d.item():.3e}; "
+              f"max |mlp_out diff| = {d2.item():.3e}")
+
+    # 2. feature activations: circuit-tracer (position 0 zeroed) vs glassgpt sae.encode
+    _, acts = model.get_activations(ids)
+    ref = torch.stack([glass[f"acts.{L}"] for L in range(model.cfg.n_layers)])
+    ref[:, 0] = 0
+    print("max |ct feature acts - glass sae.encode| (pos 0 zeroed) =",
+          (acts - ref).abs().max().item(),
+          "| active:", int((acts > 0).sum()), "of", acts.numel())
+
+    # 3. the graphs
+    g, t = run_one(model, prompt, "reference")
+
+    # 4. cross-check: gain/bias-folded encoder reading the MLP's input (post gain) gives the
+    #    same graph
+    model2 = build_model(FIX / "ct_tc_postgain", "mlp.hook_in")
+    _, acts2 = model2.get_activations(ids)
+    print("postgain variant: max |acts - glass| =", (acts2 - ref).abs().max().item())
+    g2 = attribute(ids, model2)
+    same = g2.adjacency_matrix.shape == g.adjacency_matrix.shape
+    print("postgain variant: same shape:", same,
+          "max |A - A_ref| =", (g2.adjacency_matrix - g.adjacency_matrix).abs().max().item()
+          if same else None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
