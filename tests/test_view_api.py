@@ -423,6 +423,7 @@ def test_only_the_documented_endpoints_exist_and_none_takes_a_file(client):
                      "/api/overview", "/api/attends", "/api/head", "/api/ablate", "/api/sample",
                      "/api/mlp", "/api/patching", "/api/progress", "/api/attribution",
                      "/api/dictionaries", "/api/features", "/api/feature", "/api/clamp",
+                     "/api/graph/available", "/api/graph", "/api/graph/edge",
                      "/static"}
 
 

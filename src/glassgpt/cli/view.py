@@ -23,8 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "per layer and head (weights or scores, every layer and head at once, a "
                     "head view), one token inside one head step by step, next-token top-k and "
                     "the logit lens at every position, ablation of heads and layers, streamed "
-                    "sampling, and the model card. Everything is served from this machine; "
-                    "nothing is fetched from the internet.")
+                    "sampling, sparse dictionaries' features (--sae), attribution graphs over "
+                    "transcoders (--transcoders), and the model card. Everything is served "
+                    "from this machine; nothing is fetched from the internet.")
     view.add_argument("run_dir", type=path_arg, metavar="RUN_DIR", help="a trained run")
     view.add_argument("--port", type=int, default=DEFAULT_PORT,
                       help=f"port to listen on (default {DEFAULT_PORT}; 0 picks a free one)")
@@ -34,6 +35,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     view.add_argument("--sae", type=path_arg, action="append", default=[], metavar="SAE",
                       help="a sparse dictionary (SAELens's format, glassgpt sae train) for the "
                            "Features panel; repeat for several")
+    view.add_argument("--transcoders", type=path_arg, nargs="+", default=[], metavar="DIR",
+                      help="transcoders, one a layer (glassgpt sae train --transcoder): their "
+                           "directories, or one holding them, for the Graph panel (their "
+                           "features join the Features panel)")
     add_checkpoint_flag(view, "show")
     add_threads_flag(view)
     view.set_defaults(handler=run_view)
@@ -44,6 +49,7 @@ def run_view(args: argparse.Namespace) -> int:
     from glassgpt.machine.devices import cpu_threads
     from glassgpt.rundir.checkpoint import describe_weights
     from glassgpt.view.features import load_dictionaries
+    from glassgpt.view.graph import load_graphs
     from glassgpt.view.server import (
         allowed_hosts_for,
         create_app,
@@ -57,13 +63,14 @@ def run_view(args: argparse.Namespace) -> int:
         raise CommandLineError(f"--port must be between 0 and 65535, got {args.port}")
     view = load_for_view(args.run_dir, checkpoint=args.checkpoint, threads=args.threads)
     dictionaries = load_dictionaries(view, args.sae)  # each refused in one line unless it fits
+    graphs = load_graphs(view, args.transcoders, dictionaries)  # joins the Features panel
     try:
         sock = open_socket(args.host, args.port)
     except OSError as error:
         reason = error.strerror or str(error)
         raise CommandLineError(f"cannot listen on {args.host}:{args.port} ({reason}); choose "
                                f"another --port or --host") from None
-    app = create_app(view, allowed_hosts_for(args.host), dictionaries)
+    app = create_app(view, allowed_hosts_for(args.host), dictionaries, graphs)
     c = view.model.config
     print(f"glassgpt view: {args.run_dir}, {describe_weights(args.run_dir, args.checkpoint)} "
           f"({c.n_layer} layers, {c.n_head} heads, context {c.block_size}, "

@@ -28,6 +28,10 @@
                            contexts, density, logit effects, and its writers at that position
     POST /api/clamp        {prompt, sae|null, feature, value|null, scale|null, max_new_tokens,
                            temperature, top_k, top_p, seed} -> clamped beside untouched text
+    GET  /api/graph/available -> whether the view has transcoders (--transcoders)
+    POST /api/graph        {prompt, node_threshold, edge_threshold} -> the pruned attribution
+                           graph (glassgpt.view.graph)
+    POST /api/graph/edge   {prompt, source, target}        -> an edge's weight and its heads
 
 A bad request gets a 4xx JSON `{"error": "one line"}`. The model runs off the event loop, on one
 thread of its own: requests queue for it instead of stalling the server, and PyTorch keeps one
@@ -68,6 +72,7 @@ from glassgpt.rundir.checkpoint import load_model
 from glassgpt.view import features
 from glassgpt.view import requests as req
 from glassgpt.view.features import Dictionaries
+from glassgpt.view.graph import EDGE, GRAPH, Graphs
 from glassgpt.view.inspector import RunView
 from glassgpt.view.progress import Progress
 
@@ -113,11 +118,13 @@ def load_for_view(run_dir: str | Path, device: str | torch.device = "cpu",
 # --- the app -------------------------------------------------------------------------------
 
 def create_app(view: RunView, allowed_hosts: tuple[str, ...] = LOOPBACK_NAMES,
-               dictionaries: Dictionaries | None = None) -> Starlette:
+               dictionaries: Dictionaries | None = None, graphs: Graphs | None = None
+               ) -> Starlette:
     """The Starlette app serving `view`. `allowed_hosts`: the Host names it answers (a page on
     another site that rebinds its name to 127.0.0.1 is refused); ("*",) answers any.
-    `dictionaries`: the sparse dictionaries of the Features panel (`features.load_dictionaries`)."""
-    api = Api(view, dictionaries or Dictionaries(view, {}))
+    `dictionaries`: the sparse dictionaries of the Features panel (`features.load_dictionaries`);
+    `graphs`: the transcoders of the Graph panel (`graph.load_graphs`)."""
+    api = Api(view, dictionaries or Dictionaries(view, {}), graphs or Graphs(view, [], {}))
     routes = [
         Route("/", api.page),
         Route("/api/card", api.card),
@@ -137,6 +144,9 @@ def create_app(view: RunView, allowed_hosts: tuple[str, ...] = LOOPBACK_NAMES,
         Route("/api/features", api.top_features, methods=["POST"]),
         Route("/api/feature", api.feature, methods=["POST"]),
         Route("/api/clamp", api.clamp, methods=["POST"]),
+        Route("/api/graph/available", api.graph_available),
+        Route("/api/graph", api.graph, methods=["POST"]),
+        Route("/api/graph/edge", api.graph_edge, methods=["POST"]),
         Mount("/static", StaticFiles(packages=[("glassgpt.view", "static")]), name="static"),
     ]
     handlers = {HTTPException: http_error, GlassGPTError: user_error,
@@ -246,8 +256,8 @@ async def server_error(request: Request, error: Exception) -> Response:
 class Api:
     """The endpoints: parse the request, run `RunView` on the model thread, answer JSON."""
 
-    def __init__(self, view: RunView, dictionaries: Dictionaries):
-        self.view, self.dicts = view, dictionaries
+    def __init__(self, view: RunView, dictionaries: Dictionaries, graphs: Graphs):
+        self.view, self.dicts, self.graphs = view, dictionaries, graphs
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glassgpt-model")
         self.page_html = resources.files("glassgpt.view").joinpath("static/index.html") \
             .read_text("utf-8")
@@ -323,6 +333,15 @@ class Api:
             answer = await self.on_model_thread(
                 lambda: features.clamp(self.view, self.dicts, sampling=sampling, **edit))
         return JSONResponse(answer)
+
+    async def graph_available(self, request: Request) -> Response:
+        return JSONResponse(self.graphs.available())
+
+    async def graph(self, request: Request) -> Response:
+        return await self._answer(request, GRAPH, self.graphs.graph)
+
+    async def graph_edge(self, request: Request) -> Response:
+        return await self._answer(request, EDGE, self.graphs.edge)
 
     async def _answer(self, request: Request, fields: dict[str, req.Field],
                       compute: Callable[..., dict[str, Any]]) -> Response:

@@ -34,7 +34,12 @@ function featureRow(answer, listed, i) {
     el("td", {}, listed.map(chip)));
 }
 
-async function openFeature(id) {
+// `sae`: the dictionary to open it in (the Graph panel names its transcoder); null: the chosen.
+async function openFeature(id, sae = null) {
+  if (sae !== null && sae !== chosenDictionary()) {
+    $("feature-sae").value = sae;
+    loadFeatures(state.generation).catch((e) => showError("feature-error", e.message));
+  }
   showError("feature-error", "");
   const position = state.selected === null ? null : state.selected;
   let answer;
