@@ -356,3 +356,21 @@ def test_the_graph_benchmark_times_what_it_says_at_a_toy_size() -> None:
     assert result.heads == 4 and result.graph_s > 0
     assert result.patching_ratio == result.activation_patching_s / result.attribution_patching_s
     assert 0 < result.replacement_score <= 1 and 0 < result.completeness_score <= 1
+
+
+def test_the_bench_graph_command_prints_its_table(monkeypatch, capsys, tmp_path: Path) -> None:
+    import glassgpt.bench.graph as bench
+
+    monkeypatch.setattr(bench, "QUICK", bench.GraphBenchSize(
+        n_layer=2, n_head=2, n_embd=16, expansion=4, active=4, prompt_len=8, vocab_size=32,
+        rounds=1))
+    monkeypatch.delenv(bench.CIRCUIT_TRACER_PYTHON_ENV, raising=False)
+    out = tmp_path / "bench.json"
+    assert main(["bench", "graph", "--quick", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "attribution patching faster by" in printed and "circuit-tracer not measured" in printed
+    saved = json.loads(out.read_text())
+    assert saved["patching_ratio"] > 0 and saved["circuit_tracer_s"] is None
+    assert main(["bench", "graph", "--quick", "--circuit-tracer-python",
+                 str(tmp_path / "none")]) == 2
+    assert "circuit-tracer's python" in capsys.readouterr().err

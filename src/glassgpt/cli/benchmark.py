@@ -25,7 +25,7 @@ from glassgpt.storage.outputs import check_output_file
 if TYPE_CHECKING:  # torch and glassgpt.bench load in the handlers: --help answers at once
     from glassgpt import bench
 
-WORKLOADS = ("train", "generate", "all", "threads", "ladder", "startup", "sae")
+WORKLOADS = ("train", "generate", "all", "threads", "ladder", "startup", "sae", "graph")
 # --quick: (training preset, decoding preset) per device, 3 rounds.
 QUICK_PRESETS = {"cpu": ("cpu-small", "shakespeare-char"), "cuda": ("gpt2", "gpt2")}
 QUICK_ROUNDS = 3
@@ -72,6 +72,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--saelens-python", type=path_arg, metavar="PYTHON",
                    help="bench sae: the python of a venv with sae-lens, to measure SAELens's "
                    "trainer beside glassgpt's (default: $GLASSGPT_SAELENS_PYTHON)")
+    p.add_argument("--circuit-tracer-python", type=path_arg, metavar="PYTHON",
+                   help="bench graph: the python of a venv with circuit-tracer, to time its "
+                   "graph beside glassgpt's (default: $GLASSGPT_CIRCUIT_TRACER_PYTHON)")
     add_ladder_flags(p)
     p.set_defaults(handler=run_bench)
 
@@ -101,6 +104,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return _bench_threads(args)
     if args.workload == "sae":
         return _bench_sae(args)
+    if args.workload == "graph":
+        return _bench_graph(args)
     if args.workload == "ladder":  # time to loss, one speedrun change at a time
         return run_ladder_command(args)
     train_presets, decode_presets = _presets(args)
@@ -164,6 +169,47 @@ def _bench_sae(args: argparse.Namespace) -> int:
     output_console().print(table)
     if args.json is not None:
         write_text_atomic(args.json, json.dumps([dataclasses.asdict(r) for r in rows],
+                                                indent=2) + "\n")
+    return 0
+
+
+def _bench_graph(args: argparse.Namespace) -> int:
+    """`bench graph`: an attribution graph of a prompt over a model's transcoders, and
+    attribution patching of every head beside activation patching of every head."""
+    from glassgpt.bench.graph import FULL, QUICK, bench_graph
+    from glassgpt.bench.report import machine_info
+
+    size = QUICK if args.quick else FULL
+    if args.rounds is not None:
+        size = dataclasses.replace(size, rounds=args.rounds)
+    with Console(stderr=True).status("building attribution graphs"):
+        r = bench_graph(size, args.circuit_tracer_python)
+    table = Table(title=f"Circuits with gradients ({size.n_layer} layers, width {size.n_embd}, "
+                  f"{size.expansion}x transcoders, {size.prompt_len}-token prompt)",
+                  caption=f"{machine_info()['cpu']}, {os.cpu_count()} cores, median of "
+                  f"{size.rounds} rounds" + ("" if r.circuit_tracer_s is not None else
+                                             "; circuit-tracer not measured "
+                                             "(no --circuit-tracer-python)"))
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for name, value in (
+            ("active features (graph nodes)", f"{r.features:,} ({r.nodes:,})"),
+            ("attribution graph, s", f"{r.graph_s:.2f}"),
+            *([("circuit-tracer's graph, same weights, s", f"{r.circuit_tracer_s:.2f}"),
+               ("glassgpt faster by", f"{r.circuit_tracer_s / r.graph_s:.1f}x"),
+               ("largest |adjacency difference|", f"{r.circuit_tracer_max_diff:.1e}")]
+              if r.circuit_tracer_s is not None else []),
+            ("kept after pruning (0.8 / 0.98)", f"{r.kept_nodes:,}"),
+            ("replacement / completeness score",
+             f"{r.replacement_score:.3f} / {r.completeness_score:.3f}"),
+            (f"attribution patching, {r.heads} heads, ms", f"{r.attribution_patching_s * 1e3:.1f}"),
+            (f"activation patching, {r.heads} heads, ms", f"{r.activation_patching_s * 1e3:.1f}"),
+            ("attribution patching faster by", f"{r.patching_ratio:.1f}x")):
+        table.add_row(name, value)
+    output_console().print(table)
+    if args.json is not None:
+        write_text_atomic(args.json, json.dumps({**dataclasses.asdict(r),
+                                                 "patching_ratio": r.patching_ratio},
                                                 indent=2) + "\n")
     return 0
 
