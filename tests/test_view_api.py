@@ -424,7 +424,8 @@ def test_only_the_documented_endpoints_exist_and_none_takes_a_file(client):
                      "/api/mlp", "/api/patching", "/api/progress", "/api/attribution",
                      "/api/dictionaries", "/api/features", "/api/feature", "/api/clamp",
                      "/api/graph/available", "/api/graph", "/api/graph/edge",
-                     "/static"}
+                     "/api/compare/available", "/api/compare/tokens", "/api/compare/changes",
+                     "/api/compare/attention", "/static"}
 
 
 def test_a_page_of_another_site_is_refused_by_its_host_name(client):

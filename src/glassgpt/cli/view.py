@@ -24,8 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "head view), one token inside one head step by step, next-token top-k and "
                     "the logit lens at every position, ablation of heads and layers, streamed "
                     "sampling, sparse dictionaries' features (--sae), attribution graphs over "
-                    "transcoders (--transcoders), and the model card. Everything is served "
-                    "from this machine; nothing is fetched from the internet.")
+                    "transcoders (--transcoders), what a fine-tune changed (--compare), and the "
+                    "model card. Everything is served from this machine; nothing is fetched "
+                    "from the internet.")
     view.add_argument("run_dir", type=path_arg, metavar="RUN_DIR", help="a trained run")
     view.add_argument("--port", type=int, default=DEFAULT_PORT,
                       help=f"port to listen on (default {DEFAULT_PORT}; 0 picks a free one)")
@@ -39,6 +40,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="transcoders, one a layer (glassgpt sae train --transcoder): their "
                            "directories, or one holding them, for the Graph panel (their "
                            "features join the Features panel)")
+    view.add_argument("--compare", type=path_arg, default=None, metavar="RUN",
+                      help="the run RUN_DIR was fine-tuned from (same shape and tokenizer), for "
+                           "the Compare panel: what the tune changed, token by token and head "
+                           "by head (its --checkpoint weights too)")
     add_checkpoint_flag(view, "show")
     add_threads_flag(view)
     view.set_defaults(handler=run_view)
@@ -48,6 +53,7 @@ def run_view(args: argparse.Namespace) -> int:
     # Imported here: --help should not pay for torch, the model or the web framework.
     from glassgpt.machine.devices import cpu_threads
     from glassgpt.rundir.checkpoint import describe_weights
+    from glassgpt.view.compare import Comparison, load_comparison
     from glassgpt.view.features import load_dictionaries
     from glassgpt.view.graph import load_graphs
     from glassgpt.view.server import (
@@ -64,13 +70,15 @@ def run_view(args: argparse.Namespace) -> int:
     view = load_for_view(args.run_dir, checkpoint=args.checkpoint, threads=args.threads)
     dictionaries = load_dictionaries(view, args.sae)  # each refused in one line unless it fits
     graphs = load_graphs(view, args.transcoders, dictionaries)  # joins the Features panel
+    comparison = (Comparison(view, None) if args.compare is None
+                  else load_comparison(view, args.compare, args.checkpoint))
     try:
         sock = open_socket(args.host, args.port)
     except OSError as error:
         reason = error.strerror or str(error)
         raise CommandLineError(f"cannot listen on {args.host}:{args.port} ({reason}); choose "
                                f"another --port or --host") from None
-    app = create_app(view, allowed_hosts_for(args.host), dictionaries, graphs)
+    app = create_app(view, allowed_hosts_for(args.host), dictionaries, graphs, comparison)
     c = view.model.config
     print(f"glassgpt view: {args.run_dir}, {describe_weights(args.run_dir, args.checkpoint)} "
           f"({c.n_layer} layers, {c.n_head} heads, context {c.block_size}, "

@@ -32,12 +32,19 @@
     POST /api/graph        {prompt, node_threshold, edge_threshold} -> the pruned attribution
                            graph (glassgpt.view.graph)
     POST /api/graph/edge   {prompt, source, target}        -> an edge's weight and its heads
+    GET  /api/compare/available -> whether the view compares with a base run (--compare)
+    POST /api/compare/tokens {prompt}                       -> each token's log-probability,
+                           tuned, base and their difference (glassgpt.view.compare)
+    POST /api/compare/changes {prompt}                      -> layer x head maps of how far
+                           q, k, v, o and each head's output moved, and each MLP
+    POST /api/compare/attention {prompt, layer, head}       -> the head's pattern before, after
 
 A bad request gets a 4xx JSON `{"error": "one line"}`. The model runs off the event loop, on one
 thread of its own: requests queue for it instead of stalling the server, and PyTorch keeps one
 pool of compute threads (every thread that runs a parallel CPU op starts its own OpenMP pool,
 and several such pools on a small CPU fight over its cores: requests got several times
-slower). The server reads only the run directory it was started on: no request names a file.
+slower). The server reads only the run directory it was started on (and the base run of
+--compare): no request names a file.
 """
 
 from __future__ import annotations
@@ -69,8 +76,9 @@ from glassgpt.errors import GlassGPTError
 from glassgpt.machine.devices import settle_threads
 from glassgpt.model import count_parameters
 from glassgpt.rundir.checkpoint import load_model
-from glassgpt.view import features
+from glassgpt.view import compare, features
 from glassgpt.view import requests as req
+from glassgpt.view.compare import Comparison
 from glassgpt.view.features import Dictionaries
 from glassgpt.view.graph import EDGE, GRAPH, Graphs
 from glassgpt.view.inspector import RunView
@@ -118,13 +126,15 @@ def load_for_view(run_dir: str | Path, device: str | torch.device = "cpu",
 # --- the app -------------------------------------------------------------------------------
 
 def create_app(view: RunView, allowed_hosts: tuple[str, ...] = LOOPBACK_NAMES,
-               dictionaries: Dictionaries | None = None, graphs: Graphs | None = None
-               ) -> Starlette:
+               dictionaries: Dictionaries | None = None, graphs: Graphs | None = None,
+               comparison: Comparison | None = None) -> Starlette:
     """The Starlette app serving `view`. `allowed_hosts`: the Host names it answers (a page on
     another site that rebinds its name to 127.0.0.1 is refused); ("*",) answers any.
     `dictionaries`: the sparse dictionaries of the Features panel (`features.load_dictionaries`);
-    `graphs`: the transcoders of the Graph panel (`graph.load_graphs`)."""
-    api = Api(view, dictionaries or Dictionaries(view, {}), graphs or Graphs(view, [], {}))
+    `graphs`: the transcoders of the Graph panel (`graph.load_graphs`); `comparison`: the base
+    run of the Compare panel (`compare.load_comparison`)."""
+    api = Api(view, dictionaries or Dictionaries(view, {}), graphs or Graphs(view, [], {}),
+              comparison or Comparison(view, None))
     routes = [
         Route("/", api.page),
         Route("/api/card", api.card),
@@ -147,6 +157,10 @@ def create_app(view: RunView, allowed_hosts: tuple[str, ...] = LOOPBACK_NAMES,
         Route("/api/graph/available", api.graph_available),
         Route("/api/graph", api.graph, methods=["POST"]),
         Route("/api/graph/edge", api.graph_edge, methods=["POST"]),
+        Route("/api/compare/available", api.compare_available),
+        Route("/api/compare/tokens", api.compare_tokens, methods=["POST"]),
+        Route("/api/compare/changes", api.compare_changes, methods=["POST"]),
+        Route("/api/compare/attention", api.compare_attention, methods=["POST"]),
         Mount("/static", StaticFiles(packages=[("glassgpt.view", "static")]), name="static"),
     ]
     handlers = {HTTPException: http_error, GlassGPTError: user_error,
@@ -256,8 +270,10 @@ async def server_error(request: Request, error: Exception) -> Response:
 class Api:
     """The endpoints: parse the request, run `RunView` on the model thread, answer JSON."""
 
-    def __init__(self, view: RunView, dictionaries: Dictionaries, graphs: Graphs):
+    def __init__(self, view: RunView, dictionaries: Dictionaries, graphs: Graphs,
+                 comparison: Comparison):
         self.view, self.dicts, self.graphs = view, dictionaries, graphs
+        self.comparison = comparison
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glassgpt-model")
         self.page_html = resources.files("glassgpt.view").joinpath("static/index.html") \
             .read_text("utf-8")
@@ -342,6 +358,18 @@ class Api:
 
     async def graph_edge(self, request: Request) -> Response:
         return await self._answer(request, EDGE, self.graphs.edge)
+
+    async def compare_available(self, request: Request) -> Response:
+        return JSONResponse(self.comparison.available())
+
+    async def compare_tokens(self, request: Request) -> Response:
+        return await self._answer(request, compare.TOKENS, self.comparison.tokens)
+
+    async def compare_changes(self, request: Request) -> Response:
+        return await self._answer(request, compare.CHANGES, self.comparison.changes)
+
+    async def compare_attention(self, request: Request) -> Response:
+        return await self._answer(request, compare.PATTERNS, self.comparison.attention)
 
     async def _answer(self, request: Request, fields: dict[str, req.Field],
                       compute: Callable[..., dict[str, Any]]) -> Response:
