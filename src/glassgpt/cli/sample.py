@@ -1,5 +1,5 @@
 """`glassgpt sample` and `glassgpt eval`: use a trained run (glassgpt.decoding.generate,
-glassgpt.training.runs)."""
+glassgpt.training.runs, glassgpt.evals)."""
 
 from __future__ import annotations
 
@@ -255,11 +255,14 @@ def compile_note(prompt_len: int, block_size: int, new_tokens: int, samples: int
 # --- eval ----------------------------------------------------------------------------------
 
 def _register_eval(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("eval", help="loss, perplexity and bits per byte of a trained run",
+    p = subparsers.add_parser("eval", help="loss, perplexity and bits per byte of a trained "
+                              "run, or its scores on a task (--task)",
                               formatter_class=DefaultsHelpFormatter,
                               description="Loss, perplexity and bits per byte of RUN_DIR's "
                               "model on non-overlapping windows of a split of its data, up to "
-                              "--batch-size x --max-batches windows.")
+                              "--batch-size x --max-batches windows; with --task, its scores "
+                              "on a task file instead (glassgpt.evals), as lm-eval scores the "
+                              "model exported to Hugging Face.")
     p.add_argument("run_dir", type=path_arg, metavar="RUN_DIR")
     p.add_argument("--split", choices=("train", "val"), default="val",
                    help="which part of the data")
@@ -270,6 +273,11 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=int, metavar="TOKENS",
                    help="tokens a window holds (default: the model's context, at most 2,048)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    p.add_argument("--task", metavar="FILE_OR_BUILTIN",
+                   help="score the model on a task instead, as lm-eval does: a JSONL file "
+                   "(glassgpt.evals.tasks' format: multiple choice by log-likelihood, acc and "
+                   "acc_norm; generate-until, exact_match) or builtin:NAME (builtin:arithmetic, "
+                   "builtin:word_order); with --json every item's result too")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_checkpoint_flag(p, "evaluate")
     add_threads_flag(p)
@@ -278,6 +286,9 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
 
 def run_eval(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, TimeRemainingColumn
+
+    if args.task is not None:
+        return run_task_eval(args)
 
     from glassgpt.machine.devices import resolve_device
     from glassgpt.rundir import checkpoint as ckpt
@@ -310,4 +321,38 @@ def run_eval(args: argparse.Namespace) -> int:
         print(f"{args.split} loss {result.loss:.4f}, perplexity {result.perplexity:.2f}, "
               f"{result.bits_per_byte:.4f} bits per byte ({result.tokens:,} tokens, "
               f"{result.text_bytes:,} bytes, windows of {result.context:,} tokens{covered})")
+    return 0
+
+
+TASK_IGNORES = (("--data", "data"), ("--batch-size", "batch_size"), ("--context", "context"))
+
+
+def run_task_eval(args: argparse.Namespace) -> int:
+    """`eval RUN --task FILE`: glassgpt.evals' scores of the run's model on a task."""
+    from rich.progress import BarColumn, MofNCompleteColumn
+
+    from glassgpt.evals import evaluate_task, load_task
+    from glassgpt.machine.devices import resolve_device
+    from glassgpt.rundir import checkpoint as ckpt
+
+    for flag, name in TASK_IGNORES:
+        if getattr(args, name) is not None:
+            raise CommandLineError(f"{flag} goes with the loss of a data split, not with --task")
+    task = load_task(args.task)  # a bad file is refused before the model is read
+    device = resolve_device(args.device)
+    run = ckpt.Run(args.run_dir)
+    model, tokenizer = run.load_model(device, checkpoint=args.checkpoint)
+    with stderr_progress("[bold]eval", BarColumn(), MofNCompleteColumn(), "items") as bar:
+        progress = bar.add_task("eval", total=len(task.items))
+        result = evaluate_task(model, tokenizer, task,
+                               progress=lambda done, total: bar.update(progress,
+                                                                       completed=done),
+                               threads=args.threads)
+    if args.json:
+        print(json.dumps({**result.to_json(), "checkpoint": args.checkpoint,
+                          "run_dir": str(args.run_dir)}))
+        return 0
+    say(f"evaluated {run.describe_weights(args.checkpoint)} on {task.source}")
+    shown = ", ".join(f"{name} {value:.4f}" for name, value in result.metrics.items())
+    print(f"{result.name}: {shown} ({len(task.items)} items)")
     return 0
