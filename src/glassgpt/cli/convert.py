@@ -62,6 +62,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--force", action="store_true",
                         help="with --to-hf or --to-lens, replace an earlier export of that kind "
                              "glassgpt wrote in OUT_DIR (nothing else is replaced)")
+    parser.add_argument("--adapter", action="store_true",
+                        help="with --to-hf, a run fine-tuned with LoRA goes out as its base "
+                             "model plus its adapter in peft's format (OUT_DIR/adapter); "
+                             "without it the adapter is merged into one model")
     parser.add_argument("--dropout", type=float, default=None,
                         help="dropout of the imported model (default: the model's own)")
     parser.set_defaults(handler=run_convert)
@@ -90,7 +94,8 @@ def run_convert(args: argparse.Namespace) -> int:
     if args.to_lens is not None:
         return export_to_lens(Path(args.run_dir), Path(args.to_lens), args.checkpoint,
                               args.force)
-    return export_to_hf(Path(args.run_dir), Path(args.to_hf), args.checkpoint, args.force)
+    return export_to_hf(Path(args.run_dir), Path(args.to_hf), args.checkpoint, args.force,
+                        args.adapter)
 
 
 def _hide_hf_progress_bars() -> None:
@@ -137,11 +142,11 @@ def _architecture_words(config: GPTConfig) -> str:
     return ", ".join(words)
 
 
-def export_to_hf(run_dir: Path, out: Path, checkpoint: str = "best", force: bool = False
-                 ) -> int:
+def export_to_hf(run_dir: Path, out: Path, checkpoint: str = "best", force: bool = False,
+                 adapter: bool = False) -> int:
     from glassgpt.hf.convert import export_run
 
-    exported = export_run(run_dir, out, checkpoint, force)
+    exported = export_run(run_dir, out, checkpoint, force, adapter)
     say(f"exporting {exported.weights}")
     if exported.with_tokenizer:
         chat = "" if exported.chat_end_of_turn is None else \
@@ -152,6 +157,9 @@ def export_to_hf(run_dir: Path, out: Path, checkpoint: str = "best", force: bool
         print(f"wrote {out}: model only; its {exported.tokenizer_kind} tokenizer has no Hugging "
               f"Face equivalent, encode text with `glassgpt.tokenizers.load_tokenizer("
               f"'{run_dir / 'tokenizer.json'}')`")
+    if exported.adapter is not None:
+        print(f"wrote {exported.adapter}: the LoRA adapter in peft's format (load with "
+              f"peft.PeftModel.from_pretrained(model, '{exported.adapter}'))")
     return 0
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from glassgpt.config import GPTConfig
 from glassgpt.errors import CheckpointError
 from glassgpt.hf import interop
+from glassgpt.hf.adapter import adapter_files, load_adapter
 from glassgpt.hf.files import (
     MAX_TOKENIZER_BYTES,
     PADDING_LIMIT,
@@ -24,6 +25,7 @@ from glassgpt.hf.files import (
     load_hf_tokenizer,
     name_padding_ids,
 )
+from glassgpt.model import GPT
 from glassgpt.rundir.checkpoint import Run, describe_weights, load_model, save_model
 from glassgpt.rundir.directory import commit_files
 from glassgpt.storage import files
@@ -32,6 +34,8 @@ from glassgpt.storage.layout import CHAT_TEMPLATE_FILE
 from glassgpt.tokenizers import END_OF_TEXT, BPETokenizer, Tokenizer, tokenizer_from_json
 from glassgpt.tokenizers.chat import ChatTemplate
 from glassgpt.tokenizers.loading import tokenizer_from_hf
+
+EXPORT_ADAPTER_DIR = "adapter"  # `convert --to-hf OUT --adapter`: the base in OUT, this in it
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class ExportedRun:
     with_tokenizer: bool
     tokenizer_kind: str
     chat_end_of_turn: str | None = None
+    adapter: Path | None = None  # the run's LoRA adapter, written apart (`adapter=True`)
 
 
 def import_run(source: str | os.PathLike[str], out: str | os.PathLike[str],
@@ -113,14 +118,21 @@ def _chat_note(chat: ChatTemplate, tokenizer: Tokenizer) -> str:
 
 
 def export_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str],
-               checkpoint: str = "best", force: bool = False) -> ExportedRun:
+               checkpoint: str = "best", force: bool = False,
+               adapter: bool = False) -> ExportedRun:
     """A save_pretrained directory at `out` of the run's `checkpoint` weights ("best" or
     "last"), with its tokenizer when that is BPE (see interop.save_hf). `force` replaces an
-    earlier export of glassgpt's there, nothing else; `out` must be outside the run."""
+    earlier export of glassgpt's there, nothing else; `out` must be outside the run.
+
+    A run holding a LoRA adapter is exported merged (one model); with `adapter`, its base
+    goes to `out` and the adapter, in peft's format, to `out`/adapter
+    (`PeftModel.from_pretrained(base, out/adapter)`)."""
     run_dir, out = Path(run_dir).expanduser(), Path(out).expanduser()
     files.check_can_make_dir(out, CheckpointError)  # before the work, not after it
     check_apart(out, run_dir, f"{run_dir}, the run being exported")
-    model, tokenizer = load_model(run_dir, checkpoint=checkpoint)
+    model, tokenizer = load_model(run_dir, checkpoint=checkpoint, adapter=not adapter)
+    # read and checked before anything is written: the export then cannot fail half way
+    adapter_contents = _adapter_contents(run_dir, model, out) if adapter else None
     weights = describe_weights(run_dir, checkpoint)
     with_tokenizer = isinstance(tokenizer, BPETokenizer)
     if with_tokenizer:
@@ -131,8 +143,24 @@ def export_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str],
     else:
         chat = None
         interop.save_hf(model, out, overwrite=force)
+    if adapter_contents is not None:
+        with staged_directory(out / EXPORT_ADAPTER_DIR) as staging:
+            for name, data in adapter_contents.items():
+                (staging / name).write_bytes(data)
     return ExportedRun(out, weights, with_tokenizer, tokenizer.kind,
-                       None if chat is None else chat.end_of_turn)
+                       None if chat is None else chat.end_of_turn,
+                       out / EXPORT_ADAPTER_DIR if adapter else None)
+
+
+def _adapter_contents(run_dir: Path, model: GPT, base: Path) -> dict[str, bytes]:
+    """The run's adapter as peft's files for the export at `base`; `model` stays the base
+    (the adapters added to it are kept apart from its weights)."""
+    found = Run(run_dir).adapter_dir()
+    if found is None:
+        raise CheckpointError(f"{run_dir} holds no LoRA adapter (adapter_config.json); "
+                              f"export it without --adapter")
+    load_adapter(model, found)
+    return adapter_files(model, base_model=str(base))
 
 
 def check_apart(out: Path, source: Path, what: str) -> None:

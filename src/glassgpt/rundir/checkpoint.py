@@ -41,6 +41,7 @@ from glassgpt.rundir.trainstate import (
 )
 from glassgpt.storage import files
 from glassgpt.storage.layout import (
+    ADAPTER_CONFIG_FILE,
     BEST_FILE,
     CHAT_TEMPLATE_FILE,
     CHECKPOINTS,
@@ -386,9 +387,12 @@ class Run:
         return {}
 
     def load_model(self, device: str | torch.device = "cpu", checkpoint: str = "best",
-                   dtype: torch.dtype | None = None) -> tuple[GPT, Tokenizer]:
+                   dtype: torch.dtype | None = None, adapter: bool = True
+                   ) -> tuple[GPT, Tokenizer]:
         """The run's model, in eval mode on `device` (its weights as `dtype` when given, read
-        straight into it), and its tokenizer."""
+        straight into it), and its tokenizer. A run holding a LoRA adapter (`adapter_dir`)
+        gives its base with the adapter merged in, a plain GPT, unless `adapter` is False
+        (then the base alone)."""
         target = resolve_device(str(device))
         _, weights = self.weights_file(checkpoint)
         tokenizer = self.tokenizer()
@@ -399,7 +403,19 @@ class Run:
         tensors = read_weights(weights, self.model_config, dtype)
         model = model_holding(self.model_config, tensors, weights)
         del tensors  # the model holds them now
+        if adapter and self.adapter_dir() is not None:
+            # imported here: the adapter's reader builds on glassgpt.hf, which imports this
+            from glassgpt.hf.adapter import load_adapter
+            from glassgpt.training.lora import bake_lora
+            load_adapter(model, self.adapter_dir())
+            bake_lora(model)
         return model.to(target).eval(), tokenizer
+
+    def adapter_dir(self) -> Path | None:
+        """The run directory itself when it holds a LoRA adapter beside its base weights (a
+        LoRA fine-tune's adapter_config.json and adapter_model.safetensors, peft's format),
+        else None."""
+        return None if files.entry_kind(self.dir / ADAPTER_CONFIG_FILE) == "missing" else self.dir
 
     def has_train_state(self) -> bool:
         return _has_train_state(self.paths)
@@ -447,14 +463,16 @@ def describe_weights(run_dir: str | Path | Run, checkpoint: str = "best") -> str
 
 
 def load_model(run_dir: str | Path | Run, device: str | torch.device = "cpu",
-               checkpoint: str = "best", dtype: torch.dtype | None = None
-               ) -> tuple[GPT, Tokenizer]:
+               checkpoint: str = "best", dtype: torch.dtype | None = None,
+               adapter: bool = True) -> tuple[GPT, Tokenizer]:
     """The model of a run directory, in eval mode on `device`, and its tokenizer.
 
     `checkpoint` "best" takes the weights of the run's best evaluation where it kept them
     (else the last), "last" the weights of its last checkpoint (`describe_weights` says which).
+    A run holding a LoRA adapter gives its base with the adapter merged in, unless `adapter`
+    is False.
     """
-    return open_run(run_dir).load_model(device, checkpoint, dtype)
+    return open_run(run_dir).load_model(device, checkpoint, dtype, adapter)
 
 
 def read_tokenizer(run_dir: str | Path | Run) -> Tokenizer:
@@ -501,7 +519,8 @@ def save_checkpoint(run_dir: str | Path, model: nn.Module, tokenizer: Tokenizer,
                     train_config: dict, data_dir: str | None, state: TrainState,
                     best: bool = False, extra: dict | None = None,
                     new_metrics: str | None = None,
-                    weights: dict[str, Tensor] | None = None) -> None:
+                    weights: dict[str, Tensor] | None = None,
+                    more_files: dict[str, bytes] | None = None) -> None:
     """Commit weights, config, tokenizer and training state together (all or nothing); with
     `best`, these weights are also the run's best (best.safetensors), in the same commit.
 
@@ -512,6 +531,7 @@ def save_checkpoint(run_dir: str | Path, model: nn.Module, tokenizer: Tokenizer,
 
     `weights`, when given, is the model's whole state dict (a sharded model's, gathered by
     glassgpt.training.fsdp.full_weights), written in place of `model.state_dict()`.
+    `more_files` (a run's own names, such as chat_template.json) go in the same commit.
     """
     model = unwrap_model(model)
     config = run_config(model.config, tokenizer, train=train_config, data_dir=data_dir,
@@ -522,6 +542,7 @@ def save_checkpoint(run_dir: str | Path, model: nn.Module, tokenizer: Tokenizer,
                 TOKENIZER_FILE: tokenizer.to_json().encode("utf-8"),
                 STATE_TENSORS_FILE: save_safetensors_bytes(tensors),
                 STATE_JSON_FILE: _json_bytes(state_json)}
+    contents.update(more_files or {})
     if best:
         contents[BEST_FILE] = weights_bytes
     remove: tuple[str, ...] = ()

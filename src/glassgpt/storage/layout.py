@@ -36,8 +36,12 @@ STATE_JSON_FILE = "train_state.json"
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 RUN_JOURNAL = "checkpoint.journal"
+# A fine-tune's LoRA adapter, in peft's format, beside the base weights it applies to.
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 CHECKPOINT_FILES = (CONFIG_FILE, MODEL_FILE, BEST_FILE, TOKENIZER_FILE, STATE_TENSORS_FILE,
-                    STATE_JSON_FILE, CHAT_TEMPLATE_FILE)
+                    STATE_JSON_FILE, CHAT_TEMPLATE_FILE, ADAPTER_CONFIG_FILE,
+                    ADAPTER_WEIGHTS_FILE)
 CHECKPOINTS = ("best", "last")  # which weights of a run to load
 # Files only a run holds: `prepare` never writes beside them (its tokenizer.json would replace
 # the run's, which could then no longer sample, evaluate or resume).

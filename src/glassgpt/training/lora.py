@@ -1,0 +1,334 @@
+"""LoRA (Hu et al. 2021) on the glass model, computing what peft's LoRA computes.
+
+An adapted projection W (out, in) adds a low-rank product to its output:
+
+    y = W x + b + (alpha / r) * B (A (dropout(x)))      A (r, in), B (out, r)
+
+A starts as `nn.Linear`'s weights do (kaiming-uniform, a = sqrt(5), as peft's), B at zero, so
+an adapted model starts equal to its base. Merging adds (alpha / r) * B A to W; unmerging
+subtracts it again.
+
+The model knows nothing of this: `add_lora` replaces the targeted `nn.Linear` modules from
+outside with a `LoraLinear` that holds the same weight and bias Parameters, so the model's
+state_dict keeps its names and holds the base weights alone (a run's model.safetensors stays a
+base model); the adapters are `lora_state_dict`'s. Glass fuses q, k and v into one `qkv`
+projection: an adapter on q adds B_q A_q x to q's output rows only, as peft's adapter on
+Hugging Face's separate q_proj does.
+
+Paths that read a projection's weight rather than call it (shortformer positions' q and k, a
+hook on attention's `hook_result`, the decoding engines) see the base weight while adapters are
+unmerged: merge first to sample or inspect a tuned model (a run's `load_model` does).
+Shortformer models take no adapter on q, k or v for that reason.
+
+    settings = LoraSettings(rank=8, alpha=16, targets=("q", "v"))
+    add_lora(model, settings)          # base frozen, adapters trainable
+    optimizer = AdamW(lora_parameters(model).values())
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from glassgpt.config import GATED_ACTIVATIONS, GPTConfig, check_dropout
+from glassgpt.errors import CheckpointError, ConfigError
+
+# Each target: the sub-layer it lives in (its name in lora_state_dict) and the module there.
+ATTENTION_TARGETS = ("q", "k", "v", "o")
+MLP_TARGETS = ("gate", "up", "down")
+TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The adapters' shape: rank r, alpha (their outputs are scaled by alpha / r), the dropout
+    on their input, and the projections they adapt in every block: q, k, v, o (attention's
+    output projection), gate (gated MLPs only), up and down (the MLP's in and out)."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("q", "k", "v", "o")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+            raise ConfigError(f"LoRA rank must be a positive integer, got {self.rank!r}")
+        if not isinstance(self.alpha, (int, float)) or not math.isfinite(self.alpha):
+            raise ConfigError(f"LoRA alpha must be a finite number, got {self.alpha!r}")
+        check_dropout(self.dropout)
+        object.__setattr__(self, "targets", tuple(self.targets))
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
+            raise ConfigError(f"LoRA targets must be distinct names among {', '.join(TARGETS)}; "
+                              f"got {list(self.targets)}")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def check(self, config: GPTConfig) -> None:
+        """ConfigError for a target `config`'s blocks lack (naming those they have) or a rank
+        above the narrowest adapted projection's width."""
+        available = available_targets(config)
+        missing = [t for t in self.targets if t not in available]
+        if missing:
+            raise ConfigError(f"LoRA targets {missing} are not in this model; its blocks have "
+                              f"{', '.join(available)}")
+        if config.position == "shortformer" and set(self.targets) & {"q", "k", "v"}:
+            raise ConfigError("shortformer positions read qkv's weight apart for q and k, "
+                              "where no adapter reaches; adapt o, up or down instead")
+        widths = target_widths(config)
+        narrowest = min(self.targets, key=lambda t: widths[t])
+        if self.rank > widths[narrowest]:
+            raise ConfigError(f"LoRA rank {self.rank} is more than the width of {narrowest} "
+                              f"({widths[narrowest]}); choose rank <= {widths[narrowest]}")
+
+
+def available_targets(config: GPTConfig) -> tuple[str, ...]:
+    """The targets `config`'s blocks have: attention's four, and the MLP's (gate if gated)."""
+    if config.attn_only:
+        return ATTENTION_TARGETS
+    mlp = MLP_TARGETS if config.activation in GATED_ACTIVATIONS else ("up", "down")
+    return ATTENTION_TARGETS + mlp
+
+
+def target_widths(config: GPTConfig) -> dict[str, int]:
+    """min(in, out) of each target's projection: a rank above it adds nothing a full-rank
+    update of that width could not."""
+    C, F_, q, kv = config.n_embd, config.hidden_width, config.q_width, config.kv_width
+    return {"q": min(C, q), "k": min(C, kv), "v": min(C, kv), "o": min(q, C),
+            "gate": min(C, F_), "up": min(C, F_), "down": min(F_, C)}
+
+
+def adapter_dtype(base: torch.dtype) -> torch.dtype:
+    """The adapters' dtype on a base of `base`: float32 for the half-precision ones."""
+    return torch.float32 if base in (torch.bfloat16, torch.float16) else base
+
+
+class LoraLinear(nn.Module):
+    """A `nn.Linear` with adapters on ranges of its output rows (`slices`: target -> (first,
+    end) rows; q, k, v share one fused projection). It holds the base Linear's own weight and
+    bias Parameters under their names, so the model's state_dict is unchanged; the adapters
+    (`lora_A`, `lora_B`) are left out of it (see `lora_state_dict`)."""
+
+    def __init__(self, base: nn.Linear, slices: dict[str, tuple[int, int]],
+                 settings: LoraSettings):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.slices = dict(sorted(slices.items(), key=lambda item: item[1]))
+        self.scaling = settings.scaling
+        self.lora_dropout = nn.Dropout(settings.dropout)
+        self.lora_A = nn.ParameterDict()
+        self.lora_B = nn.ParameterDict()
+        # On a bf16 or fp16 base the adapters still train in float32 (peft's
+        # autocast_adapter_dtype): their updates are small next to the base's weights.
+        like = dict(device=base.weight.device, dtype=adapter_dtype(base.weight.dtype))
+        for name, (first, end) in self.slices.items():
+            a = torch.empty(settings.rank, self.in_features, **like)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # nn.Linear's init, as peft's A
+            self.lora_A[name] = nn.Parameter(a)
+            self.lora_B[name] = nn.Parameter(torch.zeros(end - first, settings.rank, **like))
+        self.merged = False
+        self.register_state_dict_post_hook(_drop_adapters_from_state)
+        self.register_load_state_dict_post_hook(_adapters_not_missing)
+
+    def delta(self, name: str) -> Tensor:
+        """(alpha / r) B A of one slice: (rows, in)."""
+        return self.scaling * (self.lora_B[name] @ self.lora_A[name])
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.linear(x, self.weight, self.bias)  # (..., out)
+        if self.merged:
+            return y
+        pieces, row = [], 0
+        for name, (first, end) in self.slices.items():
+            if first > row:
+                pieces.append(y[..., row:first])  # rows without an adapter
+            # a mask of its own per slice, as peft's separate q_proj, k_proj, v_proj draw
+            adapter_in = self.lora_dropout(x).to(self.lora_A[name].dtype)
+            low = F.linear(adapter_in, self.lora_A[name])  # (..., r)
+            change = F.linear(low, self.lora_B[name]) * self.scaling  # (..., rows)
+            pieces.append(y[..., first:end] + change.to(y.dtype))
+            row = end
+        if row < self.out_features:
+            pieces.append(y[..., row:])
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)  # (..., out)
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        if not self.merged:
+            for name, (first, end) in self.slices.items():
+                self.weight[first:end] += self.delta(name).to(self.weight.dtype)
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        if self.merged:
+            for name, (first, end) in self.slices.items():
+                self.weight[first:end] -= self.delta(name).to(self.weight.dtype)
+            self.merged = False
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"adapters={list(self.slices)}, scaling={self.scaling}, merged={self.merged}")
+
+
+def _drop_adapters_from_state(module: nn.Module, state: dict[str, Any], prefix: str,
+                              local_metadata: Any) -> None:
+    """The model's state_dict keeps the base weights alone: a run's weights stay its base's."""
+    for key in [k for k in state if k.startswith((prefix + "lora_A.", prefix + "lora_B."))]:
+        del state[key]
+
+
+def _adapters_not_missing(module: nn.Module, incompatible: Any) -> None:
+    """A base state_dict loads into an adapted model: the adapters are not its to hold."""
+    incompatible.missing_keys[:] = [k for k in incompatible.missing_keys
+                                    if ".lora_A." not in k and ".lora_B." not in k]
+
+
+# --- where the targets live ---------------------------------------------------------------
+
+def _projections(config: GPTConfig) -> dict[str, tuple[str, str]]:
+    """target -> (sub-layer attribute, its projection attribute) in one block."""
+    up = "up" if config.activation in GATED_ACTIVATIONS else "fc"
+    return {"q": ("attn", "qkv"), "k": ("attn", "qkv"), "v": ("attn", "qkv"),
+            "o": ("attn", "proj"), "gate": ("ffn", "gate"), "up": ("ffn", up),
+            "down": ("ffn", "proj")}
+
+
+def _rows(config: GPTConfig, target: str, out_features: int) -> tuple[int, int]:
+    """The output rows of `target` in its projection: q, k, v are consecutive ranges of qkv."""
+    q, kv = config.q_width, config.kv_width
+    return {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}.get(target,
+                                                                        (0, out_features))
+
+
+def add_lora(model: nn.Module, settings: LoraSettings) -> None:
+    """Adapters on `settings.targets` of every block of `model` (a GPT), in place; every base
+    parameter frozen (requires_grad False), the adapters trainable."""
+    config = model.config
+    settings.check(config)
+    if any(True for _ in lora_modules(model)):
+        raise ConfigError("this model has LoRA adapters already; add them once")
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    for block in model.blocks:
+        homes = _projections(config)
+        chosen: dict[tuple[str, str], dict[str, tuple[int, int]]] = {}
+        for target in settings.targets:
+            part, attribute = homes[target]
+            linear = getattr(getattr(block, part), attribute)
+            chosen.setdefault(homes[target], {})[target] = _rows(config, target,
+                                                                 linear.out_features)
+        for (part, attribute), slices in chosen.items():
+            owner = getattr(block, part)
+            setattr(owner, attribute, LoraLinear(getattr(owner, attribute), slices, settings))
+    model.lora_settings = settings  # what save_run_adapter and the HF adapter write
+
+
+def lora_modules(model: nn.Module) -> Iterator[tuple[int, str, LoraLinear]]:
+    """(layer, sub-layer name, module) of every LoraLinear of `model`'s blocks."""
+    for i, block in enumerate(getattr(model, "blocks", ())):
+        for part in ("attn", "ffn"):
+            owner = getattr(block, part, None)
+            for child in () if owner is None else owner.children():
+                if isinstance(child, LoraLinear):
+                    yield i, part, child
+
+
+def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The trainable adapters by a peft-like name, blocks.{i}.{attn|ffn}.{target}.lora_A.weight
+    (and lora_B)."""
+    found = {}
+    for i, part, module in lora_modules(model):
+        for name in module.slices:
+            found[f"blocks.{i}.{part}.{name}.lora_A.weight"] = module.lora_A[name]
+            found[f"blocks.{i}.{part}.{name}.lora_B.weight"] = module.lora_B[name]
+    return found
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The adapters (`lora_parameters`' names), detached copies on the CPU."""
+    return {name: p.detach().cpu().clone().contiguous()
+            for name, p in lora_parameters(model).items()}
+
+
+def load_lora_state_dict(model: nn.Module, tensors: dict[str, Tensor]) -> None:
+    """Copy `tensors` (lora_state_dict's names, exactly those, the same shapes) into the
+    model's adapters; a merged model is unmerged first and merged again after."""
+    parameters = lora_parameters(model)
+    missing = sorted(set(parameters) - set(tensors))
+    unexpected = sorted(set(tensors) - set(parameters))
+    if missing or unexpected:
+        raise CheckpointError(f"the adapter does not match the model's adapters (missing "
+                              f"{missing[:4]}, unexpected {unexpected[:4]})")
+    for name, parameter in parameters.items():
+        if tuple(tensors[name].shape) != tuple(parameter.shape):
+            raise CheckpointError(f"adapter tensor {name} has shape {tuple(tensors[name].shape)},"
+                                  f" the model's is {tuple(parameter.shape)}")
+    merged = [module for _, _, module in lora_modules(model) if module.merged]
+    for module in merged:
+        module.unmerge()
+    with torch.no_grad():
+        for name, parameter in parameters.items():
+            parameter.copy_(tensors[name])
+    for module in merged:
+        module.merge()
+
+
+def merge_lora(model: nn.Module) -> None:
+    """Add every adapter's (alpha / r) B A into its base weight: the forward then costs what
+    the base's does (decoding engines that read the weights see the adapted ones)."""
+    for _, _, module in lora_modules(model):
+        module.merge()
+
+
+def unmerge_lora(model: nn.Module) -> None:
+    """Take the adapters back out of the base weights (`merge_lora` undone)."""
+    for _, _, module in lora_modules(model):
+        module.unmerge()
+
+
+def bake_lora(model: nn.Module) -> None:
+    """Merge the adapters and put plain `nn.Linear` modules back (holding the merged
+    weights): the model is a plain GPT again, with nothing of LoRA left to unmerge."""
+    for block in model.blocks:
+        for part in ("attn", "ffn"):
+            owner = getattr(block, part, None)
+            for attribute, child in [] if owner is None else list(owner.named_children()):
+                if isinstance(child, LoraLinear):
+                    setattr(owner, attribute, _plain_linear(child))
+    if hasattr(model, "lora_settings"):
+        del model.lora_settings
+
+
+def _plain_linear(module: LoraLinear) -> nn.Linear:
+    module.merge()
+    linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                       device="meta")
+    linear.weight, linear.bias = module.weight, module.bias  # the merged Parameters themselves
+    return linear
+
+
+def save_run_adapter(run_dir: str | Path, model: nn.Module, settings: LoraSettings) -> None:
+    """Write `model`'s adapters into the run directory beside its base weights
+    (adapter_config.json and adapter_model.safetensors, peft's format with the HF names of the
+    run's family): `load_model` of the run then gives the base with them merged in."""
+    # imported here: the format's module builds on this one (its names, its state dict)
+    from glassgpt.hf.adapter import adapter_files
+    from glassgpt.rundir.directory import commit_files
+
+    current = getattr(model, "lora_settings", None)
+    if current != settings:
+        raise ConfigError(f"the model's adapters are {current}, not {settings}")
+    # The run's own files (storage.layout): one commit, both or neither.
+    commit_files(run_dir, adapter_files(model, base_model=str(run_dir)))
