@@ -20,11 +20,22 @@ import sys
 from collections.abc import Sequence
 
 from glassgpt import __version__
-from glassgpt.cli import benchmark, convert, demos, graph, prepare, sae, sample, train, view
+from glassgpt.cli import (
+    benchmark,
+    convert,
+    demos,
+    finetune,
+    graph,
+    prepare,
+    sae,
+    sample,
+    train,
+    view,
+)
 from glassgpt.errors import CommandLineError, GlassGPTError
 
 # The modules that each add a group of subcommands, in the order `--help` lists them.
-COMMAND_MODULES = (prepare, train, sample, demos, benchmark, convert, view, sae, graph)
+COMMAND_MODULES = (prepare, train, finetune, sample, demos, benchmark, convert, view, sae, graph)
 BROKEN_PIPE_EXIT_CODE = 141  # 128 + SIGPIPE, what a Unix tool killed by a closed pipe returns
 INTERRUPTED_EXIT_CODE = train.INTERRUPTED_EXIT_CODE  # 128 + SIGINT
 

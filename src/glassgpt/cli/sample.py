@@ -219,9 +219,11 @@ def steering_hooks(model: Any, steers: list[tuple[str, str | None, float]]
     return tuple(hooks), lines
 
 
-def chat_prompt(run: Any, message: str, system: str | None) -> tuple[str, str, int]:
+def chat_prompt(run: Any, message: str, system: str | None) -> tuple[str, str, int | None]:
     """The text the run's model reads for `message` (after `system`), rendered through its
-    chat template, and the token a reply ends with (its text and its id)."""
+    chat template, and what a reply ends with: its text, and its token id where it is one token
+    (glassgpt's own template's `<|end|>` is several in a character or small BPE vocabulary: the
+    reply then stops at the text)."""
     from glassgpt.errors import CheckpointError
     from glassgpt.tokenizers.chat import chat_messages
 
@@ -231,11 +233,12 @@ def chat_prompt(run: Any, message: str, system: str | None) -> tuple[str, str, i
                                f"instruct model that has one does); continue text with "
                                f"--prompt instead")
     ids = [] if chat.end_of_turn is None else run.tokenizer().encode(chat.end_of_turn)
-    if len(ids) != 1:
-        raise CheckpointError(f"{run.dir}: the chat template's end-of-turn token "
-                              f"{chat.end_of_turn!r:.40} is not one token of the run's "
-                              f"tokenizer; a reply could not stop")
-    return chat.render(chat_messages(message, system)), chat.end_of_turn, ids[0]
+    if not ids:
+        raise CheckpointError(f"{run.dir}: the chat template has no end-of-turn text the run's "
+                              f"tokenizer can write ({chat.end_of_turn!r:.40}); a reply could "
+                              f"not stop")
+    stop_token = ids[0] if len(ids) == 1 else None
+    return chat.render(chat_messages(message, system)), chat.end_of_turn, stop_token
 
 
 def compile_note(prompt_len: int, block_size: int, new_tokens: int, samples: int,

@@ -17,6 +17,7 @@ import json
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +110,13 @@ class Trainer:
     alone. The count used is in the result. `stop`, when set (by a signal, or by the caller),
     saves a checkpoint and returns, as Ctrl-C does. `extra` is recorded in config.json.
 
+    `batches`, when given, makes each split's sampler instead of `data`'s random windows:
+    `batches(split, seed)` returns an object with BatchSampler's `next_batch`, `get_state`,
+    `set_state` and `device` (a fine-tune on conversations draws (x, y) whose targets are -1
+    outside the assistant's tokens; glassgpt.training.finetune). `more_files`, when given, is
+    asked at each save for more files (name -> bytes: a fine-tune's chat template, its LoRA
+    adapters), committed with the checkpoint.
+
     The first checkpoint of a new run (saved right after the evaluation at step 0) replaces
     whatever run was in `run_dir` before, in one commit: metrics are held in memory until then.
     """
@@ -116,9 +124,12 @@ class Trainer:
     def __init__(self, model: GPT, cfg: TrainConfig, data: PreparedData, run_dir: str | Path,
                  reporter: Reporter | None = None, context: ddp.DistContext | None = None,
                  threads: int | str | None = None, stop: threading.Event | None = None,
-                 extra: dict | None = None):
+                 extra: dict | None = None,
+                 batches: Callable[[str, int], BatchSampler] | None = None,
+                 more_files: Callable[[], dict[str, bytes]] | None = None):
         self.cfg, self.data, self.run_dir = cfg, data, Path(run_dir)
         self.stop, self.extra = stop, extra
+        self.batches, self.more_files = batches, more_files
         self.threads_setting = threads
         self.unsaved_metrics: list[dict] | None = []  # until the first commit of a new run
         self.context = context or ddp.DistContext()
@@ -155,6 +166,8 @@ class Trainer:
                                 * self.context.world_size)
 
     def _sampler(self, split: str, seed: int) -> BatchSampler:
+        if self.batches is not None:
+            return self.batches(split, seed)
         return BatchSampler(self.data.splits[split], self.model.config.block_size,
                             self.cfg.batch_size, seed, self.device,
                             vocab_size=self.model.config.vocab_size)
@@ -398,7 +411,8 @@ class Trainer:
             ckpt.save_checkpoint(self.run_dir, self.model, self.data.tokenizer,
                                  self.cfg.to_dict(), str(self.data.dir.resolve()), self.state,
                                  best=best, extra=self.extra, new_metrics=new_metrics,
-                                 weights=weights)
+                                 weights=weights,
+                                 more_files=self.more_files() if self.more_files else None)
             self.unsaved_metrics = None
         self.committed = True
         ddp.barrier(self.context)

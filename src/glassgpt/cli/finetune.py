@@ -1,0 +1,129 @@
+"""`glassgpt finetune RUN --sft DATA.jsonl --out RUN2`: supervised fine-tuning on conversations,
+the assistant's tokens trained only (glassgpt.training.finetune.finetune_run)."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+from typing import Any
+
+from glassgpt.cli.common import add_checkpoint_flag, add_threads_flag, path_arg, say
+from glassgpt.cli.train import HELP_PRESET, INTERRUPTED_EXIT_CODE, _add_dataclass_flags, _flags
+from glassgpt.config import TrainConfig, load_preset
+from glassgpt.errors import CommandLineError
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "finetune", help="fine-tune a run on conversations (JSONL), the assistant's replies "
+        "trained only",
+        description="Supervised fine-tuning: each line of --sft is {\"messages\": [{\"role\": "
+        "..., \"content\": ...}, ...]} (roles system, user, assistant), rendered through the "
+        "run's chat template (glassgpt's own <|user|>/<|assistant|>/<|end|> one for a run "
+        "without one); the loss counts the assistant's tokens only. --out is a new run with "
+        "the template it was tuned with.")
+    p.add_argument("run_dir", type=path_arg, nargs="?", metavar="RUN",
+                   help="the run to start from (not needed with --resume)")
+    p.add_argument("--sft", type=path_arg, metavar="DATA.jsonl",
+                   help="the conversations (with --resume: the run's own unless given)")
+    p.add_argument("--val-sft", type=path_arg, metavar="FILE.jsonl",
+                   help="conversations for the val loss (default: the last tenth of --sft)")
+    p.add_argument("--out", type=path_arg, help="the new run directory")
+    p.add_argument("--show-mask", action="store_true",
+                   help="print the first conversation as the model reads it, its trained "
+                   "tokens in [[ ]], and exit")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the fine-tune in --out up to --max-iters in total")
+    p.add_argument("--force", action="store_true", help="replace an existing run in --out")
+    add_checkpoint_flag(p, "start from")
+    add_threads_flag(p)
+    lora = p.add_argument_group("LoRA", "train low-rank adapters only (all weights without "
+                                "--lora-rank)")
+    lora.add_argument("--lora-rank", type=int, metavar="R", help="the adapters' rank")
+    lora.add_argument("--lora-alpha", type=float, metavar="A",
+                      help="scale alpha / rank (default: 2 x rank)")
+    lora.add_argument("--lora-dropout", type=float, default=0.0, metavar="P",
+                      help="dropout on the adapters' input (default 0)")
+    lora.add_argument("--lora-targets", default="q,k,v,o", metavar="LIST",
+                      help=f"the projections to adapt, among {','.join(LORA_TARGETS)} "
+                      f"(default q,k,v,o)")
+    _add_dataclass_flags(p.add_argument_group(
+        "training settings", "default: the source run's recipe, with a tenth of its lr and "
+        "warm-up over a tenth of --max-iters (the defaults shown are the cpu-small preset's)"),
+        TrainConfig, "train", load_preset(HELP_PRESET).get("train", {}))
+    p.set_defaults(handler=run_finetune)
+
+
+def lora_settings(args: argparse.Namespace) -> Any:
+    """The LoRA settings the flags ask for, or None (every weight trains)."""
+    others = (args.lora_alpha is not None or args.lora_dropout != 0.0
+              or args.lora_targets != "q,k,v,o")
+    if args.lora_rank is None:
+        if others:
+            raise CommandLineError("--lora-alpha, --lora-dropout and --lora-targets go with "
+                                   "--lora-rank R")
+        return None
+    targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    unknown = [t for t in targets if t not in LORA_TARGETS]
+    if unknown or not targets:
+        raise CommandLineError(f"--lora-targets {args.lora_targets!r:.60}: choose among "
+                               f"{','.join(LORA_TARGETS)}")
+    try:
+        from glassgpt.training.lora import LoraSettings
+    except ImportError:
+        raise CommandLineError("LoRA fine-tuning (--lora-rank) is not yet available in this "
+                               "glassgpt; fine-tune all the weights without it") from None
+    alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
+    return LoraSettings(args.lora_rank, alpha, args.lora_dropout, targets)
+
+
+def run_finetune(args: argparse.Namespace) -> int:
+    from glassgpt.training.finetune import finetune_run, mask_preview
+    from glassgpt.training.metrics import RichReporter
+
+    if args.show_mask:
+        if args.run_dir is None or args.sft is None:
+            raise CommandLineError("--show-mask needs the run and --sft DATA.jsonl")
+        print(mask_preview(args.run_dir, args.sft))
+        return 0
+    if args.out is None:
+        raise CommandLineError("name the new run directory with --out")
+    if not args.resume and (args.run_dir is None or args.sft is None):
+        raise CommandLineError("glassgpt finetune RUN --sft DATA.jsonl --out RUN2: the run to "
+                               "start from and --sft are needed (or --resume)")
+    lora = lora_settings(args)
+    stop = threading.Event()
+    reporter = RichReporter(stop)
+    outcome = finetune_run(args.run_dir, args.sft, args.out, val_sft=args.val_sft,
+                           train=_flags(args, "train"), lora=lora, resume=args.resume,
+                           force=args.force, checkpoint=args.checkpoint, threads=args.threads,
+                           reporter=reporter, stop=stop, on_start=_announce, wording="cli")
+    return _finish(outcome)
+
+
+def _announce(start: Any, data: Any) -> None:
+    from glassgpt.training.lifecycle import start_line
+
+    say(start_line(start))
+    say(f"conversations rendered through {data.template_source} chat template")
+    for warning in start.warnings:
+        say(f"warning: {warning}")
+
+
+def _finish(outcome: Any) -> int:
+    from glassgpt.training.finetune import summary_line
+
+    result, run_dir = outcome.result, outcome.run_dir
+    if result is None:
+        say(f"{run_dir} has already trained {outcome.start.first_iteration} iterations; raise "
+            f"--max-iters to train further")
+        return 0
+    if result.interrupted:
+        saved = (f"checkpoint saved in {run_dir}; continue with: glassgpt finetune --resume "
+                 f"--out {run_dir}" if result.saved else f"nothing was saved in {run_dir}")
+        say(f"interrupted at iteration {result.iteration}; {saved}")
+        return INTERRUPTED_EXIT_CODE
+    print(summary_line(outcome), flush=True)
+    return 0

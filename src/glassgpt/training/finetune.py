@@ -1,0 +1,286 @@
+"""Supervised fine-tuning on conversations, as one library call: what `glassgpt finetune` does.
+
+    from glassgpt.training.finetune import finetune_run
+
+    done = finetune_run("runs/tiny", "chats.jsonl", "runs/tuned", train={"max_iters": 100})
+    done = finetune_run(None, "chats.jsonl", "runs/tuned", resume=True,
+                        train={"max_iters": 200})                      # continue it
+
+The conversations are rendered through the source run's chat template (glassgpt's own simple
+template for a run that has none) and trained on the assistant's tokens only
+(glassgpt.data.sft). The trainer is `train`'s own (glassgpt.training.trainer.Trainer), so the
+schedule, the evaluations, Ctrl-C saving, atomic commits and `resume` work as they do there; only
+its batches differ: windows of packed conversations whose targets are -1 outside the assistant's
+replies. The val loss is the loss on assistant tokens of held-out conversations: the last tenth
+of the file (at least one; none when the file holds a single conversation, which then serves
+both), or the conversations of `val_sft`.
+
+The new run is a whole run: its config, tokenizer and chat template (the template it was tuned
+with, so that `sample --chat` renders what it learnt) are in every checkpoint. The recipe is the
+source's with a fine-tune's defaults (a tenth of its lr; see lifecycle.finetune_config).
+
+With `lora` (glassgpt.training.lora.LoraSettings) only low-rank adapters train, the base
+weights frozen: the run's model.safetensors (and best.safetensors) hold the base weights as
+they were, and each checkpoint commits the adapters beside them, in the same commit
+(adapter_config.json and adapter_model.safetensors, peft's format: glassgpt.hf.adapter). They
+are the last ones (an adapter's best is not kept apart); `load_model` of the run merges them
+in. Resuming reads the base and the adapters back, unmerged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from glassgpt.config import TrainConfig
+from glassgpt.data.sft import (
+    ConversationSampler,
+    ConversationSet,
+    encode_conversations,
+    read_conversations,
+    show_mask,
+    simple_template,
+)
+from glassgpt.errors import ConfigError, InputError
+from glassgpt.machine.devices import AUTO, resolve_device
+from glassgpt.model import GPT
+from glassgpt.rundir import checkpoint as ckpt
+from glassgpt.rundir import directory as rundir
+from glassgpt.storage import files
+from glassgpt.storage.layout import CHAT_TEMPLATE_FILE
+from glassgpt.tokenizers import Tokenizer
+from glassgpt.tokenizers.chat import ChatTemplate
+from glassgpt.training import arguments, lifecycle, runs
+from glassgpt.training.metrics import Reporter
+from glassgpt.training.trainer import Trainer, TrainResult
+
+VAL_FRACTION = 0.1  # of the conversations held out for the val loss, without val_sft
+
+
+@dataclass
+class SFTData:
+    """The conversations to train and evaluate on, in the shape the Trainer reads data
+    (PreparedData's `dir`, `tokenizer` and `check_block_size`); `dir` is the conversation file,
+    recorded as the run's data."""
+
+    dir: Path
+    tokenizer: Tokenizer
+    chat: ChatTemplate
+    template_source: str  # "the run's" or "glassgpt's simple"
+    splits: dict[str, ConversationSet]
+    notes: list[str] = field(default_factory=list)
+
+    def check_block_size(self, block_size: int) -> None:
+        """Any length works: a short stream is padded (glassgpt.data.sft)."""
+
+    def batches(self, block_size: int, batch_size: int, device: torch.device
+                ) -> Callable[[str, int], ConversationSampler]:
+        """What the Trainer calls to draw each split's batches."""
+        streams = {split: conversations.stream() for split, conversations in self.splits.items()}
+
+        def sampler(split: str, seed: int) -> ConversationSampler:
+            ids, trained = streams[split]
+            return ConversationSampler(ids, trained, block_size, batch_size, seed, device)
+        return sampler
+
+
+def run_chat_template(run: ckpt.Run) -> tuple[ChatTemplate, str]:
+    """The template a run chats with, and whose it is: the run's own, else glassgpt's."""
+    chat = run.chat_template()
+    return (chat, "the run's") if chat is not None else (simple_template(), "glassgpt's simple")
+
+
+def sft_data(run: ckpt.Run, sft: str | Path, val_sft: str | Path | None = None) -> SFTData:
+    """The conversations of `sft` (and `val_sft`) encoded for `run`: every line checked and
+    every conversation rendered before any training starts."""
+    chat, source = run_chat_template(run)
+    source = run.extra.get("chat_template", source)  # a fine-tune's own: the one it was given
+    tokenizer = run.tokenizer()
+    train = encode_conversations(read_conversations(sft), chat, tokenizer)
+    if not train.examples:
+        raise InputError(f"{sft}: no conversation has an assistant reply to train on")
+    notes = []
+    if val_sft is not None:
+        val = encode_conversations(read_conversations(val_sft), chat, tokenizer)
+        if not val.examples:
+            raise InputError(f"{val_sft}: no conversation has an assistant reply to "
+                             f"evaluate on")
+    elif len(train.examples) > 1:  # the last tenth of those with a reply, at least one
+        held = max(1, round(len(train.examples) * VAL_FRACTION))
+        val = ConversationSet(train.examples[-held:], [])
+        train = ConversationSet(train.examples[:-held], train.skipped)
+    else:
+        val = train
+        notes.append("one conversation only: the val loss is measured on it too")
+    return SFTData(Path(sft), tokenizer, chat, source, {"train": train, "val": val}, notes)
+
+
+def mask_preview(source: str | Path, sft: str | Path) -> str:
+    """The first conversation of `sft` with an assistant reply, as `source`'s template renders
+    it, its trained tokens in [[ ]] (glassgpt.data.sft.show_mask)."""
+    run = ckpt.Run(source)
+    chat, _ = run_chat_template(run)
+    encoded = encode_conversations(read_conversations(sft), chat, run.tokenizer())
+    if not encoded.examples:
+        raise InputError(f"{sft}: no conversation has an assistant reply")
+    return show_mask(encoded.examples[0], run.tokenizer())
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+@dataclass
+class FinetuneOutcome:
+    run_dir: Path
+    action: str  # "fine-tune", "resume", or "nothing" (the run is at max_iters already)
+    result: TrainResult | None
+    start: lifecycle.TrainStart
+    data: SFTData
+
+
+def finetune_run(source: str | Path | None, sft: str | Path | None, out: str | Path, *,
+                 val_sft: str | Path | None = None, train: dict[str, Any] | None = None,
+                 lora: Any = None, resume: bool = False, force: bool = False,
+                 checkpoint: str = "best", threads: int | str | None = AUTO,
+                 reporter: Reporter | None = None, stop: threading.Event | None = None,
+                 on_start: Callable[[lifecycle.TrainStart, SFTData], Any] | None = None,
+                 wording: str = "api") -> FinetuneOutcome:
+    """Fine-tune run `source` on the conversations of `sft` into the new run `out`, or (with
+    `resume`) continue `out` (its recorded conversation files unless given). `train` holds
+    TrainConfig settings by name. Raises glassgpt.errors exceptions, having changed nothing,
+    for bad input."""
+    spell = arguments.spelling(wording)
+    out = files.check_path_given(out, ConfigError, spell("out"))
+    if resume:
+        if lora is not None:
+            raise ConfigError("a resumed fine-tune keeps its own LoRA settings; drop them")
+        return _resume(out, source, sft, val_sft, dict(train or {}), threads, reporter,
+                       stop, on_start, spell)
+    if source is None or sft is None:
+        raise ConfigError("a fine-tune needs the run to start from and the conversations "
+                          f"({spell('sft')})")
+    return _start(Path(source), sft, out, val_sft, dict(train or {}), force, checkpoint,
+                  threads, reporter, stop, on_start, spell, lora)
+
+
+def _start(source_dir: Path, sft: str | Path, out: Path, val_sft: str | Path | None,
+           train: dict[str, Any], force: bool, checkpoint: str, threads: int | str | None,
+           reporter: Reporter | None, stop: threading.Event | None,
+           on_start: Callable | None, spell: arguments.Spell, lora: Any) -> FinetuneOutcome:
+    rundir.check_out_dir(out, force, source_dir, spell)
+    source = ckpt.Run(source_dir)
+    cfg = lifecycle.finetune_config(source, runs.preset_for_device(train.get("device", AUTO)),
+                                    None, train)
+    data = sft_data(source, sft, val_sft)
+    model = source.load_model(checkpoint=checkpoint)[0].train()
+    if lora is not None:
+        _add_adapters(model, lora, source_dir)
+    extra = {"preset": None, "init_from": str(source_dir), "sft": str(sft),
+             "val_sft": None if val_sft is None else str(val_sft),
+             "chat_template": data.template_source,
+             "lora": None if lora is None else dataclasses.asdict(lora)}
+    trainer = _trainer(model, cfg, data, out, reporter, threads, stop, extra)
+    start = lifecycle.TrainStart(
+        "fine-tune", out, data.dir, trainer.device, cfg, lifecycle.describe_model(model),
+        None, trainer.describe_threads(), 0,
+        f"{source.dir} from {source.describe_weights(checkpoint)}",
+        lifecycle.recipe_warnings(cfg) + data.notes)
+    with rundir.writing(out):
+        rundir.check_still_free(out, force, spell)
+        if on_start is not None:
+            on_start(start, data)
+        result = trainer.run()
+    return FinetuneOutcome(out, "fine-tune", result, start, data)
+
+
+def _resume(out: Path, source: str | Path | None, sft: str | Path | None,
+            val_sft: str | Path | None,
+            train: dict[str, Any], threads: int | str | None, reporter: Reporter | None,
+            stop: threading.Event | None, on_start: Callable | None,
+            spell: arguments.Spell) -> FinetuneOutcome:
+    files.check_unlocked(out, ckpt.CheckpointError)
+    validated = rundir.fingerprint(out)
+    run = ckpt.Run(out)
+    recorded = run.extra.get("sft")
+    if recorded is None:
+        raise ConfigError(f"{out} was not fine-tuned on conversations; continue it with "
+                          f"`glassgpt train --resume --out {out}`")
+    cfg = lifecycle.resumed_config(run, None, None, source, {}, train, spell)  # RUN checked
+    sft = sft if sft is not None else recorded
+    val_sft = val_sft if val_sft is not None else run.extra.get("val_sft")
+    rundir.check_recoverable(out)
+    data = sft_data(run, sft, val_sft)
+    model = _resumed_model(run)
+    trainer = _trainer(model, cfg, data, out, reporter, threads, stop, run.extra)
+    trainer.resume(weights=False, run=run)
+    start = lifecycle.TrainStart("resume", out, data.dir, trainer.device, cfg,
+                                 lifecycle.describe_model(model), None,
+                                 trainer.describe_threads(), trainer.state.iteration)
+    if trainer.state.iteration >= cfg.max_iters:
+        return FinetuneOutcome(out, "nothing", None, start, data)
+    with rundir.writing(out):
+        rundir.continue_run(out, validated)
+        if on_start is not None:
+            on_start(start, data)
+        result = trainer.run()
+    return FinetuneOutcome(out, "resume", result, start, data)
+
+
+def _trainer(model: GPT, cfg: TrainConfig, data: SFTData, out: Path,
+             reporter: Reporter | None, threads: int | str | None,
+             stop: threading.Event | None, extra: dict[str, Any]) -> Trainer:
+    """`train`'s Trainer, drawing packed conversations, committing the chat template (and
+    any LoRA adapters) with every checkpoint (a run's first commit removes files it does not
+    write)."""
+    batches = data.batches(model.config.block_size, cfg.batch_size, resolve_device(cfg.device))
+    template = {CHAT_TEMPLATE_FILE: data.chat.to_json().encode("utf-8")}
+    tuned_with_lora = getattr(model, "lora_settings", None) is not None
+
+    def more_files() -> dict[str, bytes]:
+        if not tuned_with_lora:
+            return template
+        from glassgpt.hf.adapter import adapter_files
+        return {**template, **adapter_files(model, str(out))}
+    return Trainer(model, cfg, data, out, reporter, threads=threads,  # type: ignore[arg-type]
+                   stop=stop, extra=extra, batches=batches, more_files=more_files)
+
+
+def _add_adapters(model: GPT, lora: Any, source_dir: Path) -> None:
+    """LoRA adapters on `model`, its base frozen; refused at once where they could not be
+    written in peft's format for the run's family."""
+    from glassgpt.hf.adapter import adapter_files
+    from glassgpt.training.lora import add_lora
+
+    add_lora(model, lora)
+    adapter_files(model, str(source_dir))  # raises ConfigError before any training
+
+
+def _resumed_model(run: ckpt.Run) -> GPT:
+    """The last checkpoint's weights (those its optimizer state belongs to), in train mode;
+    a LoRA fine-tune's base with its adapters read back on, unmerged."""
+    model = run.load_model(checkpoint="last", adapter=False)[0].train()
+    if run.extra.get("lora") is not None:
+        from glassgpt.hf.adapter import load_adapter
+
+        adapter = run.adapter_dir()
+        if adapter is None:
+            raise ckpt.CheckpointError(f"{run.dir} was fine-tuned with LoRA but holds no "
+                                       f"adapter directory; it cannot be resumed")
+        load_adapter(model, adapter)
+    return model
+
+
+def summary_line(outcome: FinetuneOutcome) -> str:
+    """The trainer's summary, with what the conversations gave."""
+    train = outcome.data.splits["train"]
+    skipped = len(train.skipped)
+    note = (f"; {skipped} conversation{'s' if skipped != 1 else ''} without an assistant "
+            f"reply skipped (lines {', '.join(map(str, train.skipped[:10]))})" if skipped else "")
+    return (f"{lifecycle.summary_line(outcome.result, outcome.run_dir)}; "
+            f"{len(train.examples)} conversations, {train.trained_tokens} assistant tokens "
+            f"trained, {outcome.data.template_source} chat template{note}")

@@ -1,0 +1,208 @@
+"""`glassgpt finetune RUN --sft DATA.jsonl --out RUN2`: a tiny run fine-tuned on conversations
+through the command line, its loss on the assistant's replies falling, resumed, shown, and
+tuned with LoRA adapters that leave the base weights as they were."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from conftest import TINY_TRAIN_FLAGS
+from glassgpt.cli import main
+from glassgpt.data import prepare
+from glassgpt.rundir.checkpoint import Run
+from glassgpt.storage.layout import CHAT_TEMPLATE_FILE, MODEL_FILE
+from helpers_cli import glassgpt, one_error_line
+
+# Sums of two digits: a reply the model can learn in a few dozen steps.
+TUNE = ["--max-iters", "40", "--eval-interval", "20", "--eval-iters", "4", "--lr", "1e-2",
+        "--warmup-iters", "0", "--lr-decay-iters", "40", "--batch-size", "8", "--threads", "1",
+        "--device", "cpu"]
+
+
+def conversation(a: int, b: int) -> dict:
+    return {"messages": [{"role": "user", "content": f"add {a} {b}"},
+                         {"role": "assistant", "content": str(a + b)}]}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny char-level run whose vocabulary holds the simple template's characters, and a
+    file of conversations (one without a reply, to be skipped)."""
+    root = tmp_path_factory.mktemp("finetune")
+    text = "".join(f"<|system|>\nTo be or not to be.\n<|user|>\nadd {i % 10} {i % 7}\n"
+                   f"<|assistant|>\n{i % 10 + i % 7}<|end|>\n" for i in range(200))
+    (root / "text.txt").write_text(text, encoding="utf-8")
+    prepare(root / "data", root / "text.txt")
+    flags = [*TINY_TRAIN_FLAGS]
+    flags[flags.index("--block-size") + 1] = "48"  # a whole conversation in one window
+    assert main(["train", "--data", str(root / "data"), "--out", str(root / "run"),
+                 "--max-iters", "3", "--eval-interval", "3", *flags]) == 0
+    rng = random.Random(0)
+    lines = [json.dumps(conversation(rng.randrange(10), rng.randrange(10))) for _ in range(60)]
+    lines.insert(5, json.dumps({"messages": [{"role": "user", "content": "add 1 1"}]}))
+    (root / "chats.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return {"run": root / "run", "sft": root / "chats.jsonl", "root": root}
+
+
+def reply_loss(run_dir: Path, pairs: list[tuple[int, int]]) -> float:
+    """Mean cross-entropy of the run's model on the replies' characters (the sum and <|end|>)
+    of `pairs`, each conversation scored alone: the positions found here from the text, not
+    from glassgpt.data.sft's mask."""
+    model, tokenizer = Run(run_dir).load_model()
+    losses = []
+    for a, b in pairs:
+        prompt = f"<|user|>\nadd {a} {b}\n<|assistant|>\n"
+        reply = f"{a + b}<|end|>"
+        ids = torch.tensor([tokenizer.encode(prompt + reply)])
+        with torch.no_grad():
+            logits, _ = model(ids[:, :-1])
+        first = len(prompt) - 1  # the logit that predicts the reply's first character
+        losses.append(F.cross_entropy(logits[0, first:], ids[0, first + 1:]))
+    return torch.stack(losses).mean().item()
+
+
+HELD_OUT = [(3, 4), (9, 9), (0, 5), (7, 2)]
+
+
+def test_finetune_trains_the_replies_and_keeps_the_template(tiny, tmp_path: Path,
+                                                            capsys) -> None:
+    out = tmp_path / "tuned"
+    assert main(["finetune", str(tiny["run"]), "--sft", str(tiny["sft"]), "--out", str(out),
+                 *TUNE]) == 0
+    summary = capsys.readouterr().out
+    assert "1 conversation without an assistant reply skipped (lines 6)" in summary
+    assert "glassgpt's simple chat template" in summary
+    before, after = reply_loss(tiny["run"], HELD_OUT), reply_loss(out, HELD_OUT)
+    assert after < before - 0.5, (before, after)
+    evaluations = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                   if "val_loss" in r]
+    assert evaluations[-1]["val_loss"] < evaluations[0]["val_loss"] - 0.5
+    run = Run(out)
+    assert run.chat_template().end_of_turn == "<|end|>"  # what it was tuned with
+    assert run.extra["init_from"] == str(tiny["run"]) and run.extra["sft"] == str(tiny["sft"])
+    assert run.model_config == Run(tiny["run"]).model_config
+    # `sample --chat` replies through the simple template and stops at its <|end|>, which a
+    # character vocabulary writes in five tokens.
+    assert main(["sample", str(out), "--chat", "add 3 4", "--temperature", "0",
+                 "--max-new-tokens", "20"]) == 0
+    reply = capsys.readouterr().out
+    assert "<|end|>" not in reply and len(reply.strip()) <= 20
+
+
+def test_resume_continues_to_the_same_weights(tiny, tmp_path: Path, capsys) -> None:
+    """20 iterations then a resume to 40 end where 40 in one go end (and keep the template)."""
+    whole, halves = tmp_path / "whole", tmp_path / "halves"
+    assert main(["finetune", str(tiny["run"]), "--sft", str(tiny["sft"]), "--out", str(whole),
+                 *TUNE]) == 0
+    first = [*TUNE]
+    first[first.index("--max-iters") + 1] = "20"
+    assert main(["finetune", str(tiny["run"]), "--sft", str(tiny["sft"]), "--out",
+                 str(halves), *first]) == 0
+    assert main(["finetune", "--resume", "--out", str(halves), "--max-iters", "40",
+                 "--threads", "1"]) == 0
+    assert "(20 -> 40)" in capsys.readouterr().out
+    a, b = load_file(whole / MODEL_FILE), load_file(halves / MODEL_FILE)
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    assert (halves / CHAT_TEMPLATE_FILE).read_text() == (whole / CHAT_TEMPLATE_FILE).read_text()
+
+
+def test_show_mask_prints_the_trained_tokens_and_exits(tiny, tmp_path: Path, capsys) -> None:
+    assert main(["finetune", str(tiny["run"]), "--sft", str(tiny["sft"]), "--show-mask"]) == 0
+    first = json.loads(tiny["sft"].read_text().splitlines()[0])["messages"]
+    a, b = first[0]["content"].split()[1:]
+    assert capsys.readouterr().out == (f"<|user|>\nadd {a} {b}\n<|assistant|>\n"
+                                       f"[[{int(a) + int(b)}<|end|>]]\n\n")
+    assert not (tmp_path / "tuned").exists()
+
+
+def test_bad_input_is_one_line_and_writes_nothing(tiny, tmp_path: Path, capsys) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(conversation(1, 2)) + '\n{"messages": [{"role": "bot", '
+                   '"content": "x"}]}\n', encoding="utf-8")
+    code, err = glassgpt("finetune", tiny["run"], "--sft", bad, "--out", tmp_path / "x",
+                         capsys=capsys)
+    assert code == 2 and f"{bad}:2: message 1 has role 'bot'" in one_error_line(err)
+    code, err = glassgpt("finetune", tiny["run"], "--out", tmp_path / "x", capsys=capsys)
+    assert code == 2 and "--sft" in one_error_line(err)
+    code, err = glassgpt("finetune", tiny["run"], "--sft", tiny["sft"], "--out",
+                         tmp_path / "x", "--lora-targets", "q,zz", "--lora-rank", "2",
+                         capsys=capsys)
+    assert code == 2 and "--lora-targets" in one_error_line(err)
+    assert not (tmp_path / "x").exists()
+
+
+def test_lora_trains_adapters_only(tiny, tmp_path: Path, capsys) -> None:
+    pytest.importorskip("glassgpt.hf.adapter")
+    out = tmp_path / "lora"
+    assert main(["finetune", str(tiny["run"]), "--sft", str(tiny["sft"]), "--out", str(out),
+                 "--lora-rank", "4", *TUNE]) == 0
+    base = load_file(Run(tiny["run"]).weights_file("best")[1])
+    tuned = load_file(out / MODEL_FILE)
+    assert all(torch.equal(base[name], tuned[name]) for name in base)  # the base is frozen
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+    # The run loads as its base with the adapters merged in: it has learnt the replies.
+    assert reply_loss(out, HELD_OUT) < reply_loss(tiny["run"], HELD_OUT) - 0.1
+    evaluations = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                   if "val_loss" in r]
+    assert evaluations[-1]["val_loss"] < evaluations[0]["val_loss"] - 0.1
+    # Resumed: the base read back with its adapters, unmerged, trained on.
+    assert main(["finetune", "--resume", "--out", str(out), "--max-iters", "50",
+                 "--threads", "1"]) == 0
+    assert "(40 -> 50)" in capsys.readouterr().out
+    assert all(torch.equal(base[name], t) for name, t in load_file(out / MODEL_FILE).items())
+
+
+def test_val_conversations_are_held_out_or_given(tiny, tmp_path: Path) -> None:
+    from glassgpt.training.finetune import sft_data
+
+    source = Run(tiny["run"])
+    held = sft_data(source, tiny["sft"]).splits  # 60 with a reply: the last 6 held out
+    assert [len(held[s].examples) for s in ("train", "val")] == [54, 6]
+    assert held["train"].skipped == [6]
+    val = tmp_path / "val.jsonl"
+    val.write_text(json.dumps(conversation(2, 2)) + "\n", encoding="utf-8")
+    given = sft_data(source, tiny["sft"], val).splits
+    assert [len(given[s].examples) for s in ("train", "val")] == [60, 1]
+    assert given["val"].trained_tokens == len("4<|end|>")
+
+
+def test_an_imported_instruct_model_is_tuned_through_its_own_template(tmp_path: Path,
+                                                                      capsys) -> None:
+    """A tiny random Qwen3 (test_chat's): its template renders the conversations, RUN2 keeps
+    it, and `sample --chat` of RUN2 replies through it, stopping at <|im_end|>."""
+    pytest.importorskip("transformers")
+    from test_chat import QWEN3_TEMPLATE
+    from test_chat import qwen3_source as make_source
+
+    source = make_source.__wrapped__(tmp_path, _small_text(tmp_path))
+    run, out = tmp_path / "run", tmp_path / "tuned"
+    assert main(["convert", "--from-hf", str(source), "--out", str(run)]) == 0
+    sft = tmp_path / "chats.jsonl"
+    sft.write_text("".join(json.dumps(conversation(a, b)) + "\n" for a in range(4)
+                           for b in range(4)), encoding="utf-8")
+    capsys.readouterr()
+    assert main(["finetune", str(run), "--sft", str(sft), "--show-mask"]) == 0
+    assert capsys.readouterr().out == ("<|im_start|>user\nadd 0 0<|im_end|>\n<|im_start|>"
+                                       "assistant\n[[<think>\n\n</think>\n\n0<|im_end|>]]"
+                                       "\n\n")
+    assert main(["finetune", str(run), "--sft", str(sft), "--out", str(out),
+                 "--max-iters", "4", "--eval-interval", "2", "--eval-iters", "1",
+                 "--batch-size", "2", "--threads", "1", "--device", "cpu"]) == 0
+    assert "the run's chat template" in capsys.readouterr().out
+    assert Run(out).chat_template().template == QWEN3_TEMPLATE
+    assert main(["sample", str(out), "--chat", "add 1 2", "--temperature", "0",
+                 "--max-new-tokens", "20", "--device", "cpu"]) == 0
+
+
+def _small_text(tmp_path: Path) -> Path:
+    path = tmp_path / "small.txt"
+    path.write_text("".join(f"To be or not to be, line {i}: that is the question.\n"
+                            for i in range(200)), encoding="utf-8")
+    return path
