@@ -25,7 +25,8 @@ from glassgpt.storage.outputs import check_output_file
 if TYPE_CHECKING:  # torch and glassgpt.bench load in the handlers: --help answers at once
     from glassgpt import bench
 
-WORKLOADS = ("train", "generate", "all", "threads", "ladder", "startup", "sae", "graph")
+WORKLOADS = ("train", "generate", "all", "threads", "ladder", "startup", "sae", "graph",
+             "lora")
 # --quick: (training preset, decoding preset) per device, 3 rounds.
 QUICK_PRESETS = {"cpu": ("cpu-small", "shakespeare-char"), "cuda": ("gpt2", "gpt2")}
 QUICK_ROUNDS = 3
@@ -106,6 +107,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return _bench_sae(args)
     if args.workload == "graph":
         return _bench_graph(args)
+    if args.workload == "lora":
+        return _bench_lora(args)
     if args.workload == "ladder":  # time to loss, one speedrun change at a time
         return run_ladder_command(args)
     train_presets, decode_presets = _presets(args)
@@ -211,6 +214,37 @@ def _bench_graph(args: argparse.Namespace) -> int:
         write_text_atomic(args.json, json.dumps({**dataclasses.asdict(r),
                                                  "patching_ratio": r.patching_ratio},
                                                 indent=2) + "\n")
+    return 0
+
+
+def _bench_lora(args: argparse.Namespace) -> int:
+    """`bench lora`: LoRA steps on a random-weight Qwen3-0.6B shape, and peak memory against
+    its bf16 weights, without and with activation checkpointing."""
+    from glassgpt.bench.lora import FULL, QUICK, WAYS, bench_lora
+    from glassgpt.bench.report import machine_info
+
+    size = QUICK if args.quick else FULL
+    rows = []
+    with Console(stderr=True).status(f"fine-tuning {size.preset}'s shape with LoRA"):
+        for checkpointed in WAYS:
+            rows.append(bench_lora(dataclasses.replace(size, checkpointed=checkpointed)))
+    layers = f"{size.n_layer} layers of " if size.n_layer else ""
+    table = Table(title=f"LoRA r={size.rank} on every projection of {layers}{size.preset} "
+                  f"(random weights), {size.batch_size} x {size.seq_len} tokens a step",
+                  caption=f"{machine_info()['cpu']}, {os.cpu_count()} cores; peak: the "
+                  "process's high-water resident memory")
+    for column in ("activations", "base", "s/step", "peak MiB", "bf16 weights MiB",
+                   "peak / weights"):
+        table.add_column(column, justify="left" if column == "activations" else "right")
+    for r in rows:
+        table.add_row("recomputed" if r.size.checkpointed else "kept", r.dtype,
+                      f"{r.seconds_per_step:.2f}", f"{r.peak_rss_mib:,.0f}",
+                      f"{r.base_weight_mib:,.0f}", f"{r.peak_over_bf16_weights:.2f}x")
+    output_console().print(table)
+    if args.json is not None:
+        write_text_atomic(args.json, json.dumps([{**dataclasses.asdict(r), "peak_over_bf16_"
+                                                  "weights": r.peak_over_bf16_weights}
+                                                 for r in rows], indent=2) + "\n")
     return 0
 
 
