@@ -146,7 +146,7 @@ def test_lora_trains_adapters_only(tiny, tmp_path: Path, capsys) -> None:
     base = load_file(Run(tiny["run"]).weights_file("best")[1])
     tuned = load_file(out / MODEL_FILE)
     assert all(torch.equal(base[name], tuned[name]) for name in base)  # the base is frozen
-    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+    assert json.loads((out / "adapter.json").read_text())["rank"] == 4
     # The run loads as its base with the adapters merged in: it has learnt the replies.
     assert reply_loss(out, HELD_OUT) < reply_loss(tiny["run"], HELD_OUT) - 0.1
     evaluations = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())

@@ -15,6 +15,16 @@ import torch
 import torch.nn.functional as F
 
 from glassgpt import GPT, ConfigError, GPTConfig
+from glassgpt.adapters.lora import (
+    LoraLinear,
+    LoraSettings,
+    add_lora,
+    lora_parameters,
+    lora_state_dict,
+    merge_lora,
+    run_adapter_files,
+    unmerge_lora,
+)
 from glassgpt.cli import main
 from glassgpt.errors import CheckpointError
 from glassgpt.hf.adapter import (
@@ -26,16 +36,8 @@ from glassgpt.hf.adapter import (
 )
 from glassgpt.hf.interop import save_hf, to_hf
 from glassgpt.rundir.checkpoint import load_model
-from glassgpt.training.lora import (
-    LoraLinear,
-    LoraSettings,
-    add_lora,
-    lora_parameters,
-    lora_state_dict,
-    merge_lora,
-    save_run_adapter,
-    unmerge_lora,
-)
+from glassgpt.rundir.directory import commit_files
+from glassgpt.storage.layout import ADAPTER_CONFIG_FILE as RUN_ADAPTER_FILE
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -248,13 +250,16 @@ def test_run_with_an_adapter_samples_and_exports_merged_or_apart(run_copy, tmp_p
     settings = LoraSettings(rank=2, alpha=4.0)
     add_lora(base, settings)
     randomize_adapters(base)
-    save_run_adapter(run_copy, base, settings)
-    assert (run_copy / ADAPTER_CONFIG_FILE).is_file()  # beside the base, which is unchanged
+    commit_files(run_copy, run_adapter_files(base))
+    assert (run_copy / RUN_ADAPTER_FILE).is_file()  # beside the base, which is unchanged
     idx = torch.randint(0, base.config.vocab_size, (1, 8), generator=torch.Generator())
     with torch.no_grad():
         expected = base(idx)[0]
         tuned, _ = load_model(run_copy)  # merged, a plain GPT again
         assert not any(isinstance(m, LoraLinear) for m in tuned.modules())
+        # as trainable as any loaded model: the view's head scores sized their batch by the
+        # trainable parameters and divided by zero on a tuned run's frozen ones
+        assert all(p.requires_grad for p in tuned.parameters())
         assert (tuned(idx)[0] - expected).abs().max() < 1e-5
     assert main(["convert", str(run_copy), "--to-hf", str(tmp_path / "apart"), "--adapter"]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "apart")

@@ -4,7 +4,7 @@
 its peak resident memory (ru_maxrss) is the fine-tune's own: it builds a model of the preset's
 shape with random weights straight in the base dtype (bf16 where the CPU has bf16 matrix
 instructions, else float32: never a float32 copy first), adds float32 adapters on every
-projection (glassgpt.training.lora), and takes optimizer steps on random token windows, the
+projection (glassgpt.adapters.lora), and takes optimizer steps on random token windows, the
 first untimed. The aim: peak memory at most 1.5x the bf16 weights (the weights, the adapters,
 their Adam state, and the activations of one window). Library only: the CLI (`glassgpt bench
 lora`) prints it.
@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from glassgpt.adapters.lora import LoraSettings, add_lora, lora_parameters
 from glassgpt.config import GPTConfig
 from glassgpt.machine.devices import cpu_bf16_support
 from glassgpt.model import GPT
-from glassgpt.training.lora import LoraSettings, add_lora, lora_parameters
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 

@@ -71,7 +71,7 @@ def lora_settings(args: argparse.Namespace) -> Any:
         raise CommandLineError(f"--lora-targets {args.lora_targets!r:.60}: choose among "
                                f"{','.join(LORA_TARGETS)}")
     try:
-        from glassgpt.training.lora import LoraSettings
+        from glassgpt.adapters.lora import LoraSettings
     except ImportError:
         raise CommandLineError("LoRA fine-tuning (--lora-rank) is not yet available in this "
                                "glassgpt; fine-tune all the weights without it") from None

@@ -27,15 +27,7 @@ import torch
 from safetensors.torch import save as save_safetensors_bytes
 from torch import Tensor, nn
 
-from glassgpt.config import GATED_ACTIVATIONS, GPTConfig
-from glassgpt.errors import CheckpointError, ConfigError
-from glassgpt.hf.architectures import architecture_for
-from glassgpt.hf.translation import Architecture
-from glassgpt.storage import files
-from glassgpt.storage.commit import staged_directory
-from glassgpt.storage.layout import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
-from glassgpt.storage.tensorfile import SafetensorsFile, check_finite
-from glassgpt.training.lora import (
+from glassgpt.adapters.lora import (
     TARGETS,
     LoraSettings,
     add_lora,
@@ -43,9 +35,18 @@ from glassgpt.training.lora import (
     lora_modules,
     lora_state_dict,
 )
+from glassgpt.config import GATED_ACTIVATIONS, GPTConfig
+from glassgpt.errors import CheckpointError, ConfigError
+from glassgpt.hf.architectures import architecture_for
+from glassgpt.hf.translation import Architecture
+from glassgpt.storage import files
+from glassgpt.storage.commit import staged_directory
+from glassgpt.storage.tensorfile import SafetensorsFile, check_finite
 
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
 QKV = ("q", "k", "v")
+ADAPTER_CONFIG_FILE = "adapter_config.json"  # peft's names
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 MAX_ADAPTER_BYTES = 2**34
 # adapter_config.json settings glassgpt's adapters do not have: each must be off (its value
 # here, or absent) in a file read back.

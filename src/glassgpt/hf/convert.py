@@ -14,10 +14,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from glassgpt.adapters.lora import apply_run_adapter
 from glassgpt.config import GPTConfig
 from glassgpt.errors import CheckpointError
 from glassgpt.hf import interop
-from glassgpt.hf.adapter import adapter_files, load_adapter
+from glassgpt.hf.adapter import adapter_files
 from glassgpt.hf.files import (
     MAX_TOKENIZER_BYTES,
     PADDING_LIMIT,
@@ -157,9 +158,9 @@ def _adapter_contents(run_dir: Path, model: GPT, base: Path) -> dict[str, bytes]
     (the adapters added to it are kept apart from its weights)."""
     found = Run(run_dir).adapter_dir()
     if found is None:
-        raise CheckpointError(f"{run_dir} holds no LoRA adapter (adapter_config.json); "
+        raise CheckpointError(f"{run_dir} holds no LoRA adapter (adapter.json); "
                               f"export it without --adapter")
-    load_adapter(model, found)
+    apply_run_adapter(model, found)
     return adapter_files(model, base_model=str(base))
 
 

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save as save_safetensors_bytes
 from torch import Tensor, nn
 
+from glassgpt.adapters.lora import apply_run_adapter, bake_lora
 from glassgpt.config import GPTConfig, check_choice
 from glassgpt.errors import CheckpointError, ConfigError, TokenizerError
 from glassgpt.machine.devices import resolve_device
@@ -404,16 +405,13 @@ class Run:
         model = model_holding(self.model_config, tensors, weights)
         del tensors  # the model holds them now
         if adapter and self.adapter_dir() is not None:
-            # imported here: the adapter's reader builds on glassgpt.hf, which imports this
-            from glassgpt.hf.adapter import load_adapter
-            from glassgpt.training.lora import bake_lora
-            load_adapter(model, self.adapter_dir())
+            apply_run_adapter(model, self.dir)
             bake_lora(model)
         return model.to(target).eval(), tokenizer
 
     def adapter_dir(self) -> Path | None:
         """The run directory itself when it holds a LoRA adapter beside its base weights (a
-        LoRA fine-tune's adapter_config.json and adapter_model.safetensors, peft's format),
+        LoRA fine-tune's adapter.json and adapter.safetensors: glassgpt.adapters.lora),
         else None."""
         return None if files.entry_kind(self.dir / ADAPTER_CONFIG_FILE) == "missing" else self.dir
 

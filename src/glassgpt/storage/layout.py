@@ -36,9 +36,9 @@ STATE_JSON_FILE = "train_state.json"
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 RUN_JOURNAL = "checkpoint.journal"
-# A fine-tune's LoRA adapter, in peft's format, beside the base weights it applies to.
-ADAPTER_CONFIG_FILE = "adapter_config.json"
-ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+# A LoRA fine-tune's adapters (glassgpt.adapters.lora), beside the base weights they apply to.
+ADAPTER_CONFIG_FILE = "adapter.json"
+ADAPTER_WEIGHTS_FILE = "adapter.safetensors"
 CHECKPOINT_FILES = (CONFIG_FILE, MODEL_FILE, BEST_FILE, TOKENIZER_FILE, STATE_TENSORS_FILE,
                     STATE_JSON_FILE, CHAT_TEMPLATE_FILE, ADAPTER_CONFIG_FILE,
                     ADAPTER_WEIGHTS_FILE)

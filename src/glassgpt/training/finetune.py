@@ -19,10 +19,11 @@ The new run is a whole run: its config, tokenizer and chat template (the templat
 with, so that `sample --chat` renders what it learnt) are in every checkpoint. The recipe is the
 source's with a fine-tune's defaults (a tenth of its lr; see lifecycle.finetune_config).
 
-With `lora` (glassgpt.training.lora.LoraSettings) only low-rank adapters train, the base
+With `lora` (glassgpt.adapters.lora.LoraSettings) only low-rank adapters train, the base
 weights frozen: the run's model.safetensors (and best.safetensors) hold the base weights as
 they were, and each checkpoint commits the adapters beside them, in the same commit
-(adapter_config.json and adapter_model.safetensors, peft's format: glassgpt.hf.adapter). They
+(adapter.json and adapter.safetensors: glassgpt.adapters.lora; `glassgpt convert --to-hf
+--adapter` writes them in peft's format). They
 are the last ones (an adapter's best is not kept apart); `load_model` of the run merges them
 in. Resuming reads the base and the adapters back, unmerged.
 """
@@ -38,6 +39,7 @@ from typing import Any
 
 import torch
 
+from glassgpt.adapters.lora import add_lora, apply_run_adapter, run_adapter_files
 from glassgpt.config import TrainConfig
 from glassgpt.data.sft import (
     ConversationSampler,
@@ -244,20 +246,15 @@ def _trainer(model: GPT, cfg: TrainConfig, data: SFTData, out: Path,
     def more_files() -> dict[str, bytes]:
         if not tuned_with_lora:
             return template
-        from glassgpt.hf.adapter import adapter_files
-        return {**template, **adapter_files(model, str(out))}
+        return {**template, **run_adapter_files(model)}
     return Trainer(model, cfg, data, out, reporter, threads=threads,  # type: ignore[arg-type]
                    stop=stop, extra=extra, batches=batches, more_files=more_files)
 
 
 def _add_adapters(model: GPT, lora: Any, source_dir: Path) -> None:
-    """LoRA adapters on `model`, its base frozen; refused at once where they could not be
-    written in peft's format for the run's family."""
-    from glassgpt.hf.adapter import adapter_files
-    from glassgpt.training.lora import add_lora
-
+    """LoRA adapters on `model`, its base frozen (a target the model lacks is refused at once,
+    before any training)."""
     add_lora(model, lora)
-    adapter_files(model, str(source_dir))  # raises ConfigError before any training
 
 
 def _resumed_model(run: ckpt.Run) -> GPT:
@@ -265,13 +262,11 @@ def _resumed_model(run: ckpt.Run) -> GPT:
     a LoRA fine-tune's base with its adapters read back on, unmerged."""
     model = run.load_model(checkpoint="last", adapter=False)[0].train()
     if run.extra.get("lora") is not None:
-        from glassgpt.hf.adapter import load_adapter
-
         adapter = run.adapter_dir()
         if adapter is None:
             raise ckpt.CheckpointError(f"{run.dir} was fine-tuned with LoRA but holds no "
                                        f"adapter directory; it cannot be resumed")
-        load_adapter(model, adapter)
+        apply_run_adapter(model, adapter)
     return model
 
 

@@ -27,6 +27,7 @@ Shortformer models take no adapter on q, k or v for that reason.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from torch import Tensor, nn
 
 from glassgpt.config import GATED_ACTIVATIONS, GPTConfig, check_dropout
 from glassgpt.errors import CheckpointError, ConfigError
+from glassgpt.storage.layout import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 
 # Each target: the sub-layer it lives in (its name in lora_state_dict) and the module there.
 ATTENTION_TARGETS = ("q", "k", "v", "o")
@@ -232,7 +234,7 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> None:
         for (part, attribute), slices in chosen.items():
             owner = getattr(block, part)
             setattr(owner, attribute, LoraLinear(getattr(owner, attribute), slices, settings))
-    model.lora_settings = settings  # what save_run_adapter and the HF adapter write
+    model.lora_settings = settings  # what run_adapter_files and the HF adapter write
 
 
 def lora_modules(model: nn.Module) -> Iterator[tuple[int, str, LoraLinear]]:
@@ -300,7 +302,8 @@ def unmerge_lora(model: nn.Module) -> None:
 
 def bake_lora(model: nn.Module) -> None:
     """Merge the adapters and put plain `nn.Linear` modules back (holding the merged
-    weights): the model is a plain GPT again, with nothing of LoRA left to unmerge."""
+    weights): the model is a plain GPT again, with nothing of LoRA left to unmerge, and its
+    weights trainable again as a loaded model's are (a frozen one counted as 0 parameters)."""
     for block in model.blocks:
         for part in ("attn", "ffn"):
             owner = getattr(block, part, None)
@@ -309,6 +312,7 @@ def bake_lora(model: nn.Module) -> None:
                     setattr(owner, attribute, _plain_linear(child))
     if hasattr(model, "lora_settings"):
         del model.lora_settings
+    model.requires_grad_(True)
 
 
 def _plain_linear(module: LoraLinear) -> nn.Linear:
@@ -319,16 +323,47 @@ def _plain_linear(module: LoraLinear) -> nn.Linear:
     return linear
 
 
-def save_run_adapter(run_dir: str | Path, model: nn.Module, settings: LoraSettings) -> None:
-    """Write `model`'s adapters into the run directory beside its base weights
-    (adapter_config.json and adapter_model.safetensors, peft's format with the HF names of the
-    run's family): `load_model` of the run then gives the base with them merged in."""
-    # imported here: the format's module builds on this one (its names, its state dict)
-    from glassgpt.hf.adapter import adapter_files
-    from glassgpt.rundir.directory import commit_files
+# --- a run's adapter files ------------------------------------------------------------------
+# A run keeps its adapters in glassgpt's own names (lora_state_dict's) beside its base weights;
+# peft's format, with Hugging Face's module names, is written on export (glassgpt.hf.adapter).
 
-    current = getattr(model, "lora_settings", None)
-    if current != settings:
-        raise ConfigError(f"the model's adapters are {current}, not {settings}")
-    # The run's own files (storage.layout): one commit, both or neither.
-    commit_files(run_dir, adapter_files(model, base_model=str(run_dir)))
+ADAPTER_FORMAT = "glassgpt-lora/1"
+
+
+def run_adapter_files(model: nn.Module) -> dict[str, bytes]:
+    """The run's adapter files of `model`'s adapters: the settings (JSON) and the tensors."""
+    from safetensors.torch import save as safetensors_bytes
+
+    settings = getattr(model, "lora_settings", None)
+    if settings is None:
+        raise ConfigError("the model has no LoRA adapters to save")
+    config = {"format": ADAPTER_FORMAT, "rank": settings.rank, "alpha": settings.alpha,
+              "dropout": settings.dropout, "targets": list(settings.targets)}
+    tensors = {name: t.detach().contiguous() for name, t in lora_state_dict(model).items()}
+    return {ADAPTER_CONFIG_FILE: (json.dumps(config, indent=2) + "\n").encode("utf-8"),
+            ADAPTER_WEIGHTS_FILE: safetensors_bytes(tensors)}
+
+
+def apply_run_adapter(model: nn.Module, directory: str | Path) -> LoraSettings:
+    """The adapters a run keeps in `directory`, added to `model` (unmerged); anything not
+    written by run_adapter_files, or for another model, is one CheckpointError line."""
+    from glassgpt.storage import files
+    from glassgpt.storage.tensorfile import SafetensorsFile, check_finite
+
+    directory = Path(directory)
+    config = files.read_json_object(directory / ADAPTER_CONFIG_FILE, CheckpointError)
+    if config.get("format") != ADAPTER_FORMAT:
+        raise CheckpointError(f"{directory / ADAPTER_CONFIG_FILE} is not a glassgpt adapter "
+                              f"(format {config.get('format')!r:.40})")
+    try:
+        settings = LoraSettings(int(config["rank"]), float(config["alpha"]),
+                                float(config["dropout"]), tuple(config["targets"]))
+        settings.check(model.config)
+    except (KeyError, TypeError, ValueError, ConfigError) as error:
+        raise CheckpointError(f"{directory / ADAPTER_CONFIG_FILE}: {error}") from None
+    with SafetensorsFile(directory / ADAPTER_WEIGHTS_FILE, CheckpointError) as file:
+        tensors = file.read_all()
+    check_finite(tensors, directory / ADAPTER_WEIGHTS_FILE, CheckpointError)
+    add_lora(model, settings)
+    load_lora_state_dict(model, tensors)
+    return settings
