@@ -75,6 +75,27 @@ def run_dir(tmp_path_factory) -> Path:
     return root / "run"
 
 
+@contextmanager
+def served(browser, app, width: int = 1400, height: int = 900) -> Iterator[object]:
+    """`app` served on a thread of this process and opened in `browser` at width x height,
+    until the page says it is ready; what earlier pages of this browser logged is dropped."""
+    server = make_server(app)
+    sock = open_socket("127.0.0.1", 0)
+    serving = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    serving.start()
+    try:
+        browser.set_window_size(width, height)
+        browser.get(url_of(sock))
+        wait_for(browser, lambda d: d.find_element("tag name", "body")
+                 .get_attribute("data-ready"))
+        browser.get_log("browser")
+        yield browser
+    finally:
+        server.should_exit = True
+        serving.join(timeout=10)
+        sock.close()
+
+
 @pytest.fixture(scope="module")
 def server(run_dir) -> Iterator[Server]:
     """`glassgpt view RUN --port 0` in a subprocess (starting while the browser starts)."""

@@ -10,7 +10,6 @@ maps and its heads' outputs move there and nowhere else, and only that head's pa
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,8 +24,15 @@ from glassgpt.interp.hooked import run_with_cache
 from glassgpt.model import GPT
 from glassgpt.rundir.checkpoint import load_model, save_model
 from glassgpt.view.compare import load_comparison
-from glassgpt.view.server import create_app, load_for_view, make_server, open_socket, url_of
-from test_view_browser import browser, run_dir, type_prompt, values, wait_for  # noqa: F401
+from glassgpt.view.server import create_app, load_for_view
+from test_view_browser import (  # noqa: F401
+    browser,
+    run_dir,
+    served,
+    type_prompt,
+    values,
+    wait_for,
+)
 
 PROMPT = "to be or not"
 LAYER, HEAD = 1, 0  # the head the "tune" changed
@@ -195,21 +201,8 @@ def test_the_command_line_takes_the_run_it_was_tuned_from(tuned_dir, run_dir, ca
 @pytest.fixture(scope="module")
 def page(view, comparison, browser) -> Iterator[Any]:  # noqa: F811
     """The tuned view compared with its base, served on a thread of this process, 1400 px."""
-    server = make_server(create_app(view, comparison=comparison))
-    sock = open_socket("127.0.0.1", 0)
-    serving = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    serving.start()
-    try:
-        browser.set_window_size(1400, 900)
-        browser.get(url_of(sock))
-        wait_for(browser, lambda d: d.find_element("tag name", "body")
-                 .get_attribute("data-ready"))
-        browser.get_log("browser")  # what earlier pages of this browser logged is theirs
-        yield browser
-    finally:
-        server.should_exit = True
-        serving.join(timeout=10)
-        sock.close()
+    with served(browser, create_app(view, comparison=comparison)) as driver:
+        yield driver
 
 
 def test_the_panel_compares_the_prompt_head_by_head(page, view):

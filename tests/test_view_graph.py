@@ -9,7 +9,6 @@ have random weights and a negative encoder bias, so that some features fire and 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,8 +26,15 @@ from glassgpt.interp.graph.replacement import read_prompt
 from glassgpt.interp.sae import SAE, SAEConfig
 from glassgpt.view.features import load_dictionaries
 from glassgpt.view.graph import TOP_HEADS, load_graphs
-from glassgpt.view.server import create_app, load_for_view, make_server, open_socket, url_of
-from test_view_browser import browser, run_dir, type_prompt, values, wait_for  # noqa: F401
+from glassgpt.view.server import create_app, load_for_view
+from test_view_browser import (  # noqa: F401
+    browser,
+    run_dir,
+    served,
+    type_prompt,
+    values,
+    wait_for,
+)
 
 PROMPT = "to be or not"
 LAYERS = 2
@@ -219,21 +225,8 @@ def test_the_command_line_takes_transcoders_that_fit(run_dir, transcoders_dir, c
 def page(view, loaded, browser) -> Iterator[Any]:  # noqa: F811
     """The view with its transcoders, served on a thread of this process, in a 1400 px window."""
     dicts, graphs = loaded
-    server = make_server(create_app(view, dictionaries=dicts, graphs=graphs))
-    sock = open_socket("127.0.0.1", 0)
-    serving = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    serving.start()
-    try:
-        browser.set_window_size(1400, 900)
-        browser.get(url_of(sock))
-        wait_for(browser, lambda d: d.find_element("tag name", "body")
-                 .get_attribute("data-ready"))
-        browser.get_log("browser")  # what earlier pages of this browser logged is theirs
-        yield browser
-    finally:
-        server.should_exit = True
-        serving.join(timeout=10)
-        sock.close()
+    with served(browser, create_app(view, dictionaries=dicts, graphs=graphs)) as driver:
+        yield driver
 
 
 def drawn(driver, what: str = "dataset.id") -> list[str]:
