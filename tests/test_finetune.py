@@ -250,3 +250,30 @@ def test_a_task_the_run_cannot_do_is_learned_eval_from_near_0_to_near_1(tiny, tm
     capsys.readouterr()
     after = exact_match(out)
     assert before <= 0.2 and after >= 0.7, (before, after)
+
+
+def test_a_tune_starts_from_a_peft_adapter(tiny, tmp_path: Path, capsys) -> None:
+    """`finetune --adapter DIR` starts from the adapters peft's files hold: tuned, exported in
+    peft's format, and read back as a new tune's starting point (at an lr of 1e-12 they come
+    out as they went in)."""
+    first = tmp_path / "first"
+    assert main(["finetune", str(tiny["run"]), "--sft", str(tiny["sft"]), "--out", str(first),
+                 "--lora-rank", "4", *TUNE]) == 0
+    assert main(["convert", str(first), "--to-hf", str(tmp_path / "hf"), "--adapter"]) == 0
+    again = tmp_path / "again"
+    tune = [*TUNE]
+    tune[tune.index("--lr") + 1] = "1e-12"
+    tune[tune.index("--max-iters") + 1] = tune[tune.index("--eval-interval") + 1] = "1"
+    tune[tune.index("--lr-decay-iters") + 1] = "1"
+    assert main(["finetune", str(tiny["run"]), "--sft", str(tiny["sft"]), "--out", str(again),
+                 "--adapter", str(tmp_path / "hf" / "adapter"), *tune]) == 0
+    before = load_file(first / "adapter.safetensors")
+    after = load_file(again / "adapter.safetensors")
+    assert set(before) == set(after) and any(t.abs().sum() > 0 for t in before.values())
+    for name, tensor in before.items():
+        torch.testing.assert_close(after[name], tensor, atol=1e-6, rtol=0)
+    capsys.readouterr()
+    assert main(["finetune", str(tiny["run"]), "--sft", str(tiny["sft"]), "--out",
+                 str(tmp_path / "x"), "--adapter", str(tmp_path / "hf" / "adapter"),
+                 "--lora-rank", "2"]) == 2
+    assert "brings its own LoRA settings" in capsys.readouterr().err

@@ -49,6 +49,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lora.add_argument("--lora-targets", default="q,k,v,o", metavar="LIST",
                       help=f"the projections to adapt, among {','.join(LORA_TARGETS)} "
                       f"(default q,k,v,o)")
+    lora.add_argument("--adapter", type=path_arg, metavar="DIR",
+                      help="start from this peft LoRA adapter (adapter_config.json, "
+                      "adapter_model.safetensors) of RUN's model instead of new adapters "
+                      "(`glassgpt convert RUN2 --to-hf OUT --adapter` writes one)")
     _add_dataclass_flags(p.add_argument_group(
         "training settings", "default: the source run's recipe, with a tenth of its lr and "
         "warm-up over a tenth of --max-iters (the defaults shown are the cpu-small preset's)"),
@@ -70,11 +74,8 @@ def lora_settings(args: argparse.Namespace) -> Any:
     if unknown or not targets:
         raise CommandLineError(f"--lora-targets {args.lora_targets!r:.60}: choose among "
                                f"{','.join(LORA_TARGETS)}")
-    try:
-        from glassgpt.adapters.lora import LoraSettings
-    except ImportError:
-        raise CommandLineError("LoRA fine-tuning (--lora-rank) is not yet available in this "
-                               "glassgpt; fine-tune all the weights without it") from None
+    from glassgpt.adapters.lora import LoraSettings
+
     alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
     return LoraSettings(args.lora_rank, alpha, args.lora_dropout, targets)
 
@@ -94,10 +95,20 @@ def run_finetune(args: argparse.Namespace) -> int:
         raise CommandLineError("glassgpt finetune RUN --sft DATA.jsonl --out RUN2: the run to "
                                "start from and --sft are needed (or --resume)")
     lora = lora_settings(args)
+    adapter = None
+    if args.adapter is not None:
+        from glassgpt.hf.adapter import read_adapter
+        from glassgpt.rundir.checkpoint import Run
+
+        if args.resume or args.run_dir is None:
+            raise CommandLineError("--adapter starts a new fine-tune from a peft adapter: give "
+                                   "the run it was trained on, not --resume")
+        adapter = read_adapter(args.adapter, Run(args.run_dir).model_config)
     stop = threading.Event()
     reporter = RichReporter(stop)
     outcome = finetune_run(args.run_dir, args.sft, args.out, val_sft=args.val_sft,
-                           train=_flags(args, "train"), lora=lora, resume=args.resume,
+                           train=_flags(args, "train"), lora=lora, adapter=adapter,
+                           resume=args.resume,
                            force=args.force, checkpoint=args.checkpoint, threads=args.threads,
                            reporter=reporter, stop=stop, on_start=_announce, wording="cli")
     return _finish(outcome)

@@ -39,7 +39,12 @@ from typing import Any
 
 import torch
 
-from glassgpt.adapters.lora import add_lora, apply_run_adapter, run_adapter_files
+from glassgpt.adapters.lora import (
+    add_lora,
+    apply_run_adapter,
+    load_lora_state_dict,
+    run_adapter_files,
+)
 from glassgpt.config import TrainConfig
 from glassgpt.data.sft import (
     ConversationSampler,
@@ -147,19 +152,25 @@ class FinetuneOutcome:
 
 def finetune_run(source: str | Path | None, sft: str | Path | None, out: str | Path, *,
                  val_sft: str | Path | None = None, train: dict[str, Any] | None = None,
-                 lora: Any = None, resume: bool = False, force: bool = False,
+                 lora: Any = None, adapter: tuple[Any, dict[str, Any]] | None = None,
+                 resume: bool = False, force: bool = False,
                  checkpoint: str = "best", threads: int | str | None = AUTO,
                  reporter: Reporter | None = None, stop: threading.Event | None = None,
                  on_start: Callable[[lifecycle.TrainStart, SFTData], Any] | None = None,
                  wording: str = "api") -> FinetuneOutcome:
     """Fine-tune run `source` on the conversations of `sft` into the new run `out`, or (with
     `resume`) continue `out` (its recorded conversation files unless given). `train` holds
-    TrainConfig settings by name. Raises glassgpt.errors exceptions, having changed nothing,
-    for bad input."""
+    TrainConfig settings by name. `adapter` (LoraSettings, tensors in lora_state_dict's names:
+    what glassgpt.hf.adapter.read_adapter reads from a peft directory) starts the LoRA tune from
+    those adapters instead of new ones. Raises glassgpt.errors exceptions, having changed
+    nothing, for bad input."""
     spell = arguments.spelling(wording)
     out = files.check_path_given(out, ConfigError, spell("out"))
+    if lora is not None and adapter is not None:
+        raise ConfigError("an adapter to start from brings its own LoRA settings; drop "
+                          f"{spell('lora_rank')} and the other LoRA settings")
     if resume:
-        if lora is not None:
+        if lora is not None or adapter is not None:
             raise ConfigError("a resumed fine-tune keeps its own LoRA settings; drop them")
         return _resume(out, source, sft, val_sft, dict(train or {}), threads, reporter,
                        stop, on_start, spell)
@@ -167,20 +178,25 @@ def finetune_run(source: str | Path | None, sft: str | Path | None, out: str | P
         raise ConfigError("a fine-tune needs the run to start from and the conversations "
                           f"({spell('sft')})")
     return _start(Path(source), sft, out, val_sft, dict(train or {}), force, checkpoint,
-                  threads, reporter, stop, on_start, spell, lora)
+                  threads, reporter, stop, on_start, spell, lora, adapter)
 
 
 def _start(source_dir: Path, sft: str | Path, out: Path, val_sft: str | Path | None,
            train: dict[str, Any], force: bool, checkpoint: str, threads: int | str | None,
            reporter: Reporter | None, stop: threading.Event | None,
-           on_start: Callable | None, spell: arguments.Spell, lora: Any) -> FinetuneOutcome:
+           on_start: Callable | None, spell: arguments.Spell, lora: Any,
+           adapter: tuple[Any, dict[str, Any]] | None) -> FinetuneOutcome:
     rundir.check_out_dir(out, force, source_dir, spell)
     source = ckpt.Run(source_dir)
     cfg = lifecycle.finetune_config(source, runs.preset_for_device(train.get("device", AUTO)),
                                     None, train)
     data = sft_data(source, sft, val_sft)
     model = source.load_model(checkpoint=checkpoint)[0].train()
-    if lora is not None:
+    if adapter is not None:
+        lora, tensors = adapter
+        _add_adapters(model, lora, source_dir)
+        load_lora_state_dict(model, tensors)
+    elif lora is not None:
         _add_adapters(model, lora, source_dir)
     extra = {"preset": None, "init_from": str(source_dir), "sft": str(sft),
              "val_sft": None if val_sft is None else str(val_sft),
