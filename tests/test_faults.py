@@ -174,8 +174,10 @@ def test_a_crash_at_any_point_of_a_checkpoint_write_keeps_one_whole_checkpoint(t
         assert_bitwise_equal(dict(model.state_dict()), dict(expected.state_dict()))
         assert directory_hashes(run) == on_disk  # reading changed nothing
         rundir.recover_interrupted_commit(run)  # what the next writer does first, under its lock
-        # these saves keep no best, and a run trained here has no chat template
-        written = set(layout.CHECKPOINT_FILES) - {layout.BEST_FILE, layout.CHAT_TEMPLATE_FILE}
+        # these saves keep no best, and a run trained here has no chat template nor adapters
+        written = set(layout.CHECKPOINT_FILES) - {layout.BEST_FILE, layout.CHAT_TEMPLATE_FILE,
+                                                  layout.ADAPTER_CONFIG_FILE,
+                                                  layout.ADAPTER_WEIGHTS_FILE}
         assert sorted(p.name for p in run.iterdir()) == sorted(written)
         assert load_train_state(run).iteration == loaded
         if finished:
