@@ -337,6 +337,12 @@ def test_the_graph_command_prints_scores_and_writes_the_graph(trained_run, tmp_p
                                graph.adjacency_matrix)
     data = json.loads(js.read_text())
     assert data["tokens"] == [tokenizer.decode([t]) for t in tokenizer.encode("to be or")]
+    assert main(["graph", str(trained_run.run), "--transcoders", str(folder), "--prompt",
+                 "to be or", "--json", str(js)]) == 2  # a file already there stays
+    assert f"{js} already exists; pass --force" in capsys.readouterr().err
+    assert main(["graph", str(trained_run.run), "--transcoders", str(folder), "--prompt",
+                 "to be or", "--json", str(js), "--force"]) == 0
+    capsys.readouterr()
     assert main(["graph", str(trained_run.run), "--transcoders", str(folder), "--prompt", "x",
                  "--node-threshold", "2"]) == 2
     assert "--node-threshold is a share in (0, 1], got 2.0" in capsys.readouterr().err

@@ -35,6 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top", type=int, default=10, help="features to list")
     p.add_argument("--out", type=path_arg, help="save the whole graph (.safetensors)")
     p.add_argument("--json", type=path_arg, help="write the pruned graph's nodes and edges")
+    p.add_argument("--force", action="store_true", help="replace --out and --json files that "
+                   "already exist")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     add_checkpoint_flag(p, "read")
     p.set_defaults(handler=run_graph)
@@ -47,6 +49,7 @@ def run_graph(args: argparse.Namespace) -> int:
     from glassgpt.interp.graph.prune import graph_scores, prune_graph
     from glassgpt.rundir.checkpoint import load_model
     from glassgpt.storage import files
+    from glassgpt.storage.outputs import check_output_file
 
     for name in ("node_threshold", "edge_threshold", "logit_prob"):
         if not 0 < getattr(args, name) <= 1:
@@ -54,6 +57,9 @@ def run_graph(args: argparse.Namespace) -> int:
                               f"{getattr(args, name)}")
     if args.max_logits < 1:
         raise ConfigError(f"--max-logits must be positive, got {args.max_logits}")
+    for output in (args.out, args.json):  # before the model is read and the graph built
+        if output is not None:
+            check_output_file(output, args.force, ConfigError)
     model, tokenizer = load_model(args.run_dir, args.device, args.checkpoint)
     transcoders = load_transcoders(args.transcoders, device=args.device)
     ids, given = encode_prompt(tokenizer, args.prompt, model.config.block_size, args.device)
