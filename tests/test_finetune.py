@@ -277,3 +277,21 @@ def test_a_tune_starts_from_a_peft_adapter(tiny, tmp_path: Path, capsys) -> None
                  str(tmp_path / "x"), "--adapter", str(tmp_path / "hf" / "adapter"),
                  "--lora-rank", "2"]) == 2
     assert "brings its own LoRA settings" in capsys.readouterr().err
+
+
+def test_recomputing_the_blocks_trains_the_same_weights(tiny, tmp_path: Path) -> None:
+    """`--recompute` trades memory for a second forward of each block: the tune is the same,
+    and a resume keeps recomputing."""
+    tune = [*TUNE]
+    tune[tune.index("--max-iters") + 1] = tune[tune.index("--lr-decay-iters") + 1] = "8"
+    tune[tune.index("--eval-interval") + 1] = "4"
+    for name, extra in (("kept", []), ("recomputed", ["--recompute"])):
+        assert main(["finetune", str(tiny["run"]), "--sft", str(tiny["sft"]), "--out",
+                     str(tmp_path / name), *tune, *extra]) == 0
+    kept = load_file(tmp_path / "kept" / "model.safetensors")
+    recomputed = load_file(tmp_path / "recomputed" / "model.safetensors")
+    for name, tensor in kept.items():
+        torch.testing.assert_close(recomputed[name], tensor, atol=1e-6, rtol=0)
+    assert Run(tmp_path / "recomputed").extra["recompute"] is True
+    tune[tune.index("--max-iters") + 1] = "10"
+    assert main(["finetune", "--resume", "--out", str(tmp_path / "recomputed"), *tune]) == 0

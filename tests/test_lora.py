@@ -274,3 +274,19 @@ def test_run_with_an_adapter_samples_and_exports_merged_or_apart(run_copy, tmp_p
 def test_convert_adapter_of_a_run_without_one_is_refused(run_copy, tmp_path, capsys) -> None:
     assert main(["convert", str(run_copy), "--to-hf", str(tmp_path / "out"), "--adapter"]) == 2
     assert "holds no LoRA adapter" in capsys.readouterr().err
+
+
+def test_the_lora_bench_measures_a_tune_in_its_own_process() -> None:
+    from glassgpt.bench.lora import LoraBenchSize, base_model, bench_lora
+
+    size = LoraBenchSize(preset="cpu-small-modern", n_layer=1, rank=2, alpha=4.0, seq_len=16,
+                         steps=2, checkpointed=True)
+    result = bench_lora(size)
+    model = base_model(size, torch.float32)
+    add_lora(model, LoraSettings(2, 4.0, targets=("q", "k", "v", "o", "gate", "up", "down")))
+    assert result.adapter_parameters == sum(p.numel() for p in lora_parameters(model).values())
+    assert result.parameters == sum(p.numel() for p in model.parameters()) - \
+        result.adapter_parameters
+    assert result.base_weight_mib == result.parameters * 2 / 2**20
+    assert result.peak_rss_mib > result.base_weight_mib and result.seconds_per_step > 0
+    assert result.peak_over_bf16_weights == result.peak_rss_mib / result.base_weight_mib

@@ -26,6 +26,7 @@ from glassgpt.adapters.lora import LoraSettings, add_lora, lora_parameters
 from glassgpt.config import GPTConfig
 from glassgpt.machine.devices import cpu_bf16_support
 from glassgpt.model import GPT
+from glassgpt.training.steps import recompute_blocks
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -73,17 +74,6 @@ def bench_lora(size: LoraBenchSize = FULL) -> LoraBenchResult:
     return LoraBenchResult(size, **json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def checkpoint_blocks(model: GPT) -> None:
-    """Each block's activations recomputed in the backward instead of kept (from outside the
-    model: its blocks' forward wrapped), trading a second forward for memory."""
-    from torch.utils.checkpoint import checkpoint
-
-    for block in model.blocks:
-        def forward(*args, _inner=block.forward, **kwargs):
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-        block.forward = forward
-
-
 def base_model(size: LoraBenchSize, dtype: torch.dtype) -> GPT:
     """Random weights of the preset's shape, made in `dtype` from the start."""
     overrides = {} if size.n_layer is None else {"n_layer": size.n_layer}
@@ -103,7 +93,7 @@ def measure(size: LoraBenchSize) -> dict:
     model = base_model(size, dtype)
     add_lora(model, LoraSettings(size.rank, size.alpha, targets=TARGETS))
     if size.checkpointed:
-        checkpoint_blocks(model)
+        recompute_blocks(model)
     adapters = list(lora_parameters(model).values())
     for adapter in adapters:  # B starts at 0; make the adapters do something from step 1
         torch.nn.init.normal_(adapter, std=0.01)

@@ -37,6 +37,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue the fine-tune in --out up to --max-iters in total")
     p.add_argument("--force", action="store_true", help="replace an existing run in --out")
+    p.add_argument("--recompute", action="store_true",
+                   help="keep only each block's input for the backward and compute the rest "
+                   "again there: less memory (2.00x instead of 2.78x the bf16 weights for "
+                   "LoRA on Qwen3-0.6B's shape), ~15%% more time a step")
     add_checkpoint_flag(p, "start from")
     add_threads_flag(p)
     lora = p.add_argument_group("LoRA", "train low-rank adapters only (all weights without "
@@ -108,6 +112,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     reporter = RichReporter(stop)
     outcome = finetune_run(args.run_dir, args.sft, args.out, val_sft=args.val_sft,
                            train=_flags(args, "train"), lora=lora, adapter=adapter,
+                           recompute=args.recompute,
                            resume=args.resume,
                            force=args.force, checkpoint=args.checkpoint, threads=args.threads,
                            reporter=reporter, stop=stop, on_start=_announce, wording="cli")

@@ -65,6 +65,7 @@ from glassgpt.tokenizers import Tokenizer
 from glassgpt.tokenizers.chat import ChatTemplate
 from glassgpt.training import arguments, lifecycle, runs
 from glassgpt.training.metrics import Reporter
+from glassgpt.training.steps import recompute_blocks
 from glassgpt.training.trainer import Trainer, TrainResult
 
 VAL_FRACTION = 0.1  # of the conversations held out for the val loss, without val_sft
@@ -153,7 +154,7 @@ class FinetuneOutcome:
 def finetune_run(source: str | Path | None, sft: str | Path | None, out: str | Path, *,
                  val_sft: str | Path | None = None, train: dict[str, Any] | None = None,
                  lora: Any = None, adapter: tuple[Any, dict[str, Any]] | None = None,
-                 resume: bool = False, force: bool = False,
+                 recompute: bool = False, resume: bool = False, force: bool = False,
                  checkpoint: str = "best", threads: int | str | None = AUTO,
                  reporter: Reporter | None = None, stop: threading.Event | None = None,
                  on_start: Callable[[lifecycle.TrainStart, SFTData], Any] | None = None,
@@ -162,8 +163,9 @@ def finetune_run(source: str | Path | None, sft: str | Path | None, out: str | P
     `resume`) continue `out` (its recorded conversation files unless given). `train` holds
     TrainConfig settings by name. `adapter` (LoraSettings, tensors in lora_state_dict's names:
     what glassgpt.hf.adapter.read_adapter reads from a peft directory) starts the LoRA tune from
-    those adapters instead of new ones. Raises glassgpt.errors exceptions, having changed
-    nothing, for bad input."""
+    those adapters instead of new ones. `recompute` keeps only each block's input for the
+    backward and computes the rest again there (kept for a resume). Raises glassgpt.errors
+    exceptions, having changed nothing, for bad input."""
     spell = arguments.spelling(wording)
     out = files.check_path_given(out, ConfigError, spell("out"))
     if lora is not None and adapter is not None:
@@ -178,14 +180,14 @@ def finetune_run(source: str | Path | None, sft: str | Path | None, out: str | P
         raise ConfigError("a fine-tune needs the run to start from and the conversations "
                           f"({spell('sft')})")
     return _start(Path(source), sft, out, val_sft, dict(train or {}), force, checkpoint,
-                  threads, reporter, stop, on_start, spell, lora, adapter)
+                  threads, reporter, stop, on_start, spell, lora, adapter, recompute)
 
 
 def _start(source_dir: Path, sft: str | Path, out: Path, val_sft: str | Path | None,
            train: dict[str, Any], force: bool, checkpoint: str, threads: int | str | None,
            reporter: Reporter | None, stop: threading.Event | None,
            on_start: Callable | None, spell: arguments.Spell, lora: Any,
-           adapter: tuple[Any, dict[str, Any]] | None) -> FinetuneOutcome:
+           adapter: tuple[Any, dict[str, Any]] | None, recompute: bool) -> FinetuneOutcome:
     rundir.check_out_dir(out, force, source_dir, spell)
     source = ckpt.Run(source_dir)
     cfg = lifecycle.finetune_config(source, runs.preset_for_device(train.get("device", AUTO)),
@@ -198,8 +200,10 @@ def _start(source_dir: Path, sft: str | Path, out: Path, val_sft: str | Path | N
         load_lora_state_dict(model, tensors)
     elif lora is not None:
         _add_adapters(model, lora, source_dir)
+    if recompute:
+        recompute_blocks(model)
     extra = {"preset": None, "init_from": str(source_dir), "sft": str(sft),
-             "val_sft": None if val_sft is None else str(val_sft),
+             "recompute": recompute, "val_sft": None if val_sft is None else str(val_sft),
              "chat_template": data.template_source,
              "lora": None if lora is None else dataclasses.asdict(lora)}
     trainer = _trainer(model, cfg, data, out, reporter, threads, stop, extra)
@@ -234,6 +238,8 @@ def _resume(out: Path, source: str | Path | None, sft: str | Path | None,
     rundir.check_recoverable(out)
     data = sft_data(run, sft, val_sft)
     model = _resumed_model(run)
+    if run.extra.get("recompute"):
+        recompute_blocks(model)
     trainer = _trainer(model, cfg, data, out, reporter, threads, stop, run.extra)
     trainer.resume(weights=False, run=run)
     start = lifecycle.TrainStart("resume", out, data.dir, trainer.device, cfg,

@@ -25,6 +25,18 @@ from glassgpt.model import eval_mode
 Batch = tuple[Tensor, Tensor]
 
 
+def recompute_blocks(model: nn.Module) -> None:
+    """Each block's activations recomputed in the backward instead of kept (torch's activation
+    checkpointing, applied from outside the model: its blocks' forward wrapped): a second
+    forward of each block for the memory of all but its input."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in model.blocks:
+        def forward(*args, _inner=block.forward, **kwargs):
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+        block.forward = forward
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,
                next_batch: Callable[[], Batch], cfg: TrainConfig,
                scaler: torch.amp.GradScaler | None = None,
