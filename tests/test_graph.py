@@ -260,6 +260,7 @@ def test_a_real_graph_prunes_monotonically_and_its_json_names_what_stayed() -> N
             pytest.approx(edge["weight"])
     assert data["tokens"] == [f"<{t}>" for t in ids[0].tolist()]
     assert data["scores"]["replacement"] == pytest.approx(graph_scores(graph)[0])
+    assert graph_scores(graph, pruned.influence) == graph_scores(graph)  # the same influence
     json.dumps(data)
 
 

@@ -36,11 +36,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save as safetensors_bytes
 from torch import Tensor, nn
 
 from glassgpt.config import GATED_ACTIVATIONS, GPTConfig, check_dropout
 from glassgpt.errors import CheckpointError, ConfigError
+from glassgpt.storage import files
 from glassgpt.storage.layout import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+from glassgpt.storage.tensorfile import SafetensorsFile, check_finite
 
 # Each target: the sub-layer it lives in (its name in lora_state_dict) and the module there.
 ATTENTION_TARGETS = ("q", "k", "v", "o")
@@ -332,8 +335,6 @@ ADAPTER_FORMAT = "glassgpt-lora/1"
 
 def run_adapter_files(model: nn.Module) -> dict[str, bytes]:
     """The run's adapter files of `model`'s adapters: the settings (JSON) and the tensors."""
-    from safetensors.torch import save as safetensors_bytes
-
     settings = getattr(model, "lora_settings", None)
     if settings is None:
         raise ConfigError("the model has no LoRA adapters to save")
@@ -347,9 +348,6 @@ def run_adapter_files(model: nn.Module) -> dict[str, bytes]:
 def apply_run_adapter(model: nn.Module, directory: str | Path) -> LoraSettings:
     """The adapters a run keeps in `directory`, added to `model` (unmerged); anything not
     written by run_adapter_files, or for another model, is one CheckpointError line."""
-    from glassgpt.storage import files
-    from glassgpt.storage.tensorfile import SafetensorsFile, check_finite
-
     directory = Path(directory)
     config = files.read_json_object(directory / ADAPTER_CONFIG_FILE, CheckpointError)
     if config.get("format") != ADAPTER_FORMAT:

@@ -138,7 +138,7 @@ def bench_graph(size: GraphBenchSize = FULL, circuit_tracer_python: str | Path |
                                                                   clean_cache, metric),
     }, size.rounds)
     pruned = prune_graph(graph)
-    replacement, completeness = graph_scores(graph)
+    replacement, completeness = graph_scores(graph, pruned.influence)
     result = GraphBenchResult(size, graph.n_features, graph.n_nodes, times["graph"],
                               int(pruned.node_mask[:graph.n_features].sum()), replacement,
                               completeness, size.n_layer * size.n_head, times["attribution"],

@@ -68,7 +68,7 @@ def run_graph(args: argparse.Namespace) -> int:
     graph = attribution_graph(model, transcoders, ids, max_n_logits=args.max_logits,
                               desired_logit_prob=args.logit_prob)
     pruned = prune_graph(graph, args.node_threshold, args.edge_threshold)
-    replacement, completeness = graph_scores(graph)
+    replacement, completeness = graph_scores(graph, pruned.influence)
 
     def decode(token: int) -> str:
         return tokenizer.decode([token])

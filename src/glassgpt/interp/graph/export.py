@@ -57,7 +57,7 @@ def pruned_json(graph: AttributionGraph, pruned: PrunedGraph, thresholds: tuple[
     edges = [{"source": ids[s], "target": ids[t], "weight": float(w)}
              for t, s, w in zip(targets.tolist(), sources.tolist(), weights.tolist(),
                                 strict=True) if s in ids and t in ids]
-    replacement, completeness = graph_scores(graph)
+    replacement, completeness = graph_scores(graph, pruned.influence)
     return {"tokens": [decode(int(t)) for t in graph.input_ids], "n_layers": graph.n_layers,
             "scores": {"replacement": replacement, "completeness": completeness},
             "thresholds": {"node": thresholds[0], "edge": thresholds[1]},

@@ -117,11 +117,15 @@ def cumulative_shares(scores: Tensor) -> Tensor:
     return shares
 
 
-def graph_scores(graph: AttributionGraph) -> tuple[float, float]:
-    """(replacement score, completeness score) of the unpruned graph (module docstring)."""
+def graph_scores(graph: AttributionGraph, influence_on_logits: Tensor | None = None
+                 ) -> tuple[float, float]:
+    """(replacement score, completeness score) of the unpruned graph (module docstring).
+    `influence_on_logits` (N,): node_influence(graph) where the caller has it already (a
+    PrunedGraph's `influence`), not computed again."""
     normalized = normalize_matrix(graph.adjacency_matrix)
     weights = logit_weights(graph)
-    scores = influence(normalized, weights)
+    scores = influence(normalized, weights) if influence_on_logits is None \
+        else influence_on_logits
     from_tokens = scores[graph.token_slice].sum()
     from_errors = scores[graph.error_slice].sum()
     replacement = from_tokens / (from_tokens + from_errors).clamp(min=1e-30)
