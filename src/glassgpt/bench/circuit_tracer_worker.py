@@ -44,7 +44,12 @@ class IdTokenizer:
         return " ".join(str(i) for i in ([ids] if isinstance(ids, int) else ids))
 
 
-def replacement_model(folder: Path, first_id: int) -> TransformerLensReplacementModel:
+def replacement_model(folder: Path, first_id: int, transcoders: str = "transcoders",
+                      input_hook: str = "ln2.hook_normalized"
+                      ) -> TransformerLensReplacementModel:
+    """circuit-tracer's replacement model of FOLDER's checkpoint (lens/) and transcoders
+    (`transcoders`/layer_L.safetensors, read at `input_hook`); tests/data/circuit_tracer's
+    script builds its reference with it too."""
     config = json.loads((folder / "lens" / "config.json").read_text())
     cfg = HookedTransformerConfig(**config, device="cpu", dtype=torch.float32, seed=0)
     model = TransformerLensReplacementModel(cfg)  # a HookedTransformer until configured
@@ -55,14 +60,14 @@ def replacement_model(folder: Path, first_id: int) -> TransformerLensReplacement
     model.tokenizer = IdTokenizer(cfg.d_vocab, first_id)
     layers = {}
     for layer in range(cfg.n_layers):
-        weights = load_file(str(folder / "transcoders" / f"layer_{layer}.safetensors"))
+        weights = load_file(str(folder / transcoders / f"layer_{layer}.safetensors"))
         d_sae, d_model = weights["W_enc"].shape
         transcoder = SingleLayerTranscoder(d_model, d_sae, F.relu, layer,
                                            device=torch.device("cpu"), dtype=torch.float32)
         transcoder.load_state_dict(weights, strict=True)
         layers[layer] = transcoder
     model._configure_replacement_model(TranscoderSet(
-        layers, feature_input_hook="ln2.hook_normalized", feature_output_hook="hook_mlp_out",
+        layers, feature_input_hook=input_hook, feature_output_hook="hook_mlp_out",
         scan="glassgpt-bench"))
     return model.eval()
 

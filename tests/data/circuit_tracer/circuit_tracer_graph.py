@@ -10,25 +10,20 @@ transcoders in circuit-tracer's layout) and writes OUT/reference.safetensors (th
 adjacency, nodes and logits, prune_graph's masks at 0.8 / 0.98 with the kept edges as index
 pairs, the node influences) and OUT/reference.json (the scores and settings).
 """
+import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import circuit_tracer
 import torch
-import torch.nn.functional as F
 from circuit_tracer import attribute
 from circuit_tracer.graph import (
     compute_graph_scores,
     compute_node_influence,
     prune_graph,
 )
-from circuit_tracer.replacement_model.replacement_model_transformerlens import (
-    TransformerLensReplacementModel,
-)
-from circuit_tracer.transcoder import SingleLayerTranscoder, TranscoderSet
 from safetensors.torch import load_file, save_file
-from transformer_lens import HookedTransformerConfig
 
 FIX = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("build")
 OUT = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(".")
@@ -36,52 +31,17 @@ torch.manual_seed(0)
 torch.set_grad_enabled(True)
 
 
-class IdTokenizer:
-    """The little of a HF tokenizer circuit-tracer touches: id 0 is the one special (BOS) id,
-    so a prompt starting with 0 is taken as is (nothing prepended)."""
-
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
-        self.bos_token_id = 0
-        self.pad_token_id = None
-        self.eos_token_id = None
-        self.all_special_ids = [0]
-        self.padding_side = "right"
-
-    def decode(self, ids):
-        if isinstance(ids, torch.Tensor):
-            ids = ids.tolist()
-        if isinstance(ids, int):
-            ids = [ids]
-        return "".join(chr(48 + i) for i in ids)
+# The model and its transcoders are built as `glassgpt bench graph` builds them for
+# circuit-tracer: by its worker, a file that imports nothing of glassgpt.
+WORKER = Path(__file__).resolve().parents[3] / "src/glassgpt/bench/circuit_tracer_worker.py"
+_spec = importlib.util.spec_from_file_location("circuit_tracer_worker", WORKER)
+worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(worker)
 
 
-def load_transcoders(folder: Path, n_layers: int, input_hook: str) -> TranscoderSet:
-    tcs = {}
-    for L in range(n_layers):
-        t = load_file(str(folder / f"layer_{L}.safetensors"))
-        d_sae, d_model = t["W_enc"].shape
-        tc = SingleLayerTranscoder(d_model, d_sae, F.relu, L, device=torch.device("cpu"),
-                                   dtype=torch.float32)
-        tc.load_state_dict(t, strict=True)
-        tcs[L] = tc
-    return TranscoderSet(tcs, feature_input_hook=input_hook, feature_output_hook="hook_mlp_out",
-                         scan="glassgpt-fixture")
-
-
-def build_model(tc_folder: Path, input_hook: str) -> TransformerLensReplacementModel:
-    cfg_dict = json.loads((FIX / "lens" / "config.json").read_text())
-    cfg = HookedTransformerConfig(**cfg_dict, device="cpu", dtype=torch.float32, seed=0)
-    model = TransformerLensReplacementModel(cfg)  # a plain HookedTransformer until configured
-    state = load_file(str(FIX / "lens" / "model.safetensors"))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected, unexpected
-    assert all(k.endswith((".mask", ".IGNORE")) for k in missing), missing
-    model.tokenizer = IdTokenizer(cfg.d_vocab)
-    n_layers = cfg.n_layers
-    model._configure_replacement_model(load_transcoders(tc_folder, n_layers, input_hook))
-    model.eval()
-    return model
+def build_model(transcoders: str, input_hook: str):
+    first_id = json.loads((FIX / "prompt.json").read_text())["prompt_ids"][0]
+    return worker.replacement_model(FIX, first_id, transcoders, input_hook)
 
 
 def graph_tensors(graph, prune, scores) -> tuple[dict, dict]:
@@ -148,7 +108,7 @@ def run_one(model, prompt, tag, **kw):
 def main() -> int:
     prompt = json.loads((FIX / "prompt.json").read_text())["prompt_ids"]
     glass = load_file(str(FIX / "glass_acts.safetensors"))
-    model = build_model(FIX / "ct_tc", "ln2.hook_normalized")
+    model = build_model("ct_tc", "ln2.hook_normalized")
     ids = torch.tensor(prompt)
 
     # 1. same model? logits and the hook point
@@ -174,7 +134,7 @@ def main() -> int:
 
     # 4. cross-check: gain/bias-folded encoder reading the MLP's input (post gain) gives the
     #    same graph
-    model2 = build_model(FIX / "ct_tc_postgain", "mlp.hook_in")
+    model2 = build_model("ct_tc_postgain", "mlp.hook_in")
     _, acts2 = model2.get_activations(ids)
     print("postgain variant: max |acts - glass| =", (acts2 - ref).abs().max().item())
     g2 = attribute(ids, model2)
