@@ -8,7 +8,7 @@ import threading
 from typing import Any
 
 from glassgpt.cli.common import add_checkpoint_flag, add_threads_flag, path_arg, say
-from glassgpt.cli.train import HELP_PRESET, INTERRUPTED_EXIT_CODE, _add_dataclass_flags, _flags
+from glassgpt.cli.train import HELP_PRESET, INTERRUPTED_EXIT_CODE, add_dataclass_flags, given_flags
 from glassgpt.config import TrainConfig, load_preset
 from glassgpt.errors import CommandLineError
 
@@ -57,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="start from this peft LoRA adapter (adapter_config.json, "
                       "adapter_model.safetensors) of RUN's model instead of new adapters "
                       "(`glassgpt convert RUN2 --to-hf OUT --adapter` writes one)")
-    _add_dataclass_flags(p.add_argument_group(
+    add_dataclass_flags(p.add_argument_group(
         "training settings", "default: the source run's recipe, with a tenth of its lr and "
         "warm-up over a tenth of --max-iters (the defaults shown are the cpu-small preset's)"),
         TrainConfig, "train", load_preset(HELP_PRESET).get("train", {}))
@@ -111,7 +111,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     stop = threading.Event()
     reporter = RichReporter(stop)
     outcome = finetune_run(args.run_dir, args.sft, args.out, val_sft=args.val_sft,
-                           train=_flags(args, "train"), lora=lora, adapter=adapter,
+                           train=given_flags(args, "train"), lora=lora, adapter=adapter,
                            recompute=args.recompute,
                            resume=args.resume,
                            force=args.force, checkpoint=args.checkpoint, threads=args.threads,

@@ -53,17 +53,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_checkpoint_flag(p, "start from with --init-from")
     add_threads_flag(p)
     preset = load_preset(HELP_PRESET)
-    _add_dataclass_flags(p.add_argument_group(
+    add_dataclass_flags(p.add_argument_group(
         "model settings", f"defaults shown are the {HELP_PRESET} preset's"), GPTConfig, "model",
         preset.get("model", {}), skip=DATA_DECIDES)
-    _add_dataclass_flags(p.add_argument_group(
+    add_dataclass_flags(p.add_argument_group(
         "training settings", f"defaults shown are what a bare `glassgpt train` uses on a CPU "
         f"(the {HELP_PRESET} preset); --preset and --config change them"), TrainConfig, "train",
         preset.get("train", {}))
     p.set_defaults(handler=run_train)
 
 
-def _add_dataclass_flags(group: argparse._ArgumentGroup, cls: type, prefix: str,
+def add_dataclass_flags(group: argparse._ArgumentGroup, cls: type, prefix: str,
                          shown: dict[str, Any], skip: tuple[str, ...] = ()) -> None:
     """A `--field-name` flag per dataclass field, typed from its annotation; unset is None.
     The default shown is `shown`'s value for the field (a preset's), else the field's own."""
@@ -86,7 +86,7 @@ def _add_dataclass_flags(group: argparse._ArgumentGroup, cls: type, prefix: str,
                                help=help_text)
 
 
-def _flags(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
+def given_flags(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
     """The settings given on the command line, e.g. {'max_iters': 100}."""
     start = prefix + "_"
     return {key.removeprefix(start): value for key, value in vars(args).items()
@@ -100,7 +100,7 @@ def run_train(args: argparse.Namespace) -> int:
     stop = threading.Event()  # set by Ctrl-C, SIGTERM, or a closed stdout: save and return
     reporter = RichReporter(stop)
     outcome = train_run(args.out, data=args.data, preset=args.preset, config=args.config,
-                        model=_flags(args, "model"), train=_flags(args, "train"),
+                        model=given_flags(args, "model"), train=given_flags(args, "train"),
                         resume=args.resume, force=args.force, init_from=args.init_from,
                         checkpoint=args.checkpoint, threads=args.threads, reporter=reporter,
                         stop=stop, on_start=_announce, wording="cli")
