@@ -48,6 +48,7 @@ class Comparison:
 
     def __init__(self, view: View, base: GPT | None):
         self.view, self.base = view, base
+        self._weights: dict[str, Any] | None = None  # the prompt does not change them
         if base is not None:
             check_comparable(view, base)
 
@@ -73,11 +74,12 @@ class Comparison:
         """How far each head's weights and output moved, and each MLP's weights (layer x head
         maps, and the largest movers named)."""
         base, encoded = self._base(), self.view.encode(prompt)
-        weights = weight_changes(self.view.model, base)
+        if self._weights is None:  # the weights' maps, once: the same for every prompt
+            weights = weight_changes(self.view.model, base)
+            self._weights = {"weights": {name: rounded(v) for name, v in weights.items()},
+                             "elsewhere": other_changes(self.view.model, base)}
         outputs = head_output_changes(self.view.model, base, encoded.idx)
-        return {"weights": {name: rounded(values) for name, values in weights.items()},
-                "outputs": rounded(outputs), "top_outputs": top_heads(outputs),
-                "elsewhere": other_changes(self.view.model, base)}
+        return {**self._weights, "outputs": rounded(outputs), "top_outputs": top_heads(outputs)}
 
     def attention(self, prompt: str, layer: int, head: int) -> dict[str, Any]:
         """One head's attention on the prompt, before (base) and after (tuned) the tune."""
