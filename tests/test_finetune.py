@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from conftest import TINY_TRAIN_FLAGS
 from glassgpt.cli import main
 from glassgpt.data import prepare
+from glassgpt.errors import ConfigError
 from glassgpt.rundir.checkpoint import Run
 from glassgpt.storage.layout import CHAT_TEMPLATE_FILE, MODEL_FILE
 from helpers_cli import glassgpt, one_error_line
@@ -138,14 +139,19 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny, tmp_path: Path, capsys) 
     assert not (tmp_path / "x").exists()
 
 
-def test_lora_trains_adapters_only(tiny, tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize("base_dtype", ["bfloat16", "float32"])
+def test_lora_trains_adapters_only(tiny, tmp_path: Path, capsys, base_dtype: str) -> None:
     pytest.importorskip("glassgpt.hf.adapter")
     out = tmp_path / "lora"
     assert main(["finetune", str(tiny["run"]), "--sft", str(tiny["sft"]), "--out", str(out),
-                 "--lora-rank", "4", *TUNE]) == 0
-    base = load_file(Run(tiny["run"]).weights_file("best")[1])
+                 "--lora-rank", "4", "--base-dtype", base_dtype, *TUNE]) == 0
+    dtype = getattr(torch, base_dtype)
+    # The base is frozen: stored as it was tuned (a bf16 base rounded once, nothing more).
+    base = {name: t.to(dtype) for name, t in
+            load_file(Run(tiny["run"]).weights_file("best")[1]).items()}
     tuned = load_file(out / MODEL_FILE)
-    assert all(torch.equal(base[name], tuned[name]) for name in base)  # the base is frozen
+    assert all(torch.equal(base[name], tuned[name]) for name in base)
+    assert Run(out).extra["base_dtype"] == base_dtype
     assert json.loads((out / "adapter.json").read_text())["rank"] == 4
     # The run loads as its base with the adapters merged in: it has learnt the replies.
     assert reply_loss(out, HELD_OUT) < reply_loss(tiny["run"], HELD_OUT) - 0.1
@@ -295,3 +301,38 @@ def test_recomputing_the_blocks_trains_the_same_weights(tiny, tmp_path: Path) ->
     assert Run(tmp_path / "recomputed").extra["recompute"] is True
     tune[tune.index("--max-iters") + 1] = "10"
     assert main(["finetune", "--resume", "--out", str(tmp_path / "recomputed"), *tune]) == 0
+
+
+def test_base_dtype_is_bf16_under_lora_where_the_cpu_has_it() -> None:
+    from glassgpt.machine.devices import cpu_bf16_support
+    from glassgpt.training.finetune import frozen_base_dtype
+
+    cpu = torch.device("cpu")
+    expected = torch.bfloat16 if cpu_bf16_support() else torch.float32
+    assert frozen_base_dtype("auto", True, cpu) == expected
+    assert frozen_base_dtype("float32", True, cpu) == torch.float32
+    assert frozen_base_dtype("auto", False, cpu) == torch.float32  # all weights train
+    with pytest.raises(ConfigError, match="base_dtype bfloat16 needs LoRA"):
+        frozen_base_dtype("bfloat16", False, cpu)
+
+
+def test_training_windows_are_seq_len_tokens(tiny, tmp_path: Path, capsys,
+                                            monkeypatch) -> None:
+    from glassgpt.data import sft
+    from glassgpt.training.finetune import finetune_run
+
+    windows = []
+    real = sft.ConversationSampler.__init__
+
+    def recording(self, ids, trained, block_size, *args, **kwargs) -> None:
+        windows.append(block_size)
+        real(self, ids, trained, block_size, *args, **kwargs)
+    monkeypatch.setattr(sft.ConversationSampler, "__init__", recording)
+    out = finetune_run(tiny["run"], tiny["sft"], tmp_path / "short", seq_len=16,
+                       train={"max_iters": 2, "eval_interval": 2, "eval_iters": 1,
+                              "device": "cpu"}, threads=1)
+    assert Run(out.run_dir).extra["seq_len"] == 16 and windows and set(windows) == {16}
+    code, err = glassgpt("finetune", tiny["run"], "--sft", tiny["sft"], "--out",
+                         tmp_path / "long", "--seq-len", "49", capsys=capsys)
+    assert code == 2 and "--seq-len 49 is more than the model's context (48)" in \
+        one_error_line(err)

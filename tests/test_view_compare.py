@@ -236,3 +236,24 @@ def test_the_panel_fits_the_window_and_nothing_was_logged(page):
         "return [window.innerWidth, document.documentElement.scrollWidth]")
     assert inner >= 1300 and scroll <= inner
     assert [e for e in page.get_log("browser") if e["level"] == "SEVERE"] == []
+
+
+def test_a_bf16_base_tune_moves_only_what_it_trained(run_dir, tmp_path):  # noqa: F811
+    """A LoRA tune on a bf16 base stores the base rounded; its maps compare with the base as
+    the tune saw it, so a weight the tune left alone reads 0, not the rounding."""
+    from glassgpt.view.compare import Comparison
+
+    base = load_model(run_dir)[0]
+    tuned, tokenizer = load_model(run_dir)
+    with torch.no_grad():
+        for p in tuned.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+        tuned.blocks[LAYER].attn.proj.weight[:, :4] += 1.0  # head 0's columns of W_O
+    save_model(tmp_path / "tuned", tuned, tokenizer)
+    view = load_for_view(tmp_path / "tuned")
+    maps = Comparison(view, base, "bfloat16").changes(PROMPT)
+    moved = [(name, layer, head) for name, rows in maps["weights"].items()
+             for layer, row in enumerate(rows) for head, v in enumerate(row) if v != 0]
+    assert moved == [("o", LAYER, HEAD)] and maps["elsewhere"] == []
+    unrounded = Comparison(view, base).changes(PROMPT)  # the rounding itself, everywhere
+    assert all(v > 0 for row in unrounded["weights"]["q"] for v in row)

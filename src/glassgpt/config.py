@@ -388,12 +388,12 @@ def load_preset(name: str) -> dict[str, Any]:
 TOKENIZER_KINDS = ("char", "bpe")  # glassgpt.tokenizers
 DEFAULT_BPE_VOCAB = 1024
 INSTALL_HINT = "pip install 'glassgpt[hf]'"  # what installs the optional Hugging Face extra
+GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")  # the matrices' types `convert --to-gguf` writes
 DEFAULT_BUFFER_BYTES = 64 * 2**20  # glassgpt.data.pipeline: text and token ids in flight
 # glassgpt.bench: the model shapes measured by default, and the decoding workload
 TRAIN_PRESETS = ("cpu-small", "shakespeare-char")
 DECODE_PRESETS = ("shakespeare-char", "gpt2")
-PROMPT_LEN = 16
-NEW_TOKENS = 128
+PROMPT_LEN, NEW_TOKENS = 16, 128
 # glassgpt.bench.ladder: the val loss every rung trains to, and what counts as a close gain
 TARGET_LOSS = 1.88  # nanoGPT's published val loss for that recipe
 QUICK_TARGET = 3.5  # --quick: the same rungs at a toy size, which every rung reaches

@@ -26,7 +26,8 @@ from glassgpt.adapters.lora import LoraSettings, add_lora, lora_parameters
 from glassgpt.config import GPTConfig
 from glassgpt.machine.devices import cpu_bf16_support
 from glassgpt.model import GPT
-from glassgpt.training.steps import recompute_blocks
+from glassgpt.rundir.checkpoint import model_holding, parameters_on_meta
+from glassgpt.training.steps import fused_loss, recompute_blocks
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -40,7 +41,7 @@ class LoraBenchSize:
     batch_size: int = 1
     seq_len: int = 256
     steps: int = 4  # the first untimed
-    checkpointed: bool = False  # recompute each block's activations in the backward
+    checkpointed: bool = False  # recompute each block's activations and the logits
 
 
 FULL = LoraBenchSize()
@@ -75,16 +76,29 @@ def bench_lora(size: LoraBenchSize = FULL) -> LoraBenchResult:
 
 
 def base_model(size: LoraBenchSize, dtype: torch.dtype) -> GPT:
-    """Random weights of the preset's shape, made in `dtype` from the start."""
+    """Random weights of the preset's shape, each made in `dtype` and once: the model is built
+    around them as a loaded run's is (glassgpt.rundir.checkpoint.model_holding), so the peak is
+    the weights and not a float32 or untied copy first (norm gains 1, biases 0, the rest
+    N(0, 0.02))."""
     overrides = {} if size.n_layer is None else {"n_layer": size.n_layer}
     config = GPTConfig.from_preset(size.preset, **overrides)
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        torch.manual_seed(0)
-        return GPT(config)
-    finally:
-        torch.set_default_dtype(before)
+    with parameters_on_meta():
+        shapes = GPT(config).state_dict()
+    if config.tie_weights:
+        shapes.pop("lm_head.weight")
+    generator = torch.Generator().manual_seed(0)
+    tensors = {name: _random_weight(name, meta.shape, dtype, generator)
+               for name, meta in shapes.items() if meta.is_meta}
+    return model_holding(config, tensors, f"the {size.preset} shape")
+
+
+def _random_weight(name: str, shape: torch.Size, dtype: torch.dtype,
+                   generator: torch.Generator) -> torch.Tensor:
+    if name.endswith(".bias"):
+        return torch.zeros(shape, dtype=dtype)
+    if len(shape) == 1:  # a norm's gain
+        return torch.ones(shape, dtype=dtype)
+    return torch.empty(shape, dtype=dtype).normal_(0.0, 0.02, generator=generator)
 
 
 def measure(size: LoraBenchSize) -> dict:
@@ -94,6 +108,7 @@ def measure(size: LoraBenchSize) -> dict:
     add_lora(model, LoraSettings(size.rank, size.alpha, targets=TARGETS))
     if size.checkpointed:
         recompute_blocks(model)
+    fused_loss(model)
     adapters = list(lora_parameters(model).values())
     for adapter in adapters:  # B starts at 0; make the adapters do something from step 1
         torch.nn.init.normal_(adapter, std=0.01)

@@ -3,6 +3,7 @@
     glassgpt convert --from-hf NAME_OR_DIR --out RUN_DIR   # hub name (e.g. gpt2) or local dir
     glassgpt convert RUN_DIR --to-hf OUT_DIR               # a save_pretrained directory
     glassgpt convert RUN_DIR --to-lens OUT_DIR             # TransformerLens's checkpoint format
+    glassgpt convert RUN_DIR --to-gguf OUT.gguf [--dtype q8_0]   # one file llama.cpp runs
 
 The families, both ways: GPT-2, Llama (3.x too), Qwen2/2.5, Qwen3, SmolLM3, Gemma 2 and 3, and
 GPT-NeoX (its sequential block). The export writes the architecture the run has: GPT-2 (learned
@@ -14,6 +15,8 @@ local directory needs nothing more, because glassgpt reads it itself (safetensor
 `--to-lens` writes what TransformerLens's HookedTransformer saved (config.json of its config's
 fields, model.safetensors of its state_dict()'s tensors), ARENA's models (attention-only, no
 norms, shortformer positions) too; it needs no extra (glassgpt.interp.hooked_gpt.checkpoint).
+`--to-gguf` writes llama.cpp's file (GPT-2, Llama, Qwen2 and Qwen3; matrices in f32, f16, bf16
+or q8_0) with the run's tokenizer; it needs the optional extra `gguf` (glassgpt.hf.gguf).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from glassgpt.cli.common import add_checkpoint_flag, nonempty_arg, say
-from glassgpt.config import INSTALL_HINT
+from glassgpt.config import GGUF_DTYPES, INSTALL_HINT
 from glassgpt.errors import CommandLineError
 
 # The handlers import torch, the model and the Hugging Face readers when they run (the work
@@ -40,9 +43,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "or export a run to a save_pretrained directory of the architecture it has. "
                     f"Exporting, and downloading, need {INSTALL_HINT}. --to-lens exports a run "
                     "in TransformerLens's HookedTransformer format instead (config.json and "
-                    "model.safetensors), which needs no extra.")
+                    "model.safetensors), which needs no extra; --to-gguf as one GGUF file for "
+                    "llama.cpp, which needs the optional extra gguf.")
     parser.add_argument("run_dir", nargs="?", metavar="RUN_DIR", type=nonempty_arg,
-                        help="run directory to export (with --to-hf or --to-lens)")
+                        help="run directory to export (with --to-hf, --to-lens or --to-gguf)")
     parser.add_argument("--from-hf", metavar="NAME_OR_DIR", type=nonempty_arg,
                         help="hub model name (e.g. gpt2) or a save_pretrained directory of a "
                              "GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM, ... "
@@ -55,13 +59,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="new directory of TransformerLens's checkpoint format: config.json "
                              "(HookedTransformerConfig's fields) and model.safetensors "
                              "(HookedTransformer.state_dict()'s tensors)")
+    parser.add_argument("--to-gguf", metavar="OUT.gguf", type=nonempty_arg,
+                        help="new GGUF file for llama.cpp (GPT-2, Llama, Qwen2 or Qwen3 runs), "
+                             "with the run's tokenizer and chat template")
+    parser.add_argument("--dtype", choices=GGUF_DTYPES, default=None,
+                        help="with --to-gguf, the type of the matrices: f32 (default), f16, "
+                             "bf16 or q8_0 (norms and biases stay f32)")
     parser.add_argument("--tokenizer", metavar="FILE", type=nonempty_arg,
                         help="tokenizer file for --from-hf when the model comes without one "
                              "(a tokenizer.json or a glassgpt tokenizer)")
-    add_checkpoint_flag(parser, "export with --to-hf or --to-lens")
+    add_checkpoint_flag(parser, "export with --to-hf, --to-lens or --to-gguf")
     parser.add_argument("--force", action="store_true",
                         help="with --to-hf or --to-lens, replace an earlier export of that kind "
-                             "glassgpt wrote in OUT_DIR (nothing else is replaced)")
+                             "glassgpt wrote in OUT_DIR (nothing else is replaced); with "
+                             "--to-gguf, replace the file OUT.gguf")
     parser.add_argument("--adapter", action="store_true",
                         help="with --to-hf, a run fine-tuned with LoRA goes out as its base "
                              "model plus its adapter in peft's format (OUT_DIR/adapter); "
@@ -72,9 +83,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    _hide_hf_progress_bars()
     importing = args.from_hf is not None or args.out is not None
-    exporting = args.run_dir is not None or args.to_hf is not None or args.to_lens is not None
+    targets = [flag for flag, value in (("--to-hf", args.to_hf), ("--to-lens", args.to_lens),
+                                        ("--to-gguf", args.to_gguf)) if value is not None]
+    exporting = args.run_dir is not None or bool(targets)
     if importing == exporting:
         raise CommandLineError("convert: give either --from-hf NAME_OR_DIR --out RUN_DIR, or "
                                "RUN_DIR --to-hf OUT_DIR")
@@ -82,15 +94,27 @@ def run_convert(args: argparse.Namespace) -> int:
         if args.from_hf is None or args.out is None:
             raise CommandLineError("convert: --from-hf and --out go together")
         if args.force:
-            raise CommandLineError("convert: --force applies to --to-hf and --to-lens only (an "
-                                   "import never replaces a run)")
+            raise CommandLineError("convert: --force applies to --to-hf, --to-lens and --to-gguf "
+                                   "only (an import never replaces a run)")
+        if args.dtype is not None:
+            raise CommandLineError("convert: --dtype applies to --to-gguf only")
         return import_from_hf(args.from_hf, Path(args.out), args.tokenizer, args.dropout)
-    if args.to_hf is not None and args.to_lens is not None:
-        raise CommandLineError("convert: give one of --to-hf and --to-lens")
-    if args.run_dir is None or (args.to_hf is None and args.to_lens is None):
-        raise CommandLineError("convert: RUN_DIR and --to-hf (or --to-lens) go together")
+    if len(targets) > 1:
+        raise CommandLineError(f"convert: give one of {', '.join(targets[:-1])} and "
+                               f"{targets[-1]}, not {'both' if len(targets) == 2 else 'all'}")
+    if args.run_dir is None or not targets:
+        raise CommandLineError("convert: RUN_DIR and --to-hf (or --to-lens, --to-gguf) go "
+                               "together")
     if args.tokenizer is not None or args.dropout is not None:
         raise CommandLineError("convert: --tokenizer and --dropout apply to --from-hf only")
+    if args.dtype is not None and args.to_gguf is None:
+        raise CommandLineError("convert: --dtype applies to --to-gguf only")
+    if args.to_gguf is not None:
+        if args.adapter:
+            raise CommandLineError("convert: --adapter applies to --to-hf only (a GGUF file "
+                                   "holds the adapter merged)")
+        return export_to_gguf(Path(args.run_dir), Path(args.to_gguf), args.checkpoint,
+                              args.dtype or "f32", args.force)
     if args.to_lens is not None:
         return export_to_lens(Path(args.run_dir), Path(args.to_lens), args.checkpoint,
                               args.force)
@@ -99,7 +123,8 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def _hide_hf_progress_bars() -> None:
-    """transformers draws bars for copies that take milliseconds; one summary line is enough."""
+    """transformers draws bars for copies that take milliseconds; one summary line is enough
+    (asked where transformers works: importing it costs seconds that --to-gguf need not)."""
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:
@@ -111,6 +136,7 @@ def import_from_hf(source: str, out: Path, tokenizer_file: str | None,
                    dropout: float | None) -> int:
     from glassgpt.hf.convert import import_run
 
+    _hide_hf_progress_bars()
     imported = import_run(source, out, tokenizer_file, dropout)
     for note in imported.notes:
         say(f"note: {note}")
@@ -146,6 +172,7 @@ def export_to_hf(run_dir: Path, out: Path, checkpoint: str = "best", force: bool
                  adapter: bool = False) -> int:
     from glassgpt.hf.convert import export_run
 
+    _hide_hf_progress_bars()
     exported = export_run(run_dir, out, checkpoint, force, adapter)
     say(f"exporting {exported.weights}")
     if exported.with_tokenizer:
@@ -160,6 +187,20 @@ def export_to_hf(run_dir: Path, out: Path, checkpoint: str = "best", force: bool
     if exported.adapter is not None:
         print(f"wrote {exported.adapter}: the LoRA adapter in peft's format (load with "
               f"peft.PeftModel.from_pretrained(model, '{exported.adapter}'))")
+    return 0
+
+
+def export_to_gguf(run_dir: Path, out: Path, checkpoint: str = "best", dtype: str = "f32",
+                   force: bool = False) -> int:
+    from glassgpt.hf.gguf import export_gguf
+
+    exported = export_gguf(run_dir, out, checkpoint, dtype, force)
+    say(f"exporting {exported.weights}")
+    for note in exported.notes:
+        say(f"note: {note}")
+    print(f"wrote {out}: GGUF, {exported.architecture} architecture, {exported.dtype} "
+          f"matrices, {exported.tensors} tensors, {exported.bytes / 1e6:.1f} MB, "
+          f"{exported.vocabulary} (run it with llama.cpp: llama-cli -m {out})")
     return 0
 
 

@@ -39,8 +39,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing run in --out")
     p.add_argument("--recompute", action="store_true",
                    help="keep only each block's input for the backward and compute the rest "
-                   "again there: less memory (2.00x instead of 2.78x the bf16 weights for "
-                   "LoRA on Qwen3-0.6B's shape), ~15%% more time a step")
+                   "again there: less memory (BENCHMARKS.md, LoRA at real size), more time "
+                   "a step")
+    p.add_argument("--seq-len", type=int, metavar="N",
+                   help="tokens in a training window of packed conversations (default: the "
+                   "model's context, at most 1024)")
     add_checkpoint_flag(p, "start from")
     add_threads_flag(p)
     lora = p.add_argument_group("LoRA", "train low-rank adapters only (all weights without "
@@ -53,6 +56,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     lora.add_argument("--lora-targets", default="q,k,v,o", metavar="LIST",
                       help=f"the projections to adapt, among {','.join(LORA_TARGETS)} "
                       f"(default q,k,v,o)")
+    lora.add_argument("--base-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                      help="the frozen base's dtype under LoRA (default auto: bfloat16 where "
+                      "the CPU has bf16 matrix instructions or the GPU has bf16, else "
+                      "float32); the adapters stay float32")
     lora.add_argument("--adapter", type=path_arg, metavar="DIR",
                       help="start from this peft LoRA adapter (adapter_config.json, "
                       "adapter_model.safetensors) of RUN's model instead of new adapters "
@@ -112,7 +119,8 @@ def run_finetune(args: argparse.Namespace) -> int:
     reporter = RichReporter(stop)
     outcome = finetune_run(args.run_dir, args.sft, args.out, val_sft=args.val_sft,
                            train=given_flags(args, "train"), lora=lora, adapter=adapter,
-                           recompute=args.recompute,
+                           recompute=args.recompute, base_dtype=args.base_dtype,
+                           seq_len=args.seq_len,
                            resume=args.resume,
                            force=args.force, checkpoint=args.checkpoint, threads=args.threads,
                            reporter=reporter, stop=stop, on_start=_announce, wording="cli")

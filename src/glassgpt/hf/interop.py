@@ -191,7 +191,7 @@ def hf_config_from_glassgpt(config: GPTConfig, bos_token_id: int | None = None,
     see `architecture_for`); a ConfigError names any switch that architecture lacks."""
     config = with_mlps_config(config)
     arch, chosen_by = family_choice(config)
-    settings = _settings_of(arch, chosen_by, config)
+    settings = family_settings(arch, chosen_by, config)
     for name, token_id in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id)):
         if token_id is not None and not 0 <= token_id < config.vocab_size:
             raise ConfigError(f"{name}={token_id} is outside the vocabulary "
@@ -207,7 +207,7 @@ def hf_config_from_glassgpt(config: GPTConfig, bos_token_id: int | None = None,
     return hf_config
 
 
-def _settings_of(arch: Architecture, chosen_by: str, config: GPTConfig) -> dict[str, Any]:
+def family_settings(arch: Architecture, chosen_by: str, config: GPTConfig) -> dict[str, Any]:
     """`arch`'s settings for `config`; a refusal also names `chosen_by`, the switches that
     chose `arch`, which the one it refuses may not be (post_norms=True makes a Llama config
     Gemma 2's, which then refuses its activation)."""

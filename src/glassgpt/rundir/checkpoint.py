@@ -390,8 +390,9 @@ class Run:
     def load_model(self, device: str | torch.device = "cpu", checkpoint: str = "best",
                    dtype: torch.dtype | None = None, adapter: bool = True
                    ) -> tuple[GPT, Tokenizer]:
-        """The run's model, in eval mode on `device` (its weights as `dtype` when given, read
-        straight into it), and its tokenizer. A run holding a LoRA adapter (`adapter_dir`)
+        """The run's model, in eval mode on `device` (its weights as `dtype`, float32 unless
+        given, read straight into it: a LoRA fine-tune's base kept in bf16 loads as float32
+        too), and its tokenizer. A run holding a LoRA adapter (`adapter_dir`)
         gives its base with the adapter merged in, a plain GPT, unless `adapter` is False
         (then the base alone)."""
         target = resolve_device(str(device))
@@ -401,7 +402,7 @@ class Run:
             raise CheckpointError(f"{self.dir}: tokenizer has {tokenizer.vocab_size} tokens, "
                                   f"more than the model's vocab_size="
                                   f"{self.model_config.vocab_size}")
-        tensors = read_weights(weights, self.model_config, dtype)
+        tensors = read_weights(weights, self.model_config, dtype or torch.float32)
         model = model_holding(self.model_config, tensors, weights)
         del tensors  # the model holds them now
         if adapter and self.adapter_dir() is not None:

@@ -26,6 +26,13 @@ they were, and each checkpoint commits the adapters beside them, in the same com
 --adapter` writes them in peft's format). They
 are the last ones (an adapter's best is not kept apart); `load_model` of the run merges them
 in. Resuming reads the base and the adapters back, unmerged.
+
+A LoRA tune keeps its frozen base in bf16 where the device has bf16 matrix instructions
+(`base_dtype="auto"`; the adapters and their optimizer stay float32): half the memory of the
+weights, and faster products on such a CPU. The tuned run then stores that bf16 base, the
+weights the adapters were trained against; `load_model` reads it as float32 and merges there.
+The loss is always computed chunk by chunk with its gradient (training.steps.fused_loss), so a
+large vocabulary's logits never exist whole.
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ from glassgpt.data.sft import (
     simple_template,
 )
 from glassgpt.errors import ConfigError, InputError
-from glassgpt.machine.devices import AUTO, resolve_device
+from glassgpt.machine.devices import AUTO, cpu_bf16_support, resolve_device
 from glassgpt.model import GPT
 from glassgpt.rundir import checkpoint as ckpt
 from glassgpt.rundir import directory as rundir
@@ -65,10 +72,14 @@ from glassgpt.tokenizers import Tokenizer
 from glassgpt.tokenizers.chat import ChatTemplate
 from glassgpt.training import arguments, lifecycle, runs
 from glassgpt.training.metrics import Reporter
-from glassgpt.training.steps import recompute_blocks
+from glassgpt.training.steps import fused_loss, recompute_blocks
 from glassgpt.training.trainer import Trainer, TrainResult
 
 VAL_FRACTION = 0.1  # of the conversations held out for the val loss, without val_sft
+BASE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # and "auto"
+# Tokens a training window holds by default: the model's context up to this. An imported model's
+# context (Qwen3's 40,960) would pad a few conversations into one window a laptop cannot train.
+DEFAULT_SEQ_LEN = 1024
 
 
 @dataclass
@@ -154,7 +165,9 @@ class FinetuneOutcome:
 def finetune_run(source: str | Path | None, sft: str | Path | None, out: str | Path, *,
                  val_sft: str | Path | None = None, train: dict[str, Any] | None = None,
                  lora: Any = None, adapter: tuple[Any, dict[str, Any]] | None = None,
-                 recompute: bool = False, resume: bool = False, force: bool = False,
+                 recompute: bool = False, base_dtype: str = "auto",
+                 seq_len: int | None = None, resume: bool = False,
+                 force: bool = False,
                  checkpoint: str = "best", threads: int | str | None = AUTO,
                  reporter: Reporter | None = None, stop: threading.Event | None = None,
                  on_start: Callable[[lifecycle.TrainStart, SFTData], Any] | None = None,
@@ -164,48 +177,70 @@ def finetune_run(source: str | Path | None, sft: str | Path | None, out: str | P
     TrainConfig settings by name. `adapter` (LoraSettings, tensors in lora_state_dict's names:
     what glassgpt.hf.adapter.read_adapter reads from a peft directory) starts the LoRA tune from
     those adapters instead of new ones. `recompute` keeps only each block's input for the
-    backward and computes the rest again there (kept for a resume). Raises glassgpt.errors
+    backward and computes the rest again there (kept for a resume). `base_dtype` (auto,
+    float32, bfloat16) is the frozen base's under LoRA; auto is bf16 where the device has bf16
+    matrix instructions (module docstring). `seq_len` is the tokens of a training window
+    (default: the model's context, at most DEFAULT_SEQ_LEN; kept for a resume). Raises
+    glassgpt.errors
     exceptions, having changed nothing, for bad input."""
     spell = arguments.spelling(wording)
     out = files.check_path_given(out, ConfigError, spell("out"))
     if lora is not None and adapter is not None:
         raise ConfigError("an adapter to start from brings its own LoRA settings; drop "
                           f"{spell('lora_rank')} and the other LoRA settings")
+    if base_dtype != "auto" and base_dtype not in BASE_DTYPES:
+        raise ConfigError(f"{spell('base_dtype')} must be auto, float32 or bfloat16, got "
+                          f"{base_dtype!r}")
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)
+                                or seq_len < 1):
+        raise ConfigError(f"{spell('seq_len')} must be a positive number of tokens, got "
+                          f"{seq_len!r}")
     if resume:
-        if lora is not None or adapter is not None:
-            raise ConfigError("a resumed fine-tune keeps its own LoRA settings; drop them")
+        if lora is not None or adapter is not None or base_dtype != "auto" \
+                or seq_len is not None:
+            raise ConfigError("a resumed fine-tune keeps its own LoRA settings, base dtype and "
+                              "window; drop them")
         return _resume(out, source, sft, val_sft, dict(train or {}), threads, reporter,
                        stop, on_start, spell)
     if source is None or sft is None:
         raise ConfigError("a fine-tune needs the run to start from and the conversations "
                           f"({spell('sft')})")
     return _start(Path(source), sft, out, val_sft, dict(train or {}), force, checkpoint,
-                  threads, reporter, stop, on_start, spell, lora, adapter, recompute)
+                  threads, reporter, stop, on_start, spell, lora, adapter, recompute,
+                  base_dtype, seq_len)
 
 
 def _start(source_dir: Path, sft: str | Path, out: Path, val_sft: str | Path | None,
            train: dict[str, Any], force: bool, checkpoint: str, threads: int | str | None,
            reporter: Reporter | None, stop: threading.Event | None,
            on_start: Callable | None, spell: arguments.Spell, lora: Any,
-           adapter: tuple[Any, dict[str, Any]] | None, recompute: bool) -> FinetuneOutcome:
+           adapter: tuple[Any, dict[str, Any]] | None, recompute: bool,
+           base_dtype: str, seq_len: int | None) -> FinetuneOutcome:
     rundir.check_out_dir(out, force, source_dir, spell)
     source = ckpt.Run(source_dir)
     cfg = lifecycle.finetune_config(source, runs.preset_for_device(train.get("device", AUTO)),
                                     None, train)
     data = sft_data(source, sft, val_sft)
-    model = source.load_model(checkpoint=checkpoint)[0].train()
+    adapted = lora is not None or adapter is not None
+    dtype = frozen_base_dtype(base_dtype, adapted, resolve_device(cfg.device), spell)
+    model = source.load_model(checkpoint=checkpoint, dtype=dtype)[0].train()
     if adapter is not None:
         lora, tensors = adapter
         _add_adapters(model, lora, source_dir)
         load_lora_state_dict(model, tensors)
     elif lora is not None:
         _add_adapters(model, lora, source_dir)
-    if recompute:
-        recompute_blocks(model)
+    _save_memory(model, recompute)
+    block_size = model.config.block_size
+    if seq_len is not None and seq_len > block_size:
+        raise ConfigError(f"{spell('seq_len')} {seq_len} is more than the model's context "
+                          f"({block_size})")
+    window = seq_len or min(block_size, DEFAULT_SEQ_LEN)
     extra = {"preset": None, "init_from": str(source_dir), "sft": str(sft),
              "recompute": recompute, "val_sft": None if val_sft is None else str(val_sft),
              "chat_template": data.template_source,
-             "lora": None if lora is None else dataclasses.asdict(lora)}
+             "lora": None if lora is None else dataclasses.asdict(lora),
+             "base_dtype": str(dtype).removeprefix("torch."), "seq_len": window}
     trainer = _trainer(model, cfg, data, out, reporter, threads, stop, extra)
     start = lifecycle.TrainStart(
         "fine-tune", out, data.dir, trainer.device, cfg, lifecycle.describe_model(model),
@@ -238,9 +273,8 @@ def _resume(out: Path, source: str | Path | None, sft: str | Path | None,
     rundir.check_recoverable(out)
     data = sft_data(run, sft, val_sft)
     model = _resumed_model(run)
-    if run.extra.get("recompute"):
-        recompute_blocks(model)
-    trainer = _trainer(model, cfg, data, out, reporter, threads, stop, run.extra)
+    _save_memory(model, bool(run.extra.get("recompute")))
+    trainer = _trainer(model, cfg, data, out, reporter, threads, stop, run.extra)  # its window
     trainer.resume(weights=False, run=run)
     start = lifecycle.TrainStart("resume", out, data.dir, trainer.device, cfg,
                                  lifecycle.describe_model(model), None,
@@ -261,7 +295,8 @@ def _trainer(model: GPT, cfg: TrainConfig, data: SFTData, out: Path,
     """`train`'s Trainer, drawing packed conversations, committing the chat template (and
     any LoRA adapters) with every checkpoint (a run's first commit removes files it does not
     write)."""
-    batches = data.batches(model.config.block_size, cfg.batch_size, resolve_device(cfg.device))
+    window = extra.get("seq_len") or model.config.block_size  # a run tuned before seq_len: all
+    batches = data.batches(window, cfg.batch_size, resolve_device(cfg.device))
     template = {CHAT_TEMPLATE_FILE: data.chat.to_json().encode("utf-8")}
     tuned_with_lora = getattr(model, "lora_settings", None) is not None
 
@@ -270,7 +305,35 @@ def _trainer(model: GPT, cfg: TrainConfig, data: SFTData, out: Path,
             return template
         return {**template, **run_adapter_files(model)}
     return Trainer(model, cfg, data, out, reporter, threads=threads,  # type: ignore[arg-type]
-                   stop=stop, extra=extra, batches=batches, more_files=more_files)
+                   stop=stop, extra=extra, batches=batches, more_files=more_files,
+                   window=window)
+
+
+def frozen_base_dtype(setting: str, adapted: bool, device: torch.device,
+                      spell: arguments.Spell | None = None) -> torch.dtype:
+    """The dtype the base is tuned in: float32 when all weights train (bf16 weights would
+    round their updates away); under LoRA `setting`, where auto is bf16 on a CPU with bf16
+    matrix instructions or a GPU that has bf16, else float32."""
+    spell = spell or arguments.spelling("api")
+    if not adapted:
+        if setting == "bfloat16":
+            raise ConfigError(f"{spell('base_dtype')} bfloat16 needs LoRA (all weights train "
+                              f"otherwise, and bf16 weights round their updates away; "
+                              f"{spell('dtype')} bfloat16 trains in mixed precision)")
+        return torch.float32
+    if setting != "auto":
+        return BASE_DTYPES[setting]
+    has_bf16 = (cpu_bf16_support() if device.type == "cpu"
+                else device.type == "cuda" and torch.cuda.is_bf16_supported())
+    return torch.bfloat16 if has_bf16 else torch.float32
+
+
+def _save_memory(model: GPT, recompute: bool) -> None:
+    """The loss a chunk at a time (always: the same numbers), and with `recompute` each
+    block's activations made again in the backward."""
+    fused_loss(model)
+    if recompute:
+        recompute_blocks(model)
 
 
 def _add_adapters(model: GPT, lora: Any, source_dir: Path) -> None:
@@ -282,7 +345,8 @@ def _add_adapters(model: GPT, lora: Any, source_dir: Path) -> None:
 def _resumed_model(run: ckpt.Run) -> GPT:
     """The last checkpoint's weights (those its optimizer state belongs to), in train mode;
     a LoRA fine-tune's base with its adapters read back on, unmerged."""
-    model = run.load_model(checkpoint="last", adapter=False)[0].train()
+    dtype = BASE_DTYPES[run.extra.get("base_dtype", "float32")]
+    model = run.load_model(checkpoint="last", adapter=False, dtype=dtype)[0].train()
     if run.extra.get("lora") is not None:
         adapter = run.adapter_dir()
         if adapter is None:

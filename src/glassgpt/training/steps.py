@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from glassgpt.config import TrainConfig
 from glassgpt.data import BatchSampler
+from glassgpt.inputs import check_targets
 from glassgpt.machine import distributed as ddp
 from glassgpt.machine.devices import autocast
 from glassgpt.model import eval_mode
@@ -35,6 +36,76 @@ def recompute_blocks(model: nn.Module) -> None:
         def forward(*args, _inner=block.forward, **kwargs):
             return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
         block.forward = forward
+
+
+LOSS_CHUNK_BYTES = 2**24  # of float32 logits at once under `fused_loss` (16 MiB)
+
+
+def fused_loss(model: nn.Module) -> None:
+    """The loss and its gradient computed a chunk of positions at a time, in the forward, so
+    that the logits of a large vocabulary never exist whole: 256 positions of Qwen3's 151,936
+    words would otherwise keep their logits, log-softmax and gradient (0.5 GiB). The same
+    numbers as `next_token_loss` of the model's logits (`LinearCrossEntropy`), each chunk's
+    logits in float32 (or float64) whatever the model's dtype. Applied from outside the model, as
+    `recompute_blocks` is: its forward, given targets, returns (None, loss); without targets,
+    or with a logit soft-cap (whose tanh this does not differentiate), it is unchanged."""
+    inner = model.forward
+    if model.config.logit_softcap is not None:
+        return
+
+    def forward(idx: Tensor, targets: Tensor | None = None, **kwargs):
+        if targets is None:
+            return inner(idx, **kwargs)
+        check_ids = kwargs.get("check_ids", True)
+        for _, stream in model.layers(idx, start_pos=kwargs.get("start_pos"),
+                                      pad_mask=kwargs.get("pad_mask"), check_ids=check_ids):
+            x = stream  # the residual stream after the last block (B, T, C)
+        check_targets(targets, idx, model.config.vocab_size, check_ids)
+        normed = model.ln_f(x).flatten(0, 1)  # (B*T, C)
+        total = LinearCrossEntropy.apply(normed, model.lm_head.weight, targets.flatten())
+        return None, total / (targets != -1).sum().clamp(min=1)
+    model.forward = forward
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """sum over rows of cross_entropy(h @ W^T, targets) (rows whose target is -1 left out),
+    with the gradients of h and W worked out chunk by chunk in the forward: the gradient of a
+    row's loss in its logits is softmax - onehot(target), so d h = that @ W and d W = its
+    transpose @ h. The backward only scales what the forward kept (two tensors the size of h
+    and W, not of the logits)."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+        # h (N, C), weight (V, C), targets (N,) -> () summed loss
+        rows = max(1, LOSS_CHUNK_BYTES // (4 * weight.shape[0]))
+        grad_h = torch.empty_like(h)
+        exact = torch.promote_types(weight.dtype, torch.float32)  # float64 stays float64
+        grad_w = (torch.zeros(weight.shape, dtype=exact, device=weight.device)
+                  if ctx.needs_input_grad[1] else None)
+        total = torch.zeros((), dtype=exact, device=h.device)
+        for start in range(0, h.shape[0], rows):
+            h_c, t_c = h[start:start + rows], targets[start:start + rows]
+            logits = (h_c @ weight.T).to(exact)  # (n, V)
+            kept = t_c != -1
+            picked = t_c.clamp(min=0).unsqueeze(1)  # (n, 1)
+            lse = torch.logsumexp(logits, dim=-1)  # (n,)
+            total += ((lse - logits.gather(1, picked).squeeze(1)) * kept).sum()
+            grad = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place: (n, V)
+            grad.scatter_add_(1, picked, -torch.ones_like(picked, dtype=grad.dtype))
+            grad *= kept.unsqueeze(1)
+            grad_h[start:start + rows] = (grad.to(weight.dtype) @ weight).to(h.dtype)
+            if grad_w is not None:
+                grad_w += grad.T @ h_c.to(exact)
+        ctx.save_for_backward(grad_h, grad_w if grad_w is not None else torch.empty(0))
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        weight_grad = (grad_w * grad_total).to(ctx.weight_dtype) \
+            if ctx.needs_input_grad[1] else None
+        return grad_h * grad_total.to(grad_h.dtype), weight_grad, None
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -13,6 +13,7 @@ Setting a run up (settings, data, the model) is glassgpt.training.runs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import threading
@@ -126,7 +127,8 @@ class Trainer:
                  threads: int | str | None = None, stop: threading.Event | None = None,
                  extra: dict | None = None,
                  batches: Callable[[str, int], BatchSampler] | None = None,
-                 more_files: Callable[[], dict[str, bytes]] | None = None):
+                 more_files: Callable[[], dict[str, bytes]] | None = None,
+                 window: int | None = None):
         self.cfg, self.data, self.run_dir = cfg, data, Path(run_dir)
         self.stop, self.extra = stop, extra
         self.batches, self.more_files = batches, more_files
@@ -139,8 +141,12 @@ class Trainer:
         self.threads = (None if threads is None
                         else tuner_for(threads, self.device, compiled=cfg.compile))
         self.amp_dtype = autocast_dtype(cfg.dtype, self.device)
-        data.check_block_size(model.config.block_size)
-        check_training_fits_memory(model.config, cfg.batch_size, self.amp_dtype, self.device,
+        # Tokens a training window holds: the context, unless a caller trains shorter ones
+        # (a fine-tune of a model with a 40k context on conversations of a few hundred).
+        self.window = window or model.config.block_size
+        data.check_block_size(self.window)
+        check_training_fits_memory(dataclasses.replace(model.config, block_size=self.window),
+                                   cfg.batch_size, self.amp_dtype, self.device,
                                    count_parameters(model))
         if cfg.fsdp:  # sharded in place (each shard moved to the device, never the whole
             fsdp.check_can_shard(cfg, self.context)  # model), before the optimizer sees it
@@ -162,13 +168,13 @@ class Trainer:
         self.stop_requested: threading.Event | None = None  # while `run` runs
         self.losses: dict[str, float] = {}  # of the last evaluation
         self.committed = False  # whether `run` has written a checkpoint (then it draws)
-        self.tokens_per_step = (cfg.batch_size * model.config.block_size * cfg.grad_accum
+        self.tokens_per_step = (cfg.batch_size * self.window * cfg.grad_accum
                                 * self.context.world_size)
 
     def _sampler(self, split: str, seed: int) -> BatchSampler:
         if self.batches is not None:
             return self.batches(split, seed)
-        return BatchSampler(self.data.splits[split], self.model.config.block_size,
+        return BatchSampler(self.data.splits[split], self.window,
                             self.cfg.batch_size, seed, self.device,
                             vocab_size=self.model.config.vocab_size)
 

@@ -16,6 +16,7 @@ view's model thread, one after the other, on the view's device.
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from glassgpt.errors import GlassGPTError, InputError
 from glassgpt.interp.hooked import run_with_cache
 from glassgpt.interp.hooked_gpt.weights import head_weight, output_weight
 from glassgpt.model import GPT
-from glassgpt.rundir.checkpoint import load_model
+from glassgpt.rundir.checkpoint import load_model, read_run_config
 from glassgpt.tokenizers import Tokenizer, same_tokenizer
 from glassgpt.view import requests as req
 from glassgpt.view.values import View, rounded
@@ -46,11 +47,16 @@ PATTERNS = {"prompt": req.PROMPT, "layer": req.Field((int,)), "head": req.Field(
 class Comparison:
     """The tuned run being viewed and the base it is compared with."""
 
-    def __init__(self, view: View, base: GPT | None):
+    def __init__(self, view: View, base: GPT | None, tuned_base_dtype: str | None = None):
         self.view, self.base = view, base
         self._weights: dict[str, Any] | None = None  # the prompt does not change them
         if base is not None:
             check_comparable(view, base)
+        # A LoRA tune on a bf16 base stores that base rounded: the weight maps compare with
+        # the base as the tune saw it, or every weight would read as moved by the rounding.
+        self.weights_base = base
+        if base is not None and tuned_base_dtype == "bfloat16":
+            self.weights_base = copy.deepcopy(base).to(torch.bfloat16).to(torch.float32)
 
     def available(self) -> dict[str, Any]:
         return {"available": self.base is not None}
@@ -75,9 +81,10 @@ class Comparison:
         maps, and the largest movers named)."""
         base, encoded = self._base(), self.view.encode(prompt)
         if self._weights is None:  # the weights' maps, once: the same for every prompt
-            weights = weight_changes(self.view.model, base)
+            before = self.weights_base
+            weights = weight_changes(self.view.model, before)
             self._weights = {"weights": {name: rounded(v) for name, v in weights.items()},
-                             "elsewhere": other_changes(self.view.model, base)}
+                             "elsewhere": other_changes(self.view.model, before)}
         outputs = head_output_changes(self.view.model, base, encoded.idx)
         return {**self._weights, "outputs": rounded(outputs), "top_outputs": top_heads(outputs)}
 
@@ -102,7 +109,9 @@ def load_comparison(view: View, base_dir: str | Path, checkpoint: str = "best") 
     try:
         base, tokenizer = load_model(base_dir, device, checkpoint=checkpoint)
         check_same_tokens(view.tokenizer, tokenizer)
-        return Comparison(view, base)
+        run_dir = getattr(view, "run_dir", None)
+        tuned_extra = {} if run_dir is None else read_run_config(run_dir).get("extra") or {}
+        return Comparison(view, base, tuned_extra.get("base_dtype"))
     except GlassGPTError as error:
         raise InputError(f"--compare: {error}") from None
 

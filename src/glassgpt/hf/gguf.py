@@ -1,0 +1,340 @@
+"""GGUF export: a run as the one file llama.cpp runs (`glassgpt convert RUN --to-gguf OUT.gguf`).
+
+    exported = export_gguf("runs/mine", "mine.gguf", dtype="q8_0")  # a run directory
+    exported = write_gguf(model, tokenizer, "bench.gguf", "f32")     # a model in memory
+
+The file is written with the `gguf` package, the format's own writer (the optional extra
+`gguf`), in llama.cpp's names. The architecture is the one `convert --to-hf` would export
+(glassgpt.hf.architectures' `family_choice`), for the four llama.cpp computes as glassgpt does:
+  * gpt2: learned positions, LayerNorm, GPT-2's tanh GELU; our `qkv` goes whole (attn_qkv).
+  * llama (Llama, SmolLM2), qwen2 (biases on q, k and v alone), qwen3 (QK-norm): RMSNorm,
+    SwiGLU and rotary; q, k and v as three tensors. llama.cpp's `llama` rotates pairs of
+    adjacent features (its NORM rotary) where glassgpt rotates i with i + d/2 (rotate-half, as
+    transformers does), so each head's q and k rows (weights and biases) are reordered to put
+    every pair side by side: q.k is unchanged, the same reordering on both. `qwen2` and `qwen3`
+    rotate halves (NEOX) and take the rows as they are.
+Every other switch is refused by name before anything is written (Gemma, GPT-NeoX, post norms,
+windows, soft caps, NoPE layers, a GELU other than GPT-2's, ...).
+
+Types: 2-D weights in `dtype` (f32, f16, bf16 or q8_0); norms, biases, the rotary factors and
+GPT-2's position table stay f32 whatever is asked, as llama.cpp's own converter keeps them. A
+q8_0 matrix whose rows are not a multiple of 32 long is written f16 (the converter's fallback;
+`GGUFExport.notes` says which).
+
+The vocabulary (`tokenizer.ggml.*`) is glassgpt.hf.gguf_vocab's: a byte-level BPE tokenizer as
+llama.cpp's "gpt2" vocabulary with the pre-tokenizer name of its split, a character-level one as
+its "rwkv" vocabulary (one token per character, no end-of-text), none as placeholder tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from glassgpt.config import GGUF_DTYPES, GPTConfig
+from glassgpt.errors import CheckpointError, ConfigError
+from glassgpt.hf.architectures import family_choice
+from glassgpt.hf.convert import check_apart
+from glassgpt.hf.files import MissingExtraError
+from glassgpt.hf.gguf_vocab import add_vocabulary, gguf_vocabulary
+from glassgpt.hf.interop import family_settings
+from glassgpt.machine.distributed import unwrap_model
+from glassgpt.rotary import RopeScaling, rotary_frequencies
+from glassgpt.rundir.checkpoint import Run
+from glassgpt.storage import files
+from glassgpt.storage.outputs import check_output_file
+
+if TYPE_CHECKING:
+    from glassgpt.model import GPT
+    from glassgpt.tokenizers import Tokenizer
+    from glassgpt.tokenizers.chat import ChatTemplate
+
+GGUF_INSTALL_HINT = "pip install 'glassgpt[gguf]'"
+DTYPES = GGUF_DTYPES
+# HF model_type (glassgpt.hf.architectures) -> general.architecture: the same names.
+GGUF_ARCHITECTURES = ("gpt2", "llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class GGUFExport:
+    """What `write_gguf` / `export_gguf` wrote: the file, llama.cpp's architecture, the type
+    of its matrices, how many tensors, its size, the vocabulary (in words) and notes worth
+    telling; `weights` says which of a run's weights (`export_gguf` only)."""
+
+    out: Path
+    architecture: str
+    dtype: str
+    tensors: int
+    bytes: int
+    vocabulary: str
+    notes: tuple[str, ...] = ()
+    weights: str | None = None
+
+
+def export_gguf(run_dir: str | os.PathLike[str], out: str | os.PathLike[str],
+                checkpoint: str = "best", dtype: str = "f32", force: bool = False
+                ) -> GGUFExport:
+    """A GGUF file at `out` of the run's `checkpoint` weights ("best" or "last"; a LoRA adapter
+    merged in), with its tokenizer and chat template, matrices in `dtype`. `out` must be new
+    unless `force`, and outside the run. Everything is checked before anything is written."""
+    check_dtype(dtype)
+    _gguf()
+    run_dir, out = Path(run_dir).expanduser(), Path(out).expanduser()
+    check_output_file(out, force, CheckpointError)
+    check_apart(out, run_dir, f"{run_dir}, the run being exported")
+    run = Run(run_dir)
+    chat = run.chat_template()
+    # A refusal of the architecture or the vocabulary costs no reading of the weights.
+    gguf_architecture(run.model_config)
+    gguf_vocabulary(run.tokenizer(), run.model_config.vocab_size, chat)
+    model, tokenizer = run.load_model(checkpoint=checkpoint)
+    exported = write_gguf(model, tokenizer, out, dtype, chat=chat, name=run_dir.resolve().name)
+    return dataclasses.replace(exported, weights=run.describe_weights(checkpoint))
+
+
+def write_gguf(model: GPT, tokenizer: Tokenizer | None, out: str | os.PathLike[str],
+               dtype: str = "f32", chat: ChatTemplate | None = None,
+               name: str = "glassgpt") -> GGUFExport:
+    """`model` (its weights as they are, on any device or dtype) as a GGUF file at `out`,
+    replacing one there, with `tokenizer`'s vocabulary (None: placeholder tokens, see the
+    module's notes) and `chat`'s template. The file appears whole or not at all."""
+    check_dtype(dtype)
+    gguf = _gguf()
+    out = check_output_file(Path(out).expanduser(), True, CheckpointError)
+    model = unwrap_model(model)
+    config: GPTConfig = model.config
+    arch = gguf_architecture(config)
+    vocabulary = gguf_vocabulary(tokenizer, config.vocab_size, chat)
+    tensors = _tensors(model, arch)
+    written, notes = _typed(gguf, tensors, dtype)
+    with _atomic(out) as temp:
+        writer = gguf.GGUFWriter(temp, arch)
+        try:
+            _add_settings(writer, gguf, config, arch, dtype, name)
+            add_vocabulary(writer, vocabulary)
+            for tensor_name, (data, qtype) in written.items():
+                writer.add_tensor(tensor_name, data, raw_dtype=qtype)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()
+    return GGUFExport(out, arch, dtype, len(written), out.stat().st_size, vocabulary.summary,
+                      tuple(notes))
+
+
+def check_dtype(dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown GGUF dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+
+
+def _gguf() -> Any:
+    """The `gguf` module, or a MissingExtraError that says how to install it."""
+    try:
+        import gguf
+    except ImportError as error:
+        raise MissingExtraError(f"GGUF export needs the optional extra `gguf`: run "
+                                f"{GGUF_INSTALL_HINT} ({error})") from error
+    return gguf
+
+
+# --- the architecture --------------------------------------------------------------------------
+
+
+def gguf_architecture(config: GPTConfig) -> str:
+    """llama.cpp's architecture computing what `config` does, or a ConfigError naming the
+    setting it lacks: the family `convert --to-hf` exports, its own refusals, and the few
+    places where llama.cpp's version of the family computes less than transformers'."""
+    family, chosen_by = family_choice(config)
+    if family.model_type not in GGUF_ARCHITECTURES:
+        raise ConfigError(f"{chosen_by} makes this a {family.title} model, which glassgpt does "
+                          f"not write as GGUF (GPT-2, Llama, Qwen2 and Qwen3 only)")
+    family_settings(family, chosen_by, config)
+    arch = family.model_type
+    if arch == "gpt2" and config.activation != "gelu_tanh":
+        raise ConfigError(f"activation={config.activation!r} cannot be written as GGUF: "
+                          f"llama.cpp's GPT-2 computes GPT-2's tanh GELU (gelu_tanh) only")
+    if arch == "qwen2" and config.q_width != config.n_embd:
+        raise ConfigError(f"head_dim={config.head_dim} cannot be written as GGUF: llama.cpp's "
+                          f"Qwen2 needs n_head * head_dim = n_embd ({config.n_embd})")
+    if arch != "llama" and config.rope_scaling == "llama3":
+        raise ConfigError(f"rope_scaling='llama3' cannot be written as GGUF for {family.title}: "
+                          f"llama.cpp reads its rotary factors in the llama architecture only")
+    return arch
+
+
+# --- the tensors -------------------------------------------------------------------------------
+
+
+def _tensors(model: GPT, arch: str) -> dict[str, Tensor]:
+    """llama.cpp's name -> the float32 tensor on the CPU, each of `model`'s weights once; a
+    ConfigError for a tensor GGUF has no place for (a LoRA adapter not merged)."""
+    config: GPTConfig = model.config
+    ours = {name: tensor.detach().to("cpu", torch.float32)
+            for name, tensor in model.state_dict().items()}
+    if config.tie_weights:  # llama.cpp reads token_embd as the head when output is missing
+        ours.pop("lm_head.weight", None)
+    try:
+        out = {"token_embd.weight": ours.pop("tok_emb.weight")}
+        if arch == "gpt2":
+            out["position_embd.weight"] = ours.pop("pos_emb.weight")
+        for i in range(config.n_layer):
+            out.update(_layer(ours, f"blocks.{i}.", f"blk.{i}.", arch, config))
+        out.update(_renamed(ours, "ln_f.", "output_norm."))
+        if not config.tie_weights:
+            out["output.weight"] = ours.pop("lm_head.weight")
+    except KeyError as missing:
+        raise ConfigError(f"the model has no {missing} tensor; write a plain glassgpt GPT") \
+            from None
+    if ours:
+        raise ConfigError(f"the model holds tensors GGUF has no place for ({', '.join(ours)[:80]}"
+                          f"); merge a LoRA adapter first (glassgpt.adapters.lora.bake_lora)")
+    if config.rope_scaling == "llama3":
+        out["rope_freqs.weight"] = _llama3_factors(config)
+    return out
+
+
+def _layer(ours: dict[str, Tensor], block: str, blk: str, arch: str,
+           config: GPTConfig) -> dict[str, Tensor]:
+    """One block's tensors in llama.cpp's names, taken out of `ours` (`block`: our prefix,
+    `blk`: theirs)."""
+    out = {**_renamed(ours, f"{block}ln1.", f"{blk}attn_norm."),
+           **_renamed(ours, f"{block}ln2.", f"{blk}ffn_norm."),
+           **_renamed(ours, f"{block}attn.proj.", f"{blk}attn_output."),
+           **_renamed(ours, f"{block}ffn.proj.", f"{blk}ffn_down.")}
+    if arch == "gpt2":
+        return {**out, **_renamed(ours, f"{block}attn.qkv.", f"{blk}attn_qkv."),
+                **_renamed(ours, f"{block}ffn.fc.", f"{blk}ffn_up.")}
+    pairs = [("ffn.gate", "ffn_gate"), ("ffn.up", "ffn_up")]
+    if config.qk_norm:
+        pairs += [("attn.q_norm", "attn_q_norm"), ("attn.k_norm", "attn_k_norm")]
+    for mine, theirs in pairs:
+        out.update(_renamed(ours, f"{block}{mine}.", f"{blk}{theirs}."))
+    for kind in ("weight", "bias"):
+        if f"{block}attn.qkv.{kind}" not in ours:
+            continue
+        qkv = ours.pop(f"{block}attn.qkv.{kind}")
+        q, k, v = qkv.split([config.q_width, config.kv_width, config.kv_width])  # rows Q, K, V
+        if arch == "llama":
+            q = pairs_side_by_side(q, config.n_head)
+            k = pairs_side_by_side(k, config.n_kv_head or config.n_head)
+        out.update({f"{blk}attn_q.{kind}": q, f"{blk}attn_k.{kind}": k,
+                    f"{blk}attn_v.{kind}": v})
+    return out
+
+
+def _renamed(ours: dict[str, Tensor], prefix: str, theirs: str) -> dict[str, Tensor]:
+    """Our tensors `prefix`weight and `prefix`bias (those there) taken out of `ours`, named
+    `theirs`weight and `theirs`bias; the weight must be there."""
+    out = {f"{theirs}weight": ours.pop(f"{prefix}weight")}
+    if f"{prefix}bias" in ours:
+        out[f"{theirs}bias"] = ours.pop(f"{prefix}bias")
+    return out
+
+
+def pairs_side_by_side(rows: Tensor, n_heads: int) -> Tensor:
+    """q or k rows (n_heads * d, ...) reordered within each head from rotate-half's pairs
+    (feature i with i + d/2) to adjacent ones (2i with 2i + 1), llama.cpp's `llama` rotary:
+    row 2i + t of a head is its row t * d/2 + i."""
+    d = rows.shape[0] // n_heads
+    halves = rows.reshape(n_heads, 2, d // 2, *rows.shape[1:])  # (H, 2, d/2, ...)
+    return halves.transpose(1, 2).reshape(rows.shape)  # (H, d/2, 2, ...) -> (H * d, ...)
+
+
+def _llama3_factors(config: GPTConfig) -> Tensor:
+    """What llama.cpp divides each pair's angle by (rope_freqs, (d/2,)): glassgpt's own
+    unscaled over scaled frequencies, computed in float64."""
+    plain = rotary_frequencies(config.head_dim, config.rope_theta, None, torch.float64)
+    scaled = rotary_frequencies(config.head_dim, config.rope_theta,
+                                RopeScaling.from_config(config), torch.float64)
+    return (plain / scaled).float()
+
+
+def _typed(gguf: Any, tensors: dict[str, Tensor], dtype: str
+           ) -> tuple[dict[str, tuple[np.ndarray, Any]], list[str]]:
+    """Each tensor as the bytes of its GGUF type, and notes: 2-D weights in `dtype`; vectors
+    and the position table float32 (llama.cpp reads them so); q8_0 of a row length that is no
+    multiple of 32 as f16 (llama.cpp's converter's fallback)."""
+    qtypes = gguf.GGMLQuantizationType
+    wanted = {"f32": qtypes.F32, "f16": qtypes.F16, "bf16": qtypes.BF16, "q8_0": qtypes.Q8_0}
+    written, fallen_back = {}, []
+    for name, tensor in tensors.items():
+        qtype = wanted[dtype]
+        if tensor.ndim < 2 or name == "position_embd.weight":
+            qtype = qtypes.F32
+        data = tensor.numpy()
+        try:
+            written[name] = (gguf.quants.quantize(data, qtype), qtype)
+        except gguf.QuantError:
+            written[name] = (gguf.quants.quantize(data, qtypes.F16), qtypes.F16)
+            fallen_back.append(name)
+    notes = [] if not fallen_back else [
+        f"{len(fallen_back)} matrices are f16, not q8_0: their rows are not a multiple of 32 "
+        f"long (q8_0's block), e.g. {fallen_back[0]}"]
+    return written, notes
+
+
+# --- the settings ------------------------------------------------------------------------------
+
+
+def _add_settings(writer: Any, gguf: Any, config: GPTConfig, arch: str, dtype: str,
+                  name: str) -> None:
+    """general.* and `arch`.*: what llama.cpp reads to build the model."""
+    file_types = gguf.LlamaFileType
+    writer.add_name(name)
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_file_type({"f32": file_types.ALL_F32, "f16": file_types.MOSTLY_F16,
+                          "bf16": file_types.MOSTLY_BF16, "q8_0": file_types.MOSTLY_Q8_0}[dtype])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_context_length(config.block_size)
+    writer.add_embedding_length(config.n_embd)
+    writer.add_block_count(config.n_layer)
+    writer.add_feed_forward_length(config.hidden_width)
+    writer.add_head_count(config.n_head)
+    writer.add_head_count_kv(config.n_kv_head or config.n_head)
+    if arch == "gpt2":
+        writer.add_layer_norm_eps(config.norm_eps)
+        return
+    writer.add_layer_norm_rms_eps(config.norm_eps)
+    if config.q_width != config.n_embd:  # heads of their own width (Qwen3's head_dim)
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_freq_base(config.rope_theta)
+    if config.rope_scaling == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(config.rope_factor)
+
+
+# --- the file ----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _atomic(out: Path) -> Iterator[Path]:
+    """A temporary name beside `out` to write; renamed to `out` when the block ends well,
+    removed when it does not (a full disk leaves no half file, and `out` as it was)."""
+    temp = out.with_name(f".{out.name}.{secrets.token_hex(6)}.tmp")
+    try:
+        yield temp
+        with open(temp, "rb+") as written:
+            os.fsync(written.fileno())
+        os.replace(temp, out)
+    except BaseException as error:
+        with contextlib.suppress(OSError):
+            temp.unlink()
+        if isinstance(error, OSError):
+            raise CheckpointError(f"cannot write {out}: {error.strerror or error}") from None
+        raise
+    files.fsync_dir(out.parent)
+
