@@ -25,6 +25,7 @@ import torch
 from glassgpt.adapters.lora import LoraSettings, add_lora, lora_parameters
 from glassgpt.config import GPTConfig
 from glassgpt.machine.devices import cpu_bf16_support
+from glassgpt.machine.memory import return_large_buffers
 from glassgpt.model import GPT
 from glassgpt.rundir.checkpoint import model_holding, parameters_on_meta
 from glassgpt.training.steps import fused_loss, recompute_blocks
@@ -103,6 +104,7 @@ def _random_weight(name: str, shape: torch.Size, dtype: torch.dtype,
 
 def measure(size: LoraBenchSize) -> dict:
     """Run in the worker: build, adapt, train, and report (JSON-ready)."""
+    return_large_buffers()  # as glassgpt.training.finetune does
     dtype = torch.bfloat16 if cpu_bf16_support() else torch.float32
     model = base_model(size, dtype)
     add_lora(model, LoraSettings(size.rank, size.alpha, targets=TARGETS))

@@ -146,7 +146,7 @@ def decode_bytes_per_token(model: GPT) -> int:
 
     The LM head reads the whole token table even when it is tied to the embedding.
     """
-    lookups = {id(model.pos_emb.weight)}
+    lookups = set() if model.pos_emb is None else {id(model.pos_emb.weight)}
     if model.lm_head.weight is not model.tok_emb.weight:
         lookups.add(id(model.tok_emb.weight))
     total = 0

@@ -45,7 +45,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", nargs="+", metavar="NAME",
                    help=f"model shapes to measure (default: {', '.join(TRAIN_PRESETS)} "
                    f"for training, {', '.join(DECODE_PRESETS)} for decoding)")
-    p.add_argument("--against", choices=["hf"], help="also measure transformers' GPT-2")
+    p.add_argument("--against", choices=["hf", "llamacpp"],
+                   help="hf: also measure transformers' GPT-2; llamacpp (with generate): "
+                   "glassgpt's CPU decoding beside llama.cpp's on the same weights written as "
+                   "GGUF, at 1 thread and all (needs the extra llamacpp)")
     p.add_argument("--json", type=path_arg, metavar="FILE", help="also write every figure here")
     p.add_argument("--force", action="store_true",
                    help="replace the --json (and ladder's --plot) files if they exist")
@@ -111,6 +114,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return _bench_lora(args)
     if args.workload == "ladder":  # time to loss, one speedrun change at a time
         return run_ladder_command(args)
+    if args.against == "llamacpp":
+        return _bench_llamacpp(args)
     train_presets, decode_presets = _presets(args)
     err = Console(stderr=True)
     with err.status("benchmarking") as status:
@@ -214,6 +219,46 @@ def _bench_graph(args: argparse.Namespace) -> int:
         write_text_atomic(args.json, json.dumps({**dataclasses.asdict(r),
                                                  "patching_ratio": r.patching_ratio},
                                                 indent=2) + "\n")
+    return 0
+
+
+def _bench_llamacpp(args: argparse.Namespace) -> int:
+    """`bench generate --against llamacpp`: one table of tokens/s, bandwidth fraction and
+    prefill rate per decoder, precision and thread count (glassgpt.bench.llamacpp)."""
+    from glassgpt.bench.llamacpp import PRESETS, bench_against_llamacpp
+    from glassgpt.bench.report import machine_info
+
+    if args.workload != "generate":
+        raise ConfigError("--against llamacpp measures decoding: `glassgpt bench generate "
+                          "--against llamacpp`")
+    presets = tuple(args.preset or (PRESETS[:1] if args.quick else PRESETS))
+    tokens = 32 if args.quick and args.new_tokens == NEW_TOKENS else args.new_tokens
+    with Console(stderr=True).status("decoding beside llama.cpp") as status:
+        report = bench_against_llamacpp(presets, rounds=args.rounds or (2 if args.quick else 3),
+                                        new_tokens=tokens, compiled=not args.no_compile,
+                                        progress=status.update)
+    agree = "; ".join(f"{p}: glassgpt fp32 and llama.cpp F32 greedy tokens equal for {n} of "
+                      f"{of}" for p, (n, of) in report.same_tokens.items())
+    table = Table(title=f"Decoding beside llama.cpp (batch 1, greedy, {tokens} new tokens, "
+                  f"random weights)", caption=f"{machine_info()['cpu']}, {os.cpu_count()} "
+                  f"cores; median of rounds (slowest-fastest); bandwidth: of the best read "
+                  f"probed in the same rounds; {agree}")
+    for column in ("preset", "threads", "decoder", "precision", "tokens/s", "range",
+                   "of bandwidth", "prefill tok/s"):
+        table.add_column(column, justify="right" if column in ("threads", "tokens/s",
+                                                               "of bandwidth",
+                                                               "prefill tok/s") else "left")
+    for r in report.rows:
+        table.add_row(r.preset, str(r.threads), r.decoder, r.precision,
+                      f"{r.tokens_per_s:,.1f}", f"{r.slowest:,.1f}-{r.fastest:,.1f}",
+                      f"{r.bandwidth_fraction:.0%}", f"{r.prefill_tokens_per_s:,.0f}")
+    output_console().print(table)
+    if args.json is not None:
+        write_text_atomic(args.json, json.dumps(
+            {"rows": [dataclasses.asdict(r) for r in report.rows],
+             "same_tokens": report.same_tokens,
+             "read_bandwidth": {f"{p} {t}": b for (p, t), b in report.read_bandwidth.items()}},
+            indent=2) + "\n")
     return 0
 
 
@@ -368,11 +413,13 @@ def _decode_table(rows: list[bench.DecodeSpeed]) -> Table:
 
 
 def _precision_table(rows: list[bench.PrecisionCost]) -> Table:
-    table = Table(title="What bf16 weights cost (teacher-forced on the fp32 greedy output)")
-    for column in ("preset", "top-1 agreement", "mean KL (nats)", "max |logit error|"):
-        table.add_column(column, justify="left" if column == "preset" else "right")
+    table = Table(title="What lower precision costs (teacher-forced on the fp32 greedy output)",
+                  caption="bfloat16: every weight and activation; int8: every product's "
+                  "weight int8 with a scale per row, activations float32")
+    for column in ("preset", "dtype", "top-1 agreement", "mean KL (nats)", "max |logit error|"):
+        table.add_column(column, justify="left" if column in ("preset", "dtype") else "right")
     for r in rows:
-        table.add_row(r.preset, f"{r.top1_agreement:.1%}", f"{r.mean_kl:.2e}",
+        table.add_row(r.preset, r.dtype, f"{r.top1_agreement:.1%}", f"{r.mean_kl:.2e}",
                       f"{r.max_logit_error:.3g}")
     return table
 

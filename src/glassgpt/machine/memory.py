@@ -31,6 +31,31 @@ def device_memory(device: torch.device) -> int | None:
     return physical_memory()
 
 
+# glibc's malloc serves an allocation from this size up as its own mapping, returned to the OS
+# when freed. Left alone, glibc raises the threshold (to 32 MiB) after the first such free, and
+# a training step's freed activations then stay in its heap, fragmented: LoRA on Qwen3-0.6B's
+# shape peaked 400 MiB higher (BENCHMARKS.md, "LoRA at real size").
+MMAP_THRESHOLD = 2**20
+M_MMAP_THRESHOLD = -3  # mallopt's parameter number, glibc's malloc.h
+
+
+def return_large_buffers() -> bool:
+    """Fix glibc's mmap threshold at MMAP_THRESHOLD for this process, so that large buffers go
+    back to the OS when freed; whether it was set (False off glibc, where nothing changes)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    if not hasattr(libc, "gnu_get_libc_version"):  # another libc's mallopt means other things
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+
+
 def gib(count: int) -> str:
     """Bytes as GiB for a message: '3.2 GiB'."""
     return f"{count / 2**30:,.1f} GiB"

@@ -63,6 +63,7 @@ from glassgpt.data.sft import (
 )
 from glassgpt.errors import ConfigError, InputError
 from glassgpt.machine.devices import AUTO, cpu_bf16_support, resolve_device
+from glassgpt.machine.memory import return_large_buffers
 from glassgpt.model import GPT
 from glassgpt.rundir import checkpoint as ckpt
 from glassgpt.rundir import directory as rundir
@@ -185,6 +186,7 @@ def finetune_run(source: str | Path | None, sft: str | Path | None, out: str | P
     exceptions, having changed nothing, for bad input."""
     spell = arguments.spelling(wording)
     out = files.check_path_given(out, ConfigError, spell("out"))
+    return_large_buffers()  # freed activations go back to the OS, not into a fragmented heap
     if lora is not None and adapter is not None:
         raise ConfigError("an adapter to start from brings its own LoRA settings; drop "
                           f"{spell('lora_rank')} and the other LoRA settings")
