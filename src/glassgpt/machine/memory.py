@@ -31,11 +31,12 @@ def device_memory(device: torch.device) -> int | None:
     return physical_memory()
 
 
-# glibc's malloc serves an allocation from this size up as its own mapping, returned to the OS
-# when freed. Left alone, glibc raises the threshold (to 32 MiB) after the first such free, and
-# a training step's freed activations then stay in its heap, fragmented: LoRA on Qwen3-0.6B's
-# shape peaked 400 MiB higher (BENCHMARKS.md, "LoRA at real size").
-MMAP_THRESHOLD = 2**20
+# glibc's malloc serves an allocation from this size up (its own starting value) as its own
+# mapping, returned to the OS when freed. Left alone, glibc raises the threshold (to 32 MiB)
+# after the first such free, and a training step's freed activations then stay in its heap,
+# fragmented: LoRA on Qwen3-0.6B's shape peaked 400 MiB higher (BENCHMARKS.md, "LoRA at real
+# size"). Fixed at 128 KiB it measured as fast as at 1 MiB, and 20-70 MiB lower.
+MMAP_THRESHOLD = 2**17
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number, glibc's malloc.h
 
 
