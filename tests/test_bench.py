@@ -16,6 +16,7 @@ import torch
 from glassgpt import bench
 from glassgpt.cli import main
 from glassgpt.config import GPTConfig, TrainConfig
+from glassgpt.decoding.quantized import int8_bytes_per_token, quantize_int8
 from glassgpt.errors import ConfigError, GlassGPTError
 from glassgpt.model import GPT
 
@@ -129,11 +130,13 @@ def test_decoding_results_and_bandwidth_fraction():
     assert keys == [(bench.GLASSGPT, True, "float32"), (bench.GLASSGPT_EAGER, True, "float32"),
                     (bench.GLASSGPT_COMPILED, True, "float32"),
                     (bench.GLASSGPT, True, "bfloat16"), (bench.GLASSGPT_COMPILED, True, "bfloat16"),
+                    (bench.GLASSGPT_COMPILED, True, "int8"),
                     (bench.HF, True, "float32"), (bench.GLASSGPT, False, "float32"),
                     (bench.HF, False, "float32")]
     fp32 = results[0].bytes_per_token
+    int8 = int8_bytes_per_token(quantize_int8(bench.bench_model("cpu-small", **TINY)))
     for r in results:
-        assert r.bytes_per_token == (fp32 // 2 if r.dtype == "bfloat16" else fp32)
+        assert r.bytes_per_token == {"bfloat16": fp32 // 2, "int8": int8}.get(r.dtype, fp32)
         assert r.tokens_per_s == pytest.approx(6 / r.seconds)
         assert r.read_bandwidth == results[0].read_bandwidth > 0  # one probe for the run
         limit = r.read_bandwidth / r.bytes_per_token  # tokens/s if bandwidth-bound
@@ -159,7 +162,7 @@ def test_the_read_probe_runs_after_every_decoder_and_the_limit_is_its_best(monke
 
     monkeypatch.setattr(decoding, "interleaved_times", recording)
     results = bench.bench_decoding("cpu-small", probes, bf16=False, uncached=False,
-                                   compiled=False, rounds=2, new_tokens=2, **TINY)
+                                   compiled=False, int8=False, rounds=2, new_tokens=2, **TINY)
     kinds = ["probe" if k[0] == probes.READ else "decoder" for k in orders[0]]
     assert kinds == ["decoder", "probe"] * 2  # glassgpt, then glassgpt eager: a read after each
     assert results[0].read_bandwidth == probes.bandwidth(0.25)

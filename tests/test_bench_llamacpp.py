@@ -23,7 +23,8 @@ def test_every_decoder_and_precision_is_measured_at_each_thread_count() -> None:
     measured = {(r.preset, r.decoder, r.precision) for r in report.rows}
     for preset in ("gpt2", "smollm2-135m"):
         assert {(d, p) for q, d, p in measured if q == preset} == {
-            ("glassgpt eager", "fp32"), ("glassgpt eager", "bf16"), (LLAMACPP, "f32"),
+            ("glassgpt eager", "fp32"), ("glassgpt eager", "bf16"), ("glassgpt eager", "int8"),
+            (LLAMACPP, "f32"),
             (LLAMACPP, "f16"), (LLAMACPP, "bf16"), (LLAMACPP, "q8_0")}
         # The same weights decode to the same greedy tokens (a toy model has no near ties).
         assert report.same_tokens[preset] == (6, 6)

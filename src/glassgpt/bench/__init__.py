@@ -28,6 +28,7 @@ from glassgpt.bench.decoding import (
     bench_decoding,
     bf16_cost,
     check_decode_length,
+    precision_cost,
 )
 from glassgpt.bench.measure import (
     GLASSGPT,
@@ -66,6 +67,7 @@ __all__ = [
     "bench_decoding", "bench_model", "bench_train_config", "bench_training", "bf16_cost",
     "check_decode_length", "decode_bytes_per_token", "eager_and_compiled_losses", "hf_twin",
     "interleaved_medians", "interleaved_times", "machine_info", "matmul_parameters",
-    "measure_limits", "profile_decode_step", "profile_train_step", "run_benchmarks", "speedups",
+    "measure_limits", "precision_cost", "profile_decode_step", "profile_train_step",
+    "run_benchmarks", "speedups",
     "top_ops", "train_flops_per_token", "ThreadSpeed", "bench_threads", "competing_load",
 ]

@@ -1,4 +1,4 @@
-"""Decoding speed at batch 1, with and without the KV cache, and what bf16 weights cost."""
+"""Decoding speed at batch 1, with and without the KV cache, and what bf16 and int8 weights cost."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from glassgpt.bench.measure import (
 )
 from glassgpt.config import NEW_TOKENS, PROMPT_LEN, GPTConfig
 from glassgpt.decoding.generate import generate
+from glassgpt.decoding.quantized import int8_bytes_per_token, quantize_int8
 from glassgpt.errors import ConfigError
 from glassgpt.model import GPT
 
@@ -45,12 +46,17 @@ class DecodeSpeed:
 
 @dataclass
 class PrecisionCost:
-    """What bf16 weights cost in accuracy, on the fp32 model's own greedy continuation."""
+    """What lower-precision weights (`dtype`) cost in accuracy, on the fp32 model's own greedy
+    continuation."""
 
     preset: str
     top1_agreement: float  # positions where both pick the same next token
-    mean_kl: float  # mean KL(fp32 || bf16) of the next-token distributions, in nats
+    mean_kl: float  # mean KL(fp32 || dtype) of the next-token distributions, in nats
     max_logit_error: float
+    dtype: str = "bfloat16"  # bfloat16 (weights and activations) or int8 (weights only)
+
+
+INT8 = torch.int8  # the int8 contenders' key: int8 weights, float32 activations
 
 
 def _glassgpt_decoder(model: GPT, prompt: Tensor, new_tokens: int, cache: bool,
@@ -79,7 +85,7 @@ DecodeKey = tuple[str, bool, torch.dtype]  # (contender, KV cache, dtype)
 
 def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
                    bf16: bool = True, uncached: bool = True, compiled: bool = True,
-                   rounds: int = 3,
+                   rounds: int = 3, int8: bool = True,
                    uncached_rounds: int = 3, prompt_len: int = PROMPT_LEN,
                    new_tokens: int = NEW_TOKENS, **overrides: Any) -> list[DecodeSpeed]:
     """Greedy decoding tokens/s of each contender at batch 1, with and without a KV cache.
@@ -88,11 +94,15 @@ def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
     context costs tens of times more, so the uncached group gets its own (smaller) round count.
     `glassgpt` decodes on the device's engine (`glassgpt.decoding`), `glassgpt+compile` on its
     compiled variant, and `glassgpt eager` on the reference engine (the plain model), which
-    shows what the engines add.
+    shows what the engines add. With `int8`, an int8 copy (`decoding.quantized`) decodes too,
+    through the compiled step where `compiled` (the only path on which int8 is fast on a CPU),
+    else on the device's engine; its bytes per token are its int8 weights, their scales and
+    the float32 rest.
     """
     model = bench_model(preset, probes.device, dropout=0.0, **overrides).eval()
     check_decode_length(model.config, prompt_len, new_tokens)
     half = copy.deepcopy(model).to(torch.bfloat16) if bf16 else None
+    quantized = quantize_int8(model) if int8 else None
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=probes.device)
     hf_model = hf_twin(model) if against_hf else None
     # (contender, KV cache, dtype) -> model; the bf16 contenders decode from a bf16 copy.
@@ -104,6 +114,8 @@ def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
         cached[GLASSGPT, True, torch.bfloat16] = half
         if compiled:
             cached[GLASSGPT_COMPILED, True, torch.bfloat16] = half
+    if quantized is not None:
+        cached[GLASSGPT_COMPILED if compiled else GLASSGPT, True, INT8] = quantized
     recomputing: dict[DecodeKey, nn.Module] = {(GLASSGPT, False, torch.float32): model}
     if hf_model is not None:
         cached[HF, True, torch.float32] = hf_model
@@ -121,7 +133,8 @@ def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
     weight_bytes = decode_bytes_per_token(model)  # fp32
     results = []
     for (name, cache, dtype), elapsed in seconds.items():
-        dtype_bytes = weight_bytes * dtype.itemsize // 4
+        dtype_bytes = (int8_bytes_per_token(quantized) if dtype == INT8
+                       else weight_bytes * dtype.itemsize // 4)
         tokens_per_s = new_tokens / elapsed
         results.append(DecodeSpeed(preset, name, cache, str(dtype).removeprefix("torch."),
                                     elapsed, tokens_per_s, dtype_bytes,
@@ -156,16 +169,29 @@ def alternate(first: dict[Any, Any], second: dict[Any, Any]) -> dict[Any, Any]:
 
 
 @torch.no_grad()
-def bf16_cost(preset: str, prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS,
-              device: torch.device | str = "cpu", **overrides: Any) -> PrecisionCost:
-    """Teacher-force the fp32 greedy continuation through fp32 and bf16 copies and compare."""
+def precision_cost(preset: str, dtype: torch.dtype = torch.bfloat16,
+                   prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS,
+                   device: torch.device | str = "cpu", **overrides: Any) -> PrecisionCost:
+    """Teacher-force the fp32 greedy continuation through the fp32 model and a copy in `dtype`
+    (bfloat16: every tensor; int8: `quantize_int8`'s weights, float32 activations) and
+    compare their next-token distributions."""
+    if dtype not in (torch.bfloat16, INT8):
+        raise ConfigError(f"precision_cost compares bfloat16 or int8 with float32, not {dtype}")
     model = bench_model(preset, device, dropout=0.0, **overrides).eval()
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=device)
     tokens = generate(model, prompt, max_new_tokens=new_tokens, temperature=0.0)[:, :-1]  # (1,T)
     reference = model(tokens)[0].float()  # (1, T, V)
-    approx = copy.deepcopy(model).to(torch.bfloat16)(tokens)[0].float()
+    copied = quantize_int8(model) if dtype == INT8 else copy.deepcopy(model).to(dtype)
+    approx = copied(tokens)[0].float()
     kl = F.kl_div(approx.log_softmax(-1), reference.log_softmax(-1), log_target=True,
                   reduction="none").sum(-1)  # (1, T)
     agree = (reference.argmax(-1) == approx.argmax(-1)).float().mean()
     return PrecisionCost(preset, float(agree), float(kl.mean()),
-                         float((reference - approx).abs().max()))
+                         float((reference - approx).abs().max()),
+                         str(dtype).removeprefix("torch."))
+
+
+def bf16_cost(preset: str, prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS,
+              device: torch.device | str = "cpu", **overrides: Any) -> PrecisionCost:
+    """`precision_cost` of bfloat16."""
+    return precision_cost(preset, torch.bfloat16, prompt_len, new_tokens, device, **overrides)

@@ -5,7 +5,7 @@ it as GGUF files (glassgpt.hf.gguf: F32, F16, BF16, Q8_0), and times greedy deco
 of every contender in interleaved rounds, once per thread count:
 
 * glassgpt: the CPU engine's eager step and its compiled step (glassgpt.decoding.cpu), in fp32
-  and bf16 (and int8 where the caller says how to make the int8 model);
+  and bf16, and int8 weights with a scale per row (glassgpt.decoding.quantized);
 * llama.cpp, through llama-cpp-python (an optional extra that compiles llama.cpp), one context
   per file: each step decodes one token and picks the argmax of its logits, as llama.cpp's
   greedy sampler does, with no Python sampler in between.
@@ -42,6 +42,7 @@ from glassgpt.bench.measure import (
     interleaved_times,
 )
 from glassgpt.decoding.generate import generate
+from glassgpt.decoding.quantized import int8_bytes_per_token, quantize_int8
 from glassgpt.errors import ConfigError
 from glassgpt.model import GPT
 
@@ -88,11 +89,11 @@ def bench_against_llamacpp(presets: tuple[str, ...] = PRESETS,
                            threads: tuple[int, ...] | None = None, rounds: int = 3,
                            new_tokens: int = 128, prompt_len: int = 16,
                            prefill_len: int = PREFILL_LEN, compiled: bool = True,
-                           int8: Callable[[GPT], GPT] | None = None,
+                           int8: bool = True,
                            progress: Callable[[str], Any] = lambda _: None,
                            **overrides: Any) -> LlamaCppReport:
     """The table of the module docstring. `threads`: the thread counts (default 1 and all of
-    the machine's); `int8`: what makes glassgpt's int8 model of the fp32 one, if any;
+    the machine's); `int8`: also glassgpt's int8 weights (glassgpt.decoding.quantized);
     `overrides`: GPTConfig fields changed from the presets' (a smaller model in a test)."""
     llama_cpp = llama_cpp_module()
     threads = threads or tuple(sorted({1, torch.get_num_threads()}))
@@ -114,7 +115,7 @@ def bench_against_llamacpp(presets: tuple[str, ...] = PRESETS,
                     progress(f"{preset}: decoding at {count} thread{'s' * (count > 1)}")
                     found, bandwidth = _measure(preset, glass, contexts, count, rounds,
                                                 new_tokens, prompt_len, prefill_len, compiled,
-                                                decode_bytes_per_token(model))
+                                                _step_bytes(model, glass))
                     rows += found
                     bandwidths[preset, count] = bandwidth
                 for context in contexts.values():
@@ -124,11 +125,21 @@ def bench_against_llamacpp(presets: tuple[str, ...] = PRESETS,
     return LlamaCppReport(rows, bandwidths, same)
 
 
-def _glassgpt_models(model: GPT, int8: Callable[[GPT], GPT] | None) -> dict[str, GPT]:
+def _glassgpt_models(model: GPT, int8: bool) -> dict[str, GPT]:
     models = {"fp32": model, "bf16": copy.deepcopy(model).to(torch.bfloat16)}
-    if int8 is not None:
-        models["int8"] = int8(model)
+    if int8:
+        models["int8"] = quantize_int8(model)
     return models
+
+
+def _step_bytes(model: GPT, glass: dict[str, GPT]) -> dict[str, float]:
+    """Bytes of weights a decoding step reads, per precision: glassgpt's own (int8 with its
+    per-row scales), and llama.cpp's types by their bytes per weight."""
+    fp32 = decode_bytes_per_token(model)
+    sizes = {name: fp32 * per_weight / 4 for name, per_weight in ELEMENT_BYTES.items()}
+    if "int8" in glass:
+        sizes["int8"] = int8_bytes_per_token(glass["int8"])
+    return sizes
 
 
 @contextlib.contextmanager
@@ -191,7 +202,7 @@ def _agreement(model: GPT, context: Any, prompt_len: int, new_tokens: int) -> tu
 
 def _measure(preset: str, glass: dict[str, GPT], contexts: dict[str, Any], threads: int,
              rounds: int, new_tokens: int, prompt_len: int, prefill_len: int, compiled: bool,
-             fp32_bytes: int) -> tuple[list[LlamaCppRow], float]:
+             step_bytes: dict[str, float]) -> tuple[list[LlamaCppRow], float]:
     """Every contender at `threads` threads, decoding and prefill, in interleaved rounds."""
     torch.set_num_threads(threads)
     for context in contexts.values():
@@ -222,17 +233,12 @@ def _measure(preset: str, glass: dict[str, GPT], contexts: dict[str, Any], threa
     for (name, precision), seconds in times.items():
         rates = [new_tokens / s for s in seconds]
         median = statistics.median(rates)
-        step_bytes = fp32_bytes * _element_bytes(precision) / 4
         # The compiled step prefills as the eager one does: one prefill figure per precision.
         prefill_key = (LLAMACPP if name == LLAMACPP else GLASSGPT_EAGER, precision)
         rows.append(LlamaCppRow(preset, name, precision, threads, median, min(rates),
-                                max(rates), median * step_bytes / bandwidth,
+                                max(rates), median * step_bytes[precision] / bandwidth,
                                 prefill_rate[prefill_key]))
     return rows, bandwidth
-
-
-def _element_bytes(precision: str) -> float:
-    return 1 + 4 / 32 if precision == "int8" else ELEMENT_BYTES[precision]
 
 
 def _glassgpt_decoder(model: GPT, prompt: torch.Tensor, new_tokens: int,

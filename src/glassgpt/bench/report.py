@@ -15,8 +15,8 @@ from glassgpt.bench.decoding import (
     DecodeSpeed,
     PrecisionCost,
     bench_decoding,
-    bf16_cost,
     check_decode_length,
+    precision_cost,
 )
 from glassgpt.bench.measure import (
     FP32,
@@ -160,7 +160,9 @@ def run_benchmarks(workload: str, train_presets: list[str], decode_presets: list
             report.decode += bench_decoding(preset, probes, against_hf, compiled=compiled,
                                             rounds=rounds or 5, new_tokens=new_tokens,
                                             uncached_rounds=min(3, rounds or 5))
-            report.precision.append(bf16_cost(preset, new_tokens=new_tokens, device=device))
+            report.precision += [precision_cost(preset, dtype, new_tokens=new_tokens,
+                                                device=device)
+                                 for dtype in (torch.bfloat16, torch.int8)]
             if profile:
                 report.profile += profile_decode_step(preset)
                 if compiled:

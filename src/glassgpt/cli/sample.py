@@ -22,7 +22,7 @@ from glassgpt.config import SAMPLING_DEFAULTS, SamplingConfig, sampling_defaults
 from glassgpt.config_checks import INT64_MAX
 from glassgpt.errors import CommandLineError, ConfigError
 
-SAMPLE_DTYPES = ("float32", "bfloat16")
+SAMPLE_DTYPES = ("float32", "bfloat16", "int8")
 # Compiling the CPU step took 31 s cold and ~6 s from torch's cache on a 2-core machine; it saves
 # ~0.6 ms of ~2.4 ms per step (BENCHMARKS.md, shakespeare-char): ~10,000 steps to win it back.
 # Only steps inside the context use it: past block_size each token recomputes the window.
@@ -63,7 +63,10 @@ def _register_sample(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--stream", action="store_true", help="print tokens as they are sampled")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", choices=SAMPLE_DTYPES, default="float32",
-                   help="weights for decoding: bfloat16 halves the bytes read per token")
+                   help="weights for decoding: bfloat16 halves the bytes read per token; int8 "
+                   "reads the model in float32, then stores each layer's weight as int8 with a "
+                   "scale per row (a quarter of the bytes; activations stay float32) and, on a "
+                   "CPU, decodes through the compiled step, where int8 is fast (as --compile)")
     p.add_argument("--compile", action="store_true",
                    help="compile the decoding step: tens of seconds to compile (less once "
                    "torch has cached it), then a faster step for the tokens inside the "
@@ -127,6 +130,7 @@ def run_sample(args: argparse.Namespace) -> int:
                                "the user's)")
     steers = steer_flags(args)  # refused before the model is read
     device = resolve_device(args.device)
+    compiled = args.compile or int8_compiles(args.dtype, device.type, bool(steers))
     if args.seed + args.num_samples - 1 > INT64_MAX:  # sample i uses seed + i
         raise ConfigError(f"--num-samples {args.num_samples} from --seed {args.seed} needs seeds "
                           f"past 2**63 - 1, the largest there is")
@@ -136,10 +140,15 @@ def run_sample(args: argparse.Namespace) -> int:
         text, end_of_turn, stop_token = chat_prompt(run, args.chat, args.system)
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                               top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                              compiled=args.compile, stop_token=stop_token)
-    # bfloat16 weights are read straight into bfloat16: no float32 model first.
+                              compiled=compiled, stop_token=stop_token)
+    # bfloat16 weights are read straight into bfloat16: no float32 model first; int8 ones are
+    # quantized from the float32 model, which is then let go.
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
     model, tokenizer = run.load_model(device, checkpoint=args.checkpoint, dtype=dtype)
+    if args.dtype == "int8":
+        from glassgpt.decoding.quantized import quantize_int8
+
+        model = quantize_int8(model)
     block_size = model.config.block_size
     # A chat template writes the begin-of-sequence token itself, where a model has one.
     prompt, length = encode_prompt(tokenizer, text, block_size, device,
@@ -152,7 +161,10 @@ def run_sample(args: argparse.Namespace) -> int:
     if length > block_size:
         say(f"note: the prompt has {length} tokens, more than the context of {block_size}; "
             f"the model sees its last {block_size}")
-    if args.compile:
+    if args.dtype == "int8":  # compile_note's pay-off is float32's: int8 compiles regardless
+        say(INT8_NOTE + ("; decoding through the compiled step (tens of seconds to compile, "
+                         "less once torch has it cached)" if compiled else ""))
+    elif args.compile:
         say(compile_note(prompt.shape[1], block_size, args.max_new_tokens, args.num_samples,
                          on_cpu=device.type == "cpu"))
     threads = args.threads
@@ -173,6 +185,17 @@ def run_sample(args: argparse.Namespace) -> int:
         print(flush=True)
         threads = stream.threads  # auto is settled by the first sample, not timed again
     return 0
+
+
+INT8_NOTE = "int8: every layer's weight quantized to int8, a scale per row"
+
+
+def int8_compiles(dtype: str, device: str, steering: bool) -> bool:
+    """Whether `sample --dtype int8` compiles the decoding step without --compile: on a CPU,
+    where an int8 product is fast only inside the compiled step (uncompiled, each product
+    converts its weights first: 3-4x slower than float32, BENCHMARKS.md); not while steering,
+    whose hooks only the eager model calls."""
+    return dtype == "int8" and device == "cpu" and not steering
 
 
 def steer_flags(args: argparse.Namespace) -> list[tuple[str, str | None, float]]:

@@ -7,6 +7,8 @@ decoding lives here, one module per device:
                graph per step, products and attention as fused reductions)
     cuda.py    `CUDAGraphEngine` (a static KV cache and the step captured as a CUDA graph)
     choice.py  which eager CPU engine "auto" takes: the plain model or the threaded one, timed
+    quantized.py  a model's int8 weight-only form (`quantize_int8`), which every engine decodes,
+               held to the tokens of its dequantized float model; fast through the compiled step
 An engine prepares a plain `GPT` without changing its weights' values and gives exactly the
 tokens of `EagerEngine` (tested for each). `glassgpt.decoding.generate` picks one with `engine_for`.
 """

@@ -15,7 +15,8 @@ their values untouched):
   the same for the single query's attention, so a step is one native function with no
   per-operator Python overhead. (A wide model's step stores every intermediate; its attention
   is two matmuls instead, `OneQueryMatmulAttention`, so the context's products are never
-  stored.)
+  stored.) An int8 model's products (`decoding.quantized`) fuse the same way,
+  `Int8ReductionLinear`: each int8 weight is converted inside the loop that streams it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from glassgpt.decoding.engine import (
     twin_kind,
     without_module_guards,
 )
+from glassgpt.decoding.quantized import Int8Linear, Int8ReductionLinear
 from glassgpt.decoding.sampling import greedy_pick, is_greedy
 
 # Inductor options of the compiled step, each applied only where the installed torch knows it
@@ -176,6 +178,8 @@ def _threaded(module: nn.Module) -> type[nn.Module] | None:
 def _fusable(module: nn.Module) -> type[nn.Module] | None:
     if type(module) is nn.Linear:
         return ReductionLinear
+    if type(module) is Int8Linear:
+        return Int8ReductionLinear
     return OneQueryAttention if type(module) is MultiHeadSelfAttention else None
 
 
