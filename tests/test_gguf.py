@@ -8,7 +8,6 @@ import errno
 import json
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ import torch
 
 from conftest import TINY_TEXT
 from glassgpt import GPT, GPTConfig
+from glassgpt.bench.llamacpp import without_repacking
 from glassgpt.decoding.generate import generate
 from glassgpt.errors import CheckpointError, ConfigError, TokenizerError
 from glassgpt.hf.files import MissingExtraError
@@ -334,20 +334,21 @@ def llama_cpp() -> Any:
 
 def llama(llama_cpp: Any, path: Path, logits_all: bool = False) -> Any:
     """A llama.cpp context on `path`: one thread, float32 keys and values (GGML_TYPE_F32), and
-    the weights as the file holds them. ggml would repack q8_0 matrices for the CPU's AMX
-    units, which faults (SIGSEGV, the whole test run) in sandboxes that do not grant AMX
-    state; llama-cpp-python's Llama does not pass `use_extra_bufts`, so its default is set."""
-    low = llama_cpp.llama_cpp
-    defaults = low.llama_model_default_params
-
-    def without_repacking() -> Any:
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-
-    with mock.patch.object(low, "llama_model_default_params", without_repacking):
+    the weights as the file holds them (no AMX repacking of q8_0: the bench's
+    `without_repacking`, which faults where the sandbox grants no AMX state)."""
+    with without_repacking(llama_cpp):
         return llama_cpp.Llama(str(path), n_ctx=32, n_threads=1, verbose=False,
                                logits_all=logits_all, type_k=0, type_v=0)
+
+
+def llama_logits(llama_cpp: Any, path: Path, ids: list[int]) -> torch.Tensor:
+    """llama.cpp's logits (T, V) of the file at `path` on `ids`."""
+    llm = llama(llama_cpp, path, logits_all=True)
+    try:
+        llm.eval(ids)
+        return torch.from_numpy(np.array(llm.scores[:len(ids)]))
+    finally:
+        llm.close()
 
 
 # llama.cpp's GELU reads a float16 table: GPT-2's logits move by about 1e-4.
@@ -360,12 +361,7 @@ def test_llama_cpp_computes_the_same_logits(shape: str, bpe: BPETokenizer, tmp_p
     model = random_model(shape, bpe.vocab_size)
     write_gguf(model, bpe, tmp_path / "m.gguf")
     ids = bpe.encode(TINY_TEXT)[:32]
-    llm = llama(llama_cpp, tmp_path / "m.gguf", logits_all=True)
-    try:
-        llm.eval(ids)
-        theirs = torch.from_numpy(np.array(llm.scores[:len(ids)]))
-    finally:
-        llm.close()
+    theirs = llama_logits(llama_cpp, tmp_path / "m.gguf", ids)
     with torch.no_grad():
         ours = model(torch.tensor([ids]))[0][0]
     torch.testing.assert_close(theirs, ours, atol=LOGITS_ATOL.get(shape, 1e-5), rtol=0)
@@ -443,12 +439,7 @@ def test_llama_cpp_runs_q8_0_close_to_the_model(bpe: BPETokenizer, tmp_path: Pat
     model = random_model("qwen3", bpe.vocab_size)
     write_gguf(model, bpe, tmp_path / "m.gguf", "q8_0")
     ids = bpe.encode(TINY_TEXT)[:16]
-    llm = llama(llama_cpp, tmp_path / "m.gguf", logits_all=True)
-    try:
-        llm.eval(ids)
-        theirs = torch.from_numpy(np.array(llm.scores[:len(ids)]))
-    finally:
-        llm.close()
+    theirs = llama_logits(llama_cpp, tmp_path / "m.gguf", ids)
     with torch.no_grad():
         ours = model(torch.tensor([ids]))[0][0]
     assert (theirs - ours).abs().max() < 0.05 * ours.abs().max()

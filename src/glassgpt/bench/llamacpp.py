@@ -143,7 +143,7 @@ def _step_bytes(model: GPT, glass: dict[str, GPT]) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def _without_repacking(llama_cpp: Any) -> Iterator[None]:
+def without_repacking(llama_cpp: Any) -> Iterator[None]:
     """ggml repacks Q8_0 matrices for AMX units where the CPU has them, which faults where the
     kernel grants no AMX state (a sandbox); llama-cpp-python does not pass the switch, so its
     default is set. The other types are not repacked either way."""
@@ -168,7 +168,7 @@ def _llama_contexts(llama_cpp: Any, model: GPT, directory: Path, n_ctx: int) -> 
         write_gguf(model, None, path, dtype)
         # F32 weights keep float32 keys and values (type 0); the others llama.cpp's F16 (1).
         kv_type = 0 if dtype == "f32" else 1
-        with _without_repacking(llama_cpp):
+        with without_repacking(llama_cpp):
             contexts[dtype] = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=PREFILL_LEN,
                                               n_ubatch=PREFILL_LEN, verbose=False,
                                               type_k=kv_type, type_v=kv_type)
