@@ -27,7 +27,6 @@ from glassgpt.decoding.quantized import (
     dequantize_rows,
     dequantized,
     has_int8_mm,
-    int8_bytes_per_token,
     quantize_int8,
     quantize_rows,
 )
@@ -119,7 +118,7 @@ def test_bytes_per_token_count_int8_weights_their_scales_and_one_row_of_each_tab
     other = sum(p.numel() for n, p in int8.named_parameters()
                 if not n.endswith(("qweight", "scales")) and not n.startswith("pos_emb"))
     assert len(linears) == 4 * L + 1
-    assert int8_bytes_per_token(int8) == weights + 4 * scales + 4 * other + 4 * C
+    assert bench.decode_bytes_per_token(int8) == weights + 4 * scales + 4 * other + 4 * C
 
 
 # --- the int8 model is the dequantized model ---------------------------------------------------
@@ -221,7 +220,7 @@ def test_the_bench_states_int8s_cost_and_decodes_it_compiled():
     int8 = [r for r in rows if r.dtype == "int8"]
     assert [(r.contender, r.cache) for r in int8] == [(bench.GLASSGPT_COMPILED, True)]
     model = quantize_int8(bench.bench_model("cpu-small", dropout=0.0, **tiny))
-    assert int8[0].bytes_per_token == int8_bytes_per_token(model)
+    assert int8[0].bytes_per_token == bench.decode_bytes_per_token(model)
 
 
 # --- the command line -----------------------------------------------------------------------

@@ -30,12 +30,16 @@ def resident_mib(setting: str) -> float:
     return float(done.stdout)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc, /proc")
-def test_freed_buffers_leave_the_process() -> None:
+
+def on_glibc() -> bool:
     import ctypes
 
-    if not hasattr(ctypes.CDLL(None), "gnu_get_libc_version"):
-        pytest.skip("another libc than glibc: nothing is set")
+    return sys.platform.startswith("linux") and hasattr(ctypes.CDLL(None),
+                                                        "gnu_get_libc_version")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not on_glibc(), reason="glibc's malloc and /proc: elsewhere nothing is set")
+def test_freed_buffers_leave_the_process() -> None:
     # The ten freed 8 MiB buffers: resident by default, given back with the threshold fixed.
     assert resident_mib("default") - resident_mib("set") > 60

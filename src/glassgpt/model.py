@@ -193,6 +193,15 @@ class GPT(nn.Module):
         `logit_softcap`, cap * tanh(logits / cap), which keeps every logit within +-cap."""
         return soft_cap(self.lm_head(self.ln_f(x)), self.config.logit_softcap)
 
+    def last_stream(self, idx: Tensor, *, start_pos: int | None = None,
+                    pad_mask: Tensor | None = None, check_ids: bool = True) -> Tensor:
+        """idx (B, T) -> the residual stream after the last block (B, T, C), before the final
+        norm: `layers` run to its end (the arguments are its own)."""
+        for _, stream in self.layers(idx, start_pos=start_pos, pad_mask=pad_mask,
+                                     check_ids=check_ids):
+            x = stream
+        return x
+
     def forward(self, idx: Tensor, targets: Tensor | None = None, *,
                 pad_mask: Tensor | None = None, start_pos: int | None = None,
                 last_only: bool = False, check_ids: bool = True) -> tuple[Tensor, Tensor | None]:
@@ -205,9 +214,7 @@ class GPT(nn.Module):
         check_ids: check every id against the vocabulary first (a host sync on a GPU; callers
         that checked their ids where they entered pass False).
         """
-        for _, stream in self.layers(idx, start_pos=start_pos, pad_mask=pad_mask,
-                                     check_ids=check_ids):
-            x = stream  # in the end, the residual stream after the last block (B, T, C)
+        x = self.last_stream(idx, start_pos=start_pos, pad_mask=pad_mask, check_ids=check_ids)
         if targets is None:
             return self.read_out(x[:, -1:] if last_only else x), None  # (B, 1 or T, V)
         check_targets(targets, idx, self.config.vocab_size, check_ids)

@@ -26,7 +26,7 @@ from glassgpt.bench.measure import (
 )
 from glassgpt.config import NEW_TOKENS, PROMPT_LEN, GPTConfig
 from glassgpt.decoding.generate import generate
-from glassgpt.decoding.quantized import int8_bytes_per_token, quantize_int8
+from glassgpt.decoding.quantized import quantize_int8
 from glassgpt.errors import ConfigError
 from glassgpt.model import GPT
 
@@ -133,7 +133,7 @@ def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
     weight_bytes = decode_bytes_per_token(model)  # fp32
     results = []
     for (name, cache, dtype), elapsed in seconds.items():
-        dtype_bytes = (int8_bytes_per_token(quantized) if dtype == INT8
+        dtype_bytes = (decode_bytes_per_token(quantized) if dtype == INT8
                        else weight_bytes * dtype.itemsize // 4)
         tokens_per_s = new_tokens / elapsed
         results.append(DecodeSpeed(preset, name, cache, str(dtype).removeprefix("torch."),

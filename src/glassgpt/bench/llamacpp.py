@@ -42,7 +42,7 @@ from glassgpt.bench.measure import (
     interleaved_times,
 )
 from glassgpt.decoding.generate import generate
-from glassgpt.decoding.quantized import int8_bytes_per_token, quantize_int8
+from glassgpt.decoding.quantized import quantize_int8
 from glassgpt.errors import ConfigError
 from glassgpt.model import GPT
 
@@ -138,7 +138,7 @@ def _step_bytes(model: GPT, glass: dict[str, GPT]) -> dict[str, float]:
     fp32 = decode_bytes_per_token(model)
     sizes = {name: fp32 * per_weight / 4 for name, per_weight in ELEMENT_BYTES.items()}
     if "int8" in glass:
-        sizes["int8"] = int8_bytes_per_token(glass["int8"])
+        sizes["int8"] = decode_bytes_per_token(glass["int8"])
     return sizes
 
 

@@ -142,13 +142,15 @@ def train_flops_per_token(config: GPTConfig, n_params: int, seq_len: int) -> flo
 
 
 def decode_bytes_per_token(model: GPT) -> int:
-    """Bytes of weights one decoding step reads: all of them, but one row of each lookup table.
+    """Bytes of weights one decoding step reads: all of them, but one row of each lookup table
+    (a token or position table the LM head does not also read whole).
 
-    The LM head reads the whole token table even when it is tied to the embedding.
+    The LM head reads the whole token table even when it is tied to the embedding; an int8
+    model's (glassgpt.decoding.quantized) head and tied table are its int8 rows and scales.
     """
-    lookups = set() if model.pos_emb is None else {id(model.pos_emb.weight)}
-    if model.lm_head.weight is not model.tok_emb.weight:
-        lookups.add(id(model.tok_emb.weight))
+    head = {id(p) for p in model.lm_head.parameters()}
+    lookups = {id(table.weight) for table in (model.tok_emb, model.pos_emb)
+               if isinstance(table, nn.Embedding) and id(table.weight) not in head}
     total = 0
     for param in model.parameters():  # a tied weight appears once
         elements = param.shape[-1] if id(param) in lookups else param.numel()

@@ -212,19 +212,6 @@ def dequantized(model: nn.Module) -> nn.Module:
     return plain.eval()
 
 
-def int8_bytes_per_token(model: nn.Module) -> int:
-    """Bytes of weights one decoding step of int8 `model` reads: every int8 product's weight
-    and scales whole, one row of each lookup table, every other tensor whole."""
-    lookups = {id(model.pos_emb.weight)} if getattr(model, "pos_emb", None) is not None else set()
-    if isinstance(model.tok_emb, nn.Embedding):
-        lookups.add(id(model.tok_emb.weight))
-    total = 0
-    for param in model.parameters():  # a tied tensor appears once
-        elements = param.shape[-1] if id(param) in lookups else param.numel()
-        total += elements * param.element_size()
-    return total
-
-
 def _children(model: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Module]]:
     """(parent, name, child) for every module below `model`, each once."""
     for parent in list(model.modules()):

@@ -56,11 +56,9 @@ def fused_loss(model: nn.Module) -> None:
     def forward(idx: Tensor, targets: Tensor | None = None, **kwargs):
         if targets is None:
             return inner(idx, **kwargs)
-        check_ids = kwargs.get("check_ids", True)
-        for _, stream in model.layers(idx, start_pos=kwargs.get("start_pos"),
-                                      pad_mask=kwargs.get("pad_mask"), check_ids=check_ids):
-            x = stream  # the residual stream after the last block (B, T, C)
-        check_targets(targets, idx, model.config.vocab_size, check_ids)
+        kwargs.pop("last_only", None)  # the loss needs every position, as forward's does
+        x = model.last_stream(idx, **kwargs)  # (B, T, C)
+        check_targets(targets, idx, model.config.vocab_size, kwargs.get("check_ids", True))
         normed = model.ln_f(x).flatten(0, 1)  # (B*T, C)
         total = LinearCrossEntropy.apply(normed, model.lm_head.weight, targets.flatten())
         return None, total / (targets != -1).sum().clamp(min=1)
