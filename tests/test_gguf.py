@@ -520,7 +520,13 @@ def test_an_existing_file_is_replaced_only_with_force(bpe_run: Path, tmp_path: P
     assert code == 2 and "already exists; pass --force" in one_error_line(err)
     assert out.read_text() == "keep me"
     code, err = glassgpt("convert", bpe_run, "--to-gguf", out, "--force", capsys=capsys)
-    assert code == 0, err
+    assert code == 2 and "is not a GGUF file; --force replaces only a GGUF file" in \
+        one_error_line(err)
+    assert out.read_text() == "keep me"  # not ours: kept even with --force
+    out.unlink()
+    assert glassgpt("convert", bpe_run, "--to-gguf", out, capsys=capsys)[0] == 0
+    code, err = glassgpt("convert", bpe_run, "--to-gguf", out, "--force", capsys=capsys)
+    assert code == 0, err  # an earlier export is replaced
     assert out.read_bytes()[:4] == b"GGUF"
 
 

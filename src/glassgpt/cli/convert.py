@@ -72,7 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--force", action="store_true",
                         help="with --to-hf or --to-lens, replace an earlier export of that kind "
                              "glassgpt wrote in OUT_DIR (nothing else is replaced); with "
-                             "--to-gguf, replace the file OUT.gguf")
+                             "--to-gguf, replace an earlier GGUF file at OUT.gguf")
     parser.add_argument("--adapter", action="store_true",
                         help="with --to-hf, a run fine-tuned with LoRA goes out as its base "
                              "model plus its adapter in peft's format (OUT_DIR/adapter); "

@@ -81,6 +81,16 @@ class GGUFExport:
     weights: str | None = None
 
 
+def check_replacing_gguf(out: Path) -> None:
+    """`--force` replaces a GGUF file (an earlier export), never a file of another kind."""
+    if out.is_file():
+        with out.open("rb") as file:
+            magic = file.read(4)
+        if magic != b"GGUF":
+            raise CheckpointError(f"{out} is there and is not a GGUF file; --force replaces "
+                                  f"only a GGUF file: give another name")
+
+
 def export_gguf(run_dir: str | os.PathLike[str], out: str | os.PathLike[str],
                 checkpoint: str = "best", dtype: str = "f32", force: bool = False
                 ) -> GGUFExport:
@@ -91,6 +101,7 @@ def export_gguf(run_dir: str | os.PathLike[str], out: str | os.PathLike[str],
     _gguf()
     run_dir, out = Path(run_dir).expanduser(), Path(out).expanduser()
     check_output_file(out, force, CheckpointError)
+    check_replacing_gguf(out)
     check_apart(out, run_dir, f"{run_dir}, the run being exported")
     run = Run(run_dir)
     chat = run.chat_template()
