@@ -375,9 +375,18 @@ def test_the_bench_graph_command_prints_its_table(monkeypatch, capsys, tmp_path:
     out = tmp_path / "bench.json"
     assert main(["bench", "graph", "--quick", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "attribution patching faster by" in printed and "circuit-tracer not measured" in printed
+    # The table's rows and both figures, never which one is faster: that is the benchmark's
+    # finding on one machine, not a property a test can hold on every CPU.
+    assert "circuit-tracer not measured" in printed
     saved = json.loads(out.read_text())
-    assert saved["patching_ratio"] > 0 and saved["circuit_tracer_s"] is None
+    for row, figure in (("attribution patching, 4 heads, ms", saved["attribution_patching_s"]),
+                        ("activation patching, 4 heads, ms", saved["activation_patching_s"])):
+        assert row in printed and f"{figure * 1e3:.1f}" in printed
+    assert "activation patching's time / attribution patching's" in printed
+    assert f"{saved['patching_ratio']:.1f}x" in printed
+    assert saved["patching_ratio"] == pytest.approx(
+        saved["activation_patching_s"] / saved["attribution_patching_s"])
+    assert saved["circuit_tracer_s"] is None
     assert main(["bench", "graph", "--quick", "--circuit-tracer-python",
                  str(tmp_path / "none")]) == 2
     assert "circuit-tracer's python" in capsys.readouterr().err

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from glassgpt.config import GPTConfig, check_heads_divide_width
 from glassgpt.errors import ConfigError, InputError
-from glassgpt.hooks import add_hook_points
+from glassgpt.hooks import add_hook_points, recorded
 from glassgpt.norms import RMSNorm, autocast_enabled
 from glassgpt.rotary import RotaryEmbedding
 
@@ -193,15 +193,13 @@ class MultiHeadSelfAttention(nn.Module):
 
     `qkv` is Linear(C, 3C) producing Q, K, V in that order along the last axis, and `proj` is
     W_O; both copy 1:1 into `nn.MultiheadAttention` (`experiments.references.to_torch_multihead`).
-    `impl="fused"` uses scaled_dot_product_attention; the explicit path runs instead whenever
-    the scores or the pattern are watched (a hook on `hook_attn_scores` or `hook_pattern`), with
-    a soft-cap, or with `impl="explicit"`.
-    With `n_kv_head` < n_heads, `qkv` is Linear(C, (H + 2 * n_kv_head) * d) and its rows are
-    [Q (H * d), K (n_kv_head * d), V (n_kv_head * d)]: each K/V head serves `groups` query
-    heads in a row (`kv_head_of`). `qk_norm` adds `q_norm` and `k_norm` (RMSNorm over d);
-    `rotary` rotates q and k by their positions (with base `rope_theta`).
-    Built from a GPTConfig passed whole (`from_config`, what `GPT` does), or standalone from
-    sizes and switches by name.
+    `impl="fused"` uses scaled_dot_product_attention; the explicit path runs when the scores or
+    pattern are watched (a hook on `hook_attn_scores`/`hook_pattern`, or `return_attn`), with a
+    soft-cap, or with `impl="explicit"`. With `n_kv_head` < n_heads, `qkv`'s rows are [Q (H * d),
+    K (n_kv_head * d), V (n_kv_head * d)]: each K/V head serves `groups` query heads in a row
+    (`kv_head_of`). `qk_norm` adds `q_norm`, `k_norm` (RMSNorm over d); `rotary` rotates q and k
+    by their positions. Built from a GPTConfig passed whole (`from_config`, what `GPT` does),
+    or standalone from sizes and switches by name.
     """
 
     def __init__(self, d_model: int, n_heads: int, causal: bool = True, dropout: float = 0.0,
@@ -279,18 +277,19 @@ class MultiHeadSelfAttention(nn.Module):
         B, T, _ = x.shape
         return x.view(B, T, -1, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: Tensor, pad_mask: Tensor | None = None,
-                start_pos: int | None = None, qk_pos: Tensor | None = None) -> Tensor:
-        """x (B, T, C) -> y (B, T, C).
-
-        `start_pos` (with a KV cache set up) means x holds positions start_pos.. of a sequence
-        whose earlier keys and values are already cached. It is an int: the compiled CPU step
-        takes it as one symbolic size, so one graph serves every step and reads the cache as a
-        prefix, unmasked; only a replayed CUDA graph needs the position in a device tensor, and
-        its engine's twin attention reads it so (`decoding.cuda.StaticAttention`). The weights
-        are `hook_pattern`'s (glassgpt.interp), and switching a head off is a hook on `hook_z`:
-        no arguments. `qk_pos` (B, T, C): shortformer positions (`project`).
-        """
+    def forward(self, x: Tensor, pad_mask: Tensor | None = None, return_attn: bool = False,
+                start_pos: int | None = None,
+                qk_pos: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """x (B, T, C) -> y (B, T, C), or (y, weights (B, H, T, S)) with `return_attn`: the
+        very tensor `hook_pattern` sees (one softmax, before dropout). `start_pos` (a KV cache
+        set up): x holds positions start_pos.. of a sequence whose earlier keys and values are
+        cached; an int, one symbolic size to the compiled CPU step (a replayed CUDA graph reads
+        it from a device tensor: `decoding.cuda.StaticAttention`). Switching a head off is a
+        hook on `hook_z`. `qk_pos` (B, T, C): shortformer positions (`project`)."""
+        if return_attn:
+            with recorded(self.hook_pattern) as seen:
+                y = self.forward(x, pad_mask, start_pos=start_pos, qk_pos=qk_pos)
+            return y, seen[0]
         check_stream(x, self.d_model, self.qkv.weight, "attention")
         q, k, v = self.project(x, start_pos, qk_pos)  # (B, H, T, d), 2 x (B, H_kv, T, d)
         window = self.window
@@ -306,7 +305,7 @@ class MultiHeadSelfAttention(nn.Module):
     def output(self, z: Tensor) -> Tensor:
         """z (B, T, H, d) -> (B, T, C) through W_O (`proj`). Watched, each head's share z_h W_O[h]
         passes `hook_result` (B, T, H, C), TransformerLens's; the output is their sum + bias."""
-        if not self.hook_result._forward_hooks:
+        if not self.hook_result.active:
             return self.proj(z.flatten(2))  # (B, T, H*d) -> (B, T, C): one product
         w_o = self.proj.weight.view(self.d_model, self.n_heads, self.head_dim)  # (C, H, d)
         result = self.hook_result(torch.einsum("bthd,chd->bthc", z, w_o))  # (B, T, H, C)

@@ -26,7 +26,7 @@ from glassgpt.config import (
     check_size,
 )
 from glassgpt.errors import ConfigError
-from glassgpt.hooks import add_hook_points
+from glassgpt.hooks import add_hook_points, recorded
 from glassgpt.norms import make_norm
 
 __all__ = ["FeedForward", "GeGLUFeedForward", "ReLUSquared", "SwiGLUFeedForward",
@@ -190,10 +190,17 @@ class TransformerBlock(nn.Module):
         self.sublayers = (post_ln_sublayers if not config.pre_ln
                           else sandwich_sublayers if config.post_norms else pre_ln_sublayers)
 
-    def forward(self, x: Tensor, pad_mask: Tensor | None = None,
-                start_pos: int | None = None, qk_pos: Tensor | None = None) -> Tensor:
-        """x (B, T, C) -> z (B, T, C) through this block's variant (`sublayers`). `qk_pos`
-        (B, T, C): shortformer positions, added to the attention's query and key inputs."""
+    def forward(self, x: Tensor, pad_mask: Tensor | None = None, return_attn: bool = False,
+                start_pos: int | None = None,
+                qk_pos: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """x (B, T, C) -> z (B, T, C) through this block's variant (`sublayers`), or
+        (z, weights (B, H, T, S)) with `return_attn`: the attention's `hook_pattern` tensor.
+        `qk_pos` (B, T, C): shortformer positions, added to the attention's query and key
+        inputs."""
+        if return_attn:
+            with recorded(self.attn.hook_pattern) as seen:
+                z = self.forward(x, pad_mask, start_pos=start_pos, qk_pos=qk_pos)
+            return z, seen[0]
         check_stream(x, self.d_model, self.attn.qkv.weight, "block")
         return self.sublayers(self, self.hook_resid_pre(x), pad_mask, start_pos, qk_pos)
 
