@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
+from typing import Any
 
 from glassgpt.cli.common import DefaultsHelpFormatter, add_checkpoint_flag, path_arg, say
 from glassgpt.errors import ConfigError
@@ -38,30 +40,55 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="replace --out and --json files that "
                    "already exist")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
+    p.add_argument("--any-run", action="store_true", help="use transcoders glassgpt trained on "
+                   "another run's model (neither this run's directory nor its weights)")
     add_checkpoint_flag(p, "read")
     p.set_defaults(handler=run_graph)
 
 
-def run_graph(args: argparse.Namespace) -> int:
-    from glassgpt.decoding.generate import encode_prompt
-    from glassgpt.interp.graph import attribution_graph, load_transcoders
-    from glassgpt.interp.graph.export import pruned_json, top_features
-    from glassgpt.interp.graph.prune import graph_scores, prune_graph
-    from glassgpt.rundir.checkpoint import load_model
-    from glassgpt.storage import files
+def check_flags(args: argparse.Namespace) -> None:
+    """The numbers and the output files, refused in one line before any work: a share outside
+    (0, 1], a count below 1, one file named for both outputs, a file already there."""
     from glassgpt.storage.outputs import check_output_file
 
     for name in ("node_threshold", "edge_threshold", "logit_prob"):
         if not 0 < getattr(args, name) <= 1:
             raise ConfigError(f"--{name.replace('_', '-')} is a share in (0, 1], got "
                               f"{getattr(args, name)}")
-    if args.max_logits < 1:
-        raise ConfigError(f"--max-logits must be positive, got {args.max_logits}")
-    for output in (args.out, args.json):  # before the model is read and the graph built
+    for name in ("max_logits", "top"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got "
+                              f"{getattr(args, name)}")
+    if args.out is not None and args.json is not None and same_file(args.out, args.json):
+        raise ConfigError(f"--out and --json both name {args.json}: the graph and its JSON "
+                          f"need a file each")
+    for output in (args.out, args.json):
         if output is not None:
             check_output_file(output, args.force, ConfigError)
+
+
+def same_file(first: Path, second: Path) -> bool:
+    """Whether two paths name one file: the same path once resolved (links followed), or
+    two names of one existing file."""
+    if first.resolve() == second.resolve():
+        return True
+    try:
+        return first.samefile(second)
+    except OSError:  # one of them does not exist yet
+        return False
+
+
+def run_graph(args: argparse.Namespace) -> int:
+    from glassgpt.decoding.generate import encode_prompt
+    from glassgpt.interp.graph import attribution_graph
+    from glassgpt.interp.graph.export import pruned_json, top_features
+    from glassgpt.interp.graph.prune import graph_scores, prune_graph
+    from glassgpt.rundir.checkpoint import load_model
+    from glassgpt.storage import files
+
+    check_flags(args)  # before the model is read and the graph built
     model, tokenizer = load_model(args.run_dir, args.device, args.checkpoint)
-    transcoders = load_transcoders(args.transcoders, device=args.device)
+    transcoders = _transcoders(args, model)
     ids, given = encode_prompt(tokenizer, args.prompt, model.config.block_size, args.device)
     if given > ids.shape[1]:
         say(f"the prompt has {given} tokens; the graph reads its last {ids.shape[1]}")
@@ -93,3 +120,25 @@ def run_graph(args: argparse.Namespace) -> int:
         files.write_text_atomic(args.json, json.dumps(data))
         print(f"wrote {args.json}")
     return 0
+
+
+def _transcoders(args: argparse.Namespace, model: Any) -> list[Any]:
+    """--transcoders, each refused in one line unless it replaces one of the model's MLPs
+    (as `glassgpt view --transcoders` refuses it) and, without --any-run, was trained on this
+    run (glassgpt.interp.sae.provenance)."""
+    from glassgpt.errors import GlassGPTError, InputError
+    from glassgpt.interp.graph import load_transcoders
+    from glassgpt.interp.graph.replacement import by_layer
+    from glassgpt.interp.sae.provenance import check_trained_on
+
+    try:
+        transcoders = load_transcoders(args.transcoders, device=args.device)
+        by_layer(model, transcoders)
+        if not args.any_run:
+            check_trained_on([(f"the transcoder of {sae.cfg.hook_name_out}", sae)
+                              for sae in transcoders],
+                             args.run_dir, args.checkpoint, "train transcoders on this run, or "
+                             "pass --any-run to use these")
+    except GlassGPTError as error:
+        raise InputError(f"--transcoders: {error}") from None
+    return transcoders

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import threading
 from typing import Any
 
@@ -14,6 +15,25 @@ INTERRUPTED_EXIT_CODE = 130
 # DictionarySettings's choices and defaults, written again here because --help imports no
 # torch (glassgpt.interp does); tests/test_sae_train.py holds them equal.
 ARCHITECTURES = ("standard", "topk", "batchtopk", "jumprelu")
+# Each flag of `sae train` that is a setting -> its DictionarySettings field.
+SETTINGS = {"hook": "hook", "d_sae": "d_sae", "architecture": "architecture",
+            "transcoder": "transcoder", "hook_out": "hook_out", "k": "k", "l1": "l1_coefficient",
+            "l0": "l0_coefficient", "tokens": "tokens", "batch_tokens": "batch_tokens",
+            "lr": "lr", "eval_every": "eval_every", "checkpoint_every": "checkpoint_every",
+            "seed": "seed"}
+HISTOGRAM_WIDTH = 60  # characters of the longest bar
+ANY_RUN_HELP = ("use a dictionary glassgpt trained on another run's model (neither this run's "
+                "directory nor its weights)")
+
+
+class Given(argparse.Action):
+    """Stores a flag's value and notes that it was given: with --resume, the settings not
+    given are the saved training's, not the flags' defaults."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, True if self.nargs == 0 else values)
+        namespace.given = {*(getattr(namespace, "given", None) or ()), self.dest}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,25 +52,34 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
                             "at --hook, streamed from the run's data or a text file; saved in "
                             "SAELens's format, with its trainer state for --resume.")
     p.add_argument("run_dir", type=path_arg, metavar="RUN_DIR")
-    p.add_argument("--hook", required=True, help="hook point, e.g. blocks.0.hook_resid_post")
+    p.add_argument("--hook", action=Given, help="hook point, e.g. blocks.0.hook_resid_post")
     p.add_argument("--out", type=path_arg, required=True, help="directory to write")
-    p.add_argument("--d-sae", type=int, required=True, help="number of latents")
-    p.add_argument("--architecture", choices=ARCHITECTURES, default="standard")
-    p.add_argument("--k", type=float, help="topk: latents per token; batchtopk: on average")
-    p.add_argument("--l1", type=float, default=5.0, help="standard: L1 coefficient")
-    p.add_argument("--l0", type=float, default=1.0, help="jumprelu: L0 coefficient")
-    p.add_argument("--tokens", type=int, default=2_000_000, help="activations in all")
-    p.add_argument("--batch-tokens", type=int, default=4096, help="activations per step")
-    p.add_argument("--lr", type=float, default=3e-4, help="Adam learning rate")
-    p.add_argument("--transcoder", action="store_true", help="reconstruct --hook-out (default "
-                   "blocks.L.hook_mlp_out) from --hook (blocks.L.ln2.hook_normalized)")
-    p.add_argument("--hook-out", help="a transcoder's target point")
-    p.add_argument("--eval-every", type=int, default=100, help="steps between metric lines")
-    p.add_argument("--checkpoint-every", type=int, default=500, help="steps between saves")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--d-sae", type=int, action=Given, help="number of latents")
+    p.add_argument("--architecture", choices=ARCHITECTURES, default="standard", action=Given)
+    p.add_argument("--k", type=float, action=Given,
+                   help="topk: latents per token; batchtopk: on average")
+    p.add_argument("--l1", type=float, default=5.0, action=Given,
+                   help="standard: L1 coefficient")
+    p.add_argument("--l0", type=float, default=1.0, action=Given,
+                   help="jumprelu: L0 coefficient")
+    p.add_argument("--tokens", type=int, default=2_000_000, action=Given,
+                   help="activations in all")
+    p.add_argument("--batch-tokens", type=int, default=4096, action=Given,
+                   help="activations per step")
+    p.add_argument("--lr", type=float, default=3e-4, action=Given, help="Adam learning rate")
+    p.add_argument("--transcoder", nargs=0, default=False, action=Given,
+                   help="reconstruct --hook-out (default blocks.L.hook_mlp_out) from --hook "
+                        "(blocks.L.ln2.hook_normalized)")
+    p.add_argument("--hook-out", action=Given, help="a transcoder's target point")
+    p.add_argument("--eval-every", type=int, default=100, action=Given,
+                   help="steps between metric lines")
+    p.add_argument("--checkpoint-every", type=int, default=500, action=Given,
+                   help="steps between saves")
+    p.add_argument("--seed", type=int, default=0, action=Given)
     p.add_argument("--data", type=path_arg, help="prepared data directory, or a text file "
                    "(tokenised with the run's tokenizer into the cache) (default: the run's)")
-    p.add_argument("--resume", action="store_true", help="continue the training in --out")
+    p.add_argument("--resume", action="store_true", help="continue the training in --out; "
+                   "the settings not given are its own (--tokens may grow)")
     p.add_argument("--force", action="store_true", help="replace the dictionary glassgpt "
                    "trained in --out")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
@@ -71,19 +100,15 @@ def _register_eval(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--split", choices=("train", "val"), default="val")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--any-run", action="store_true", help=ANY_RUN_HELP)
     add_checkpoint_flag(p, "read")
     p.set_defaults(handler=run_sae_eval)
 
 
 def run_sae_train(args: argparse.Namespace) -> int:
-    from glassgpt.interp.sae.training import DictionarySettings, train_dictionary
+    from glassgpt.interp.sae.training import train_dictionary
 
-    settings = DictionarySettings(
-        hook=args.hook, d_sae=args.d_sae, architecture=args.architecture,
-        transcoder=args.transcoder, hook_out=args.hook_out, k=_k(args),
-        l1_coefficient=args.l1, l0_coefficient=args.l0, tokens=args.tokens,
-        batch_tokens=args.batch_tokens, lr=args.lr, eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every, seed=args.seed)
+    settings = _settings(args)
     from rich.progress import BarColumn, MofNCompleteColumn, TimeRemainingColumn
 
     from glassgpt.cli.common import stderr_progress
@@ -97,7 +122,7 @@ def run_sae_train(args: argparse.Namespace) -> int:
                                   report=_reporter(bar, settings.steps), stop=stop)
     if result.interrupted:
         say(f"interrupted at step {result.step}; saved in {result.out}; continue with: "
-            f"glassgpt sae train ... --resume --out {result.out}")
+            f"{resume_command(args)}")
         return INTERRUPTED_EXIT_CODE
     print(f"trained {settings.architecture} dictionary ({settings.d_sae} latents) at "
           f"{settings.hook} for {result.step} steps in {result.seconds:.1f}s; saved in "
@@ -106,10 +131,46 @@ def run_sae_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _k(args: argparse.Namespace) -> float | int | None:
-    if args.k is None or args.architecture != "topk":
-        return args.k
-    return int(args.k) if float(args.k).is_integer() else args.k
+def _settings(args: argparse.Namespace) -> Any:
+    """The DictionarySettings of the command line: the flags (their defaults where not given),
+    or with --resume the saved training's settings with the flags given in their place (one
+    that differs from the saved setting is then refused by the resume)."""
+    from glassgpt.errors import CommandLineError
+    from glassgpt.interp.sae.training import DictionarySettings
+    from glassgpt.interp.sae.training.state import saved_settings
+
+    given = {SETTINGS[dest]: getattr(args, dest) for dest in getattr(args, "given", None) or ()}
+    if args.resume:
+        fields = saved_settings(args.out)
+        if "tokens" in given:  # the decay is planned over the new number of steps
+            fields.pop("lr_decay_steps", None)
+        fields |= given
+    elif args.hook is None or args.d_sae is None:
+        raise CommandLineError("give the hook point and the number of latents (--hook, "
+                               "--d-sae), or --resume to continue the training in --out")
+    else:
+        fields = {field: getattr(args, dest) for dest, field in SETTINGS.items()}
+    fields["k"] = _k(fields.get("k"), fields.get("architecture"))
+    return DictionarySettings(**fields)
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command line that continues this training: the run, --resume, --out, and the flags
+    that are not settings (the resume reads the settings from the saved training)."""
+    words = ["glassgpt", "sae", "train", str(args.run_dir), "--resume", "--out", str(args.out)]
+    if args.data is not None:
+        words += ["--data", str(args.data)]
+    if args.device != "cpu":
+        words += ["--device", args.device]
+    if args.checkpoint != "best":
+        words += ["--checkpoint", args.checkpoint]
+    return shlex.join(words)
+
+
+def _k(k: float | int | None, architecture: str | None) -> float | int | None:
+    if k is None or architecture != "topk":
+        return k
+    return int(k) if float(k).is_integer() else k
 
 
 def _reporter(bar: Any, steps: int) -> Any:
@@ -139,6 +200,7 @@ def run_sae_eval(args: argparse.Namespace) -> int:
     from glassgpt.errors import ConfigError
     from glassgpt.interp.sae import SAE
     from glassgpt.interp.sae.metrics import evaluate_dictionary
+    from glassgpt.interp.sae.provenance import check_trained_on
     from glassgpt.rundir import checkpoint as ckpt
 
     if args.tokens <= 0:
@@ -146,10 +208,13 @@ def run_sae_eval(args: argparse.Namespace) -> int:
     run = ckpt.Run(args.run)
     model, _ = run.load_model(args.device, checkpoint=args.checkpoint)
     sae = SAE.load(args.sae, device=args.device)
+    if not args.any_run:
+        check_trained_on([(str(args.sae), sae)], run, args.checkpoint,
+                         "evaluate it on that run, or pass --any-run to use it here")
     data_dir = args.data or run.data_dir
     if data_dir is None:
         raise ConfigError(f"{run.dir} records no data directory; pass --data")
-    context = min(int(sae.cfg.metadata.context_size or 128), model.config.block_size)
+    context = min(sae.cfg.metadata.context_size or 128, model.config.block_size)
     windows = max(1, args.tokens // context)
     batches = sequential_batches(PreparedData(data_dir).splits[args.split], context, 8,
                                  -(-windows // 8), args.device, model.config.vocab_size)
@@ -161,7 +226,16 @@ def run_sae_eval(args: argparse.Namespace) -> int:
         return 0
     print(_metrics_line(metrics.summary()) + f" ({metrics.tokens:,} tokens)")
     print("log10 feature density:")
+    largest = max(counts.tolist(), default=0)
     for count, low, high in zip(counts.tolist(), edges[:-1].tolist(), edges[1:].tolist(),
                                 strict=True):
-        print(f"  [{low:5.1f}, {high:5.1f})  {count:6d}  {'#' * min(count, 60)}")
+        print(f"  [{low:5.1f}, {high:5.1f})  {count:6d}  {'#' * bar_length(count, largest)}")
     return 0
+
+
+def bar_length(count: int, largest: int) -> int:
+    """A histogram bar's characters: the largest count fills HISTOGRAM_WIDTH, the others in
+    proportion, and a count that is not zero shows at least one."""
+    if count <= 0 or largest <= 0:
+        return 0
+    return max(1, round(HISTOGRAM_WIDTH * count / largest))

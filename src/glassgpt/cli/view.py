@@ -44,6 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="the run RUN_DIR was fine-tuned from (same shape and tokenizer), for "
                            "the Compare panel: what the tune changed, token by token and head "
                            "by head (its --checkpoint weights too)")
+    view.add_argument("--any-run", action="store_true",
+                      help="use dictionaries glassgpt trained on another run's model (neither "
+                           "this run's directory nor its weights)")
     add_checkpoint_flag(view, "show")
     add_threads_flag(view)
     view.set_defaults(handler=run_view)
@@ -51,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_view(args: argparse.Namespace) -> int:
     # Imported here: --help should not pay for torch, the model or the web framework.
+    from glassgpt.interp.sae.provenance import check_trained_on
     from glassgpt.machine.devices import cpu_threads
     from glassgpt.rundir.checkpoint import describe_weights
     from glassgpt.view.compare import Comparison, load_comparison
@@ -70,6 +74,9 @@ def run_view(args: argparse.Namespace) -> int:
     view = load_for_view(args.run_dir, checkpoint=args.checkpoint, threads=args.threads)
     dictionaries = load_dictionaries(view, args.sae)  # each refused in one line unless it fits
     graphs = load_graphs(view, args.transcoders, dictionaries)  # joins the Features panel
+    if not args.any_run:  # the --sae and --transcoders dictionaries, by their names here
+        check_trained_on(dictionaries.saes.items(), args.run_dir, args.checkpoint,
+                         "train one on this run, or pass --any-run to use it")
     comparison = (Comparison(view, None) if args.compare is None
                   else load_comparison(view, args.compare, args.checkpoint))
     try:

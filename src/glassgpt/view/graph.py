@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from glassgpt.errors import GlassGPTError, InputError
 from glassgpt.interp.graph import AttributionGraph, load_transcoders
 from glassgpt.interp.graph.build import graph_of
@@ -26,9 +24,7 @@ from glassgpt.interp.graph.export import node_id, pruned_json
 from glassgpt.interp.graph.heads import edge_heads
 from glassgpt.interp.graph.prune import prune_graph
 from glassgpt.interp.graph.replacement import Prompt, by_layer, read_prompt
-from glassgpt.interp.hooked import hook_points
 from glassgpt.interp.sae import SAE
-from glassgpt.interp.sae.splice import check_saes
 from glassgpt.view import requests as req
 from glassgpt.view.features import Dictionaries
 from glassgpt.view.values import View
@@ -140,9 +136,7 @@ def load_graphs(view: View, paths: list[str | Path], dicts: Dictionaries) -> Gra
     try:
         loaded = [(Path(path), load_transcoders([path], device=device)) for path in paths]
         transcoders = [sae for _, saes in loaded for sae in saes]
-        layers = by_layer(view.model, transcoders)
-        probe = torch.zeros(1, 1, dtype=torch.long, device=device)
-        check_saes(view.model, probe, transcoders, hook_points(view.model))
+        layers = by_layer(view.model, transcoders)  # widths and devices checked there too
     except GlassGPTError as error:
         raise InputError(f"--transcoders: {error}") from None
     layer_of = {id(sae): layer for layer, sae in enumerate(layers) if sae is not None}

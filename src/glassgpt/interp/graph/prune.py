@@ -37,6 +37,9 @@ def normalize_matrix(matrix: Tensor) -> Tensor:
 
 def influence(normalized: Tensor, weights: Tensor) -> Tensor:
     """w A + w A^2 + ... for a normalised, acyclic A (N, N) and weights w (N,) -> (N,)."""
+    if not bool(torch.isfinite(normalized).all() & torch.isfinite(weights).all()):
+        raise InputError("the adjacency or the logits' probabilities hold NaN or infinite "
+                         "values: no influence can be read from them")
     current = weights @ normalized
     total = current.clone()
     for _ in range(normalized.shape[0]):  # a path visits each node at most once

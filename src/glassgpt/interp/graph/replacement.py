@@ -29,6 +29,7 @@ from glassgpt.errors import InputError
 from glassgpt.interp.hooked import as_glass, check_run_ids, hook_points, run_with_cache
 from glassgpt.interp.hooked import run_with_hooks as hooked_run
 from glassgpt.interp.sae.model import SAE
+from glassgpt.interp.sae.splice import check_saes
 
 MLP_OUT = re.compile(r"blocks\.(\d+)\.hook_mlp_out")
 # Where a transcoder of layer L may read: the MLP's input, before or after its norm.
@@ -56,8 +57,9 @@ def load_transcoders(paths: Iterable[str | Path], device: str | torch.device = "
 
 def by_layer(model: nn.Module, transcoders: Sequence[SAE]) -> list[SAE | None]:
     """The transcoders in layer order, each refused by name unless it replaces one MLP: it is a
-    transcoder, writes blocks.L.hook_mlp_out, reads that block's MLP input, one a layer, and
-    every MLP has one (an attention-only model needs none)."""
+    transcoder, writes blocks.L.hook_mlp_out, reads that block's MLP input, one a layer, every
+    MLP has one (an attention-only model needs none), and its widths (d_in, d_out) and device
+    are the model's there (`check_saes`, the check every splice passes)."""
     glass = as_glass(model)
     config = glass.config
     if config.logit_softcap is not None:
@@ -86,6 +88,9 @@ def by_layer(model: nn.Module, transcoders: Sequence[SAE]) -> list[SAE | None]:
         raise InputError(f"every MLP is replaced in an attribution graph; no transcoder for "
                          f"layer{'s' if len(missing) > 1 else ''} "
                          f"{', '.join(map(str, missing))}")
+    if transcoders:
+        probe = torch.zeros(1, 1, dtype=torch.long, device=glass.lm_head.weight.device)
+        check_saes(glass, probe, list(transcoders), hook_points(glass))
     return layers
 
 

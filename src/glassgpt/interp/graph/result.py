@@ -24,10 +24,11 @@ from torch import Tensor
 from glassgpt.errors import CheckpointError
 from glassgpt.rundir.checkpoint import check_fits_memory
 from glassgpt.storage import files
-from glassgpt.storage.tensorfile import SafetensorsFile
+from glassgpt.storage.tensorfile import FLOAT_DTYPES, SafetensorsFile
 
 TENSORS = ("input_ids", "active_features", "activation_values", "logit_tokens",
            "logit_probabilities", "adjacency_matrix")
+FLOATS = ("activation_values", "logit_probabilities", "adjacency_matrix")
 FORMAT = "glassgpt-attribution-graph"
 
 
@@ -121,27 +122,23 @@ class AttributionGraph:
 
     @classmethod
     def load(cls, path: str | Path) -> AttributionGraph:
-        """A graph `save` wrote; anything else is one CheckpointError naming what is wrong."""
+        """A graph `save` wrote; anything else is one CheckpointError naming what is wrong:
+        the metadata, then each tensor's shape and dtype (before any is read), then their
+        values (ids and indices in range, probabilities in [0, 1], no NaN or infinity)."""
         path = Path(path)
         with SafetensorsFile(path, CheckpointError) as file:
-            metadata, names = file.metadata, set(file.header)
-            if metadata.get("format") != FORMAT or names != set(TENSORS):
+            metadata, header = file.metadata, file.header
+            if metadata.get("format") != FORMAT or set(header) != set(TENSORS):
                 raise CheckpointError(f"{path} is not an attribution graph glassgpt saved "
-                                      f"(format {metadata.get('format')!r}, tensors "
-                                      f"{sorted(names)})")
+                                      f"(format {metadata.get('format')!r:.40}, tensors "
+                                      f"{sorted(header)[:8]})")
+            n_layers, transcoders = read_metadata(metadata, path)
+            check_header({name: (info.dtype, info.shape) for name, info in header.items()},
+                         n_layers, path)
             check_fits_memory(file.nbytes, f"the attribution graph in {path}")
             tensors = file.read_all()
-        try:
-            n_layers = int(metadata["n_layers"])
-            transcoders = json.loads(metadata["transcoders"])
-        except (KeyError, ValueError) as error:
-            raise CheckpointError(f"{path} is not an attribution graph: its metadata lacks "
-                                  f"{error}") from None
         graph = cls(**tensors, n_layers=n_layers, transcoders=transcoders)
-        if graph.adjacency_matrix.shape != (graph.n_nodes, graph.n_nodes):
-            raise CheckpointError(f"{path}: an adjacency of shape "
-                                  f"{tuple(graph.adjacency_matrix.shape)} for {graph.n_nodes} "
-                                  f"nodes")
+        check_values(graph, path)
         return graph
 
     def to(self, dtype: torch.dtype) -> AttributionGraph:
@@ -151,3 +148,87 @@ class AttributionGraph:
                                 self.logit_probabilities.to(dtype),
                                 self.adjacency_matrix.to(dtype), self.n_layers,
                                 list(self.transcoders))
+
+
+# --- the checks of a file ------------------------------------------------------------------------
+
+def read_metadata(metadata: dict[str, str], path: Path) -> tuple[int, list[str | None]]:
+    """(n_layers, transcoders) from the file's metadata: a count, and a JSON list of that many
+    hook names (None for a layer without a transcoder)."""
+    if "n_layers" not in metadata or "transcoders" not in metadata:
+        raise CheckpointError(f"{path} is not an attribution graph: its metadata lacks "
+                              f"{'n_layers' if 'n_layers' not in metadata else 'transcoders'}")
+    text = metadata["n_layers"]
+    if not (text.isascii() and text.isdigit() and len(text) <= 6):
+        raise CheckpointError(f"{path}: n_layers must be a count of layers, got {text!r:.40}")
+    n_layers = int(text)
+    transcoders = files.parse_json(metadata["transcoders"], f"{path} (transcoders)",
+                                   CheckpointError)
+    if not isinstance(transcoders, list) or len(transcoders) != n_layers or not all(
+            hook is None or isinstance(hook, str) for hook in transcoders):
+        raise CheckpointError(f"{path}: transcoders must list the {n_layers} layers' hooks "
+                              f"(a name or null each), got {metadata['transcoders']!r:.60}")
+    return n_layers, transcoders
+
+
+def check_header(found: dict[str, tuple[str, tuple[int, ...]]], n_layers: int,
+                 path: Path) -> None:
+    """Each tensor's dtype and shape, as `save` writes them, from the header alone: ids and
+    indices int64, values floating point, and the shapes that fit together."""
+    for name, (dtype, _) in found.items():
+        want = FLOAT_DTYPES if name in FLOATS else ("I64",)
+        if dtype not in want:
+            raise CheckpointError(f"{path}: {name} has dtype {dtype}; a graph saves it as "
+                                  f"{' or '.join(want)}")
+    T, = _shape(found, "input_ids", 1, path)
+    F, width = _shape(found, "active_features", 2, path)
+    K, = _shape(found, "logit_tokens", 1, path)
+    n = F + n_layers * T + T + K
+    expected = {"active_features": (F, 3), "activation_values": (F,),
+                "logit_probabilities": (K,), "adjacency_matrix": (n, n)}
+    for name, shape in expected.items():
+        if found[name][1] != shape:
+            raise CheckpointError(f"{path}: {name} has shape {found[name][1]}; a graph of {F} "
+                                  f"features, {n_layers} layers, {T} tokens and {K} logits "
+                                  f"has {shape}")
+    if T == 0 or K == 0:
+        raise CheckpointError(f"{path}: a graph has at least one token and one logit, this one "
+                              f"{T} and {K}")
+
+
+def _shape(found: dict[str, tuple[str, tuple[int, ...]]], name: str, dims: int,
+           path: Path) -> tuple[int, ...]:
+    shape = found[name][1]
+    if len(shape) != dims:
+        raise CheckpointError(f"{path}: {name} has shape {shape}, not {dims} dimension"
+                              f"{'s' if dims > 1 else ''}")
+    return shape
+
+
+def check_values(graph: AttributionGraph, path: Path) -> None:
+    """The values: ids >= 0, each feature's layer (one with a transcoder), position and index
+    in range, probabilities in [0, 1], and every float finite."""
+    for name in ("input_ids", "logit_tokens"):
+        if int(getattr(graph, name).min()) < 0:
+            raise CheckpointError(f"{path}: {name} holds a negative token id")
+    if graph.n_features:
+        layer, position, feature = graph.active_features.T  # (F,) each
+        layers = [index for index, hook in enumerate(graph.transcoders) if hook is not None]
+        bad_layer = ~torch.isin(layer, torch.tensor(layers, dtype=layer.dtype))
+        for what, bad in (("a layer without a transcoder", bad_layer),
+                          (f"a position outside [0, {graph.n_pos})",
+                           (position < 0) | (position >= graph.n_pos)),
+                          ("a negative feature index", feature < 0)):
+            if bool(bad.any()):
+                row = int(bad.nonzero()[0])
+                raise CheckpointError(f"{path}: active feature {row} "
+                                      f"{graph.active_features[row].tolist()} names {what}")
+    for name in FLOATS:
+        values = getattr(graph, name)
+        if not bool(torch.isfinite(values).all()):
+            bad = int((~torch.isfinite(values)).sum())
+            raise CheckpointError(f"{path}: {name} holds {bad:,} NaN or infinite values")
+    probabilities = graph.logit_probabilities
+    if bool(((probabilities < 0) | (probabilities > 1)).any()):
+        raise CheckpointError(f"{path}: logit_probabilities must be in [0, 1], got "
+                              f"{probabilities.tolist()[:5]}")

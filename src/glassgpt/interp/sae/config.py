@@ -41,6 +41,9 @@ RESHAPES = ("none", "hook_z")
 # The format this module reads and writes: SAELens's 6.x, checked against 6.54.12. A cfg.json
 # without metadata.sae_lens_version >= 6 is the older layout, which SAELens converts on load.
 SAELENS_FORMAT_VERSION = "6.54.12"
+# What glassgpt's trainer adds to the metadata of a dictionary it trains on a run: the run
+# directory and the sha256 of the weights it read (glassgpt.interp.sae.provenance reads them).
+TRAINED_ON_RUN, TRAINED_ON_WEIGHTS = "glassgpt_run", "glassgpt_weights_sha256"
 
 
 class SAEMetadata(dict):
@@ -185,11 +188,7 @@ def check_config(config: Any, source: str, error: ErrorType) -> None:
     if not isinstance(config.metadata, dict):
         raise error(f"{source}: metadata must be a JSON object, got "
                     f"{type(config.metadata).__name__}")
-    for name in ("hook_name", "hook_name_out"):
-        value = config.metadata.get(name)
-        if value is not None and not (isinstance(value, str) and value):
-            raise error(f"{source}: metadata.{name} must be a hook point's name, got "
-                        f"{value!r:.60}")
+    _check_metadata(config.metadata, source, error)
     _check_architecture_fields(config, source, error)
     if config.architecture == "topk":
         k = _positive_int(config.k, f"{source}: k", error)
@@ -199,6 +198,23 @@ def check_config(config: Any, source: str, error: ErrorType) -> None:
                  error)
     if config.architecture in TRANSCODERS:
         _check_transcoder(config, source, error)
+
+
+def _check_metadata(metadata: dict[str, Any], source: str, error: ErrorType) -> None:
+    """The metadata fields glassgpt reads: a file that lies in one is refused here, when it is
+    read, not later by whichever command uses the field."""
+    for name in ("hook_name", "hook_name_out"):
+        value = metadata.get(name)
+        if value is not None and not (isinstance(value, str) and value):
+            raise error(f"{source}: metadata.{name} must be a hook point's name, got "
+                        f"{value!r:.60}")
+    for name in ("model_name", TRAINED_ON_RUN, TRAINED_ON_WEIGHTS):
+        value = metadata.get(name)
+        if value is not None and not (isinstance(value, str) and value):
+            raise error(f"{source}: metadata.{name} must be a name (a string), got "
+                        f"{value!r:.60}")
+    if metadata.get("context_size") is not None:
+        _positive_int(metadata["context_size"], f"{source}: metadata.context_size", error)
 
 
 def _check_architecture_fields(config: Any, source: str, error: ErrorType) -> None:

@@ -18,6 +18,7 @@ from glassgpt.errors import ConfigError, InputError
 from glassgpt.interp.cache import unknown_name_message
 from glassgpt.interp.hooked import as_glass, hook_points, run_with_cache
 from glassgpt.interp.sae.metrics import evaluate_dictionary, stop_layer
+from glassgpt.interp.sae.provenance import run_record
 from glassgpt.interp.sae.training.activations import WindowActivations
 from glassgpt.interp.sae.training.settings import DictionarySettings
 from glassgpt.interp.sae.training.trainer import DictionaryResult, DictionaryTrainer, check_out
@@ -40,7 +41,8 @@ def train_dictionary(run_or_model: str | Path | ckpt.Run | nn.Module,
     (default: the run's data directory; a text file is tokenised with the run's tokenizer,
     see `prepared_text`) and reporting metrics on its val split. Everything is
     checked before anything is written: the hook names, the widths, whether `d_sae` fits in
-    memory, `out` (see trainer.check_out). Returns the trainer's result."""
+    memory, `out` (see trainer.check_out), and for a resume its state and that it was trained
+    on this run's model (glassgpt.interp.sae.provenance). Returns the trainer's result."""
     out = Path(out)
     check_out(out, force, resume)
     model, data_dir, metadata = _model_and_data(run_or_model, data, checkpoint, device)
@@ -84,7 +86,7 @@ def _model_and_data(run_or_model: Any, data: str | Path | None, checkpoint: str,
         raise ConfigError(f"{run.dir} records no data directory; pass --data")
     if Path(data_dir).is_file():
         data_dir = prepared_text(Path(data_dir), run)
-    return model, Path(data_dir), {"model_name": str(run.dir)}
+    return model, Path(data_dir), run_record(run, checkpoint)
 
 
 def prepared_text(text: Path, run: ckpt.Run) -> Path:

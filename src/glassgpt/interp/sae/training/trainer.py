@@ -28,19 +28,28 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
 
-from glassgpt.errors import CheckpointError, ConfigError
+from glassgpt.errors import CheckpointError, ConfigError, InputError
 from glassgpt.interp.sae import SAE, SAEConfig, SAEMetadata
-from glassgpt.interp.sae.disk import CFG_FILE, SAE_FILES, SPARSITY_FILE, WEIGHTS_FILE
+from glassgpt.interp.sae.config import TRAINED_ON_RUN, TRAINED_ON_WEIGHTS
+from glassgpt.interp.sae.disk import CFG_FILE, SAE_FILES, SPARSITY_FILE, WEIGHTS_FILE, read_config
 from glassgpt.interp.sae.metrics import DictionaryMetrics, ReconstructionMeter, log_density
+from glassgpt.interp.sae.provenance import trained_elsewhere
 from glassgpt.interp.sae.training.activations import ActivationSource
 from glassgpt.interp.sae.training.objective import inference_tensors, training_step
 from glassgpt.interp.sae.training.settings import DictionarySettings
+from glassgpt.interp.sae.training.state import (
+    FLOATS,
+    STATE_JSON,
+    STATE_TENSORS,
+    Expected,
+    expected_of,
+    read_state,
+    read_state_tensors,
+)
 from glassgpt.storage import files
 from glassgpt.storage.commit import staged_directory
-from glassgpt.storage.tensorfile import SafetensorsFile
 from glassgpt.training.steps import stop_on_sigint
 
-STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
 OWN_FILES = (*SAE_FILES, STATE_JSON, STATE_TENSORS)
 FEATURE_SAMPLING_WINDOW = 2000  # steps over which firing counts gather (SAELens's default)
 GRAD_CLIP = 1.0  # SAELens clips every step to this norm
@@ -198,9 +207,7 @@ class DictionaryTrainer:
         tensors = {f"sae.{name}": t.detach() for name, t in self.sae.state_dict().items()}
         tensors |= {f"adam.{i}.{key}": value for i, state in
                     self.optimizer.state_dict()["state"].items() for key, value in state.items()}
-        tensors |= {"tokens_since_fired": self.tokens_since_fired, "fired": self.fired,
-                    "batch_threshold": self.batch_threshold,
-                    "data_state": self.source.get_state()}
+        tensors |= self._counters()
         state = {"written_by": "glassgpt", "step": self.step, "window_tokens":
                  self.window_tokens, "settings": self.settings.to_dict()}
         replacing = self.out.exists() and any(self.out.iterdir())
@@ -216,19 +223,33 @@ class DictionaryTrainer:
             files.write_text_atomic(staging / STATE_JSON, json.dumps(state))
         return self.out
 
+    def _counters(self) -> dict[str, Tensor]:
+        return {"tokens_since_fired": self.tokens_since_fired, "fired": self.fired,
+                "batch_threshold": self.batch_threshold, "data_state": self.source.get_state()}
+
+    def _expected_state(self) -> dict[str, Expected]:
+        """What trainer_state.safetensors holds for this trainer: its weights, Adam's step and
+        moments of each trained parameter, the counters and the data position."""
+        expected = expected_of({f"sae.{name}": t for name, t in self.sae.state_dict().items()})
+        for index, param in enumerate(self.optimizer.param_groups[0]["params"]):
+            expected[f"adam.{index}.step"] = ((), FLOATS)
+            for key in ("exp_avg", "exp_avg_sq"):
+                expected[f"adam.{index}.{key}"] = (tuple(param.shape), (param.dtype,))
+        return expected | expected_of(self._counters())
+
     def resume(self) -> None:
         """Continue from the trainer state in `out`: weights as trained, Adam, step, counters
         and the data position. Settings that differ from the saved ones are refused (the
-        number of tokens may grow)."""
+        number of tokens may grow), as is a state trained on another run's model, and every
+        field and tensor of the state is checked before any is used (training.state)."""
         state = read_state(self.out)
-        saved = dict(state["settings"], tokens=self.settings.tokens,
-                     lr_decay_steps=self.settings.lr_decay_steps)
-        if saved != self.settings.to_dict():
-            changed = [k for k, v in saved.items() if self.settings.to_dict().get(k) != v]
-            raise ConfigError(f"{self.out} was trained with other settings "
-                              f"({', '.join(changed[:3])}); resume with the same ones")
-        with SafetensorsFile(self.out / STATE_TENSORS, CheckpointError) as file:
-            tensors = {name: file.read(name) for name in file.header}
+        self._check_same_training(state)
+        tensors = read_state_tensors(self.out / STATE_TENSORS, self._expected_state())
+        try:  # first: a position the source refuses leaves this trainer as it was
+            self.source.set_state(tensors["data_state"])
+        except (RuntimeError, ValueError, TypeError) as error:
+            raise CheckpointError(f"{self.out / STATE_TENSORS}: data_state is not a data "
+                                  f"position this training saved ({error})") from None
         device = self.sae.W_enc.device
         with torch.no_grad():
             for name, param in self.sae.state_dict().items():
@@ -243,8 +264,28 @@ class DictionaryTrainer:
         self.tokens_since_fired = tensors["tokens_since_fired"].to(device)
         self.fired = tensors["fired"].to(device)
         self.batch_threshold = tensors["batch_threshold"].to(device)
-        self.source.set_state(tensors["data_state"])
-        self.step, self.window_tokens = int(state["step"]), int(state["window_tokens"])
+        self.step, self.window_tokens = state["step"], state["window_tokens"]
+
+    def _check_same_training(self, state: dict[str, Any]) -> None:
+        """The saved training is this one: the same settings, no more steps than these give,
+        and the same run's model (when both record one: glassgpt.interp.sae.provenance)."""
+        saved = dict(state["settings"], tokens=self.settings.tokens,
+                     lr_decay_steps=self.settings.lr_decay_steps)
+        if saved != self.settings.to_dict():
+            changed = [k for k, v in saved.items() if self.settings.to_dict().get(k) != v]
+            raise ConfigError(f"{self.out} was trained with other settings "
+                              f"({', '.join(changed[:3])}); resume with the same ones")
+        if state["step"] > self.settings.steps:
+            raise CheckpointError(f"{self.out / STATE_JSON} says step {state['step']}, more than"
+                                  f" the {self.settings.steps} steps of tokens="
+                                  f"{self.settings.tokens}")
+        recorded = read_config(self.out / CFG_FILE).metadata
+        current = self.sae.cfg.metadata
+        if current.get(TRAINED_ON_RUN) is not None and trained_elsewhere(
+                recorded, current[TRAINED_ON_RUN], lambda: current.get(TRAINED_ON_WEIGHTS)):
+            raise InputError(f"{self.out} was trained on the model of "
+                             f"{recorded[TRAINED_ON_RUN]}, not of {current[TRAINED_ON_RUN]}: a "
+                             f"resume goes on with the same run's model")
 
 
 def build_sae(settings: DictionarySettings, d_in: int, d_out: int,
@@ -274,16 +315,6 @@ def build_sae(settings: DictionarySettings, d_in: int, d_out: int,
         if sae.threshold is not None:
             sae.threshold.fill_(settings.jumprelu_init_threshold if arch == "jumprelu" else 0)
     return sae
-
-
-def read_state(out: Path) -> dict[str, Any]:
-    if files.entry_kind(out / STATE_JSON) == "missing":
-        raise CheckpointError(f"{out} holds no glassgpt dictionary training to resume "
-                              f"({STATE_JSON} is missing)")
-    state = files.read_json_object(out / STATE_JSON, CheckpointError)
-    if state.get("written_by") != "glassgpt" or not isinstance(state.get("settings"), dict):
-        raise CheckpointError(f"{out / STATE_JSON} is not a glassgpt trainer state")
-    return state
 
 
 def check_out(out: Path, force: bool, resume: bool) -> None:
