@@ -12,6 +12,7 @@ from glassgpt.cli.train import HELP_PRESET, INTERRUPTED_EXIT_CODE, add_dataclass
 from glassgpt.config import TrainConfig, load_preset
 from glassgpt.errors import CommandLineError
 
+# glassgpt.adapters.lora.TARGETS, named here without importing torch for --help
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
@@ -50,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                 "--lora-rank)")
     lora.add_argument("--lora-rank", type=int, metavar="R", help="the adapters' rank")
     lora.add_argument("--lora-alpha", type=float, metavar="A",
-                      help="scale alpha / rank (default: 2 x rank)")
+                      help="scale alpha / rank, at most 256 (default: 2 x rank)")
     lora.add_argument("--lora-dropout", type=float, default=0.0, metavar="P",
                       help="dropout on the adapters' input (default 0)")
     lora.add_argument("--lora-targets", default="q,k,v,o", metavar="LIST",
@@ -87,8 +88,8 @@ def lora_settings(args: argparse.Namespace) -> Any:
                                f"{','.join(LORA_TARGETS)}")
     from glassgpt.adapters.lora import LoraSettings
 
-    alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
-    return LoraSettings(args.lora_rank, alpha, args.lora_dropout, targets)
+    # No --lora-alpha: LoraSettings' default, 2 x rank.
+    return LoraSettings(args.lora_rank, args.lora_alpha, args.lora_dropout, targets)
 
 
 def run_finetune(args: argparse.Namespace) -> int:

@@ -36,7 +36,6 @@ positions.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,10 +82,9 @@ def read_conversations(path: str | Path) -> list[Conversation]:
     if not path.is_file():
         raise InputError(f"conversation file not found: {path}")
     text = files.read_text(path, MAX_SFT_BYTES, InputError)
-    conversations = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            conversations.append(Conversation(number, parse_line(line, f"{path}:{number}")))
+    conversations = [Conversation(number, check_conversation(data, f"{path}:{number}"))
+                     for number, data in files.parse_json_lines(text, lambda n: f"{path}:{n}",
+                                                                InputError)]
     if not conversations:
         raise InputError(f"{path} holds no conversation (one JSON object a line: "
                          f'{{"messages": [{{"role": "user", "content": "..."}}, ...]}})')
@@ -95,10 +93,11 @@ def read_conversations(path: str | Path) -> list[Conversation]:
 
 def parse_line(line: str, where: str) -> list[dict[str, str]]:
     """The messages of one JSONL line, each checked; `where` ("file:line") names it."""
-    try:
-        data = json.loads(line)
-    except (json.JSONDecodeError, RecursionError) as error:
-        raise InputError(f"{where}: not valid JSON ({str(error)[:120]})") from None
+    return check_conversation(files.parse_json(line, where, InputError), where)
+
+
+def check_conversation(data: object, where: str) -> list[dict[str, str]]:
+    """The messages of one line's JSON value, each checked; `where` ("file:line") names it."""
     if not isinstance(data, dict) or set(data) != {"messages"}:
         keys = sorted(data) if isinstance(data, dict) else type(data).__name__
         raise InputError(f"{where}: expected an object with only a 'messages' list, got "

@@ -92,9 +92,35 @@ class TaskResult:
     examples: tuple[ExampleResult, ...]
     metrics: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def items(self) -> dict[str, int]:
+        """How many items each metric is over: acc and acc_norm the multiple-choice ones,
+        exact_match the generate-until ones."""
+        choices = sum(isinstance(e, ChoiceResult) for e in self.examples)
+        counts = {"acc": choices, "acc_norm": choices,
+                  "exact_match": len(self.examples) - choices}
+        return {name: counts.get(name, len(self.examples)) for name in self.metrics}
+
+    def summary(self) -> str:
+        """"arithmetic: acc 0.5000, acc_norm 0.6250 (16 multiple-choice items); exact_match
+        0.2500 (16 generate-until items)": each metric with the items it is over."""
+        shown = []
+        if "acc" in self.metrics:
+            shown.append(f"acc {self.metrics['acc']:.4f}, acc_norm "
+                          f"{self.metrics['acc_norm']:.4f} "
+                          f"({_items(self.items['acc'], 'multiple-choice')})")
+        if "exact_match" in self.metrics:
+            shown.append(f"exact_match {self.metrics['exact_match']:.4f} "
+                          f"({_items(self.items['exact_match'], 'generate-until')})")
+        return f"{self.name}: {'; '.join(shown)}"
+
     def to_json(self) -> dict[str, Any]:
-        return {"task": self.name, "metrics": self.metrics,
+        return {"task": self.name, "metrics": self.metrics, "items": self.items,
                 "examples": [example.to_json() for example in self.examples]}
+
+
+def _items(count: int, kind: str) -> str:
+    return f"{count} {kind} item{'s' if count != 1 else ''}"
 
 
 def evaluate_task(model: Any, tokenizer: Tokenizer, task: Task,

@@ -102,11 +102,10 @@ def load_task(spec: str | Path) -> Task:
 def parse_task(text: str, source: str, default_name: str = "task") -> Task:
     """The items of a task file's text; `source` names it in errors."""
     name, default_kind, items = default_name, None, []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
+    lines = files.parse_json_lines(text, lambda n: f"{source} line {n}", InputError)
+    for number, value in lines:  # "FILE line N is not valid JSON: ..."
         where = f"{source} line {number}"
-        data = _json_object(line, where)
+        data = _json_object(value, where)
         if "task" in data and not items:  # the header, first of all
             name, default_kind = _header(data, where, name)
             continue
@@ -117,8 +116,7 @@ def parse_task(text: str, source: str, default_name: str = "task") -> Task:
     return Task(name, tuple(items), source)
 
 
-def _json_object(line: str, where: str) -> dict:
-    data = files.parse_json(line, where, InputError)  # "FILE line N is not valid JSON: ..."
+def _json_object(data: object, where: str) -> dict:
     if not isinstance(data, dict):
         raise InputError(f"{where}: expected a JSON object, got {type(data).__name__}")
     return data

@@ -41,7 +41,7 @@ from glassgpt.hf.architectures import architecture_for
 from glassgpt.hf.translation import Architecture
 from glassgpt.storage import files
 from glassgpt.storage.commit import staged_directory
-from glassgpt.storage.tensorfile import SafetensorsFile, check_finite
+from glassgpt.storage.tensorfile import SafetensorsFile, check_finite, check_float_dtypes
 
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
 QKV = ("q", "k", "v")
@@ -201,9 +201,11 @@ def read_adapter(directory: str | os.PathLike[str], config: GPTConfig
         if file.nbytes > MAX_ADAPTER_BYTES:
             raise CheckpointError(f"{file.path} holds {file.nbytes:,} bytes, more than an "
                                   f"adapter of this model can")
+        check_float_dtypes(file.header, file.path, CheckpointError)  # an int lora_A: no
         hf = file.read_all()
     check_finite(hf, directory / ADAPTER_WEIGHTS_FILE, CheckpointError)
     targets = _targets_in(family, hf, config.n_layer, directory)
+    _check_target_modules(peft.get("target_modules"), family, targets, config.n_layer, where)
     try:
         settings = LoraSettings(rank, alpha, dropout, targets)
         settings.check(config)
@@ -253,10 +255,42 @@ def _check_patterns(peft: dict[str, Any], family: FamilyModules, settings: LoraS
     """rank_pattern and alpha_pattern: empty, or (GPT-2) the c_attn adapter of rank 3r."""
     wanted = _peft_config(family, settings, "")
     for name in ("rank_pattern", "alpha_pattern"):
-        found = {k: v for k, v in (peft.get(name) or {}).items()}
+        found = peft.get(name) or {}
+        if not isinstance(found, dict):
+            raise CheckpointError(f"{where}: {name} must be an object (module name -> "
+                                  f"{name.split('_')[0]}), got {found!r:.60}")
         if found != wanted[name]:
-            raise CheckpointError(f"{where}: {name}={found}; glassgpt reads one rank and alpha "
-                                  f"for every adapter ({wanted[name] or {}} here)")
+            raise CheckpointError(f"{where}: {name}={found!r:.80}; glassgpt reads one rank and "
+                                  f"alpha for every adapter ({wanted[name] or {}} here)")
+
+
+def _check_target_modules(listed: Any, family: FamilyModules, targets: tuple[str, ...],
+                          n_layer: int, where: str) -> None:
+    """target_modules must name exactly the modules the tensors adapt: peft adapts a module
+    whose full name is a listed name or ends with "." and one, and would otherwise put fresh
+    adapters where the file has none, or leave some of its tensors unread."""
+    if not isinstance(listed, list) or not listed or \
+            not all(isinstance(name, str) for name in listed):
+        raise CheckpointError(f"{where}: target_modules must be a list of module names "
+                              f"(glassgpt reads no pattern), got {listed!r:.60}")
+    every = {family.modules[t].format(i=i) for t in family.modules for i in range(n_layer)}
+    adapted = {family.modules[t].format(i=i) for t in targets for i in range(n_layer)}
+    names = set(listed)
+    # A module's names peft matches: its own and each ending of it after a dot.
+    endings = {module: {module.split(".", k)[-1] for k in range(module.count(".") + 1)}
+               for module in every}
+    unknown = sorted(names - set().union(*endings.values()))
+    if unknown:
+        known = sorted({family.target_module(t) for t in family.modules})
+        raise CheckpointError(f"{where}: target_modules entry {unknown[0]!r:.60} names no "
+                              f"projection of this {family.arch.title} model that glassgpt "
+                              f"adapts ({', '.join(known)})")
+    matched = {module for module, ends in endings.items() if ends & names}
+    if matched != adapted:
+        held = sorted({family.target_module(t) for t in targets})
+        raise CheckpointError(f"{where}: target_modules {listed!r:.80} but its tensors adapt "
+                              f"{', '.join(held)}; peft would adapt other modules than the "
+                              f"file holds adapters for")
 
 
 def _targets_in(family: FamilyModules, hf: dict[str, Tensor], n_layer: int,

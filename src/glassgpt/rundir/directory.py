@@ -32,6 +32,13 @@ from glassgpt.storage.layout import (
 RUN_FORMAT = "glassgpt-run/1"  # config.json's "format": the mark of a run glassgpt wrote
 RUN_FORMAT_PREFIX = "glassgpt-run/"
 RUN_CONFIG_KEYS = ("format", "model", "train", "data_dir", "tokenizer", "extra")
+# The files of the other directories glassgpt writes, none of which may take a run: a run's
+# files would land beside them, and --force cannot make them a run's to replace.
+OTHER_DIRECTORIES = {
+    "a sparse dictionary (SAELens's format)": ("cfg.json", "sae_weights.safetensors",
+                                               "sparsity.safetensors"),
+    "a peft LoRA adapter": ("adapter_config.json", "adapter_model.safetensors"),
+}
 
 
 def as_flag(name: str, value: Any = None) -> str:
@@ -91,7 +98,8 @@ def own_files_present(run_dir: Path) -> list[str]:
 def check_out_dir(run_dir: Path, force: bool, init_from: Path | None = None,
                   spell: Callable[..., str] = as_flag, writer: bool = True) -> None:
     """Refuse, before any work and changing nothing, a directory that cannot take a new run:
-    a place no directory can be made, a data directory, a run in use, the run `init_from`
+    a place no directory can be made, a data directory or another that glassgpt writes (a
+    sparse dictionary's, a peft adapter's: OTHER_DIRECTORIES), a run in use, the run `init_from`
     starts from, an existing run without `force`, a planted link without `force`, a directory
     under one of the run's own names, or files under a run's names that glassgpt did not write
     (a Hugging Face model's), even with `force`. `spell` names the settings in messages.
@@ -101,6 +109,7 @@ def check_out_dir(run_dir: Path, force: bool, init_from: Path | None = None,
     if not run_dir.is_dir():
         return
     check_not_a_data_dir(run_dir)
+    check_not_another_directory(run_dir, spell)
     if writer:
         files.check_unlocked(run_dir, CheckpointError)
     if init_from is not None and init_from.is_dir() and run_dir.samefile(init_from):
@@ -200,6 +209,18 @@ def check_replaceable(run_dir: Path) -> None:
             raise CheckpointError(f"{run_dir / name} is {files.KIND_PHRASES[kind]}, where "
                                   f"glassgpt keeps a file of its own; move it away (glassgpt "
                                   f"does not delete it)")
+
+
+def check_not_another_directory(run_dir: Path, spell: Callable[..., str] = as_flag) -> None:
+    """Refuse a directory holding another thing glassgpt writes (OTHER_DIRECTORIES), with or
+    without `force`: only a run is replaced by a run."""
+    for what, names in OTHER_DIRECTORIES.items():
+        found = [name for name in names if files.entry_kind(run_dir / name) != "missing"]
+        if found:
+            raise CheckpointError(f"{run_dir} holds {what} ({', '.join(found)}), not a run; "
+                                  f"glassgpt writes a run only where no such files are, even "
+                                  f"with {spell('force')}: give {spell('out')} another "
+                                  f"directory")
 
 
 def check_not_a_data_dir(run_dir: Path) -> None:

@@ -27,7 +27,7 @@ import os
 import secrets
 import stat
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +157,18 @@ def parse_json(text: str, source: str, error: ErrorType,
     if _depth(data) > MAX_JSON_DEPTH:
         raise error(f"{source}: JSON nested too deeply (at most {MAX_JSON_DEPTH} levels)")
     return data
+
+
+def parse_json_lines(text: str, where: Callable[[int], str], error: ErrorType
+                     ) -> Iterator[tuple[int, Any]]:
+    """(line number, value) of each line of JSON Lines text that is not blank, parsed with
+    `parse_json`'s bounds; `where(n)` names line n in an error. Lines end at "\n" alone (a
+    "\r" before it is dropped): a JSON string may hold U+2028, U+2029 or U+0085 unescaped,
+    where `str.splitlines()` would cut the line in two."""
+    for number, line in enumerate(text.split("\n"), start=1):
+        line = line.removesuffix("\r")
+        if line.strip(" \t\r"):  # JSON's whitespace; anything else is the line's to parse
+            yield number, parse_json(line, where(number), error)
 
 
 def _depth(data: Any) -> int:

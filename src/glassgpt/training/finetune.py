@@ -38,12 +38,14 @@ large vocabulary's logits never exist whole.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from glassgpt.adapters.lora import (
@@ -54,6 +56,7 @@ from glassgpt.adapters.lora import (
 )
 from glassgpt.config import TrainConfig
 from glassgpt.data.sft import (
+    IGNORED,
     ConversationSampler,
     ConversationSet,
     encode_conversations,
@@ -62,9 +65,9 @@ from glassgpt.data.sft import (
     simple_template,
 )
 from glassgpt.errors import ConfigError, InputError
-from glassgpt.machine.devices import AUTO, cpu_bf16_support, resolve_device
+from glassgpt.machine.devices import AUTO, cpu_bf16_support, resolve_device, timed, tuner_for
 from glassgpt.machine.memory import return_large_buffers
-from glassgpt.model import GPT
+from glassgpt.model import GPT, count_parameters, eval_mode
 from glassgpt.rundir import checkpoint as ckpt
 from glassgpt.rundir import directory as rundir
 from glassgpt.storage import files
@@ -72,6 +75,7 @@ from glassgpt.storage.layout import CHAT_TEMPLATE_FILE
 from glassgpt.tokenizers import Tokenizer
 from glassgpt.tokenizers.chat import ChatTemplate
 from glassgpt.training import arguments, lifecycle, runs
+from glassgpt.training.evaluate import MAX_LOSS, Evaluation, eval_batch_size, eval_context
 from glassgpt.training.metrics import Reporter
 from glassgpt.training.steps import fused_loss, recompute_blocks
 from glassgpt.training.trainer import Trainer, TrainResult
@@ -238,14 +242,16 @@ def _start(source_dir: Path, sft: str | Path, out: Path, val_sft: str | Path | N
         raise ConfigError(f"{spell('seq_len')} {seq_len} is more than the model's context "
                           f"({block_size})")
     window = seq_len or min(block_size, DEFAULT_SEQ_LEN)
-    extra = {"preset": None, "init_from": str(source_dir), "sft": str(sft),
-             "recompute": recompute, "val_sft": None if val_sft is None else str(val_sft),
+    # The conversation files by absolute path: `eval RUN2` reads them again from anywhere.
+    extra = {"preset": None, "init_from": str(source_dir), "sft": str(Path(sft).absolute()),
+             "recompute": recompute,
+             "val_sft": None if val_sft is None else str(Path(val_sft).absolute()),
              "chat_template": data.template_source,
              "lora": None if lora is None else dataclasses.asdict(lora),
              "base_dtype": str(dtype).removeprefix("torch."), "seq_len": window}
     trainer = _trainer(model, cfg, data, out, reporter, threads, stop, extra)
     start = lifecycle.TrainStart(
-        "fine-tune", out, data.dir, trainer.device, cfg, lifecycle.describe_model(model),
+        "fine-tune", out, data.dir, trainer.device, cfg, describe_tuned_model(model),
         None, trainer.describe_threads(), 0,
         f"{source.dir} from {source.describe_weights(checkpoint)}",
         lifecycle.recipe_warnings(cfg) + data.notes)
@@ -279,7 +285,7 @@ def _resume(out: Path, source: str | Path | None, sft: str | Path | None,
     trainer = _trainer(model, cfg, data, out, reporter, threads, stop, run.extra)  # its window
     trainer.resume(weights=False, run=run)
     start = lifecycle.TrainStart("resume", out, data.dir, trainer.device, cfg,
-                                 lifecycle.describe_model(model), None,
+                                 describe_tuned_model(model), None,
                                  trainer.describe_threads(), trainer.state.iteration)
     if trainer.state.iteration >= cfg.max_iters:
         return FinetuneOutcome(out, "nothing", None, start, data)
@@ -289,6 +295,18 @@ def _resume(out: Path, source: str | Path | None, sft: str | Path | None,
             on_start(start, data)
         result = trainer.run()
     return FinetuneOutcome(out, "resume", result, start, data)
+
+
+def describe_tuned_model(model: GPT) -> str:
+    """lifecycle.describe_model's line; under LoRA it says that the parameters that train are
+    the adapters', of how many in all: "12,288 trainable adapter parameters of 0.82M, ..."."""
+    line = lifecycle.describe_model(model)
+    if getattr(model, "lora_settings", None) is None:
+        return line
+    every = sum(p.numel() for p in model.parameters())  # each tensor once, frozen or not
+    shape = line.split(", ", 1)[1]  # "4 layers, 4 heads, ..."
+    return (f"{lifecycle.parameters_text(count_parameters(model))} trainable adapter "
+            f"parameters of {lifecycle.parameters_text(every)}, {shape}")
 
 
 def _trainer(model: GPT, cfg: TrainConfig, data: SFTData, out: Path,
@@ -367,3 +385,95 @@ def summary_line(outcome: FinetuneOutcome) -> str:
     return (f"{lifecycle.summary_line(outcome.result, outcome.run_dir)}; "
             f"{len(train.examples)} conversations, {train.trained_tokens} assistant tokens "
             f"trained, {outcome.data.template_source} chat template{note}")
+
+
+# --- evaluating a fine-tuned run --------------------------------------------------------------
+# A fine-tune has no prepared corpus: its data is conversations. `glassgpt eval RUN2` measures
+# what its val loss measured while it trained, the loss on the assistant's tokens of the
+# held-out conversations (split "val"; "train": the others), packed as training packs them. The
+# base corpus it came from (its source run's data) is `eval RUN2 --data DIR`.
+
+def evaluated_conversations(run: ckpt.Run, split: str) -> str:
+    """What `evaluate_conversations(run, split)` scores, for the line that reports it."""
+    val_sft = run.extra.get("val_sft")
+    if split == "val" and val_sft is not None:
+        return f"the assistant's tokens of the conversations of {val_sft}"
+    which = "held-out" if split == "val" else "training"
+    return f"the assistant's tokens of the {which} conversations of {run.extra.get('sft')}"
+
+
+def evaluate_conversations(run: ckpt.Run, split: str = "val", batch_size: int | None = None,
+                           max_batches: int = 200, device: torch.device | str = "cpu",
+                           checkpoint: str = "best", threads: int | str | None = AUTO,
+                           progress: Callable[[int, int], Any] | None = None,
+                           context: int | None = None) -> Evaluation:
+    """Loss, perplexity and bits per byte of fine-tuned `run` on the assistant's tokens of
+    its conversations (`evaluated_conversations`), over non-overlapping windows of `context`
+    tokens of their packed stream: every assistant token is scored once, after the tokens
+    before it in its window. The arguments are `runs.evaluate_run`'s."""
+    if split not in ("train", "val"):
+        raise ConfigError(f"split must be train or val, got {split!r:.40}")
+    sft, val_sft = run.extra.get("sft"), run.extra.get("val_sft")
+    if not isinstance(sft, str) or not isinstance(val_sft, str | None):
+        raise ConfigError(f"{run.dir} records no conversation file it was fine-tuned on; "
+                          f"evaluate it on a prepared corpus (--data DIR, data_dir=)")
+    for path in (sft, val_sft):
+        if path is not None and not Path(path).is_file():
+            raise ConfigError(f"{run.dir} was fine-tuned on the conversations of {path}, which "
+                              f"is not there any more; evaluate it on a prepared corpus "
+                              f"instead (--data DIR, data_dir=)")
+    conversations = sft_data(run, sft, val_sft).splits[split]
+    model, tokenizer = run.load_model(device, checkpoint=checkpoint)
+    window = eval_context(model.config.block_size, context)
+    batch_size = batch_size or eval_batch_size(window, model.config.vocab_size)
+    x, y = _scored_windows(*conversations.stream(), window)  # (W, T) each
+    has_targets = (y != IGNORED).any(dim=1)  # a window of prompts alone scores nothing
+    x, y = x[has_targets], y[has_targets]
+    kept = min(len(y), batch_size * max_batches)
+    total, tokens, text_bytes = _windows_loss(model, tokenizer, x[:kept], y[:kept], batch_size,
+                                              threads, progress)
+    loss = total / tokens
+    if not math.isfinite(loss) or loss > MAX_LOSS:
+        raise ckpt.CheckpointError(f"the model's loss is {loss}, not a usable number (do its "
+                                   f"weights hold NaN or inf?)")
+    used = torch.get_num_threads() if model.lm_head.weight.device.type == "cpu" else None
+    return Evaluation(loss, tokens, text_bytes, kept == len(y), used, window)
+
+
+def _scored_windows(ids: np.ndarray, trained: np.ndarray, window: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed stream as inputs and targets in windows of `window`: (W, T) each, targets
+    -1 where the token is not an assistant's and in the padding that ends the last window."""
+    inputs = ids[:-1]  # (N - 1,)
+    targets = np.where(trained[1:], ids[1:], IGNORED)  # (N - 1,)
+    padding = -len(inputs) % window
+    inputs = np.concatenate([inputs, np.zeros(padding, dtype=np.int64)])
+    targets = np.concatenate([targets, np.full(padding, IGNORED, dtype=np.int64)])
+    return (torch.from_numpy(inputs).view(-1, window),
+            torch.from_numpy(targets).view(-1, window))
+
+
+@torch.no_grad()
+def _windows_loss(model: GPT, tokenizer: Tokenizer, x: torch.Tensor, y: torch.Tensor,
+                  batch_size: int, threads: int | str | None,
+                  progress: Callable[[int, int], Any] | None) -> tuple[float, int, int]:
+    """(summed loss, targets scored, their UTF-8 bytes) of windows x, y (W, T), a batch of
+    `batch_size` windows at a time."""
+    device = model.lm_head.weight.device
+    tuner = tuner_for(threads, device)
+    byte_lengths = torch.tensor(tokenizer.token_byte_lengths(), dtype=torch.long)  # (V,)
+    total, tokens, text_bytes = 0.0, 0, 0
+    if progress is not None:
+        progress(0, len(x))
+    with eval_mode(model):
+        for first in range(0, len(x), batch_size):
+            xb, yb = x[first:first + batch_size], y[first:first + batch_size]  # (B, T)
+            scored = yb != IGNORED
+            with timed(tuner):
+                _, loss = model(xb.to(device), yb.to(device))  # mean over the scored targets
+                total += loss.item() * int(scored.sum())
+            tokens += int(scored.sum())
+            text_bytes += int(byte_lengths[yb[scored]].sum())
+            if progress is not None:
+                progress(min(first + batch_size, len(x)), len(x))
+    return total, tokens, text_bytes

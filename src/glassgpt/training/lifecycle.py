@@ -76,6 +76,7 @@ class TrainStart:
     first_iteration: int
     source: str | None = None  # a fine-tune's: which weights of which run
     warnings: list[str] = field(default_factory=list)
+    preset_asked: bool = True  # False: `preset` is the device's, filling what was not given
 
 
 @dataclass
@@ -176,7 +177,8 @@ def _start(request: _Request) -> TrainOutcome:
         start = TrainStart("fine-tune" if source else "train", run_dir, data.dir,
                            trainer.device, cfg, describe_model(model),
                            None if source else preset, trainer.describe_threads(), 0,
-                           _describe_source(source, request.checkpoint), warnings)
+                           _describe_source(source, request.checkpoint), warnings,
+                           preset_asked=request.preset is not None)
         with _writer(run_dir, context):
             if context.is_main:
                 rundir.check_still_free(run_dir, request.force, request.spell)
@@ -371,21 +373,33 @@ def _describe_source(source: ckpt.Run | None, checkpoint: str) -> str | None:
 
 def describe_model(model: torch.nn.Module) -> str:
     c = model.config
-    return (f"{count_parameters(model) / 1e6:.2f}M parameters, {c.n_layer} layers, "
-            f"{c.n_head} heads, width {c.n_embd}, context {c.block_size}")
+    return (f"{parameters_text(count_parameters(model))} parameters, {_plural(c.n_layer, 'layer')}"
+            f", {_plural(c.n_head, 'head')}, width {c.n_embd}, context {c.block_size}")
+
+
+def parameters_text(count: int) -> str:
+    """0.82M, or the count itself below 100,000 (a tiny model's 4,816, not 0.00M)."""
+    return f"{count / 1e6:.2f}M" if count >= 100_000 else f"{count:,}"
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 # --- what to tell the user ----------------------------------------------------------------------
 
 def start_line(start: TrainStart) -> str:
     """"training preset cpu-small (0.82M parameters, ...) on cpu, 2 CPU threads, data D, run
-    directory R": what trains, where, with what, and where it goes."""
+    directory R" ("training a model of 0.82M parameters, ..." without --preset): what trains,
+    where, with what, and where it goes."""
     if start.action == "resume":
         what = f"resuming at iteration {start.first_iteration} of {start.cfg.max_iters}"
     elif start.action == "fine-tune":
         what = f"fine-tuning {start.source} ({start.model})"
-    else:
+    elif start.preset is not None and start.preset_asked:
         what = f"training preset {start.preset} ({start.model})"
+    else:  # no preset asked for: the sizes say what trains
+        what = f"training a model of {start.model}"
     threads = f", {start.threads}" if start.threads else ""
     return (f"{what} on {start.device}{threads}, data {start.data_dir}, run directory "
             f"{start.run_dir}")

@@ -1,5 +1,6 @@
 """The model card's counts and layers, as the page describes them: parameters by part, and
-each layer's attention (local or global, its rotary base). Read from the modules, no run.
+each layer's attention (local or global, its rotary base), read from the modules; and a LoRA
+fine-tune's adapters, read from what its run recorded.
 """
 
 from __future__ import annotations
@@ -56,3 +57,24 @@ def parameter_counts(model: GPT) -> dict[str, int]:
     if left:  # a part this function does not know of: say so rather than miscount
         counts["other"] = left
     return counts
+
+
+def lora_card(run_config: dict[str, Any]) -> dict[str, Any] | None:
+    """A LoRA fine-tune's adapters as its config.json records them: rank, alpha, their scale
+    alpha / rank, dropout and targets; None for a run tuned without LoRA (or not at all), or
+    a record that is not one (the card shows what it can, and never fails on it)."""
+    extra = run_config.get("extra")
+    lora = extra.get("lora") if isinstance(extra, dict) else None
+    if not isinstance(lora, dict):
+        return None
+    rank, alpha = lora.get("rank"), lora.get("alpha")
+    dropout, targets = lora.get("dropout", 0.0), lora.get("targets")
+    if not (_number(rank) and rank > 0 and _number(alpha) and isinstance(targets, list)):
+        return None
+    return {"rank": rank, "alpha": alpha, "scaling": alpha / rank,
+            "dropout": dropout if _number(dropout) else None,
+            "targets": [str(target) for target in targets]}
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

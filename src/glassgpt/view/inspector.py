@@ -55,7 +55,7 @@ from glassgpt.rundir.checkpoint import read_run_config
 from glassgpt.tokenizers import Tokenizer, same_tokenizer
 from glassgpt.training.metrics import read_metrics
 from glassgpt.view import causal, walk
-from glassgpt.view.card import layer_kinds, parameter_counts
+from glassgpt.view.card import layer_kinds, lora_card, parameter_counts
 from glassgpt.view.pieces import piece_text
 from glassgpt.view.values import DECIMALS, Prompt, rounded
 
@@ -491,7 +491,7 @@ class RunView:
                               "vocab_size": self.tokenizer.vocab_size},
                 "parameters": {"total": count_parameters(self.model),
                                "parts": parameter_counts(self.model)},
-                "training": self._training()}
+                "training": self._training(), "lora": self._lora()}
 
     def _training(self) -> dict[str, Any]:
         """Settings from config.json and the curve from metrics.jsonl (both in the run)."""
@@ -509,6 +509,13 @@ class RunView:
                 "best_val_loss": best[2] if best else None,
                 "best_val_iter": best[0] if best else None,
                 "train": thin(steps, CURVE_POINTS), "eval": evals}
+
+    def _lora(self) -> dict[str, Any] | None:
+        """A LoRA fine-tune's rank, alpha and targets (the run's weights have them merged)."""
+        try:
+            return None if self.run_dir is None else lora_card(read_run_config(self.run_dir))
+        except CheckpointError:
+            return None
 
     def _train_settings(self) -> dict[str, Any] | None:
         try:

@@ -1060,6 +1060,12 @@ async function loadCard() {
     "dropout", "grad_clip", "eval_interval", "device", "dtype", "seed"];
   const rows = shown.filter((key) => key in settings).map((key) =>
     el("tr", {}, el("td", {}, key), el("td", {}, String(settings[key]))));
+  if (card.lora) {  // a LoRA fine-tune: its adapters, merged into the weights shown
+    const { rank, alpha, scaling, dropout, targets } = card.lora;
+    rows.unshift(el("tr", {}, el("td", {}, "LoRA"),
+      el("td", {}, `rank ${rank}, alpha ${alpha} (scale ${scaling}), dropout ${dropout}, ` +
+        `on ${targets.join(", ")}`)));
+  }
   $("train-table").replaceChildren(...(rows.length ? rows
     : [el("tr", {}, el("td", {}, "no training settings recorded in this run"))]));
   renderCurve(card.training);
