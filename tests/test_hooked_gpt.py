@@ -345,6 +345,28 @@ def test_a_character_tokenizer_has_no_bos():
         model(["cat", "the cat"])
 
 
+def test_a_text_of_one_token_plays_bos_where_the_tokenizer_has_none(tmp_path, bpe):
+    """ARENA reads model.tokenizer.bos_token_id: a character run names its line break."""
+    chars = CharTokenizer.from_text(TEXT + "\n")
+    save_model(tmp_path / "run", gpt(vocab_size=chars.vocab_size), chars)
+    model = HookedGPT.from_run(tmp_path / "run", bos="\n")
+    newline = chars.encode("\n")[0]
+    assert (model.tokenizer.bos_token_id, model.tokenizer.bos_token) == (newline, "\n")
+    assert model.cfg.default_prepend_bos and model.tokenizer.pad_token_id == newline
+    assert model.to_tokens("cat")[0].tolist() == [newline, *chars.encode("cat")]
+    assert model.to_tokens("cat", prepend_bos=False)[0].tolist() == chars.encode("cat")
+    assert model.to_tokens(["cat", "a"])[1].tolist() == [newline, *chars.encode("a"), newline,
+                                                         newline]  # padded with it, too
+    assert HookedGPT(gpt(), bpe, bos=" the").tokenizer.bos_token_id == bpe.encode(" the")[0]
+    again = HookedGPT(model.glass, model.tokenizer, bos="a")  # a HookedGPT's tokenizer, rewrapped
+    assert again.tokenizer.bos_token_id == chars.encode("a")[0]
+    for not_one_token in ["ca", "", "\u20ac", 10]:  # two, none, not in the vocabulary, no text
+        with pytest.raises(InputError, match="is not one token of this char tokenizer"):
+            HookedGPT.from_run(tmp_path / "run", bos=not_one_token)
+    with pytest.raises(InputError, match="needs a tokenizer"):
+        HookedGPT(gpt(), bos="\n")
+
+
 def test_a_tokenizer_that_starts_texts_with_a_special_token_makes_it_bos(bpe):
     inner = BPETokenizer.from_json(bpe.to_json())
     inner.tokenizer.post_processor = processors.TemplateProcessing(

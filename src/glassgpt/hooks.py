@@ -53,10 +53,12 @@ class HookPoint(nn.Module):
         self.decides_path = decides_path
 
     def __call__(self, x: Tensor) -> Tensor:
-        # With no hook attached a point is one attribute test: it skips nn.Module's call
+        # With no hook attached a point is two dictionary tests: it skips nn.Module's call
         # machinery (global module hooks are not run here), which costs ~2 us a point a step,
-        # measurable in a small model's decoding.
-        if not self._forward_hooks:
+        # measurable in a small model's decoding. A `forward` set on the instance watches too
+        # (nnsight's, see `_instance_forward_idle`): the call then goes through nn.Module to it.
+        if not self._forward_hooks and ("forward" not in self.__dict__
+                                        or self._instance_forward_idle()):
             return x
         if self.transpose is None:
             return super().__call__(x)
@@ -67,9 +69,22 @@ class HookPoint(nn.Module):
 
     @property
     def active(self) -> bool:
-        """Whether a hook is attached: code that would skip computing this activation (the
-        fused attention kernel never forms the pattern) computes it when someone is looking."""
-        return bool(self._forward_hooks)
+        """Whether someone is looking: a forward hook, or a watching `forward` set on the
+        instance (nnsight's, in a trace). Code that would skip computing this activation (the
+        fused attention kernel never forms the pattern) computes it then."""
+        return bool(self._forward_hooks) or ("forward" in self.__dict__
+                                             and not self._instance_forward_idle())
+
+    def _instance_forward_idle(self) -> bool:
+        """Whether the `forward` set on this instance watches nothing now. nnsight (0.8) sees a
+        module by putting its own forward there, and leaves it for good after its traces; its
+        state beside it (`__nnsight__`) tells whether a trace is running. Outside one the point
+        is idle again (the owner keeps its fused path, the plain forward its speed). Any other
+        instance forward, or a state of another shape, counts as watching."""
+        state = self.__dict__.get("__nnsight__")
+        tracing = getattr(state, "active", None)
+        route = tracing() if callable(tracing) else None
+        return isinstance(route, tuple) and bool(route) and route[0] is None
 
     def layer(self) -> int:
         """The index of the block this point is in (`blocks.3.attn.hook_z` -> 3), as

@@ -68,7 +68,7 @@ class LayerNorm(nn.LayerNorm):
         add_hook_points(self, "hook_scale", "hook_normalized", decides_path=True)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.hook_normalized._forward_hooks or self.hook_scale._forward_hooks:  # watched
+        if self.hook_normalized.active or self.hook_scale.active:  # watched
             return layer_norm_steps(x, self.weight, self.bias, self.eps, self.hook_scale,
                                     self.hook_normalized)
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
@@ -99,7 +99,7 @@ class RMSNorm(nn.Module):
         return 1.0 + self.weight if self.offset else self.weight
 
     def forward(self, x: Tensor) -> Tensor:
-        watched = self.hook_normalized._forward_hooks or self.hook_scale._forward_hooks
+        watched = self.hook_normalized.active or self.hook_scale.active
         if watched or not self._fused_computes_the_same(x):
             return self.steps(x)  # watched (x_hat must exist to be seen), or half precision
         # under autocast the gain takes x's precision, as a matmul's weight would
@@ -127,7 +127,7 @@ class RMSNorm(nn.Module):
         scale itself, sqrt(...), passes `hook_scale` when watched, and only a replaced scale
         is divided by (so reading it changes no number)."""
         inverse = torch.rsqrt(mean_square + self.eps)  # (..., 1)
-        if not self.hook_scale._forward_hooks:
+        if not self.hook_scale.active:
             return inverse
         scale = torch.sqrt(mean_square + self.eps)
         seen = self.hook_scale(scale)

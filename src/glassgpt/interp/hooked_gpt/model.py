@@ -85,6 +85,18 @@ def loss_fn(logits: Tensor, tokens: Tensor, attention_mask: Tensor | None = None
     return losses if per_token else losses.sum() / both_real.sum().clamp(min=1)
 
 
+def lens_tokenizer(tokenizer: Tokenizer | LensTokenizer | None,
+                   bos: str | None) -> LensTokenizer | None:
+    """A HookedGPT's tokenizer: `tokenizer` with Hugging Face's face, `bos` playing BOS."""
+    if tokenizer is None:
+        if bos is not None:
+            raise InputError(f"bos={bos!r:.40} needs a tokenizer to be a token of: give one")
+        return None
+    if isinstance(tokenizer, LensTokenizer):
+        return tokenizer if bos is None else LensTokenizer(tokenizer.inner, bos)
+    return LensTokenizer(tokenizer, bos)
+
+
 class HookedGPT(LensHookMethods, LensWeights, LensTokenMethods, nn.Module):
     """A glassgpt GPT (`glass`) as TransformerLens's HookedTransformer: `model(input,
     return_type=...)`, `run_with_cache`, `run_with_hooks`, `hooks`, `add_hook`, `reset_hooks`,
@@ -92,13 +104,15 @@ class HookedGPT(LensHookMethods, LensWeights, LensTokenMethods, nn.Module):
 
     def __init__(self, model: GPT, tokenizer: Tokenizer | LensTokenizer | None = None, *,
                  fold_ln: bool = False, center_writing_weights: bool = False,
-                 center_unembed: bool = False, model_name: str = "glassgpt"):
+                 center_unembed: bool = False, model_name: str = "glassgpt",
+                 bos: str | None = None):
+        """`bos`: a text that is one token of `tokenizer`, to play the begin-of-sequence token
+        where the tokenizer has none (a character run: `bos="\\n"`); see hooked_gpt.tokens."""
         super().__init__()
         if not isinstance(model, GPT):
             raise ModelError(f"HookedGPT wraps a glassgpt GPT, got {type(model).__name__}")
         self.glass = model
-        self.tokenizer = tokenizer if isinstance(tokenizer, LensTokenizer) or tokenizer is None \
-            else LensTokenizer(tokenizer)
+        self.tokenizer = lens_tokenizer(tokenizer, bos)
         if self.tokenizer is not None and len(self.tokenizer) > model.config.vocab_size:
             raise ModelError(f"the tokenizer has {len(self.tokenizer)} tokens, more than the "
                              f"model's vocab_size={model.config.vocab_size}")
@@ -119,13 +133,14 @@ class HookedGPT(LensHookMethods, LensWeights, LensTokenMethods, nn.Module):
     def from_run(cls, run_dir: str | Path, *, checkpoint: str = "best",
                  device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                  fold_ln: bool = False, center_writing_weights: bool = False,
-                 center_unembed: bool = False) -> HookedGPT:
+                 center_unembed: bool = False, bos: str | None = None) -> HookedGPT:
         """The model and tokenizer of a run directory (trained here or imported from Hugging
-        Face), as `glassgpt sample` and the view open it."""
+        Face), as `glassgpt sample` and the view open it; `bos="\\n"` (one token of the run's
+        tokenizer) plays BOS where the tokenizer has none, as a character run's."""
         model, tokenizer = load_model(run_dir, device, checkpoint, dtype)
         return cls(model, tokenizer, fold_ln=fold_ln,
                    center_writing_weights=center_writing_weights,
-                   center_unembed=center_unembed, model_name=Path(run_dir).name)
+                   center_unembed=center_unembed, model_name=Path(run_dir).name, bos=bos)
 
     @classmethod
     def from_lens_checkpoint(cls, cfg: dict[str, Any] | str | Path,

@@ -11,6 +11,9 @@ tokenizer has one where it says so:
     every BPE tokenizer glassgpt trains): that token, as GPT-2's BOS is its end-of-text token;
   * otherwise (a character tokenizer, a BPE one without it) there is none: `bos_token_id` is
     None, `cfg.default_prepend_bos` is False, and asking to prepend one is an InputError.
+A text that is one token can be named to play BOS (`HookedGPT.from_run(run, bos="\\n")`, a
+character run's line break): it becomes `bos_token_id` and `to_tokens` puts it first, as
+TransformerLens code expects; a text that is not exactly one token is refused.
 The end-of-text token is also `eos_token_id` and the padding token (TransformerLens pads with
 it too); a tokenizer without it pads with BOS, and one with neither cannot pad a batch of texts
 of different lengths.
@@ -41,6 +44,16 @@ def single_id_of(tokenizer: Tokenizer, text: str) -> int | None:
     return ids[0]
 
 
+def bos_id_of(tokenizer: Tokenizer, bos: object) -> int:
+    """The id of `bos`, a text the tokenizer holds as exactly one token; InputError if not."""
+    token = single_id_of(tokenizer, bos) if isinstance(bos, str) else None
+    if token is None:
+        raise InputError(f"bos={bos!r:.40} is not one token of this {tokenizer.kind} tokenizer:"
+                         f" give a text it encodes as exactly one token (e.g. a character of"
+                         f" its vocabulary)")
+    return token
+
+
 def as_id_list(ids: Any, what: str = "tokens") -> list[int]:
     """An int, a list of ints, or a tensor / array of at most one non-unit axis -> ids."""
     if isinstance(ids, int) and not isinstance(ids, bool):
@@ -64,11 +77,13 @@ class LensTokenizer:
     TransformerLens code reads: `bos_token_id`, `eos_token_id`, `pad_token_id`, their strings,
     `len(tokenizer)`, `encode`, `decode`, `batch_decode` and `tokenizer(texts)`."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, bos: str | None = None):
         self.inner = tokenizer
         leading = tokenizer.leading_special_ids()
         end_of_text = single_id_of(tokenizer, END_OF_TEXT)
         self.bos_token_id: int | None = leading[0] if leading else end_of_text
+        if bos is not None:  # a text of the caller's choosing plays BOS
+            self.bos_token_id = bos_id_of(tokenizer, bos)
         self.eos_token_id: int | None = end_of_text
         self.pad_token_id: int | None = end_of_text if end_of_text is not None \
             else self.bos_token_id
