@@ -530,6 +530,27 @@ def test_an_existing_file_is_replaced_only_with_force(bpe_run: Path, tmp_path: P
     assert out.read_bytes()[:4] == b"GGUF"
 
 
+@pytest.mark.parametrize("damage", ["notes", "cut_in_header", "cut_in_tensors"])
+def test_force_keeps_a_file_that_only_starts_like_gguf(damage: str, bpe_run: Path,
+                                                       tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """The magic bytes alone are no proof: a notes file that begins "GGUF" and an export cut
+    short are kept, with one line that says why."""
+    out = tmp_path / "m.gguf"
+    if damage == "notes":
+        out.write_bytes(b"GGUF export notes: which dtype to use, and why\n")
+    else:
+        whole = export_gguf(bpe_run, tmp_path / "whole.gguf")
+        data = whole.out.read_bytes()
+        out.write_bytes(data[:64] if damage == "cut_in_header" else data[:len(data) - 1000])
+    before = out.read_bytes()
+    code, err = glassgpt("convert", bpe_run, "--to-gguf", out, "--force", capsys=capsys)
+    line = one_error_line(err)
+    assert code == 2 and "is not a GGUF file" in line, err
+    assert "gguf's reader cannot parse it" in line, err
+    assert out.read_bytes() == before
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--to-gguf", "OUT", "--dtype", "q4_k"], "argument --dtype: invalid choice: 'q4_k'"),
     (["--to-hf", "OUT", "--dtype", "f16"], "--dtype applies to --to-gguf only"),

@@ -232,9 +232,40 @@ def test_sample_dtype_int8_decodes_the_runs_int8_model(trained_run, capsys):
     assert main(args) == 0
     out, err = capsys.readouterr()
     assert "int8: every layer's weight quantized to int8" in err
-    assert "compiled step" in err  # on a CPU, int8 decodes through the compiled step
+    # a model this small decodes uncompiled, and says why in its one line
+    assert "decoding uncompiled" in err and "compiled step" not in err
     model, tokenizer = Run(trained_run.run).load_model("cpu")
     prompt = torch.tensor([tokenizer.encode("To be")])
     expected = generate(dequantized(quantize_int8(model)), prompt, max_new_tokens=12,
                         temperature=0.0, engine="eager")
     assert out == tokenizer.decode(expected[0].tolist()) + "\n"
+
+
+def test_int8_compiles_from_a_million_parameters_on_a_cpu_without_steering():
+    """A 0.1M model compiled for minutes to decode 24 tokens: int8 gains it nothing there."""
+    from glassgpt.cli.sample import int8_compiles
+    from glassgpt.decoding.quantized import INT8_COMPILE_MIN_PARAMETERS, int8_compile_pays
+
+    assert not int8_compile_pays(INT8_COMPILE_MIN_PARAMETERS - 1)
+    assert int8_compile_pays(INT8_COMPILE_MIN_PARAMETERS)
+    tiny = GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=2, n_embd=64)  # 0.11M
+    gpt2 = GPTConfig.from_preset("gpt2")
+    assert not int8_compiles("int8", "cpu", False, tiny)
+    assert int8_compiles("int8", "cpu", False, gpt2)
+    assert not int8_compiles("int8", "cpu", True, gpt2)  # steering's hooks need the eager model
+    assert not int8_compiles("int8", "cuda", False, gpt2)
+    assert not int8_compiles("float32", "cpu", False, gpt2)
+
+
+def test_int8s_start_line_says_how_it_decodes_and_what_compiling_costs():
+    from glassgpt.cli.sample import INT8_NOTE, int8_line
+
+    tiny = GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=2, n_embd=64)
+    small = int8_line(False, tiny, "cpu", False)
+    assert small.startswith(INT8_NOTE) and "decoding uncompiled: 0.11M parameters" in small
+    assert "below 1M parameters (--compile compiles it anyway)" in small
+    large = int8_line(True, GPTConfig.from_preset("gpt2"), "cpu", False)
+    assert "compiled step" in large and "100 s for GPT-2 small" in large
+    assert "tens of seconds" not in large  # the old promise, which a loaded machine broke
+    assert int8_line(False, GPTConfig.from_preset("gpt2"), "cpu", True) == INT8_NOTE
+    assert "\n" not in small + large

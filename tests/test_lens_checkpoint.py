@@ -328,6 +328,32 @@ def test_a_checkpoint_that_does_not_match_is_refused_by_name():
         model_from_lens_checkpoint(lens_config_dict(llama), gated)
 
 
+
+@pytest.mark.parametrize("model,change,named", [
+    ("arena", dict(n_layers=10**6), r"n_layers=1,000,000, and the checkpoint holds 2 layers"),
+    ("arena", dict(n_layers=1), r"n_layers=1, and the checkpoint holds 2 layers"),
+    ("arena", dict(n_ctx=10**12), r"pos_embed.W_pos has shape \(12, 32\), its config's n_ctx"),
+    ("arena", dict(d_vocab=10**12), r"embed.W_E has shape \(40, 32\), its config's d_vocab"),
+    ("llama", dict(n_ctx=10**12), r"n_ctx=1,000,000,000,000 is more than glassgpt holds"),
+])
+def test_a_config_the_checkpoint_does_not_hold_is_refused_before_anything_is_built(
+        monkeypatch, model, change, named):
+    """Sizes are read off the tensors before a model is built, even on the meta device:
+    10**6 layers over two once took minutes and gigabytes, n_ctx=10**12 torch's overflow."""
+    from glassgpt.interp.hooked_gpt import checkpoint
+
+    def built(*args, **kwargs):
+        raise AssertionError("a model was built before the sizes were checked")
+
+    monkeypatch.setattr(checkpoint, "expected_lens_shapes", built)
+    if model == "arena":
+        cfg, state = ARENA_CFG, arena_state()
+    else:
+        llama = gpt(**LLAMA)
+        cfg, state = lens_config_dict(llama), lens_state_dict(llama)
+    with pytest.raises((CheckpointError, ConfigError), match=named):
+        HookedGPT.from_lens_checkpoint({**cfg, **change}, state)
+
 # --- (d) glassgpt convert RUN --to-lens OUT ---------------------------------------------------
 
 def saved_run(tmp_path, **switches):

@@ -41,8 +41,10 @@ def test_nnsight_reads_every_kind_of_point_as_run_with_cache_caches_it():
         x_hat = wrapped.blocks[1].ln2.hook_normalized.output.save()
         post = wrapped.blocks[1].ffn.hook_post.output.save()
         resid = wrapped.blocks[1].hook_resid_post.output.save()
-    for name, read in [("blocks.0.attn.hook_rot_q", rot_q), ("blocks.0.attn.hook_pattern", pattern),
-                       ("blocks.0.attn.hook_result", result), ("blocks.1.ln2.hook_normalized", x_hat), ("blocks.1.mlp.hook_post", post),
+    for name, read in [("blocks.0.attn.hook_rot_q", rot_q),
+                       ("blocks.0.attn.hook_pattern", pattern),
+                       ("blocks.0.attn.hook_result", result),
+                       ("blocks.1.ln2.hook_normalized", x_hat), ("blocks.1.mlp.hook_post", post),
                        ("blocks.1.hook_resid_post", resid)]:
         torch.testing.assert_close(read, cache[name], rtol=0, atol=1e-12, msg=name)
 

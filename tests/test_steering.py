@@ -125,7 +125,7 @@ def test_vector_files_safetensors_and_json(model, tmp_path):
     ("{d}/short.json", RESID, InputError, r"has shape \(3,\), but one position"),
     ("{d}/v.pt", RESID, InputError, "are not read: they may hold pickles"),
     ("{d}/two.safetensors", RESID, InputError, "holds 2 tensors"),
-    ("{d}/words.json", RESID, InputError, "is not a list of numbers"),
+    ("{d}/words.json", RESID, InputError, r'item \[0\] is "a", not a number'),
 ])
 def test_bad_directions_are_refused_by_name(model, sae_dir, tmp_path, spec, at, error,
                                             message):
@@ -137,6 +137,26 @@ def test_bad_directions_are_refused_by_name(model, sae_dir, tmp_path, spec, at, 
     with pytest.raises(error, match=message):
         load_steering(model, spec.format(d=tmp_path), at)
 
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[true, 1.0]", r"item \[0\] is true, not a number"),
+    ("[[1.0, 2.0], [3.0, false]]", r"item \[1\]\[1\] is false, not a number"),
+    ('[1.0, "2"]', r'item \[1\] is "2", not a number'),
+    ("[1.0, null]", r"item \[1\] is null, not a number"),
+    ('{"v": [1.0]}', "holds an object, not a list of numbers"),
+    ("true", "holds true, not a list of numbers"),
+    ("[1e39, 1.0]", r"item \[0\] is 1e\+39, beyond float32's range"),
+    ("[[1.0, 2.0], [3.0]]", "not a list of numbers of one shape"),
+    ("[1.0, [2.0]]", "not a list of numbers of one shape"),
+])
+def test_a_json_vector_holds_numbers_only(tmp_path, text, message):
+    """true was once read as 1 and 1e39 as inf (blamed on NaN): each is named where it is."""
+    from glassgpt.interp.steering import _read_vector
+
+    (tmp_path / "v.json").write_text(text)
+    with pytest.raises(InputError, match=message):
+        _read_vector(str(tmp_path / "v.json"))
 
 # --- glassgpt sample --steer -------------------------------------------------------------------
 
@@ -186,9 +206,12 @@ def test_sample_steer_prints_what_generate_gives_with_the_hook(trained_run, tmp_
     (["--steer", "{d}/v.json", "--at", "blocks.0.mlp.hook_post", "--scale", "1"],
      "but one position of blocks.0.mlp.hook_post is"),
     (["--steer", "{d}/v.json", "--scale", "1"], "a vector with no hook point"),
+    (["--steer", "{d}/bools.json", "--at", "blocks.0.hook_resid_post", "--scale", "1"],
+     "item [0] is true, not a number"),
 ])
 def test_sample_steer_refusals_are_one_line(trained_run, tmp_path, capsys, extra, message):
     (tmp_path / "v.json").write_text(json.dumps([0.5] * 16))  # the trained run is 16 wide
+    (tmp_path / "bools.json").write_text(json.dumps([True] * 16))
     capsys.readouterr()
     assert main(sample_args(trained_run.run, *[e.format(d=tmp_path) for e in extra])) == 2
     err = capsys.readouterr().err.strip().splitlines()

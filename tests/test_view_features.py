@@ -13,6 +13,7 @@ import torch
 from starlette.testclient import TestClient
 
 from glassgpt.cli import main
+from glassgpt.config import SamplingConfig
 from glassgpt.decoding.generate import generate
 from glassgpt.errors import InputError
 from glassgpt.interp.sae import SAE, SAEConfig, run_with_cache_and_saes, run_with_saes
@@ -204,3 +205,44 @@ def test_the_command_line_refuses_a_dictionary_that_does_not_fit(trained_run, tm
     assert main(["view", str(trained_run.run), "--sae", str(bad), "--port", "0"]) != 0
     error = capsys.readouterr().err.strip()
     assert "--sae" in error and "width 8" in error and "\n" not in error
+
+
+@pytest.mark.parametrize("raw, says", [
+    ("1e308", "value=1e+308 is out of range"),
+    ("-1e308", "value=-1e+308 is out of range"),
+    ("Infinity", "value=inf is not a finite number"),
+    ("NaN", "value=nan is not a finite number"),
+])
+def test_a_clamp_value_out_of_range_is_a_400_that_names_it(client, raw, says):
+    """docs/view.md promises never a 500: 1e308 once overflowed the model to one, and NaN or
+    Infinity came back blamed on "damaged weights"."""
+    body = f'{{"prompt": "{PROMPT}", "feature": 0, "value": {raw}, "max_new_tokens": 2}}'
+    response = client.post("/api/clamp", content=body,
+                           headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert says in error and "damaged" not in error and "\n" not in error
+
+
+@pytest.mark.parametrize("raw", ["1e308", "Infinity", "NaN"])
+def test_a_clamp_scale_out_of_range_is_a_400_that_names_it(client, raw):
+    body = f'{{"prompt": "{PROMPT}", "feature": 0, "scale": {raw}, "max_new_tokens": 2}}'
+    response = client.post("/api/clamp", content=body,
+                           headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert "scale=" in response.json()["error"]
+
+
+def test_a_clamp_that_overflows_the_model_names_the_clamp(view, tmp_path):
+    """A value in range can still overflow a model through a long decoder row: the answer
+    blames the clamp (a 400 through the server), not the model's weights."""
+    sae = SAE.load(dictionary(tmp_path / "plain"))
+    with torch.no_grad():
+        sae.W_dec[3] *= 1e36
+    path = tmp_path / "long"
+    sae.save(path)
+    dicts = features.load_dictionaries(view, [path])
+    sampling = SamplingConfig(max_new_tokens=2, temperature=0.0)
+    with pytest.raises(InputError, match=r"the clamp \(value=10000.0\) drives the model's "
+                                         r"logits past its float range"):
+        features.clamp(view, dicts, None, 3, PROMPT, sampling, value=1e4)

@@ -18,13 +18,15 @@ from glassgpt.cli.common import (
     stderr_progress,
     warn_about_bf16,
 )
-from glassgpt.config import SAMPLING_DEFAULTS, SamplingConfig, sampling_defaults
+from glassgpt.config import SAMPLING_DEFAULTS, GPTConfig, SamplingConfig, sampling_defaults
 from glassgpt.config_checks import INT64_MAX
 from glassgpt.errors import CommandLineError, ConfigError
 
 SAMPLE_DTYPES = ("float32", "bfloat16", "int8")
-# Compiling the CPU step took 31 s cold and ~6 s from torch's cache on a 2-core machine; it saves
-# ~0.6 ms of ~2.4 ms per step (BENCHMARKS.md, shakespeare-char): ~10,000 steps to win it back.
+# Compiling the CPU step took 31 s cold and ~6 s from torch's cache on a 2-core machine (issue
+# 51, a shared 2-core Zen 4 at load 3: a 24-token `sample --compile` took 39 s for a 0.11M model
+# and 75 s for GPT-2 small cold, 13 and 20 s from the cache); it saves ~0.6 ms of ~2.4 ms per
+# step (BENCHMARKS.md, shakespeare-char): ~10,000 steps to win it back.
 # Only steps inside the context use it: past block_size each token recomputes the window.
 COMPILE_PAYS_OFF_STEPS = 10_000
 
@@ -68,10 +70,10 @@ def _register_sample(subparsers: argparse._SubParsersAction) -> None:
                    "scale per row (a quarter of the bytes; activations stay float32) and, on a "
                    "CPU, decodes through the compiled step, where int8 is fast (as --compile)")
     p.add_argument("--compile", action="store_true",
-                   help="compile the decoding step: tens of seconds to compile (less once "
-                   "torch has cached it), then a faster step for the tokens inside the "
-                   f"context; on a CPU it pays off after about {COMPILE_PAYS_OFF_STEPS:,} such "
-                   "steps, so rarely for one sample")
+                   help="compile the decoding step: 40-75 s to compile on 2 shared cores "
+                   "(a third of that once torch has cached it), then a faster step for the "
+                   f"tokens inside the context; on a CPU it pays off after about "
+                   f"{COMPILE_PAYS_OFF_STEPS:,} such steps, so rarely for one sample")
     steer = p.add_argument_group("steering (adds a direction to an activation at every step)")
     steer.add_argument("--steer", action="append", metavar="FEATURE_OR_VECTOR",
                        help="SAE_DIR:INDEX (a dictionary's decoder row, SAELens's format) or a "
@@ -130,11 +132,12 @@ def run_sample(args: argparse.Namespace) -> int:
                                "the user's)")
     steers = steer_flags(args)  # refused before the model is read
     device = resolve_device(args.device)
-    compiled = args.compile or int8_compiles(args.dtype, device.type, bool(steers))
     if args.seed + args.num_samples - 1 > INT64_MAX:  # sample i uses seed + i
         raise ConfigError(f"--num-samples {args.num_samples} from --seed {args.seed} needs seeds "
                           f"past 2**63 - 1, the largest there is")
     run = ckpt.Run(args.run_dir)  # resolved once
+    compiled = args.compile or int8_compiles(args.dtype, device.type, bool(steers),
+                                             run.model_config)
     text, end_of_turn, stop_token = args.prompt or DEFAULT_PROMPT, None, None
     if args.chat is not None:  # before the model is read: a run without a template fails fast
         text, end_of_turn, stop_token = chat_prompt(run, args.chat, args.system)
@@ -161,9 +164,8 @@ def run_sample(args: argparse.Namespace) -> int:
     if length > block_size:
         say(f"note: the prompt has {length} tokens, more than the context of {block_size}; "
             f"the model sees its last {block_size}")
-    if args.dtype == "int8":  # compile_note's pay-off is float32's: int8 compiles regardless
-        say(INT8_NOTE + ("; decoding through the compiled step (tens of seconds to compile, "
-                         "less once torch has it cached)" if compiled else ""))
+    if args.dtype == "int8":  # compile_note's pay-off is float32's: int8 has its own rule
+        say(int8_line(compiled, model.config, device.type, bool(steers)))
     elif args.compile:
         say(compile_note(prompt.shape[1], block_size, args.max_new_tokens, args.num_samples,
                          on_cpu=device.type == "cpu"))
@@ -188,14 +190,43 @@ def run_sample(args: argparse.Namespace) -> int:
 
 
 INT8_NOTE = "int8: every layer's weight quantized to int8, a scale per row"
+# Measured on a shared 2-core AMD EPYC (Zen 4, load average 3-4), `time glassgpt sample RUN
+# --dtype int8 --max-new-tokens 24` with a fresh inductor cache: 44-48 s for a 0.11M model and
+# 101-103 s for GPT-2 small (4-6 and 6-7 s in float32), 13-20 and 31-35 s from torch's cache.
+INT8_COMPILING = ("decoding through the compiled step, which compiles first: measured 45 s "
+                  "for a 0.1M model and 100 s for GPT-2 small on 2 shared cores, a third of "
+                  "that once torch has cached it, longer on a busier machine")
 
 
-def int8_compiles(dtype: str, device: str, steering: bool) -> bool:
+def int8_compiles(dtype: str, device: str, steering: bool, config: GPTConfig) -> bool:
     """Whether `sample --dtype int8` compiles the decoding step without --compile: on a CPU,
     where an int8 product is fast only inside the compiled step (uncompiled, each product
-    converts its weights first: 3-4x slower than float32, BENCHMARKS.md); not while steering,
-    whose hooks only the eager model calls."""
-    return dtype == "int8" and device == "cpu" and not steering
+    converts its weights first: 3-4x slower than float32, BENCHMARKS.md), for a model large
+    enough to gain from it (glassgpt.decoding.quantized.int8_compile_pays); not while
+    steering, whose hooks only the eager model calls."""
+    if dtype != "int8" or device != "cpu" or steering:
+        return False
+    from glassgpt.decoding.quantized import int8_compile_pays
+    from glassgpt.model import parameter_count
+
+    return int8_compile_pays(parameter_count(config))
+
+
+def int8_line(compiled: bool, config: GPTConfig, device: str, steering: bool) -> str:
+    """`sample --dtype int8`'s start line: what was quantized, and how it decodes (a model too
+    small to gain from int8 says why it is not compiled)."""
+    from glassgpt.decoding.quantized import INT8_COMPILE_MIN_PARAMETERS, int8_compile_pays
+    from glassgpt.model import parameter_count
+
+    if compiled:
+        return f"{INT8_NOTE}; {INT8_COMPILING}"
+    parameters = parameter_count(config)
+    if device != "cpu" or steering or int8_compile_pays(parameters):
+        return INT8_NOTE
+    return (f"{INT8_NOTE}; decoding uncompiled: {parameters / 1e6:.2f}M parameters sit in the "
+            f"CPU's caches, where int8 saves no reading, and compiling the step (45 s and up, "
+            f"measured) does not pay back below {INT8_COMPILE_MIN_PARAMETERS / 1e6:g}M "
+            f"parameters (--compile compiles it anyway)")
 
 
 def steer_flags(args: argparse.Namespace) -> list[tuple[str, str | None, float]]:
@@ -270,7 +301,8 @@ def compile_note(prompt_len: int, block_size: int, new_tokens: int, samples: int
     # Cached steps: the first token comes from the prompt's pass, and past the context each
     # token recomputes the window instead.
     steps = samples * max(0, min(new_tokens - 1, block_size - prompt_len))
-    doing = "compiling the decoding step (tens of seconds; less once torch has it cached)"
+    doing = ("compiling the decoding step (measured 40-75 s on 2 shared cores, a third of "
+             "that once torch has it cached; longer on a busier machine)")
     if steps >= COMPILE_PAYS_OFF_STEPS or not on_cpu:
         return doing
     return (f"{doing}; note: it speeds up only the steps inside the {block_size}-token context, "
@@ -285,8 +317,10 @@ def _register_eval(subparsers: argparse._SubParsersAction) -> None:
                               "run, or its scores on a task (--task)",
                               formatter_class=DefaultsHelpFormatter,
                               description="Loss, perplexity and bits per byte of RUN_DIR's "
-                              "model on non-overlapping windows of a split of its data, up to "
-                              "--batch-size x --max-batches windows; with --task, its scores "
+                              "model on non-overlapping windows of a split of its data (a "
+                              "fine-tuned run's: the assistant's tokens of its conversations), "
+                              "up to --batch-size x --max-batches windows; with --task, its "
+                              "scores "
                               "on a task file instead (glassgpt.evals), as lm-eval scores the "
                               "model exported to Hugging Face.")
     p.add_argument("run_dir", type=path_arg, metavar="RUN_DIR")
@@ -332,11 +366,12 @@ def run_eval(args: argparse.Namespace) -> int:
                                    progress=lambda done, total: bar.update(task, completed=done,
                                                                            total=total),
                                    context=args.context)
+    scored = _what_eval_scored(run, args)
     if not args.json:
         say(f"evaluated {run.describe_weights(args.checkpoint)}")
     covered = "" if result.whole_split else "; a part: raise --max-batches for all of it"
     if args.json:
-        print(json.dumps({"split": args.split, "loss": result.loss,
+        print(json.dumps({"split": args.split, "conversations": scored, "loss": result.loss,
                           "perplexity": result.perplexity,
                           "bits_per_byte": result.bits_per_byte, "tokens": result.tokens,
                           "bytes": result.text_bytes, "whole_split": result.whole_split,
@@ -344,10 +379,22 @@ def run_eval(args: argparse.Namespace) -> int:
                           "checkpoint": args.checkpoint, "run_dir": str(args.run_dir)},
                          allow_nan=False))
     else:
+        if scored is not None:
+            covered = f"; {scored}{covered}"
         print(f"{args.split} loss {result.loss:.4f}, perplexity {result.perplexity:.2f}, "
               f"{result.bits_per_byte:.4f} bits per byte ({result.tokens:,} tokens, "
               f"{result.text_bytes:,} bytes, windows of {result.context:,} tokens{covered})")
     return 0
+
+
+def _what_eval_scored(run: Any, args: argparse.Namespace) -> str | None:
+    """A fine-tuned run, without --data, is scored on its conversations' assistant tokens:
+    which (None for a prepared corpus)."""
+    if args.data is not None or run.extra.get("sft") is None:
+        return None
+    from glassgpt.training.finetune import evaluated_conversations
+
+    return evaluated_conversations(run, args.split)
 
 
 TASK_IGNORES = (("--data", "data"), ("--batch-size", "batch_size"), ("--context", "context"))
@@ -379,6 +426,5 @@ def run_task_eval(args: argparse.Namespace) -> int:
                           "run_dir": str(args.run_dir)}))
         return 0
     say(f"evaluated {run.describe_weights(args.checkpoint)} on {task.source}")
-    shown = ", ".join(f"{name} {value:.4f}" for name, value in result.metrics.items())
-    print(f"{result.name}: {shown} ({len(task.items)} items)")
+    print(result.summary())
     return 0

@@ -82,13 +82,33 @@ class GGUFExport:
 
 
 def check_replacing_gguf(out: Path) -> None:
-    """`--force` replaces a GGUF file (an earlier export), never a file of another kind."""
-    if out.is_file():
-        with out.open("rb") as file:
-            magic = file.read(4)
-        if magic != b"GGUF":
-            raise CheckpointError(f"{out} is there and is not a GGUF file; --force replaces "
-                                  f"only a GGUF file: give another name")
+    """`--force` replaces a whole GGUF file (an earlier export), never a file of another kind:
+    a notes file that starts with "GGUF" or a copy cut short is kept, with the reason."""
+    if not out.is_file():
+        return
+    why_not = _why_not_gguf(out)
+    if why_not is not None:
+        raise CheckpointError(f"{out} is there and is not a GGUF file; --force replaces only "
+                              f"a GGUF file ({why_not}): give another name")
+
+
+def _why_not_gguf(path: Path) -> str | None:
+    """None when `path` parses as GGUF with gguf's own reader and holds every byte its tensors
+    need, else what is wrong with it, in words."""
+    with path.open("rb") as file:
+        if file.read(4) != b"GGUF":
+            return "it does not start with GGUF's magic bytes"
+    size = path.stat().st_size
+    try:
+        reader = _gguf().GGUFReader(path)  # memory-mapped: the tensors are not read
+        end = max((tensor.data_offset + tensor.n_bytes for tensor in reader.tensors),
+                  default=reader.data_offset)
+    except Exception as error:  # a damaged file fails in many ways; each means "not GGUF"
+        words = " ".join(str(error).split())[:80] or type(error).__name__
+        return f"gguf's reader cannot parse it: {words}"
+    if end > size:  # the reader's own checks catch this today; the promise is ours
+        return f"it is cut short: its tensors end at byte {end}, the file at {size}"
+    return None
 
 
 def export_gguf(run_dir: str | os.PathLike[str], out: str | os.PathLike[str],

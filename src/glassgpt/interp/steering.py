@@ -17,6 +17,7 @@ safetensors file holding one tensor, or a JSON list of numbers. Nothing is ever 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ __all__ = ["Steering", "load_steering", "steering_hook"]
 
 VECTOR_SUFFIXES = (".safetensors", ".json")
 MAX_VECTOR_JSON_BYTES = 64 * 2**20  # a list of a few million numbers
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # a larger number would read as inf
 # `DIR:INDEX`, the index written as an integer (a sign is caught and refused by name).
 DICTIONARY_SPEC = re.compile(r"^(?P<dir>.+):(?P<index>[+-]?\d+)$")
 
@@ -161,12 +163,48 @@ def _read_safetensors(path: Path) -> Tensor:
 
 
 def _read_json(path: Path) -> Tensor:
+    """A JSON list of numbers (lists of equal lists for a point of several dimensions); NaN
+    and Infinity are refused by the reader, everything that is not a number here."""
     data = files.read_json(path, CheckpointError, MAX_VECTOR_JSON_BYTES)
+    _check_numbers_only(data, path)
     try:
         vector = torch.tensor(data, dtype=torch.float32)
-    except (TypeError, ValueError) as error:  # not numbers, or ragged lists
-        raise InputError(f"{path} is not a list of numbers ({error})") from None
+    except (TypeError, ValueError) as error:  # ragged lists: [[1, 2], [3]]
+        raise InputError(f"{path} is not a list of numbers of one shape: its lists nest "
+                         f"unevenly ({error})") from None
     return vector
+
+
+def _check_numbers_only(data: object, path: Path) -> None:
+    """InputError naming an item of `data` that is not a number float32 holds: true
+    and false are not 1 and 0 here, nor is a string, null or an object a number. Walked
+    without recursion: the file may nest as deep as the JSON reader allows."""
+    if not isinstance(data, list):
+        raise InputError(f"{path} holds {_json_text(data)}, not a list of numbers")
+    lists: list[tuple[tuple[int, ...], list]] = [((), data)]
+    while lists:
+        where, items = lists.pop()
+        for i, item in enumerate(items):
+            if isinstance(item, list):
+                lists.append(((*where, i), item))
+            elif type(item) not in (int, float):  # bool is an int: refused here by its type
+                raise InputError(f"{path}: item {_index_text((*where, i))} is "
+                                 f"{_json_text(item)}, not a number; a steering vector file "
+                                 f"holds numbers only")
+            elif abs(item) > FLOAT32_MAX:
+                raise InputError(f"{path}: item {_index_text((*where, i))} is {item:.4g}, "
+                                 f"beyond float32's range (+-{FLOAT32_MAX:.4g})")
+
+
+def _index_text(where: tuple[int, ...]) -> str:
+    return "".join(f"[{i}]" for i in where)
+
+
+def _json_text(value: object) -> str:
+    if isinstance(value, dict):
+        return "an object"
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:39] + "..."
 
 
 # --- the point's width -----------------------------------------------------------------------

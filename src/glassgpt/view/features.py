@@ -17,6 +17,7 @@ Notation: T = prompt tokens, F = d_sae (latents), C = width, V = vocabulary, N =
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import re
 from dataclasses import dataclass
@@ -46,6 +47,10 @@ TOP_CONTEXTS = 8
 LOGIT_TOKENS = 10  # tokens listed pushed up, and down
 MAX_CLAMP_TOKENS = 200  # new tokens, each continuation
 CLAMP_NEW_TOKENS = 40  # the panel's default: two continuations side by side, read at once
+# A latent is a length along its decoder row (unit norm in SAELens's dictionaries): trained
+# ones fire at up to tens, steering asks for ten times that, and residual streams are at most
+# thousands long, so a latent set past 10,000 or scaled past 1,000 only shows an overflow.
+MAX_CLAMP_VALUE, MAX_CLAMP_SCALE = 1e4, 1e3
 RESIDUAL_POINT = re.compile(r"blocks\.(\d+)\.hook_resid_(pre|mid|post)")
 PART_LAYER = re.compile(r"L(\d+)(H\d+| attn| MLP)")
 
@@ -314,6 +319,10 @@ def clamp(view: View, dicts: Dictionaries, sae: str, feature: int, prompt: str,
     checks.index("feature", feature, chosen.cfg.d_sae)
     if (value is None) == (scale is None):
         raise InputError("give one of value (set the feature to it) or scale (multiply it)")
+    if value is not None:
+        check_clamp_number("value", value, MAX_CLAMP_VALUE)
+    else:
+        check_clamp_number("scale", scale, MAX_CLAMP_SCALE)
     if sampling.max_new_tokens > MAX_CLAMP_TOKENS:
         raise InputError(f"max_new_tokens must be at most {MAX_CLAMP_TOKENS} here, got "
                          f"{sampling.max_new_tokens}")
@@ -321,11 +330,30 @@ def clamp(view: View, dicts: Dictionaries, sae: str, feature: int, prompt: str,
     if sampling.seed is None:
         sampling = dataclasses.replace(sampling, seed=random.randrange(2**31))
     untouched = generate(view.model, encoded.idx, sampling)[0, len(encoded.ids):]
-    clamped = generate(view.model, encoded.idx, sampling,
-                       hooks=clamp_hooks(chosen, feature, value, scale))[0, len(encoded.ids):]
+    try:
+        clamped = generate(view.model, encoded.idx, sampling,
+                           hooks=clamp_hooks(chosen, feature, value, scale))[0, len(encoded.ids):]
+    except ModelError:  # the untouched run was finite: the clamp overflowed it
+        edit = f"value={value}" if value is not None else f"scale={scale}"
+        raise InputError(f"the clamp ({edit}) drives the model's logits past its float "
+                         f"range (the same prompt untouched does not): choose a smaller "
+                         f"{edit.partition('=')[0]}") from None
     return {"sae": name, "feature": feature, "value": value, "scale": scale,
             "seed": sampling.seed, "untouched": _continuation(view, untouched),
             "clamped": _continuation(view, clamped)}
+
+
+def check_clamp_number(name: str, number: float, largest: float) -> None:
+    """InputError unless `number` (a JSON number: an int may have hundreds of digits) is
+    finite and within +-`largest`; the message names it."""
+    if isinstance(number, float) and not math.isfinite(number):
+        raise InputError(f"{name}={number} is not a finite number; a clamp's {name} is a "
+                         f"number within +-{largest:,.0f}")
+    if abs(number) > largest:
+        text = f"{number:g}" if isinstance(number, float) else str(number)
+        shown = text if len(text) <= 16 else f"{text[:8]}... ({len(text)} digits)"
+        raise InputError(f"{name}={shown} is out of range: a clamp's {name} is within "
+                         f"+-{largest:,.0f} (beyond that the model only overflows)")
 
 
 def _continuation(view: View, ids: Tensor) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from glassgpt.config import GPTConfig
 from glassgpt.errors import CheckpointError, ConfigError
+from glassgpt.hf.translation import MAX_ROTARY_CONTEXT
 from glassgpt.interp.hooked_gpt.config import gpt_config_from_lens, lens_config
 from glassgpt.interp.hooked_gpt.weights import bias_or_zeros, output_weight, qkv_rows
 from glassgpt.model import GPT
@@ -205,6 +206,43 @@ def check_lens_keys(state: dict[str, Tensor], expected: dict[str, tuple[int, ...
                                   f"{tuple(tensor.shape)}, its config needs {shape}")
 
 
+def layers_held(state: dict[str, Tensor]) -> set[int]:
+    """The layer numbers l of the checkpoint's blocks.{l}.* keys."""
+    held = set()
+    for name in state:
+        kind, _, rest = name.partition(".")
+        number = rest.partition(".")[0]
+        if kind == "blocks" and number.isdecimal() and len(number) <= 9:  # int() stays cheap
+            held.add(int(number))
+    return held
+
+
+def check_sizes_against_state(config: GPTConfig, state: dict[str, Tensor]) -> None:
+    """The config's layers, vocabulary, width and context against the tensors the checkpoint
+    holds, before any model is built, even on the meta device: a config asking for 10**6
+    layers over the weights of two is named at once. A rotary model has no position table to
+    bound its context, so n_ctx is bounded as for a Hugging Face config.json."""
+    n_layer, held = config.n_layer, layers_held(state)
+    if held != set(range(n_layer)):
+        holds = f"blocks {sorted(held)[:4]}{' ...' if len(held) > 4 else ''}" if held else \
+            "no blocks.* tensors"
+        raise CheckpointError(f"the TransformerLens config asks for n_layers={n_layer:,}, and "
+                              f"the checkpoint holds {len(held):,} layers ({holds})")
+    tables = {"embed.W_E": ((config.vocab_size, config.n_embd), "d_vocab, d_model")}
+    if config.position in ("learned", "shortformer"):
+        tables["pos_embed.W_pos"] = ((config.block_size, config.n_embd), "n_ctx, d_model")
+    elif config.block_size > MAX_ROTARY_CONTEXT:
+        raise ConfigError(f"n_ctx={config.block_size:,} is more than glassgpt holds (at most "
+                          f"{MAX_ROTARY_CONTEXT:,} positions)")
+    for name, (shape, fields) in tables.items():
+        tensor = state.get(name)
+        if not isinstance(tensor, Tensor):
+            raise CheckpointError(f"the TransformerLens checkpoint has no {name} tensor")
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(f"the TransformerLens checkpoint's {name} has shape "
+                                  f"{tuple(tensor.shape)}, its config's {fields} need {shape}")
+
+
 def completed(state: dict[str, Tensor], config: GPTConfig, unit_norms: bool
               ) -> dict[str, Tensor]:
     """The checkpoint's weights (buffers dropped), with what TransformerLens may leave out
@@ -213,9 +251,7 @@ def completed(state: dict[str, Tensor], config: GPTConfig, unit_norms: bool
     weights = {name: tensor for name, tensor in state.items()
                if not name.endswith(BUFFER_SUFFIXES)}
     expected = expected_lens_shapes(config)
-    like = weights.get("embed.W_E")
-    if not isinstance(like, Tensor):
-        raise CheckpointError("the TransformerLens checkpoint has no embed.W_E tensor")
+    like = weights["embed.W_E"]  # there: check_sizes_against_state
     fills = {"unembed.b_U": 0.0}
     if unit_norms:
         fills |= {name: float(name.endswith(".w")) for name in expected
@@ -313,7 +349,9 @@ def model_from_lens_checkpoint(cfg: dict[str, Any], state: dict[str, Tensor]) ->
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise CheckpointError(f"a TransformerLens state dict maps names to tensors, got "
                               f"{type(state).__name__}")
-    weights = completed(state, GPTConfig(**settings), unit_norms)
+    config = GPTConfig(**settings)  # its own checks: widths, heads, ...
+    check_sizes_against_state(config, state)
+    weights = completed(state, config, unit_norms)
     dtype = weights["embed.W_E"].dtype
     weights = {name: tensor.to(dtype) for name, tensor in weights.items()}
     check_finite(weights, "the TransformerLens checkpoint", CheckpointError)
