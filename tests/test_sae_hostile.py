@@ -199,6 +199,19 @@ def test_the_view_refuses_a_dictionary_of_another_run_unless_told(trained_sae, o
     assert code == 2 and "cannot listen on 256.0.0.1" in err
 
 
+def test_steering_along_a_latent_of_another_runs_dictionary_is_refused_unless_told(
+        trained_run, trained_sae, other_run, capsys) -> None:
+    steer = ["sample", other_run, "--prompt", "To", "--max-new-tokens", "2", "--steer",
+             f"{trained_sae}:0", "--scale", "1"]
+    code, out, err = cli(*steer, capsys=capsys)
+    assert code == 2 and err.count("\n") == 1 and "--any-run" in err and not out
+    assert str(trained_run.run.resolve()) in err and str(other_run.resolve()) in err
+    code, _, err = cli(*steer, "--any-run", capsys=capsys)
+    assert code == 0 and f"steering: 1 x {trained_sae}:0" in err
+    code, _, _ = cli("sample", trained_run.run, *steer[2:], capsys=capsys)
+    assert code == 0  # its own run
+
+
 # --- the command line for people ------------------------------------------------------------
 
 def test_the_command_printed_after_ctrl_c_continues_the_training(trained_run, tmp_path,

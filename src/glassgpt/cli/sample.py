@@ -86,6 +86,8 @@ def _register_sample(subparsers: argparse._SubParsersAction) -> None:
     steer.add_argument("--scale", action="append", type=float, metavar="S",
                        help="how much of the direction to add; once for every --steer, or "
                        "once each")
+    steer.add_argument("--any-run", action="store_true", help="steer along a latent of a "
+                       "dictionary glassgpt trained on another run's model")
     add_checkpoint_flag(p, "sample from")
     add_threads_flag(p)
     p.set_defaults(handler=run_sample)
@@ -156,7 +158,7 @@ def run_sample(args: argparse.Namespace) -> int:
     # A chat template writes the begin-of-sequence token itself, where a model has one.
     prompt, length = encode_prompt(tokenizer, text, block_size, device,
                                    special=args.chat is None)
-    hooks, steering_lines = steering_hooks(model, steers)  # refused before the first line
+    hooks, steering_lines = steering_hooks(model, steers, args)  # before the first line
     say(f"sampling from {run.describe_weights(args.checkpoint)}")
     for line in steering_lines:
         say(line)
@@ -258,16 +260,21 @@ def _one_each(values: list, flag: str, count: int) -> list:
     return values
 
 
-def steering_hooks(model: Any, steers: list[tuple[str, str | None, float]]
-                   ) -> tuple[tuple, list[str]]:
+def steering_hooks(model: Any, steers: list[tuple[str, str | None, float]],
+                   args: argparse.Namespace) -> tuple[tuple, list[str]]:
     """The (hook, fn) pairs that add each direction, each read and checked against the model
-    (() without steering: decoding then attaches nothing), and a line for each saying what is
-    added where."""
+    and, without --any-run, a dictionary's latent against the run it was trained on (() without
+    steering: decoding then attaches nothing), and a line for each saying what is added where."""
+    from glassgpt.interp.sae.provenance import check_trained_on
     from glassgpt.interp.steering import load_steering, steering_hook
 
     hooks, lines = [], []
     for spec, at, scale in steers:
         steering = load_steering(model, spec, at)
+        if not args.any_run:
+            check_trained_on([(f"--steer {spec}", steering.trained_on)], args.run_dir,
+                             args.checkpoint, "steer with a dictionary of this run, or pass "
+                             "--any-run to use it")
         lines.append(f"steering: {scale:g} x {steering.source} added at {steering.hook}")
         hooks.append((steering.hook, steering_hook(steering.direction, scale)))
     return tuple(hooks), lines

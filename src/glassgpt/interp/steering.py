@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,11 +46,13 @@ DICTIONARY_SPEC = re.compile(r"^(?P<dir>.+):(?P<index>[+-]?\d+)$")
 class Steering:
     """A direction to add at a hook point: `hook` (a TransformerLens name), `direction` (the
     shape of one position's activation there: (C,) in the residual stream) and `source`, what
-    it was read from, for messages."""
+    it was read from, for messages; `trained_on`, a dictionary's metadata (the run it was
+    trained on, glassgpt.interp.sae.provenance), empty for a vector file."""
 
     hook: str
     direction: Tensor
     source: str
+    trained_on: dict = field(default_factory=dict)
 
 
 def steering_hook(direction: Tensor, scale: float) -> HookFn:
@@ -100,7 +102,7 @@ def load_steering(model: nn.Module, spec: str, at: str | None = None) -> Steerin
         raise InputError(unknown_name_message(at, points, "the model"))
     match = DICTIONARY_SPEC.match(spec)
     if match and not Path(spec).exists():  # a file whose name ends in ":3" is a file
-        hook, direction = _decoder_row(match["dir"], match["index"], spec)
+        hook, direction, trained_on = _decoder_row(match["dir"], match["index"], spec)
         if at is None and hook not in points:
             raise InputError(f"{spec}: the dictionary writes to {hook}, which the model has "
                              f"not ({unknown_name_message(hook, points, 'the model')}); "
@@ -111,14 +113,16 @@ def load_steering(model: nn.Module, spec: str, at: str | None = None) -> Steerin
         if at is None:
             raise InputError(f"{spec} is a vector with no hook point: say where it is added, "
                              f"e.g. at blocks.0.hook_resid_post")
+        trained_on = {}
     _check_width(model, at, direction, spec)
-    return Steering(at, direction, spec)
+    return Steering(at, direction, spec, trained_on)
 
 
 # --- where a direction comes from ------------------------------------------------------------
 
-def _decoder_row(directory: str, index_text: str, spec: str) -> tuple[str, Tensor]:
-    """(the point the dictionary writes to, its decoder row W_dec[index] (d_out,))."""
+def _decoder_row(directory: str, index_text: str, spec: str) -> tuple[str, Tensor, dict]:
+    """(the point the dictionary writes to, its decoder row W_dec[index] (d_out,), its
+    metadata)."""
     from glassgpt.interp.sae import SAE  # the dictionaries load torch modules: only when asked
 
     if not Path(directory).is_dir():
@@ -129,7 +133,7 @@ def _decoder_row(directory: str, index_text: str, spec: str) -> tuple[str, Tenso
     if not 0 <= index < d_sae:
         raise InputError(f"{spec}: latent {index} is outside the dictionary's {d_sae} latents "
                          f"[0, {d_sae})")
-    return sae.cfg.hook_name_out, sae.W_dec.detach()[index].clone()  # (d_out,)
+    return sae.cfg.hook_name_out, sae.W_dec.detach()[index].clone(), dict(sae.cfg.metadata)
 
 
 def _read_vector(spec: str) -> Tensor:

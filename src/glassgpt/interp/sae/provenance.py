@@ -45,19 +45,21 @@ def trained_elsewhere(recorded: Mapping[str, Any], run_dir: str | Path,
     return sha256 is None or sha256 != weights_sha256()
 
 
-def check_trained_on(dictionaries: Iterable[tuple[str, SAE]], run_dir: str | Path | ckpt.Run,
-                     checkpoint: str = "best", hint: str = "") -> None:
-    """Each (name, dictionary) fits the `checkpoint` weights of the run `run_dir` (see the
-    module docstring), or InputError naming the first that does not, the run it was trained
-    on, and `hint` (what to do instead)."""
+def check_trained_on(dictionaries: Iterable[tuple[str, SAE | Mapping[str, Any]]],
+                     run_dir: str | Path | ckpt.Run, checkpoint: str = "best",
+                     hint: str = "") -> None:
+    """Each (name, dictionary or its cfg metadata) fits the `checkpoint` weights of the run
+    `run_dir` (see the module docstring), or InputError naming the first that does not, the
+    run it was trained on, and `hint` (what to do instead)."""
     run = ckpt.open_run(run_dir)
 
     @cache
     def weights_sha256() -> str:
         return sha256_of(run.weights_file(checkpoint)[1])
 
-    for name, sae in dictionaries:
-        if trained_elsewhere(sae.cfg.metadata, run.dir, weights_sha256):
+    for name, dictionary in dictionaries:
+        recorded = dictionary.cfg.metadata if isinstance(dictionary, SAE) else dictionary
+        if trained_elsewhere(recorded, run.dir, weights_sha256):
             raise InputError(f"{name} was trained on the model of "
-                             f"{sae.cfg.metadata[TRAINED_ON_RUN]}, not of {run.dir.resolve()} "
+                             f"{recorded[TRAINED_ON_RUN]}, not of {run.dir.resolve()} "
                              f"(another directory, other weights){'; ' + hint if hint else ''}")
