@@ -797,9 +797,9 @@ def test_sample_compile_says_what_it_costs_and_when_it_pays_off(template, tmp_pa
                                                                 monkeypatch):
     """`sample --compile` compiled for half a minute without a word; past the context (64 tokens
     for cpu-small) every token recomputes the window, so a 300-token sample never won it back."""
-    from glassgpt.cli.sample import compile_note
     from glassgpt.decoding import cpu
     from glassgpt.decoding.engine import one_token_logits
+    from glassgpt.decoding.session import compile_note
 
     assert compile_note(1, 64, 300, 1).endswith(
         "the 64-token context, 63 here, and pays off after about 10,000: this sample is faster "

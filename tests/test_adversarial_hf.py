@@ -15,7 +15,7 @@ import torch
 from glassgpt import GPT, GPTConfig
 from glassgpt.cli import main
 from glassgpt.errors import ConfigError
-from glassgpt.hf.interop import from_hf
+from glassgpt.formats.interop import from_hf
 from glassgpt.rundir.checkpoint import load_model, save_model
 from glassgpt.tokenizers import BPETokenizer, CharTokenizer
 from helpers_dirs import assert_unchanged, snapshot

@@ -23,8 +23,8 @@ from glassgpt.config import GPTConfig
 from glassgpt.decoding.generate import sample_next_token
 from glassgpt.errors import InputError
 from glassgpt.experiments import attention_maps, kvheads, multihead
-from glassgpt.interp.heads import head_steps
-from glassgpt.interp.lens import (
+from glassgpt.interp.methods.heads import head_steps
+from glassgpt.interp.methods.lens import (
     Ablation,
     lens_top_k,
     next_token_top_k,

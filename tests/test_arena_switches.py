@@ -192,7 +192,7 @@ def test_a_hook_point_knows_its_layer_and_keeps_its_context():
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_an_attention_only_model_exports_as_one_with_mlps_of_zeros(family):
     pytest.importorskip("transformers")
-    from glassgpt.hf.interop import to_hf
+    from glassgpt.formats.interop import to_hf
 
     switches = dict(attn_only=True) if family == "gpt2" else dict(
         attn_only=True, position="rope", norm="rmsnorm", bias=False, n_kv_head=2,
@@ -209,7 +209,7 @@ def test_an_attention_only_model_exports_as_one_with_mlps_of_zeros(family):
     (dict(norm="none"), "norm='none'"), (dict(position="shortformer"), "position='shortformer'")])
 def test_what_no_family_holds_is_refused_by_name(switches, named):
     pytest.importorskip("transformers")
-    from glassgpt.hf.interop import hf_config_from_glassgpt
+    from glassgpt.formats.interop import hf_config_from_glassgpt
 
     with pytest.raises(ConfigError, match=named):
         hf_config_from_glassgpt(model_of(**switches).config)

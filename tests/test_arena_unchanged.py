@@ -40,10 +40,10 @@ from transformer_lens.model_bridge import TransformerBridge  # noqa: E402
 
 from conftest import quick_experiment  # noqa: E402
 from glassgpt.config import GPTConfig  # noqa: E402
-from glassgpt.hf.convert import export_run  # noqa: E402
+from glassgpt.formats.convert import export_run  # noqa: E402
 from glassgpt.interp import patching, utils  # noqa: E402
-from glassgpt.interp.factored import FactoredMatrix  # noqa: E402
 from glassgpt.interp.hooked_gpt import HookedGPT  # noqa: E402
+from glassgpt.interp.hooked_gpt.factored import FactoredMatrix  # noqa: E402
 from glassgpt.model import GPT  # noqa: E402
 from glassgpt.rundir.checkpoint import save_model  # noqa: E402
 from glassgpt.tokenizers import BPETokenizer  # noqa: E402

@@ -275,9 +275,9 @@ def test_a_models_padding_ids_get_names_so_every_id_decodes(tmp_path: Path, smal
 
 def test_convert_is_two_library_calls_that_the_command_prints_around(tmp_path: Path,
                                                                      hf_dir: Path) -> None:
-    """glassgpt.hf.convert does the work and returns what the command prints; cli/convert.py
+    """glassgpt.formats.convert does the work and returns what the command prints; cli/convert.py
     holds no conversion of its own (it reads, checks and writes no directory itself)."""
-    from glassgpt.hf.convert import ExportedRun, ImportedRun, export_run, import_run
+    from glassgpt.formats.convert import ExportedRun, ImportedRun, export_run, import_run
 
     imported = import_run(hf_dir, tmp_path / "run")
     assert isinstance(imported, ImportedRun) and imported.run_dir == tmp_path / "run"
@@ -291,7 +291,7 @@ def test_convert_is_two_library_calls_that_the_command_prints_around(tmp_path: P
     idx = torch.randint(0, source.config.vocab_size, (2, 24))
     torch.testing.assert_close(logits_of(back, idx), logits_of(source, idx), atol=1e-5, rtol=0)
     cli = (Path(__file__).resolve().parents[1] / "src/glassgpt/cli/convert.py").read_text()
-    for work in ("glassgpt.hf.interop", "glassgpt.hf.files", "glassgpt.rundir",
+    for work in ("glassgpt.formats.interop", "glassgpt.formats.files", "glassgpt.rundir",
                  "glassgpt.storage"):
         assert work not in cli
 

@@ -29,7 +29,7 @@ ONE_STEP = textwrap.dedent("""
     import torch
     from safetensors.torch import save_file
     from glassgpt.machine import distributed as ddp
-    from glassgpt.rundir.checkpoint import model_tensors
+    from glassgpt.rundir.weights import model_tensors
     from glassgpt.config import GPTConfig
     from glassgpt.model import GPT
     from glassgpt.config import TrainConfig

@@ -22,7 +22,7 @@ from glassgpt.evals import (
     parse_task,
 )
 from glassgpt.evals.tasks import MultipleChoice, Task
-from glassgpt.hf.convert import export_run
+from glassgpt.formats.convert import export_run
 from glassgpt.rundir.checkpoint import save_model
 from glassgpt.tokenizers import BPETokenizer, CharTokenizer
 from helpers_cli import glassgpt, one_error_line

@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 
 from glassgpt.config import GPTConfig  # noqa: E402
 from glassgpt.errors import ConfigError  # noqa: E402
-from glassgpt.hf.interop import architecture_for, config_from_hf, hf_config_from_glassgpt  # noqa: E402
+from glassgpt.formats.interop import architecture_for, config_from_hf, hf_config_from_glassgpt  # noqa: E402
 
 SHAPE = dict(vocab_size=61, block_size=16, n_layer=2, n_head=4, n_embd=32)
 LLAMA = dict(SHAPE, position="rope", norm="rmsnorm", activation="swiglu", bias=False)
@@ -127,7 +127,7 @@ CHANGES: dict[str, Change] = {
     "attn_only": Change(flipped),
 }
 # Fields exported as a model that computes the same in another shape: an attention-only block
-# as one whose MLP (the usual 4C wide) has zero weights (glassgpt.hf.interop.with_zero_mlps).
+# as one whose MLP (the usual 4C wide) has zero weights (glassgpt.formats.interop.with_zero_mlps).
 # field -> what the config read back has instead.
 EQUIVALENT = {"attn_only": {"attn_only": False, "mlp_hidden": None}}
 FIELDS = [field.name for field in dataclasses.fields(GPTConfig)]
@@ -155,7 +155,7 @@ def test_every_field_has_another_value() -> None:
     missing = [name for name in FIELDS if name not in CHANGES]
     assert not missing, (f"GPTConfig fields {missing} have no row in CHANGES: give each another "
                          f"valid value there, then make every HF family write it or refuse it "
-                         f"by name (glassgpt.hf.translation.FamilyFields)")
+                         f"by name (glassgpt.formats.translation.FamilyFields)")
     assert set(CHANGES) <= set(FIELDS), sorted(set(CHANGES) - set(FIELDS))
     exempt = NOT_COMPUTED | {name for _, name in INERT}
     assert not exempt - set(FIELDS), sorted(exempt - set(FIELDS))
@@ -197,7 +197,7 @@ def test_field_is_written_or_refused_by_name(family: str, name: str) -> None:
         return
     assert after != before, (f"{where}: exported with the same HF config, the switch silently "
                              f"dropped; write it or refuse it by name in the family's "
-                             f"FamilyFields (glassgpt.hf)")
+                             f"FamilyFields (glassgpt.formats)")
     read_back = config_from_hf(hf_config_from_glassgpt(changed), dropout=changed.dropout)
     assert in_effect(read_back, name) == in_effect(changed, name), (
         f"{where}: the HF config holds something else than {getattr(changed, name)!r}")

@@ -16,7 +16,7 @@ pytest.importorskip("transformer_lens")
 from transformer_lens import FactoredMatrix as LensFactoredMatrix  # noqa: E402
 
 from glassgpt.errors import InputError  # noqa: E402
-from glassgpt.interp.factored import FactoredMatrix  # noqa: E402
+from glassgpt.interp.hooked_gpt.factored import FactoredMatrix  # noqa: E402
 
 TOL = 1e-10
 

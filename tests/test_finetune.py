@@ -141,7 +141,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tiny, tmp_path: Path, capsys) 
 
 @pytest.mark.parametrize("base_dtype", ["bfloat16", "float32"])
 def test_lora_trains_adapters_only(tiny, tmp_path: Path, capsys, base_dtype: str) -> None:
-    pytest.importorskip("glassgpt.hf.adapter")
+    pytest.importorskip("glassgpt.formats.peft")
     out = tmp_path / "lora"
     assert main(["finetune", str(tiny["run"]), "--sft", str(tiny["sft"]), "--out", str(out),
                  "--lora-rank", "4", "--base-dtype", base_dtype, *TUNE]) == 0

@@ -14,13 +14,14 @@ import torch
 import torch.nn.functional as F
 
 from conftest import TINY_TRAIN_FLAGS
-from glassgpt.adapters.lora import LoraSettings, add_lora
+from glassgpt.adapters.lora import add_lora
+from glassgpt.adapters.settings import LoraSettings
 from glassgpt.cli import main
 from glassgpt.data import prepare
 from glassgpt.data.sft import read_conversations
 from glassgpt.errors import InputError
 from glassgpt.evals import parse_task
-from glassgpt.hf.adapter import ADAPTER_CONFIG_FILE, save_adapter
+from glassgpt.formats.peft import ADAPTER_CONFIG_FILE, save_adapter
 from glassgpt.rundir.checkpoint import Run
 from helpers_cli import glassgpt, one_error_line
 

@@ -49,6 +49,7 @@ SCRIPT = textwrap.dedent("""
     from glassgpt.machine import distributed as ddp
     from glassgpt.model import GPT
     from glassgpt.rundir import checkpoint as ckpt
+    from glassgpt.rundir.weights import model_tensors
     from glassgpt.training import fsdp, trainer
     from glassgpt.training.optim import make_optimizer
 
@@ -80,7 +81,7 @@ SCRIPT = textwrap.dedent("""
             save_file({**weights, "losses": torch.stack(losses)}, tmp / "fsdp.safetensors")
         # Whole tensors (a checkpoint's, its tied head stored once) load into the shards.
         torch.manual_seed(1)
-        fresh = ckpt.model_tensors(GPT(GPTConfig(**model_settings)))
+        fresh = model_tensors(GPT(GPTConfig(**model_settings)))
         fsdp.load_full_weights(model, fresh)
         reloaded = fsdp.full_weights(model)
         if context.is_main:

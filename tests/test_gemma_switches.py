@@ -241,7 +241,7 @@ def test_the_gemma_switches_have_flags_and_round_trip_through_json(capsys):
 
 @pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])
 def test_attribution_through_post_norms_adds_up_to_the_logit(norm):
-    from glassgpt.interp.attribution import logit_attribution
+    from glassgpt.interp.methods.attribution import logit_attribution
     settings = {**GEMMA, "norm": norm, "norm_offset": norm == "rmsnorm", "bias": True,
                 "logit_softcap": None}
     model = randomized(GPT(GPTConfig(**settings)).double().eval())

@@ -18,8 +18,8 @@ from glassgpt import GPT, GPTConfig
 from glassgpt.bench.llamacpp import without_repacking
 from glassgpt.decoding.generate import generate
 from glassgpt.errors import CheckpointError, ConfigError, TokenizerError
-from glassgpt.hf.files import MissingExtraError
-from glassgpt.hf.gguf import export_gguf, write_gguf
+from glassgpt.formats.files import MissingExtraError
+from glassgpt.formats.gguf import export_gguf, write_gguf
 from glassgpt.rundir.checkpoint import save_model
 from glassgpt.rundir.directory import commit_files
 from glassgpt.storage.layout import CHAT_TEMPLATE_FILE
@@ -279,7 +279,7 @@ def split_then_bytes(regex: str) -> dict[str, Any]:
 
 def family_tokenizers(bpe: BPETokenizer) -> dict[str, BPETokenizer]:
     """llama.cpp's pre-tokenizer name -> a tokenizer that splits text as that family does."""
-    from glassgpt.hf.gguf_vocab import LLAMA3_SPLIT, QWEN2_SPLIT
+    from glassgpt.formats.gguf_vocab import LLAMA3_SPLIT, QWEN2_SPLIT
 
     digits = {"type": "Sequence", "pretokenizers": [
         {"type": "Digits", "individual_digits": True},

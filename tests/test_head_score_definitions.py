@@ -18,7 +18,7 @@ import torch
 from glassgpt.config import GPTConfig
 from glassgpt.errors import InputError
 from glassgpt.interp import hook_points, run_with_cache
-from glassgpt.interp.scores import detect_head, head_scores
+from glassgpt.interp.methods.scores import detect_head, head_scores
 from glassgpt.model import GPT
 
 VOCAB, N, P, BATCH = 29, 4, 1, 2

@@ -17,9 +17,9 @@ from glassgpt.config import GPTConfig
 from glassgpt.errors import InputError, ModelError
 from glassgpt.hooks import HookPoint
 from glassgpt.interp import HookedGPT, hook_points, run_with_cache, run_with_hooks
-from glassgpt.interp.attribution import logit_attribution
-from glassgpt.interp.patching import get_act_patch_resid_pre
-from glassgpt.interp.scores import head_scores
+from glassgpt.interp.methods.attribution import logit_attribution
+from glassgpt.interp.methods.patching import get_act_patch_resid_pre
+from glassgpt.interp.methods.scores import head_scores
 from glassgpt.model import GPT
 from glassgpt.rundir.checkpoint import load_model, save_model
 from glassgpt.tokenizers import BPETokenizer, CharTokenizer

@@ -24,8 +24,8 @@ from glassgpt.experiments.induction import (
     model_of,
     repeat_batch,
 )
-from glassgpt.interp.hooked import hook_points
-from glassgpt.interp.scores import head_scores
+from glassgpt.interp.core.hooked import hook_points
+from glassgpt.interp.methods.scores import head_scores
 from glassgpt.rundir.checkpoint import load_model
 from glassgpt.view.server import load_for_view
 

@@ -243,7 +243,7 @@ def test_sample_dtype_int8_decodes_the_runs_int8_model(trained_run, capsys):
 
 def test_int8_compiles_from_a_million_parameters_on_a_cpu_without_steering():
     """A 0.1M model compiled for minutes to decode 24 tokens: int8 gains it nothing there."""
-    from glassgpt.cli.sample import int8_compiles
+    from glassgpt.decoding.prepare import int8_compiles
     from glassgpt.decoding.quantized import INT8_COMPILE_MIN_PARAMETERS, int8_compile_pays
 
     assert not int8_compile_pays(INT8_COMPILE_MIN_PARAMETERS - 1)
@@ -258,7 +258,7 @@ def test_int8_compiles_from_a_million_parameters_on_a_cpu_without_steering():
 
 
 def test_int8s_start_line_says_how_it_decodes_and_what_compiling_costs():
-    from glassgpt.cli.sample import INT8_NOTE, int8_line
+    from glassgpt.decoding.session import INT8_NOTE, int8_line
 
     tiny = GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=2, n_embd=64)
     small = int8_line(False, tiny, "cpu", False)

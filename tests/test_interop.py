@@ -11,7 +11,7 @@ import torch
 from glassgpt import GPT, ConfigError, GPTConfig
 from glassgpt.decoding.generate import generate
 from glassgpt.errors import CheckpointError
-from glassgpt.hf.interop import (
+from glassgpt.formats.interop import (
     MissingExtraError,
     config_from_hf,
     from_hf,

@@ -14,8 +14,8 @@ import torch
 from glassgpt import ConfigError, GPTConfig
 from glassgpt.cli import main
 from glassgpt.decoding.generate import generate
-from glassgpt.hf.interop import config_from_hf, from_hf, hf_config_from_glassgpt, save_hf
-from glassgpt.hf.rotary import rope_kwargs
+from glassgpt.formats.interop import config_from_hf, from_hf, hf_config_from_glassgpt, save_hf
+from glassgpt.formats.rotary import rope_kwargs
 
 transformers = pytest.importorskip("transformers")
 from test_interop_modern import (  # noqa: E402

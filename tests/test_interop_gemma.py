@@ -18,14 +18,14 @@ import torch
 from glassgpt import ConfigError, GPTConfig
 from glassgpt.cli import main
 from glassgpt.decoding.generate import generate
-from glassgpt.hf.convert import import_run
-from glassgpt.hf.interop import (
+from glassgpt.formats.convert import import_run
+from glassgpt.formats.interop import (
     MissingExtraError,
     config_from_hf,
     from_hf,
     hf_config_from_glassgpt,
 )
-from glassgpt.hf.rotary import layered_rope_kwargs
+from glassgpt.formats.rotary import layered_rope_kwargs
 from glassgpt.rundir.checkpoint import load_model
 
 transformers = pytest.importorskip("transformers")
@@ -257,7 +257,7 @@ def test_an_export_missing_a_gemma_switch_is_refused_by_name(switches, named) ->
 def test_a_transformers_without_layer_types_is_named_not_trusted(monkeypatch) -> None:
     """Before 4.53 Gemma3TextConfig had no layer_types: it would keep the list and compute
     every sixth layer global whatever the run's layers are."""
-    from glassgpt.hf import interop
+    from glassgpt.formats import interop
 
     class Gemma3TextConfig:
         def __init__(self, sliding_window_pattern: int = 6, **kwargs):

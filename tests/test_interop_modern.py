@@ -21,7 +21,7 @@ from glassgpt import GPT, ConfigError, GPTConfig
 from glassgpt.cli import main
 from glassgpt.decoding.generate import generate
 from glassgpt.errors import CheckpointError
-from glassgpt.hf.interop import config_from_hf, from_hf, hf_config_from_glassgpt, to_hf
+from glassgpt.formats.interop import config_from_hf, from_hf, hf_config_from_glassgpt, to_hf
 from glassgpt.rundir.checkpoint import load_model
 
 transformers = pytest.importorskip("transformers")
@@ -385,7 +385,7 @@ def test_a_checkpoint_of_the_wrong_shape_is_named(hf_dirs, tmp_path) -> None:
 def test_the_logit_lens_reads_through_the_final_rmsnorm() -> None:
     """Each layer's read-out is transformers' hidden state after that layer, through its final
     RMSNorm (model.norm) and head: the lens and HF agree on what every layer predicts."""
-    from glassgpt.interp.lens import logit_lens
+    from glassgpt.interp.methods.lens import logit_lens
 
     arch, shape = SHAPES[2]
     hf_model = in_float64(tiny_hf_model(arch, dict(shape), torch.float64))
@@ -402,8 +402,8 @@ def test_the_logit_lens_reads_through_the_final_rmsnorm() -> None:
 
 def test_a_transformers_without_qwen3_names_itself(monkeypatch) -> None:
     """Qwen3 arrived in transformers 4.51; pyproject allows 4.46."""
-    from glassgpt.hf import interop
-    from glassgpt.hf.interop import MissingExtraError
+    from glassgpt.formats import interop
+    from glassgpt.formats.interop import MissingExtraError
 
     older = types.SimpleNamespace(__version__="4.46.0", LlamaConfig=transformers.LlamaConfig)
     monkeypatch.setattr(interop, "_transformers", lambda: older)

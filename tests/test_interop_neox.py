@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from glassgpt import ConfigError, GPTConfig
 from glassgpt.cli import main
-from glassgpt.hf.interop import config_from_hf, from_hf, hf_config_from_glassgpt
-from glassgpt.hf.rotary import neox_rope_kwargs
+from glassgpt.formats.interop import config_from_hf, from_hf, hf_config_from_glassgpt
+from glassgpt.formats.rotary import neox_rope_kwargs
 from glassgpt.model import GPT
 from glassgpt.rundir.checkpoint import save_model
 from glassgpt.tokenizers import CharTokenizer

@@ -16,8 +16,8 @@ import torch
 from glassgpt.config import GPTConfig
 from glassgpt.errors import InputError, ModelError
 from glassgpt.interp import hook_points, patching, run_with_cache, run_with_hooks, zero_heads
-from glassgpt.interp.attribution import logit_attribution
-from glassgpt.interp.scores import head_scores, repeated_random_tokens
+from glassgpt.interp.methods.attribution import logit_attribution
+from glassgpt.interp.methods.scores import head_scores, repeated_random_tokens
 from glassgpt.model import GPT
 
 CLASSIC = dict()

@@ -14,9 +14,9 @@ import torch
 
 from glassgpt.config import GPTConfig
 from glassgpt.errors import InputError
-from glassgpt.interp import attribution_patching as attr
 from glassgpt.interp import patching, run_with_cache, run_with_hooks
 from glassgpt.interp.hooked_gpt import HookedGPT
+from glassgpt.interp.methods import attribution_patching as attr
 from glassgpt.model import GPT
 
 TOL = 1e-5

@@ -10,10 +10,11 @@ import torch
 
 from glassgpt.config import GPTConfig
 from glassgpt.errors import CheckpointError, ConfigError, InputError
+from glassgpt.formats.transformer_lens import lens_state_dict
+from glassgpt.formats.transformer_lens_config import lens_config_dict
 from glassgpt.interp import FactoredMatrix, HookedGPT, hook_points
-from glassgpt.interp.hooked_gpt.checkpoint import lens_config_dict, lens_state_dict
-from glassgpt.interp.patching import generic_activation_patch, get_act_patch_resid_pre
-from glassgpt.interp.utils import get_act_name
+from glassgpt.interp.core.utils import get_act_name
+from glassgpt.interp.methods.patching import generic_activation_patch, get_act_patch_resid_pre
 from glassgpt.model import GPT
 
 LLAMA = dict(norm="rmsnorm", position="rope", n_kv_head=1, activation="swiglu", bias=False)

@@ -14,15 +14,15 @@ import torch
 from glassgpt.config import GPTConfig
 from glassgpt.errors import GlassGPTError, InputError, ModelError
 from glassgpt.interp import run_with_cache, run_with_hooks, zero_heads
-from glassgpt.interp.attribution import logit_attribution
-from glassgpt.interp.cache import MissingActivationError
-from glassgpt.interp.patching import (
+from glassgpt.interp.core.cache import MissingActivationError
+from glassgpt.interp.methods.attribution import logit_attribution
+from glassgpt.interp.methods.patching import (
     get_act_patch_attn_head_out_by_pos,
     get_act_patch_attn_out,
     get_act_patch_resid_pre,
     normalized_logit_diff,
 )
-from glassgpt.interp.scores import head_scores
+from glassgpt.interp.methods.scores import head_scores
 from glassgpt.model import GPT
 
 VOCAB = 29

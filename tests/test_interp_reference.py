@@ -24,7 +24,7 @@ from transformer_lens.model_bridge import TransformerBridge  # noqa: E402
 import test_interop_families as families  # noqa: E402
 import test_interop_gemma as gemma  # noqa: E402
 import test_interop_neox as neox  # noqa: E402
-from glassgpt.hf.interop import from_hf  # noqa: E402
+from glassgpt.formats.interop import from_hf  # noqa: E402
 from glassgpt.interp import patching, run_with_cache  # noqa: E402
 from test_interop_families import FAMILIES  # noqa: E402
 from test_interop_modern import randomize  # noqa: E402

@@ -114,8 +114,9 @@ def test_the_layers_the_issue_names_are_where_the_page_says():
     assert rank["model.py"] < rank["interp/"] < rank["view/"] < rank["bench/"]
     assert rank["figures/"] < rank["experiments/"]
     cli = next(text for nodes, text in layer_rows() if nodes == ["cli/"])
-    assert "`glassgpt.hf.convert`" in cli
-    assert "hf.convert" in "".join(imported(ast.parse((PACKAGE / "cli/convert.py").read_text())))
+    assert "`glassgpt.formats.convert`" in cli
+    assert "formats.convert" in "".join(
+        imported(ast.parse((PACKAGE / "cli/convert.py").read_text())))
 
 
 def exists(name: str) -> bool:
@@ -181,11 +182,82 @@ def test_the_glass_table_names_what_its_files_define():
                 assert re.search(rf"\b{word}\b", source), f"{name} is not in {files}"
 
 
+# --- the rooms of interp (docs/reading-the-code.md, "The rooms of interp") ----------------------
+
+INTERP = PACKAGE / "interp"
+INTERP_FACE = "__init__.py"  # interp's public names, outside its rooms
+
+
+@cache
+def room_rows() -> list[tuple[list[str], list[str], str]]:
+    """(the rooms of a row, the rooms of interp they may import, what lives there), read as
+    layer_rows reads the layers."""
+    rows = []
+    for line in section("The rooms of interp").splitlines():
+        if line.startswith("| `"):
+            rooms, allowed, text = line[1:].split(" | ", 2)
+            rows.append((TICKED.findall(rooms), TICKED.findall(allowed), text))
+    return rows
+
+
+def room_of(module: str) -> str | None:
+    """`glassgpt.interp.core.cache` -> "core/", `glassgpt.interp` -> its face; None outside."""
+    parts = module.split(".")
+    if parts[:2] != ["glassgpt", "interp"]:
+        return None
+    if len(parts) == 2:
+        return INTERP_FACE
+    return f"{parts[2]}/" if (INTERP / parts[2]).is_dir() else f"{parts[2]}.py"
+
+
+@cache
+def room_edges() -> dict[str, set[str]]:
+    """room of interp -> the other rooms (or the face) it imports from."""
+    edges: dict[str, set[str]] = {}
+    for path in sorted(INTERP.rglob("*.py")):
+        rel = path.relative_to(INTERP)
+        source = f"{rel.parts[0]}/" if len(rel.parts) > 1 else rel.name
+        targets = {room_of(m) for m in imported(ast.parse(path.read_text("utf-8")))}
+        edges.setdefault(source, set()).update(targets - {None, source})
+    return edges
+
+
+def test_every_module_of_interp_sits_in_one_room():
+    named = [room for rooms, _, _ in room_rows() for room in rooms]
+    assert len(named) == len(set(named)), "a room is named in two rows"
+    assert set(room_edges()) - {INTERP_FACE} == set(named)
+
+
+def test_each_room_of_interp_imports_only_the_rooms_its_row_names():
+    allowed = {room: set(may) for rooms, may, _ in room_rows() for room in rooms}
+    beyond = [f"{src} imports {dst}" for src, dsts in room_edges().items() if src != INTERP_FACE
+              for dst in sorted(dsts - allowed[src])]
+    assert beyond == []
+
+
+def test_the_rooms_of_interp_are_as_the_issue_draws_them():
+    """The core imports no other room; the face, the dictionaries and the graphs stand on the
+    core (the graphs on the dictionaries too); the methods on the core and the dictionaries."""
+    allowed = {room: set(may) for rooms, may, _ in room_rows() for room in rooms}
+    assert allowed == {"core/": set(), "hooked_gpt/": {"core/"}, "sae/": {"core/"},
+                       "graph/": {"core/", "sae/"}, "methods/": {"core/", "sae/"}}
+
+
+def test_each_room_rows_files_are_in_its_rooms():
+    for rooms, _, text in room_rows():
+        folders = [PACKAGE, *(INTERP / room for room in rooms)]
+        for name in TICKED.findall(text):
+            if re.fullmatch(r"\w+\.py", name):
+                assert any((f / name).exists() for f in folders), f"{name} not in {rooms}"
+
+
 # --- the house (docs/reading-the-code.md, "The house") -----------------------------------------
 
 GLASS_LINES = 400  # a glass file past this holds two concerns (STYLE.md, 11)
 TOP_LEVEL_MODULES = 12  # every .py file directly in src/glassgpt/, __init__ and __main__ included
 CLI_TRAIN_LINES = 150  # `glassgpt train` parses, calls train_run and prints: no more
+MODULE_LINES = 500  # any module past this holds two concerns
+FUNCTION_LINES = 60  # a function past this does two things: read it at a glance
 
 
 def lines_of(path: Path) -> int:
@@ -205,6 +277,23 @@ def test_the_top_level_holds_at_most_twelve_modules():
 
 def test_glassgpt_train_stays_a_thin_command():
     assert lines_of(PACKAGE / "cli" / "train.py") <= CLI_TRAIN_LINES
+
+
+def test_no_module_of_the_package_passes_500_lines():
+    long = {str(path.relative_to(PACKAGE)): lines_of(path)
+            for path in sorted(PACKAGE.rglob("*.py"))}
+    assert {name: n for name, n in long.items() if n > MODULE_LINES} == {}
+
+
+def test_no_function_of_the_package_passes_60_lines():
+    long = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > FUNCTION_LINES:
+                    long[f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}"] = length
+    assert long == {}
 
 
 def names_used(tree: ast.AST) -> set[str]:

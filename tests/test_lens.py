@@ -1,5 +1,5 @@
-"""glassgpt.interp.lens and .heads: the computations behind `glassgpt view`, checked against the
-model itself."""
+"""glassgpt.interp.methods.lens and .heads: the computations behind `glassgpt view`, checked
+against the model itself."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from glassgpt import norms as norms_module
 from glassgpt.config import GPTConfig
 from glassgpt.decoding.sampling import sampling_distribution
 from glassgpt.errors import InputError
-from glassgpt.interp.heads import head_steps, step_points
-from glassgpt.interp.lens import (
+from glassgpt.interp.methods.heads import head_steps, step_points
+from glassgpt.interp.methods.lens import (
     Ablation,
     attention_maps,
     lens_top_k,

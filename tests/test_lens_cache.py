@@ -1,4 +1,4 @@
-"""The cache TransformerLens users index and analyse (issue 40): `glassgpt.interp.utils`'s
+"""The cache TransformerLens users index and analyse (issue 40): `glassgpt.interp.core.utils`'s
 get_act_name and to_numpy, ActivationCache's TransformerLens keys, its batch axis, and its
 analysis (accumulated_resid, decompose_resid, stack_head_results, ..., logit_attrs).
 
@@ -19,8 +19,8 @@ import torch
 from conftest import tiny_gpt
 from glassgpt.errors import InputError
 from glassgpt.interp import run_with_cache
-from glassgpt.interp.cache import ActivationCache, MissingActivationError
-from glassgpt.interp.utils import get_act_name, to_numpy
+from glassgpt.interp.core.cache import ActivationCache, MissingActivationError
+from glassgpt.interp.core.utils import get_act_name, to_numpy
 
 TOL = 1e-5
 SHAPE = dict(vocab_size=40, block_size=16, n_layer=2, n_head=4, n_embd=32)

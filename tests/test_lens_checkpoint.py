@@ -1,4 +1,4 @@
-"""TransformerLens's checkpoint format both ways (glassgpt.interp.hooked_gpt.checkpoint): a glass
+"""TransformerLens's checkpoint format both ways (glassgpt.formats.transformer_lens): a glass
 model as HookedTransformer.state_dict() and its HookedTransformerConfig, and such a checkpoint
 (ARENA's pretrained attention-only model) as a glass model.
 
@@ -22,13 +22,10 @@ import torch
 from glassgpt.cli import main
 from glassgpt.config import GPTConfig
 from glassgpt.errors import CheckpointError, ConfigError
+from glassgpt.formats.transformer_lens import lens_state_dict, model_from_lens_checkpoint
+from glassgpt.formats.transformer_lens_config import lens_config_dict
+from glassgpt.formats.transformer_lens_files import read_lens_state
 from glassgpt.interp import HookedGPT
-from glassgpt.interp.hooked_gpt.checkpoint import (
-    lens_config_dict,
-    lens_state_dict,
-    model_from_lens_checkpoint,
-    read_lens_state,
-)
 from glassgpt.model import GPT
 from glassgpt.rundir.checkpoint import load_model, save_model
 from glassgpt.tokenizers import CharTokenizer
@@ -340,7 +337,7 @@ def test_a_config_the_checkpoint_does_not_hold_is_refused_before_anything_is_bui
         monkeypatch, model, change, named):
     """Sizes are read off the tensors before a model is built, even on the meta device:
     10**6 layers over two once took minutes and gigabytes, n_ctx=10**12 torch's overflow."""
-    from glassgpt.interp.hooked_gpt import checkpoint
+    from glassgpt.formats import transformer_lens as checkpoint
 
     def built(*args, **kwargs):
         raise AssertionError("a model was built before the sizes were checked")

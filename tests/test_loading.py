@@ -129,7 +129,7 @@ def test_a_float32_load_reads_each_byte_once(saved_run: Path) -> None:
 def test_a_hf_import_builds_no_random_model_and_keeps_bfloat16(tmp_path: Path,
                                                                random_inits) -> None:
     transformers = pytest.importorskip("transformers")
-    from glassgpt.hf.interop import from_hf
+    from glassgpt.formats.interop import from_hf
 
     config = transformers.Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32,
                                       num_hidden_layers=2, num_attention_heads=2,

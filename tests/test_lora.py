@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from glassgpt import GPT, ConfigError, GPTConfig
 from glassgpt.adapters.lora import (
     LoraLinear,
-    LoraSettings,
     add_lora,
     lora_parameters,
     lora_state_dict,
@@ -25,16 +24,17 @@ from glassgpt.adapters.lora import (
     run_adapter_files,
     unmerge_lora,
 )
+from glassgpt.adapters.settings import LoraSettings
 from glassgpt.cli import main
 from glassgpt.errors import CheckpointError
-from glassgpt.hf.adapter import (
+from glassgpt.formats.interop import save_hf, to_hf
+from glassgpt.formats.peft import (
     ADAPTER_CONFIG_FILE,
     adapter_files,
     load_adapter,
     read_adapter,
     save_adapter,
 )
-from glassgpt.hf.interop import save_hf, to_hf
 from glassgpt.rundir.checkpoint import load_model
 from glassgpt.rundir.directory import commit_files
 from glassgpt.storage.layout import ADAPTER_CONFIG_FILE as RUN_ADAPTER_FILE

@@ -14,9 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from glassgpt import GPT, GPTConfig
-from glassgpt.adapters.lora import MAX_SCALING, TARGETS, LoraSettings, add_lora
+from glassgpt.adapters.lora import add_lora
+from glassgpt.adapters.settings import MAX_SCALING, TARGETS, LoraSettings
 from glassgpt.errors import CheckpointError, ConfigError
-from glassgpt.hf.adapter import (
+from glassgpt.formats.peft import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS_FILE,
     read_adapter,
@@ -103,7 +104,7 @@ def test_the_scale_is_bounded_not_alpha_alone() -> None:
 
 def test_settings_from_python_carry_the_command_line_defaults() -> None:
     """LoraSettings(rank=8) is what `--lora-rank 8` asks for: alpha 2 x rank, q, k, v, o."""
-    from glassgpt.cli.finetune import LORA_TARGETS
+    from glassgpt.cli.finetune import TARGETS as LORA_TARGETS
 
     settings = LoraSettings(rank=8)
     assert settings.alpha == 16.0 and settings.scaling == 2.0

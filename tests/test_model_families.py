@@ -178,7 +178,7 @@ def test_bad_settings_of_the_new_switches_are_config_errors(settings, message):
 
 
 def test_the_new_switches_have_flags(capsys):
-    from glassgpt.cli.train import _int_list
+    from glassgpt.cli.common import _int_list
     assert _int_list("3,7,11") == (3, 7, 11)
     from glassgpt.cli import main
     with pytest.raises(SystemExit):
@@ -276,7 +276,7 @@ PUBLISHED = {
 @pytest.mark.parametrize("name", PUBLISHED)
 def test_presets_of_the_real_models_count_what_transformers_counts(name):
     transformers = pytest.importorskip("transformers")
-    from glassgpt.hf.interop import config_from_hf
+    from glassgpt.formats.interop import config_from_hf
     class_name, published = PUBLISHED[name]
     hf_config = getattr(transformers, class_name)(**published)
     with torch.device("meta"):

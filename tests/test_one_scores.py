@@ -1,6 +1,7 @@
 """One function computes the attention scores (scale, soft-cap, window, mask): the model's
 explicit path, the compiled CPU step's one query and every reader that explains a score use it,
-and the readers (`glassgpt.interp.lens`, `.heads`, the view) take the model's own activations.
+and the readers (`glassgpt.interp.methods.lens`, `.heads`, the view) take the model's own
+activations.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from conftest import tiny_gpt
 from glassgpt import attention
 from glassgpt.decoding import cpu
 from glassgpt.interp import run_with_cache
-from glassgpt.interp.heads import head_steps
-from glassgpt.interp.lens import trace
+from glassgpt.interp.methods.heads import head_steps
+from glassgpt.interp.methods.lens import trace
 
 SWITCHES = {
     "classic": {},

@@ -264,7 +264,7 @@ def hf_dir(tmp_path_factory) -> Path:
     """A save_pretrained-style directory of a tiny GPT-2, written without transformers."""
     from safetensors.torch import save_file
 
-    from glassgpt.hf.interop import weight_names
+    from glassgpt.formats.weight_mapping import weight_names
 
     path = tmp_path_factory.mktemp("hf")
     model = tiny_gpt(vocab_size=8, block_size=8, n_embd=8)
@@ -281,7 +281,7 @@ def hf_dir(tmp_path_factory) -> Path:
 @RUN_FUZZ
 @given(data=st.data())
 def test_any_hf_config_imports_or_raises_our_error(hf_dir, data):
-    from glassgpt.hf.interop import from_hf
+    from glassgpt.formats.interop import from_hf
 
     original = json.loads((hf_dir / "config.json").read_text())
     with tempfile.TemporaryDirectory() as scratch:

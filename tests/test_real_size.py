@@ -11,7 +11,8 @@ import torch
 
 from conftest import tiny_gpt
 from glassgpt.errors import InputError
-from glassgpt.interp import lens, run_with_cache
+from glassgpt.interp import run_with_cache
+from glassgpt.interp.methods import lens
 from glassgpt.view import causal
 
 
@@ -63,7 +64,7 @@ def test_head_scores_average_fewer_sequences_only_where_eight_would_cost_seconds
 
 
 def test_an_attribution_from_the_callers_cache_is_the_one_it_computes_itself():
-    from glassgpt.interp.attribution import logit_attribution
+    from glassgpt.interp.methods.attribution import logit_attribution
     model = tiny_gpt(n_layer=2).double().eval()
     idx = torch.randint(0, model.config.vocab_size, (1, 7), generator=torch.Generator()
                         .manual_seed(3))

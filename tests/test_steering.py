@@ -1,7 +1,7 @@
-"""Steering while generating (issue 42 item 3): glassgpt.interp.steering and `glassgpt sample
---steer`. The steered tokens of KV-cache decoding equal a recompute of the whole sequence with
-the same hook; scale 0 is the unsteered text; a large push along a token's unembedding makes the
-model say that token; every bad input is refused by name (one line, exit 2, on the CLI)."""
+"""Steering while generating (issue 42 item 3): glassgpt.interp.methods.steering and `glassgpt
+sample --steer`. The steered tokens of KV-cache decoding equal a recompute of the whole sequence
+with the same hook; scale 0 is the unsteered text; a large push along a token's unembedding makes
+the model say that token; every bad input is refused by name (one line, exit 2, on the CLI)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from glassgpt import generate
 from glassgpt.cli import main
 from glassgpt.errors import CheckpointError, InputError
 from glassgpt.interp import run_with_hooks
+from glassgpt.interp.methods.steering import load_steering, steering_hook
 from glassgpt.interp.sae import SAE, SAEConfig
-from glassgpt.interp.steering import load_steering, steering_hook
 from glassgpt.rundir.checkpoint import Run
 
 RESID = "blocks.1.hook_resid_post"
@@ -152,7 +152,7 @@ def test_bad_directions_are_refused_by_name(model, sae_dir, tmp_path, spec, at, 
 ])
 def test_a_json_vector_holds_numbers_only(tmp_path, text, message):
     """true was once read as 1 and 1e39 as inf (blamed on NaN): each is named where it is."""
-    from glassgpt.interp.steering import _read_vector
+    from glassgpt.interp.methods.steering import _read_vector
 
     (tmp_path / "v.json").write_text(text)
     with pytest.raises(InputError, match=message):

@@ -1,7 +1,8 @@
 """The JSON API of `glassgpt view` on a tiny trained run (Starlette's TestClient, no browser).
 
-Every answer is checked against the library (`glassgpt.interp.lens`, `glassgpt.decoding.generate`),
-and every bad request gets a 4xx JSON with a one-line `error`, never a 500.
+Every answer is checked against the library (`glassgpt.interp.methods.lens`,
+`glassgpt.decoding.generate`), and every bad request gets a 4xx JSON with a one-line `error`,
+never a 500.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from glassgpt.config import GPTConfig, SamplingConfig
 from glassgpt.data import PreparedData
 from glassgpt.decoding.generate import encode_prompt, stream_text
 from glassgpt.decoding.sampling import sampling_distribution
-from glassgpt.interp.heads import head_steps
-from glassgpt.interp.lens import (
+from glassgpt.interp.methods.heads import head_steps
+from glassgpt.interp.methods.lens import (
     attention_maps,
     lens_top_k,
     next_token_top_k,
@@ -36,7 +37,8 @@ from glassgpt.rundir.checkpoint import load_model
 from glassgpt.tokenizers import CharTokenizer, train_tokenizer
 from glassgpt.training.metrics import read_metrics
 from glassgpt.view.card import parameter_counts
-from glassgpt.view.inspector import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, RunView, pooled
+from glassgpt.view.inspector import MAX_NEW_TOKENS, MAX_PROMPT_CHARS, RunView
+from glassgpt.view.maps import pooled
 from glassgpt.view.pieces import piece_text, readable_bytes
 from glassgpt.view.requests import MAX_BODY_BYTES
 from glassgpt.view.server import allowed_hosts_for, create_app, load_for_view
@@ -544,7 +546,7 @@ def test_load_for_view_reads_the_run(run_dir):
 def test_the_head_score_badges_are_measured_on_the_runs_own_text(client, view):
     """The badges scored random ids over the whole vocabulary: the docs' induction run read
     0.00-0.02 there while patching showed its induction heads at 1.00."""
-    from glassgpt.interp.scores import head_scores
+    from glassgpt.interp.methods.scores import head_scores
     from glassgpt.view import causal
 
     scores = client.post("/api/overview", json={"prompt": PROMPT}).json()["scores"]

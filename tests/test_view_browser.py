@@ -27,7 +27,13 @@ import torch
 from glassgpt.cli import main
 from glassgpt.config import GPTConfig, SamplingConfig
 from glassgpt.decoding.generate import encode_prompt, stream_text
-from glassgpt.interp.lens import Ablation, attention_maps, next_token_top_k, prompt_loss, trace
+from glassgpt.interp.methods.lens import (
+    Ablation,
+    attention_maps,
+    next_token_top_k,
+    prompt_loss,
+    trace,
+)
 from glassgpt.model import GPT
 from glassgpt.rundir.checkpoint import load_model, save_model
 from glassgpt.tokenizers import CharTokenizer
@@ -389,7 +395,7 @@ def test_a_sample_streams_into_the_page(page, model_and_tokenizer):
 
 def test_each_head_wears_its_previous_token_and_induction_scores(page, model_and_tokenizer,
                                                                  run_dir):
-    from glassgpt.interp.scores import head_scores
+    from glassgpt.interp.methods.scores import head_scores
     from glassgpt.view.causal import score_batch, score_half, text_windows
     from glassgpt.view.inspector import RunView
 

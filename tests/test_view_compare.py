@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 
 from glassgpt.cli import main
 from glassgpt.config import GPTConfig
-from glassgpt.interp.hooked import run_with_cache
+from glassgpt.interp.core.hooked import run_with_cache
 from glassgpt.model import GPT
 from glassgpt.rundir.checkpoint import load_model, save_model
 from glassgpt.view.compare import load_comparison

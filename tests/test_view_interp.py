@@ -14,10 +14,10 @@ from starlette.testclient import TestClient
 
 from glassgpt.config import GPTConfig
 from glassgpt.errors import InputError
-from glassgpt.interp import patching as patch
 from glassgpt.interp import run_with_cache
-from glassgpt.interp.attribution import logit_attribution
-from glassgpt.interp.scores import head_scores
+from glassgpt.interp.methods import patching as patch
+from glassgpt.interp.methods.attribution import logit_attribution
+from glassgpt.interp.methods.scores import head_scores
 from glassgpt.model import GPT
 from glassgpt.tokenizers import CharTokenizer
 from glassgpt.view import causal
@@ -215,7 +215,7 @@ def test_a_post_ln_model_says_attribution_needs_pre_ln():
 
 def test_an_imported_hugging_face_llama_is_seen_through_the_same_way():
     transformers = pytest.importorskip("transformers")
-    from glassgpt.hf.interop import from_hf
+    from glassgpt.formats.interop import from_hf
 
     config = transformers.LlamaConfig(vocab_size=37, hidden_size=16, intermediate_size=24,
                                       num_hidden_layers=2, num_attention_heads=4,

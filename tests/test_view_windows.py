@@ -17,11 +17,12 @@ from glassgpt.attention import build_attention_mask
 from glassgpt.cli import main
 from glassgpt.config import GPTConfig
 from glassgpt.data import prepare
-from glassgpt.interp.heads import head_steps
-from glassgpt.interp.hooked import run_with_cache
+from glassgpt.interp.core.hooked import run_with_cache
+from glassgpt.interp.methods.heads import head_steps
 from glassgpt.model import GPT
 from glassgpt.tokenizers import CharTokenizer
-from glassgpt.view.inspector import RunView, out_of_window
+from glassgpt.view.inspector import RunView
+from glassgpt.view.maps import out_of_window
 from glassgpt.view.server import create_app, load_for_view
 
 W = 4  # layer 0 is local with this window, layer 1 global

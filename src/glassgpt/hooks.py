@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from glassgpt.errors import InputError
+from glassgpt.hooknames import parse_hook_name
 
 # A hook: fn(tensor, name) -> a replacement for the activation, or None to leave it.
 HookFn = Callable[[Tensor, str], Tensor | None]
@@ -89,10 +90,10 @@ class HookPoint(nn.Module):
     def layer(self) -> int:
         """The index of the block this point is in (`blocks.3.attn.hook_z` -> 3), as
         TransformerLens's `hook.layer()`; a point outside the blocks has none."""
-        parts = self.name.split(".")
-        if len(parts) < 3 or parts[0] != "blocks" or not parts[1].isdigit():
+        layer = parse_hook_name(self.name).layer
+        if layer is None:
             raise InputError(f"hook point {self.name!r} is not inside a block: it has no layer")
-        return int(parts[1])
+        return layer
 
     def extra_repr(self) -> str:
         return self.name

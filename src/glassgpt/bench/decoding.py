@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import functools
 import statistics
 from collections.abc import Callable
@@ -26,9 +26,8 @@ from glassgpt.bench.measure import (
 )
 from glassgpt.config import NEW_TOKENS, PROMPT_LEN, GPTConfig
 from glassgpt.decoding.generate import generate
-from glassgpt.decoding.quantized import quantize_int8
+from glassgpt.decoding.prepare import DecodingModel, decoding_model
 from glassgpt.errors import ConfigError
-from glassgpt.model import GPT
 
 
 @dataclass
@@ -59,10 +58,9 @@ class PrecisionCost:
 INT8 = torch.int8  # the int8 contenders' key: int8 weights, float32 activations
 
 
-def _glassgpt_decoder(model: GPT, prompt: Tensor, new_tokens: int, cache: bool,
-                      compiled: bool = False, engine: str = "auto") -> Callable[[], Tensor]:
-    return lambda: generate(model, prompt, max_new_tokens=new_tokens, temperature=0.0,
-                            use_cache=cache, compiled=compiled, engine=engine)
+def _glassgpt_decoder(decoding: DecodingModel, prompt: Tensor, new_tokens: int, cache: bool,
+                      engine: str = "auto") -> Callable[[], Tensor]:
+    return lambda: decoding.greedy(prompt, new_tokens, use_cache=cache, engine=engine)
 
 
 def _hf_decoder(hf_model: nn.Module, prompt: Tensor, new_tokens: int, cache: bool
@@ -101,23 +99,12 @@ def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
     """
     model = bench_model(preset, probes.device, dropout=0.0, **overrides).eval()
     check_decode_length(model.config, prompt_len, new_tokens)
-    half = copy.deepcopy(model).to(torch.bfloat16) if bf16 else None
-    quantized = quantize_int8(model) if int8 else None
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=probes.device)
-    hf_model = hf_twin(model) if against_hf else None
-    # (contender, KV cache, dtype) -> model; the bf16 contenders decode from a bf16 copy.
-    cached: dict[DecodeKey, nn.Module] = {(GLASSGPT, True, torch.float32): model,
-                                          (GLASSGPT_EAGER, True, torch.float32): model}
-    if compiled:
-        cached[GLASSGPT_COMPILED, True, torch.float32] = model
-    if half is not None:
-        cached[GLASSGPT, True, torch.bfloat16] = half
-        if compiled:
-            cached[GLASSGPT_COMPILED, True, torch.bfloat16] = half
-    if quantized is not None:
-        cached[GLASSGPT_COMPILED if compiled else GLASSGPT, True, INT8] = quantized
-    recomputing: dict[DecodeKey, nn.Module] = {(GLASSGPT, False, torch.float32): model}
-    if hf_model is not None:
+    cached = _contenders(model, bf16, compiled, int8)
+    fp32 = cached[GLASSGPT, True, torch.float32]
+    recomputing: dict[DecodeKey, Any] = {(GLASSGPT, False, torch.float32): fp32}
+    if against_hf:
+        hf_model = hf_twin(model)
         cached[HF, True, torch.float32] = hf_model
         recomputing[HF, False, torch.float32] = hf_model
     # The bandwidth limit is probed alongside the cached decoders, which it is the limit of:
@@ -133,7 +120,7 @@ def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
     weight_bytes = decode_bytes_per_token(model)  # fp32
     results = []
     for (name, cache, dtype), elapsed in seconds.items():
-        dtype_bytes = (decode_bytes_per_token(quantized) if dtype == INT8
+        dtype_bytes = (decode_bytes_per_token(cached[name, cache, dtype].model) if dtype == INT8
                        else weight_bytes * dtype.itemsize // 4)
         tokens_per_s = new_tokens / elapsed
         results.append(DecodeSpeed(preset, name, cache, str(dtype).removeprefix("torch."),
@@ -142,14 +129,34 @@ def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
     return results
 
 
-def _time_decoders(models: dict[DecodeKey, nn.Module], prompt: Tensor, new_tokens: int,
+def _contenders(model: nn.Module, bf16: bool, compiled: bool, int8: bool
+                ) -> dict[DecodeKey, DecodingModel]:
+    """(contender, KV cache, dtype) -> the model it decodes, ready in its dtype; the bf16
+    contenders decode one bf16 copy, int8 through the compiled step where `compiled`."""
+    fp32 = decoding_model(model, compiled=False)
+    cached = {(GLASSGPT, True, torch.float32): fp32, (GLASSGPT_EAGER, True, torch.float32): fp32}
+    if compiled:
+        cached[GLASSGPT_COMPILED, True, torch.float32] = decoding_model(model, compiled=True)
+    if bf16:
+        half = decoding_model(model, "bfloat16", compiled=False)
+        cached[GLASSGPT, True, torch.bfloat16] = half
+        if compiled:
+            cached[GLASSGPT_COMPILED, True, torch.bfloat16] = dataclasses.replace(half,
+                                                                                  compiled=True)
+    if int8:
+        quantized = decoding_model(model, "int8", compiled=compiled)
+        cached[GLASSGPT_COMPILED if quantized.compiled else GLASSGPT, True, INT8] = quantized
+    return cached
+
+
+def _time_decoders(models: dict[DecodeKey, Any], prompt: Tensor, new_tokens: int,
                    rounds: int, sync: Callable[[], Any],
                    probes: dict[str, Callable[[], Any]] | None = None
                    ) -> dict[Any, list[float]]:
     """Seconds of each model's greedy decoding, and of each probe, in interleaved rounds."""
     def decoders(n: int) -> dict[Any, Callable[[], Any]]:
         make = {GLASSGPT: _glassgpt_decoder, HF: _hf_decoder,
-                GLASSGPT_COMPILED: functools.partial(_glassgpt_decoder, compiled=True),
+                GLASSGPT_COMPILED: _glassgpt_decoder,
                 GLASSGPT_EAGER: functools.partial(_glassgpt_decoder, engine="eager")}
         return {key: make[key[0]](m, prompt, n, key[1]) for key, m in models.items()}
 
@@ -181,7 +188,7 @@ def precision_cost(preset: str, dtype: torch.dtype = torch.bfloat16,
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=device)
     tokens = generate(model, prompt, max_new_tokens=new_tokens, temperature=0.0)[:, :-1]  # (1,T)
     reference = model(tokens)[0].float()  # (1, T, V)
-    copied = quantize_int8(model) if dtype == INT8 else copy.deepcopy(model).to(dtype)
+    copied = decoding_model(model, str(dtype).removeprefix("torch."), compiled=False).model
     approx = copied(tokens)[0].float()
     kl = F.kl_div(approx.log_softmax(-1), reference.log_softmax(-1), log_target=True,
                   reduction="none").sum(-1)  # (1, T)

@@ -34,12 +34,12 @@ from safetensors.torch import load_file, save_file
 from glassgpt.bench.measure import interleaved_medians
 from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError
-from glassgpt.interp.attribution_patching import get_attr_patch_attn_head_out_all_pos
+from glassgpt.formats.transformer_lens_files import write_lens_checkpoint
+from glassgpt.interp.core.hooked import run_with_cache
 from glassgpt.interp.graph import attribution_graph
 from glassgpt.interp.graph.prune import graph_scores, prune_graph
-from glassgpt.interp.hooked import run_with_cache
-from glassgpt.interp.hooked_gpt.checkpoint import write_lens_checkpoint
-from glassgpt.interp.patching import get_act_patch_attn_head_out_all_pos
+from glassgpt.interp.methods.attribution_patching import get_attr_patch_attn_head_out_all_pos
+from glassgpt.interp.methods.patching import get_act_patch_attn_head_out_all_pos
 from glassgpt.interp.sae import SAE, SAEConfig
 from glassgpt.model import GPT
 

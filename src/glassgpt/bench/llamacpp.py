@@ -1,11 +1,12 @@
 """Decoding on a CPU beside llama.cpp: the same weights, the same threads, one table.
 
 `bench_against_llamacpp(preset)` builds the preset's model with random weights (seeded), writes
-it as GGUF files (glassgpt.hf.gguf: F32, F16, BF16, Q8_0), and times greedy decoding at batch 1
-of every contender in interleaved rounds, once per thread count:
+it as GGUF files (glassgpt.formats.gguf: F32, F16, BF16, Q8_0), and times greedy decoding at
+batch 1 of every contender in interleaved rounds, once per thread count:
 
 * glassgpt: the CPU engine's eager step and its compiled step (glassgpt.decoding.cpu), in fp32
-  and bf16, and int8 weights with a scale per row (glassgpt.decoding.quantized);
+  and bf16, and int8 weights with a scale per row (glassgpt.decoding.quantized), each model
+  made ready as `glassgpt sample` makes it (glassgpt.decoding.prepare);
 * llama.cpp, through llama-cpp-python (an optional extra that compiles llama.cpp), one context
   per file: each step decodes one token and picks the argmax of its logits, as llama.cpp's
   greedy sampler does, with no Python sampler in between.
@@ -22,7 +23,7 @@ Nothing is built here: without llama-cpp-python the bench says how to install it
 from __future__ import annotations
 
 import contextlib
-import copy
+import dataclasses
 import statistics
 import tempfile
 from collections.abc import Callable, Iterator
@@ -41,8 +42,7 @@ from glassgpt.bench.measure import (
     decode_bytes_per_token,
     interleaved_times,
 )
-from glassgpt.decoding.generate import generate
-from glassgpt.decoding.quantized import quantize_int8
+from glassgpt.decoding.prepare import DecodingModel, decoding_model
 from glassgpt.errors import ConfigError
 from glassgpt.model import GPT
 
@@ -110,7 +110,8 @@ def bench_against_llamacpp(presets: tuple[str, ...] = PRESETS,
                 contexts = _llama_contexts(llama_cpp, model, Path(directory),
                                            prompt_len + max(new_tokens, prefill_len) + 1)
                 glass = _glassgpt_models(model, int8)
-                same[preset] = _agreement(model, contexts["f32"], prompt_len, new_tokens)
+                same[preset] = _agreement(glass["fp32"], contexts["f32"], prompt_len,
+                                          new_tokens)
                 for count in threads:
                     progress(f"{preset}: decoding at {count} thread{'s' * (count > 1)}")
                     found, bandwidth = _measure(preset, glass, contexts, count, rounds,
@@ -125,20 +126,20 @@ def bench_against_llamacpp(presets: tuple[str, ...] = PRESETS,
     return LlamaCppReport(rows, bandwidths, same)
 
 
-def _glassgpt_models(model: GPT, int8: bool) -> dict[str, GPT]:
-    models = {"fp32": model, "bf16": copy.deepcopy(model).to(torch.bfloat16)}
-    if int8:
-        models["int8"] = quantize_int8(model)
-    return models
+def _glassgpt_models(model: GPT, int8: bool) -> dict[str, DecodingModel]:
+    """glassgpt's contenders by precision, each ready to decode (uncompiled: `_measure` times
+    both steps of each)."""
+    dtypes = {"fp32": "float32", "bf16": "bfloat16", **({"int8": "int8"} if int8 else {})}
+    return {name: decoding_model(model, dtype, compiled=False) for name, dtype in dtypes.items()}
 
 
-def _step_bytes(model: GPT, glass: dict[str, GPT]) -> dict[str, float]:
+def _step_bytes(model: GPT, glass: dict[str, DecodingModel]) -> dict[str, float]:
     """Bytes of weights a decoding step reads, per precision: glassgpt's own (int8 with its
     per-row scales), and llama.cpp's types by their bytes per weight."""
     fp32 = decode_bytes_per_token(model)
     sizes = {name: fp32 * per_weight / 4 for name, per_weight in ELEMENT_BYTES.items()}
     if "int8" in glass:
-        sizes["int8"] = decode_bytes_per_token(glass["int8"])
+        sizes["int8"] = decode_bytes_per_token(glass["int8"].model)
     return sizes
 
 
@@ -160,7 +161,7 @@ def without_repacking(llama_cpp: Any) -> Iterator[None]:
 
 def _llama_contexts(llama_cpp: Any, model: GPT, directory: Path, n_ctx: int) -> dict[str, Any]:
     """One llama.cpp context per file type, on files written from `model`'s weights."""
-    from glassgpt.hf.gguf import write_gguf
+    from glassgpt.formats.gguf import write_gguf
 
     contexts = {}
     for dtype in ("f32", "f16", "bf16", "q8_0"):
@@ -188,36 +189,37 @@ def llama_greedy(context: Any, prompt: list[int], new_tokens: int) -> list[int]:
     return out
 
 
-def _agreement(model: GPT, context: Any, prompt_len: int, new_tokens: int) -> tuple[int, int]:
+def _agreement(fp32: DecodingModel, context: Any, prompt_len: int, new_tokens: int
+               ) -> tuple[int, int]:
     """How many of glassgpt fp32's greedy tokens llama.cpp F32 gives too, before the first
     difference (random weights leave near ties that float rounding may break)."""
-    prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len),
+    prompt = torch.randint(0, fp32.model.config.vocab_size, (1, prompt_len),
                            generator=torch.Generator().manual_seed(1))
-    ours = generate(model, prompt, max_new_tokens=new_tokens, temperature=0.0)[0, prompt_len:]
+    ours = fp32.greedy(prompt, new_tokens)[0, prompt_len:]
     theirs = llama_greedy(context, prompt[0].tolist(), new_tokens)
     equal = next((i for i, (a, b) in enumerate(zip(ours.tolist(), theirs, strict=True))
                   if a != b), new_tokens)
     return equal, new_tokens
 
 
-def _measure(preset: str, glass: dict[str, GPT], contexts: dict[str, Any], threads: int,
+def _measure(preset: str, glass: dict[str, DecodingModel], contexts: dict[str, Any], threads: int,
              rounds: int, new_tokens: int, prompt_len: int, prefill_len: int, compiled: bool,
              step_bytes: dict[str, float]) -> tuple[list[LlamaCppRow], float]:
     """Every contender at `threads` threads, decoding and prefill, in interleaved rounds."""
     torch.set_num_threads(threads)
     for context in contexts.values():
         context._ctx.set_n_threads(threads, threads)  # decoding and prompt batches alike
-    vocab = next(iter(glass.values())).config.vocab_size
+    vocab = glass["fp32"].model.config.vocab_size
     generator = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, vocab, (1, prompt_len), generator=generator)
     long_prompt = torch.randint(0, vocab, (1, prefill_len), generator=generator)
     decoders, prefills = {}, {}
-    for precision, model in glass.items():
+    for precision, ready in glass.items():
         engines = [(GLASSGPT_EAGER, False)] + ([(GLASSGPT_COMPILED, True)] if compiled else [])
         for name, compile_step in engines:
-            decoders[name, precision] = _glassgpt_decoder(model, prompt, new_tokens,
+            decoders[name, precision] = _glassgpt_decoder(ready, prompt, new_tokens,
                                                           compile_step)
-        prefills[GLASSGPT_EAGER, precision] = _glassgpt_decoder(model, long_prompt, 1, False)
+        prefills[GLASSGPT_EAGER, precision] = _glassgpt_decoder(ready, long_prompt, 1, False)
     for dtype, context in contexts.items():
         decoders[LLAMACPP, dtype] = _llama_decoder(context, prompt[0].tolist(), new_tokens)
         prefills[LLAMACPP, dtype] = _llama_decoder(context, long_prompt[0].tolist(), 0)
@@ -241,11 +243,11 @@ def _measure(preset: str, glass: dict[str, GPT], contexts: dict[str, Any], threa
     return rows, bandwidth
 
 
-def _glassgpt_decoder(model: GPT, prompt: torch.Tensor, new_tokens: int,
+def _glassgpt_decoder(ready: DecodingModel, prompt: torch.Tensor, new_tokens: int,
                       compiled: bool) -> Callable[[], Any]:
     """The CPU engine's greedy decoding (glassgpt.decoding.cpu), eager or its compiled step."""
-    return lambda: generate(model, prompt, max_new_tokens=new_tokens, temperature=0.0,
-                            compiled=compiled)
+    decoding = dataclasses.replace(ready, compiled=compiled)
+    return lambda: decoding.greedy(prompt, new_tokens)
 
 
 def _llama_decoder(context: Any, prompt: list[int], new_tokens: int) -> Callable[[], Any]:

@@ -22,15 +22,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from glassgpt.adapters.lora import LoraSettings, add_lora, lora_parameters
+from glassgpt.adapters.lora import add_lora, lora_parameters
+from glassgpt.adapters.settings import TARGETS, LoraSettings
 from glassgpt.config import GPTConfig
 from glassgpt.machine.devices import cpu_bf16_support
 from glassgpt.machine.memory import return_large_buffers
 from glassgpt.model import GPT
-from glassgpt.rundir.checkpoint import model_holding, parameters_on_meta
+from glassgpt.rundir.weights import model_holding, parameters_on_meta
 from glassgpt.training.steps import fused_loss, recompute_blocks
-
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ def bench_lora(size: LoraBenchSize = FULL) -> LoraBenchResult:
 
 def base_model(size: LoraBenchSize, dtype: torch.dtype) -> GPT:
     """Random weights of the preset's shape, each made in `dtype` and once: the model is built
-    around them as a loaded run's is (glassgpt.rundir.checkpoint.model_holding), so the peak is
+    around them as a loaded run's is (glassgpt.rundir.weights.model_holding), so the peak is
     the weights and not a float32 or untied copy first (norm gains 1, biases 0, the rest
     N(0, 0.02))."""
     overrides = {} if size.n_layer is None else {"n_layer": size.n_layer}

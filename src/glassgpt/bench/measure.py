@@ -177,7 +177,7 @@ class HFLanguageModel(nn.Module):
 
 def hf_twin(model: GPT) -> nn.Module:
     """A `transformers` GPT2LMHeadModel with exactly `model`'s shape and weights."""
-    from glassgpt.hf.interop import to_hf  # transformers is an optional extra: import late
+    from glassgpt.formats.interop import to_hf  # transformers is an optional extra: import late
 
     hf_model = to_hf(model)
     hf_model.generation_config.pad_token_id = 0  # silences a warning; batch 1 never pads

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 from collections.abc import Iterator
@@ -106,3 +107,76 @@ def nonempty_arg(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("an empty path names no file or directory; give one")
     return text
+
+
+# --- flags made from a dataclass's fields ---------------------------------------------------
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """A flag's "3,7,11" as (3, 7, 11) (a per-layer setting such as --nope-layers)."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got "
+                                         f"{text!r:.80}") from None
+
+
+FLAG_TYPES = {"int": int, "float": float, "str": str, "tuple[int, ...]": _int_list}
+
+
+def add_dataclass_flags(group: argparse._ArgumentGroup, cls: type, prefix: str,
+                         shown: dict[str, Any], skip: tuple[str, ...] = ()) -> None:
+    """A `--field-name` flag per dataclass field, typed from its annotation; unset is None.
+    The default shown is `shown`'s value for the field (a preset's), else the field's own."""
+    for field in dataclasses.fields(cls):
+        if field.name in skip:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        help_text = field.metadata["help"]  # every field says what it is (setting(doc))
+        default = shown.get(field.name, field.default)
+        if default not in (dataclasses.MISSING, None) and "(default" not in help_text:
+            help_text += f" (default {default})"
+        if _is_switch(field):  # "bool | None" too: unset is None either way
+            group.add_argument(flag, dest=f"{prefix}_{field.name}",
+                               action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
+        else:
+            kind = _kind(field)
+            group.add_argument(flag, dest=f"{prefix}_{field.name}", type=FLAG_TYPES[kind],
+                               default=None, metavar="LIST" if "," in kind else kind.upper(),
+                               help=help_text)
+
+
+def add_settings_flags(group: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
+                       flags: dict[str, str], action: type[argparse.Action],
+                       choices: dict[str, tuple[str, ...]] | None = None) -> None:
+    """A flag per entry of `flags` (the flag's name, `_` for `-` -> the field of dataclass
+    `cls` it sets), typed, explained and defaulted by its field (the default is the field's own,
+    shown by the parser's formatter). `action` stores a value, and True for a switch (which
+    takes none): it can note which flags were given."""
+    fields = {field.name: field for field in dataclasses.fields(cls)}
+    for name, field_name in flags.items():
+        field = fields[field_name]
+        flag = "--" + name.replace("_", "-")
+        settings = dict(dest=name, default=field.default, action=action,
+                        help=field.metadata["help"])
+        if _is_switch(field):
+            group.add_argument(flag, nargs=0, **settings)
+        else:
+            group.add_argument(flag, type=FLAG_TYPES[_kind(field)],
+                               choices=(choices or {}).get(name), **settings)
+
+
+def _is_switch(field: dataclasses.Field) -> bool:
+    return field.type.startswith("bool")
+
+
+def _kind(field: dataclasses.Field) -> str:
+    """The flag's type of a field: "float | None" is a float flag."""
+    return field.type.partition(" | ")[0]
+
+
+def given_flags(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
+    """The settings given on the command line, e.g. {'max_iters': 100}."""
+    start = prefix + "_"
+    return {key.removeprefix(start): value for key, value in vars(args).items()
+            if key.startswith(start) and value is not None}

@@ -14,9 +14,9 @@ Exporting, and downloading a hub name, need the optional extra `hf` (transformer
 local directory needs nothing more, because glassgpt reads it itself (safetensors only).
 `--to-lens` writes what TransformerLens's HookedTransformer saved (config.json of its config's
 fields, model.safetensors of its state_dict()'s tensors), ARENA's models (attention-only, no
-norms, shortformer positions) too; it needs no extra (glassgpt.interp.hooked_gpt.checkpoint).
+norms, shortformer positions) too; it needs no extra (glassgpt.formats.transformer_lens).
 `--to-gguf` writes llama.cpp's file (GPT-2, Llama, Qwen2 and Qwen3; matrices in f32, f16, bf16
-or q8_0) with the run's tokenizer; it needs the optional extra `gguf` (glassgpt.hf.gguf).
+or q8_0) with the run's tokenizer; it needs the optional extra `gguf` (glassgpt.formats.gguf).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from glassgpt.config import GGUF_DTYPES, INSTALL_HINT
 from glassgpt.errors import CommandLineError
 
 # The handlers import torch, the model and the Hugging Face readers when they run (the work
-# is glassgpt.hf.convert's), so that `convert --help` and a mistyped flag answer at once.
+# is glassgpt.formats.convert's), so that `convert --help` and a mistyped flag answer at once.
 if TYPE_CHECKING:
     from glassgpt.config import GPTConfig
 
@@ -134,7 +134,7 @@ def _hide_hf_progress_bars() -> None:
 
 def import_from_hf(source: str, out: Path, tokenizer_file: str | None,
                    dropout: float | None) -> int:
-    from glassgpt.hf.convert import import_run
+    from glassgpt.formats.convert import import_run
 
     _hide_hf_progress_bars()
     imported = import_run(source, out, tokenizer_file, dropout)
@@ -170,7 +170,7 @@ def _architecture_words(config: GPTConfig) -> str:
 
 def export_to_hf(run_dir: Path, out: Path, checkpoint: str = "best", force: bool = False,
                  adapter: bool = False) -> int:
-    from glassgpt.hf.convert import export_run
+    from glassgpt.formats.convert import export_run
 
     _hide_hf_progress_bars()
     exported = export_run(run_dir, out, checkpoint, force, adapter)
@@ -192,7 +192,7 @@ def export_to_hf(run_dir: Path, out: Path, checkpoint: str = "best", force: bool
 
 def export_to_gguf(run_dir: Path, out: Path, checkpoint: str = "best", dtype: str = "f32",
                    force: bool = False) -> int:
-    from glassgpt.hf.gguf import export_gguf
+    from glassgpt.formats.gguf import export_gguf
 
     exported = export_gguf(run_dir, out, checkpoint, dtype, force)
     say(f"exporting {exported.weights}")
@@ -206,7 +206,7 @@ def export_to_gguf(run_dir: Path, out: Path, checkpoint: str = "best", dtype: st
 
 def export_to_lens(run_dir: Path, out: Path, checkpoint: str = "best", force: bool = False
                    ) -> int:
-    from glassgpt.interp.hooked_gpt.checkpoint import export_lens_run
+    from glassgpt.formats.transformer_lens_files import export_lens_run
 
     exported = export_lens_run(run_dir, out, checkpoint, force)
     say(f"exporting {exported.weights}")

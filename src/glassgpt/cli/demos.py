@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -35,7 +34,13 @@ from glassgpt.config_checks import INT64_MAX
 from glassgpt.errors import CommandLineError
 from glassgpt.experiments import EXPERIMENTS, ExperimentResult, Table, run_experiment
 from glassgpt.experiments.results import listening_to_steps
-from glassgpt.storage.files import KIND_PHRASES, check_unlocked, entry_kind, write_text_atomic
+from glassgpt.storage.files import (
+    KIND_PHRASES,
+    check_unlocked,
+    entry_kind,
+    write_bytes_atomic,
+    write_text_atomic,
+)
 from glassgpt.storage.layout import LOCK_FILE, RUN
 from glassgpt.storage.outputs import check_output_file
 
@@ -176,7 +181,8 @@ def staged_pictures(args: argparse.Namespace) -> Iterator[Path]:
 
 
 def deliver_pictures(pictures: list[Path], staging: Path, out: Path, force: bool) -> list[Path]:
-    """Move an experiment's pictures from `staging` into `out`. Every destination is checked
+    """An experiment's pictures from `staging` written into `out`, each whole or not at all
+    (files.write_bytes_atomic; `staging` goes with its folder). Every destination is checked
     first (a file that is already there, from an earlier run or the user's, is replaced only
     with --force), so a refusal leaves `out` as it was."""
     destinations = [out / picture.relative_to(staging) for picture in pictures]
@@ -184,7 +190,7 @@ def deliver_pictures(pictures: list[Path], staging: Path, out: Path, force: bool
         check_output_file(destination, force, CommandLineError)
     for picture, destination in zip(pictures, destinations, strict=True):
         destination.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(picture, destination)
+        write_bytes_atomic(destination, picture.read_bytes())  # the one atomic writer
     return destinations
 
 

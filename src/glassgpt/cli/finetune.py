@@ -4,16 +4,32 @@ the assistant's tokens trained only (glassgpt.training.finetune.finetune_run).""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import threading
 from typing import Any
 
-from glassgpt.cli.common import add_checkpoint_flag, add_threads_flag, path_arg, say
-from glassgpt.cli.train import HELP_PRESET, INTERRUPTED_EXIT_CODE, add_dataclass_flags, given_flags
+from glassgpt.adapters.settings import (
+    DEFAULT_ALPHA_PER_RANK,
+    MAX_SCALING,
+    TARGETS,
+    LoraSettings,
+)
+from glassgpt.cli.common import (
+    add_checkpoint_flag,
+    add_dataclass_flags,
+    add_threads_flag,
+    given_flags,
+    path_arg,
+    say,
+)
+from glassgpt.cli.train import HELP_PRESET, INTERRUPTED_EXIT_CODE
 from glassgpt.config import TrainConfig, load_preset
 from glassgpt.errors import CommandLineError
 
-# glassgpt.adapters.lora.TARGETS, named here without importing torch for --help
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# --lora-dropout's and --lora-targets' defaults: LoraSettings' own (the command line's too)
+LORA_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LoraSettings)
+                 if f.name in ("dropout", "targets")}
+DEFAULT_TARGETS = ",".join(LORA_DEFAULTS["targets"])
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -51,12 +67,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                 "--lora-rank)")
     lora.add_argument("--lora-rank", type=int, metavar="R", help="the adapters' rank")
     lora.add_argument("--lora-alpha", type=float, metavar="A",
-                      help="scale alpha / rank, at most 256 (default: 2 x rank)")
-    lora.add_argument("--lora-dropout", type=float, default=0.0, metavar="P",
-                      help="dropout on the adapters' input (default 0)")
-    lora.add_argument("--lora-targets", default="q,k,v,o", metavar="LIST",
-                      help=f"the projections to adapt, among {','.join(LORA_TARGETS)} "
-                      f"(default q,k,v,o)")
+                      help=f"scale alpha / rank, at most {MAX_SCALING} (default: "
+                      f"{DEFAULT_ALPHA_PER_RANK:g} x rank)")
+    lora.add_argument("--lora-dropout", type=float, default=LORA_DEFAULTS["dropout"],
+                      metavar="P", help=f"dropout on the adapters' input (default "
+                      f"{LORA_DEFAULTS['dropout']:g})")
+    lora.add_argument("--lora-targets", default=DEFAULT_TARGETS, metavar="LIST",
+                      help=f"the projections to adapt, among {','.join(TARGETS)} "
+                      f"(default {DEFAULT_TARGETS})")
     lora.add_argument("--base-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                       help="the frozen base's dtype under LoRA (default auto: bfloat16 where "
                       "the CPU has bf16 matrix instructions or the GPU has bf16, else "
@@ -74,20 +92,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def lora_settings(args: argparse.Namespace) -> Any:
     """The LoRA settings the flags ask for, or None (every weight trains)."""
-    others = (args.lora_alpha is not None or args.lora_dropout != 0.0
-              or args.lora_targets != "q,k,v,o")
+    others = (args.lora_alpha is not None or args.lora_dropout != LORA_DEFAULTS["dropout"]
+              or args.lora_targets != DEFAULT_TARGETS)
     if args.lora_rank is None:
         if others:
             raise CommandLineError("--lora-alpha, --lora-dropout and --lora-targets go with "
                                    "--lora-rank R")
         return None
     targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
-    unknown = [t for t in targets if t not in LORA_TARGETS]
+    unknown = [t for t in targets if t not in TARGETS]
     if unknown or not targets:
         raise CommandLineError(f"--lora-targets {args.lora_targets!r:.60}: choose among "
-                               f"{','.join(LORA_TARGETS)}")
-    from glassgpt.adapters.lora import LoraSettings
-
+                               f"{','.join(TARGETS)}")
     # No --lora-alpha: LoraSettings' default, 2 x rank.
     return LoraSettings(args.lora_rank, args.lora_alpha, args.lora_dropout, targets)
 
@@ -109,7 +125,7 @@ def run_finetune(args: argparse.Namespace) -> int:
     lora = lora_settings(args)
     adapter = None
     if args.adapter is not None:
-        from glassgpt.hf.adapter import read_adapter
+        from glassgpt.formats.peft import read_adapter
         from glassgpt.rundir.checkpoint import Run
 
         if args.resume or args.run_dir is None:

@@ -1,5 +1,8 @@
 """`glassgpt sae train` and `glassgpt sae eval`: sparse dictionaries on a run's hook points
-(glassgpt.interp.sae.training, glassgpt.interp.sae.metrics)."""
+(glassgpt.interp.sae.training.train_dictionary, glassgpt.interp.sae.evaluate.evaluate_on_run).
+
+The training's flags are made from `DictionarySettings`'s fields (their types, defaults and
+help), which import without torch, so `--help` answers at once."""
 
 from __future__ import annotations
 
@@ -9,12 +12,17 @@ import shlex
 import threading
 from typing import Any
 
-from glassgpt.cli.common import DefaultsHelpFormatter, add_checkpoint_flag, path_arg, say
+from glassgpt.cli.common import (
+    DefaultsHelpFormatter,
+    add_checkpoint_flag,
+    add_settings_flags,
+    path_arg,
+    say,
+)
+from glassgpt.interp.sae.architectures import find
+from glassgpt.interp.sae.training.settings import ARCHITECTURES, DictionarySettings
 
 INTERRUPTED_EXIT_CODE = 130
-# DictionarySettings's choices and defaults, written again here because --help imports no
-# torch (glassgpt.interp does); tests/test_sae_train.py holds them equal.
-ARCHITECTURES = ("standard", "topk", "batchtopk", "jumprelu")
 # Each flag of `sae train` that is a setting -> its DictionarySettings field.
 SETTINGS = {"hook": "hook", "d_sae": "d_sae", "architecture": "architecture",
             "transcoder": "transcoder", "hook_out": "hook_out", "k": "k", "l1": "l1_coefficient",
@@ -52,30 +60,10 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
                             "at --hook, streamed from the run's data or a text file; saved in "
                             "SAELens's format, with its trainer state for --resume.")
     p.add_argument("run_dir", type=path_arg, metavar="RUN_DIR")
-    p.add_argument("--hook", action=Given, help="hook point, e.g. blocks.0.hook_resid_post")
     p.add_argument("--out", type=path_arg, required=True, help="directory to write")
-    p.add_argument("--d-sae", type=int, action=Given, help="number of latents")
-    p.add_argument("--architecture", choices=ARCHITECTURES, default="standard", action=Given)
-    p.add_argument("--k", type=float, action=Given,
-                   help="topk: latents per token; batchtopk: on average")
-    p.add_argument("--l1", type=float, default=5.0, action=Given,
-                   help="standard: L1 coefficient")
-    p.add_argument("--l0", type=float, default=1.0, action=Given,
-                   help="jumprelu: L0 coefficient")
-    p.add_argument("--tokens", type=int, default=2_000_000, action=Given,
-                   help="activations in all")
-    p.add_argument("--batch-tokens", type=int, default=4096, action=Given,
-                   help="activations per step")
-    p.add_argument("--lr", type=float, default=3e-4, action=Given, help="Adam learning rate")
-    p.add_argument("--transcoder", nargs=0, default=False, action=Given,
-                   help="reconstruct --hook-out (default blocks.L.hook_mlp_out) from --hook "
-                        "(blocks.L.ln2.hook_normalized)")
-    p.add_argument("--hook-out", action=Given, help="a transcoder's target point")
-    p.add_argument("--eval-every", type=int, default=100, action=Given,
-                   help="steps between metric lines")
-    p.add_argument("--checkpoint-every", type=int, default=500, action=Given,
-                   help="steps between saves")
-    p.add_argument("--seed", type=int, default=0, action=Given)
+    add_settings_flags(p, DictionarySettings, SETTINGS, Given,
+                       choices={"architecture": ARCHITECTURES})
+    p.set_defaults(hook=None, d_sae=None)  # no default: a new training is told both
     p.add_argument("--data", type=path_arg, help="prepared data directory, or a text file "
                    "(tokenised with the run's tokenizer into the cache) (default: the run's)")
     p.add_argument("--resume", action="store_true", help="continue the training in --out; "
@@ -136,7 +124,6 @@ def _settings(args: argparse.Namespace) -> Any:
     or with --resume the saved training's settings with the flags given in their place (one
     that differs from the saved setting is then refused by the resume)."""
     from glassgpt.errors import CommandLineError
-    from glassgpt.interp.sae.training import DictionarySettings
     from glassgpt.interp.sae.training.state import saved_settings
 
     given = {SETTINGS[dest]: getattr(args, dest) for dest in getattr(args, "given", None) or ()}
@@ -168,7 +155,7 @@ def resume_command(args: argparse.Namespace) -> str:
 
 
 def _k(k: float | int | None, architecture: str | None) -> float | int | None:
-    if k is None or architecture != "topk":
+    if k is None or getattr(find(architecture), "k", None) != "count":  # whole latents
         return k
     return int(k) if float(k).is_integer() else k
 
@@ -196,29 +183,10 @@ def _metrics_line(m: dict[str, Any]) -> str:
 
 
 def run_sae_eval(args: argparse.Namespace) -> int:
-    from glassgpt.data import PreparedData, sequential_batches
-    from glassgpt.errors import ConfigError
-    from glassgpt.interp.sae import SAE
-    from glassgpt.interp.sae.metrics import evaluate_dictionary
-    from glassgpt.interp.sae.provenance import check_trained_on
-    from glassgpt.rundir import checkpoint as ckpt
+    from glassgpt.interp.sae.evaluate import evaluate_on_run
 
-    if args.tokens <= 0:
-        raise ConfigError(f"--tokens must be positive, got {args.tokens}")
-    run = ckpt.Run(args.run)
-    model, _ = run.load_model(args.device, checkpoint=args.checkpoint)
-    sae = SAE.load(args.sae, device=args.device)
-    if not args.any_run:
-        check_trained_on([(str(args.sae), sae)], run, args.checkpoint,
-                         "evaluate it on that run, or pass --any-run to use it here")
-    data_dir = args.data or run.data_dir
-    if data_dir is None:
-        raise ConfigError(f"{run.dir} records no data directory; pass --data")
-    context = min(sae.cfg.metadata.context_size or 128, model.config.block_size)
-    windows = max(1, args.tokens // context)
-    batches = sequential_batches(PreparedData(data_dir).splits[args.split], context, 8,
-                                 -(-windows // 8), args.device, model.config.vocab_size)
-    metrics = evaluate_dictionary(model, sae, batches)
+    metrics = evaluate_on_run(args.sae, args.run, args.tokens, args.data, args.split,
+                              args.device, args.checkpoint, args.any_run, wording="cli")
     counts, edges = metrics.density_histogram(bins=10)
     if args.json:
         print(json.dumps({**metrics.summary(), "log10_density_histogram":

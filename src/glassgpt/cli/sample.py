@@ -1,11 +1,13 @@
-"""`glassgpt sample` and `glassgpt eval`: use a trained run (glassgpt.decoding.generate,
-glassgpt.training.runs, glassgpt.evals)."""
+"""`glassgpt sample` and `glassgpt eval`: use a trained run (glassgpt.decoding.session's
+sample_run; glassgpt.training.runs, glassgpt.evals)."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import textwrap
+from collections.abc import Iterator
 from typing import Any
 
 from glassgpt.cli.common import (
@@ -16,19 +18,10 @@ from glassgpt.cli.common import (
     path_arg,
     say,
     stderr_progress,
-    warn_about_bf16,
 )
-from glassgpt.config import SAMPLING_DEFAULTS, GPTConfig, SamplingConfig, sampling_defaults
-from glassgpt.config_checks import INT64_MAX
-from glassgpt.errors import CommandLineError, ConfigError
-
-SAMPLE_DTYPES = ("float32", "bfloat16", "int8")
-# Compiling the CPU step took 31 s cold and ~6 s from torch's cache on a 2-core machine (issue
-# 51, a shared 2-core Zen 4 at load 3: a 24-token `sample --compile` took 39 s for a 0.11M model
-# and 75 s for GPT-2 small cold, 13 and 20 s from the cache); it saves ~0.6 ms of ~2.4 ms per
-# step (BENCHMARKS.md, shakespeare-char): ~10,000 steps to win it back.
-# Only steps inside the context use it: past block_size each token recomputes the window.
-COMPILE_PAYS_OFF_STEPS = 10_000
+from glassgpt.config import SAMPLING_DEFAULTS, SamplingConfig, sampling_defaults
+from glassgpt.config_checks import COMPILE_PAYS_OFF_STEPS, DECODE_DTYPES
+from glassgpt.errors import CommandLineError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -64,7 +57,7 @@ def _register_sample(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-samples", type=int, default=1, help="samples, seeds seed, seed+1..")
     p.add_argument("--stream", action="store_true", help="print tokens as they are sampled")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
-    p.add_argument("--dtype", choices=SAMPLE_DTYPES, default="float32",
+    p.add_argument("--dtype", choices=DECODE_DTYPES, default="float32",
                    help="weights for decoding: bfloat16 halves the bytes read per token; int8 "
                    "reads the model in float32, then stores each layer's weight as int8 with a "
                    "scale per row (a quarter of the bytes; activations stay float32) and, on a "
@@ -121,114 +114,31 @@ def _shown(value: object, name: str) -> str:
 
 def run_sample(args: argparse.Namespace) -> int:
     # Imported here, not at the top: `sample --help` and a mistyped flag should not load torch.
-    import torch
+    from glassgpt.decoding.session import sample_run
 
-    from glassgpt.decoding.generate import encode_prompt, stream_text, until_stop
-    from glassgpt.machine.devices import resolve_device
-    from glassgpt.rundir import checkpoint as ckpt
-
-    if args.num_samples <= 0:
-        raise ConfigError(f"--num-samples must be positive, got {args.num_samples}")
-    if args.system is not None and args.chat is None:
-        raise CommandLineError("--system goes with --chat MESSAGE (a system message before "
-                               "the user's)")
     steers = steer_flags(args)  # refused before the model is read
-    device = resolve_device(args.device)
-    if args.seed + args.num_samples - 1 > INT64_MAX:  # sample i uses seed + i
-        raise ConfigError(f"--num-samples {args.num_samples} from --seed {args.seed} needs seeds "
-                          f"past 2**63 - 1, the largest there is")
-    run = ckpt.Run(args.run_dir)  # resolved once
-    compiled = args.compile or int8_compiles(args.dtype, device.type, bool(steers),
-                                             run.model_config)
-    text, end_of_turn, stop_token = args.prompt or DEFAULT_PROMPT, None, None
-    if args.chat is not None:  # before the model is read: a run without a template fails fast
-        text, end_of_turn, stop_token = chat_prompt(run, args.chat, args.system)
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                              top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                              compiled=compiled, stop_token=stop_token)
-    # bfloat16 weights are read straight into bfloat16: no float32 model first; int8 ones are
-    # quantized from the float32 model, which is then let go.
-    dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
-    model, tokenizer = run.load_model(device, checkpoint=args.checkpoint, dtype=dtype)
-    if args.dtype == "int8":
-        from glassgpt.decoding.quantized import quantize_int8
+                              top_k=args.top_k, top_p=args.top_p, seed=args.seed)
 
-        model = quantize_int8(model)
-    block_size = model.config.block_size
-    # A chat template writes the begin-of-sequence token itself, where a model has one.
-    prompt, length = encode_prompt(tokenizer, text, block_size, device,
-                                   special=args.chat is None)
-    hooks, steering_lines = steering_hooks(model, steers, args)  # before the first line
-    say(f"sampling from {run.describe_weights(args.checkpoint)}")
-    for line in steering_lines:
-        say(line)
-    warn_about_bf16(args.dtype, device)
-    if length > block_size:
-        say(f"note: the prompt has {length} tokens, more than the context of {block_size}; "
-            f"the model sees its last {block_size}")
-    if args.dtype == "int8":  # compile_note's pay-off is float32's: int8 has its own rule
-        say(int8_line(compiled, model.config, device.type, bool(steers)))
-    elif args.compile:
-        say(compile_note(prompt.shape[1], block_size, args.max_new_tokens, args.num_samples,
-                         on_cpu=device.type == "cpu"))
-    threads = args.threads
-    for i in range(args.num_samples):
-        if i:
+    def show(index: int, pieces: Iterator[str]) -> None:
+        if index:
             print("\n" + "-" * 40)
         if args.chat is None:
             print(args.prompt, end="", flush=True)  # a reply is printed alone
-        # A reply's end-of-turn token ends decoding and is not printed; --stop cuts within it.
-        stream = stream_text(model, tokenizer, prompt, sampling, stop=end_of_turn or args.stop,
-                             threads=threads, hooks=hooks, seed=args.seed + i)
-        pieces = until_stop(stream, args.stop) if end_of_turn and args.stop else stream
         if args.stream:
             for piece in pieces:
                 print(piece, end="", flush=True)
         else:
             print("".join(pieces), end="")
         print(flush=True)
-        threads = stream.threads  # auto is settled by the first sample, not timed again
+
+    steering = functools.partial(steering_hooks, steers=steers, args=args) if steers else None
+    sample_run(args.run_dir, args.prompt, chat=args.chat, system=args.system,
+               sampling=sampling, num_samples=args.num_samples, stop=args.stop,
+               dtype=args.dtype, device=args.device, compile=args.compile,
+               checkpoint=args.checkpoint, threads=args.threads, steering=steering,
+               on_note=say, on_sample=show, wording="cli")
     return 0
-
-
-INT8_NOTE = "int8: every layer's weight quantized to int8, a scale per row"
-# Measured on a shared 2-core AMD EPYC (Zen 4, load average 3-4), `time glassgpt sample RUN
-# --dtype int8 --max-new-tokens 24` with a fresh inductor cache: 44-48 s for a 0.11M model and
-# 101-103 s for GPT-2 small (4-6 and 6-7 s in float32), 13-20 and 31-35 s from torch's cache.
-INT8_COMPILING = ("decoding through the compiled step, which compiles first: measured 45 s "
-                  "for a 0.1M model and 100 s for GPT-2 small on 2 shared cores, a third of "
-                  "that once torch has cached it, longer on a busier machine")
-
-
-def int8_compiles(dtype: str, device: str, steering: bool, config: GPTConfig) -> bool:
-    """Whether `sample --dtype int8` compiles the decoding step without --compile: on a CPU,
-    where an int8 product is fast only inside the compiled step (uncompiled, each product
-    converts its weights first: 3-4x slower than float32, BENCHMARKS.md), for a model large
-    enough to gain from it (glassgpt.decoding.quantized.int8_compile_pays); not while
-    steering, whose hooks only the eager model calls."""
-    if dtype != "int8" or device != "cpu" or steering:
-        return False
-    from glassgpt.decoding.quantized import int8_compile_pays
-    from glassgpt.model import parameter_count
-
-    return int8_compile_pays(parameter_count(config))
-
-
-def int8_line(compiled: bool, config: GPTConfig, device: str, steering: bool) -> str:
-    """`sample --dtype int8`'s start line: what was quantized, and how it decodes (a model too
-    small to gain from int8 says why it is not compiled)."""
-    from glassgpt.decoding.quantized import INT8_COMPILE_MIN_PARAMETERS, int8_compile_pays
-    from glassgpt.model import parameter_count
-
-    if compiled:
-        return f"{INT8_NOTE}; {INT8_COMPILING}"
-    parameters = parameter_count(config)
-    if device != "cpu" or steering or int8_compile_pays(parameters):
-        return INT8_NOTE
-    return (f"{INT8_NOTE}; decoding uncompiled: {parameters / 1e6:.2f}M parameters sit in the "
-            f"CPU's caches, where int8 saves no reading, and compiling the step (45 s and up, "
-            f"measured) does not pay back below {INT8_COMPILE_MIN_PARAMETERS / 1e6:g}M "
-            f"parameters (--compile compiles it anyway)")
 
 
 def steer_flags(args: argparse.Namespace) -> list[tuple[str, str | None, float]]:
@@ -265,8 +175,8 @@ def steering_hooks(model: Any, steers: list[tuple[str, str | None, float]],
     """The (hook, fn) pairs that add each direction, each read and checked against the model
     and, without --any-run, a dictionary's latent against the run it was trained on (() without
     steering: decoding then attaches nothing), and a line for each saying what is added where."""
+    from glassgpt.interp.methods.steering import load_steering, steering_hook
     from glassgpt.interp.sae.provenance import check_trained_on
-    from glassgpt.interp.steering import load_steering, steering_hook
 
     hooks, lines = [], []
     for spec, at, scale in steers:
@@ -278,43 +188,6 @@ def steering_hooks(model: Any, steers: list[tuple[str, str | None, float]],
         lines.append(f"steering: {scale:g} x {steering.source} added at {steering.hook}")
         hooks.append((steering.hook, steering_hook(steering.direction, scale)))
     return tuple(hooks), lines
-
-
-def chat_prompt(run: Any, message: str, system: str | None) -> tuple[str, str, int | None]:
-    """The text the run's model reads for `message` (after `system`), rendered through its
-    chat template, and what a reply ends with: its text, and its token id where it is one token
-    (glassgpt's own template's `<|end|>` is several in a character or small BPE vocabulary: the
-    reply then stops at the text)."""
-    from glassgpt.errors import CheckpointError
-    from glassgpt.tokenizers.chat import chat_messages
-
-    chat = run.chat_template()
-    if chat is None:
-        raise CommandLineError(f"{run.dir} has no chat template (only a run imported from an "
-                               f"instruct model that has one does); continue text with "
-                               f"--prompt instead")
-    ids = [] if chat.end_of_turn is None else run.tokenizer().encode(chat.end_of_turn)
-    if not ids:
-        raise CheckpointError(f"{run.dir}: the chat template has no end-of-turn text the run's "
-                              f"tokenizer can write ({chat.end_of_turn!r:.40}); a reply could "
-                              f"not stop")
-    stop_token = ids[0] if len(ids) == 1 else None
-    return chat.render(chat_messages(message, system)), chat.end_of_turn, stop_token
-
-
-def compile_note(prompt_len: int, block_size: int, new_tokens: int, samples: int,
-                 on_cpu: bool = True) -> str:
-    """What --compile is about to cost, and whether this sample can win it back on a CPU."""
-    # Cached steps: the first token comes from the prompt's pass, and past the context each
-    # token recomputes the window instead.
-    steps = samples * max(0, min(new_tokens - 1, block_size - prompt_len))
-    doing = ("compiling the decoding step (measured 40-75 s on 2 shared cores, a third of "
-             "that once torch has it cached; longer on a busier machine)")
-    if steps >= COMPILE_PAYS_OFF_STEPS or not on_cpu:
-        return doing
-    return (f"{doing}; note: it speeds up only the steps inside the {block_size}-token context, "
-            f"{steps:,} here, and pays off after about {COMPILE_PAYS_OFF_STEPS:,}: this sample "
-            f"is faster without --compile")
 
 
 # --- eval ----------------------------------------------------------------------------------
@@ -399,7 +272,7 @@ def _what_eval_scored(run: Any, args: argparse.Namespace) -> str | None:
     which (None for a prepared corpus)."""
     if args.data is not None or run.extra.get("sft") is None:
         return None
-    from glassgpt.training.finetune import evaluated_conversations
+    from glassgpt.training.finetune_eval import evaluated_conversations
 
     return evaluated_conversations(run, args.split)
 

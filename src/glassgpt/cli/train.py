@@ -6,24 +6,19 @@ command line never falls behind them); `--help` shows the cpu-small preset's def
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import threading
 from typing import Any
 
-from glassgpt.cli.common import add_checkpoint_flag, add_threads_flag, path_arg, say
+from glassgpt.cli.common import (
+    add_checkpoint_flag,
+    add_dataclass_flags,
+    add_threads_flag,
+    given_flags,
+    path_arg,
+    say,
+)
 from glassgpt.config import GPTConfig, TrainConfig, load_preset, preset_names
 
-
-def _int_list(text: str) -> tuple[int, ...]:
-    """A flag's "3,7,11" as (3, 7, 11) (a per-layer setting such as --nope-layers)."""
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got "
-                                         f"{text!r:.80}") from None
-
-
-FLAG_TYPES = {"int": int, "float": float, "str": str, "tuple[int, ...]": _int_list}
 DATA_DECIDES = ("vocab_size",)  # set by the tokenizer of the data, never by a flag
 HELP_PRESET = "cpu-small"  # what a bare `glassgpt train` uses on a CPU: its defaults are shown
 INTERRUPTED_EXIT_CODE = 130
@@ -61,36 +56,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         f"(the {HELP_PRESET} preset); --preset and --config change them"), TrainConfig, "train",
         preset.get("train", {}))
     p.set_defaults(handler=run_train)
-
-
-def add_dataclass_flags(group: argparse._ArgumentGroup, cls: type, prefix: str,
-                         shown: dict[str, Any], skip: tuple[str, ...] = ()) -> None:
-    """A `--field-name` flag per dataclass field, typed from its annotation; unset is None.
-    The default shown is `shown`'s value for the field (a preset's), else the field's own."""
-    for field in dataclasses.fields(cls):
-        if field.name in skip:
-            continue
-        flag = "--" + field.name.replace("_", "-")
-        help_text = field.metadata["help"]  # every field says what it is (setting(doc))
-        default = shown.get(field.name, field.default)
-        if default not in (dataclasses.MISSING, None) and "(default" not in help_text:
-            help_text += f" (default {default})"
-        if field.type.startswith("bool"):  # "bool | None" too: unset is None either way
-            group.add_argument(flag, dest=f"{prefix}_{field.name}",
-                               action=argparse.BooleanOptionalAction, default=None,
-                               help=help_text)
-        else:
-            kind = field.type.partition(" | ")[0]  # "float | None": a float flag, unset None
-            group.add_argument(flag, dest=f"{prefix}_{field.name}", type=FLAG_TYPES[kind],
-                               default=None, metavar="LIST" if "," in kind else kind.upper(),
-                               help=help_text)
-
-
-def given_flags(args: argparse.Namespace, prefix: str) -> dict[str, Any]:
-    """The settings given on the command line, e.g. {'max_iters': 100}."""
-    start = prefix + "_"
-    return {key.removeprefix(start): value for key, value in vars(args).items()
-            if key.startswith(start) and value is not None}
 
 
 def run_train(args: argparse.Namespace) -> int:

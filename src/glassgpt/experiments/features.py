@@ -41,7 +41,7 @@ from glassgpt.experiments.charlm import (
 from glassgpt.experiments.results import Check, ExperimentResult, Table, step_taken
 from glassgpt.experiments.tasks import single_thread
 from glassgpt.figures import LABEL_PT, label_axes, labelled_colorbar, new_figure, save_figure
-from glassgpt.interp.hooked import run_with_cache
+from glassgpt.interp.core.hooked import run_with_cache
 from glassgpt.interp.sae import SAE
 from glassgpt.interp.sae.training import DictionarySettings, DictionaryTrainer
 from glassgpt.interp.sae.training.activations import WindowActivations

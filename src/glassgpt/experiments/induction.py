@@ -7,8 +7,8 @@ takes two steps, which is why one layer cannot: a previous-token head writes "th
 me" into every position, and an induction head in the next layer matches the current token
 against that, attending to the token after the earlier copy and copying it. The loss on the
 repeated part falls abruptly when the induction heads form (Olsson et al. 2022, "In-context
-learning and induction heads"), the heads' induction scores (glassgpt.interp.scores) rise in the
-same steps, and a 1-layer model, trained alike, shows neither. Then a character model of
+learning and induction heads"), the heads' induction scores (glassgpt.interp.methods.scores)
+rise in the same steps, and a 1-layer model, trained alike, shows neither. Then a character model of
 `cpu-small`'s shape trained on Tiny Shakespeare is scored the same way while it trains (after
 2000 steps none of its heads is an induction head yet: measured, so claimed).
 Notation: B = batch, T = positions, L = layers, H = heads, V = vocabulary.
@@ -33,7 +33,7 @@ from glassgpt.experiments.charlm import CharLMSettings, model_config, train_char
 from glassgpt.experiments.results import Check, ExperimentResult, Table, step_taken
 from glassgpt.experiments.tasks import single_thread
 from glassgpt.figures import LABEL_PT, label_axes, new_figure, save_figure
-from glassgpt.interp.scores import head_scores
+from glassgpt.interp.methods.scores import head_scores
 from glassgpt.model import GPT, eval_mode
 from glassgpt.rundir.checkpoint import save_model
 from glassgpt.storage.commit import staged_directory

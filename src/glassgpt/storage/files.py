@@ -203,23 +203,36 @@ def read_toml(path: str | Path, error: ErrorType, max_bytes: int = 2**20) -> dic
 
 # --- writing --------------------------------------------------------------------------------
 
-def write_bytes_atomic(path: str | Path, data: bytes) -> None:
-    """Replace `path` with `data` all at once. A symbolic link at `path` is replaced, not
-    followed; the new file gets the permissions of the user's umask, like any file they write.
-    """
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """The one way a file replaces `path` all at once: a temporary name beside it
+    (".NAME.<hex>.tmp", in the same directory, so the rename cannot cross file systems) for
+    the block to write; fsynced and renamed over `path` when the block ends well, removed when
+    it does not, so a reader or a crash sees the old file or the new, never a part, and a full
+    disk leaves no half file. A symbolic link at `path` is replaced, not followed. For a writer
+    that needs a path of its own (gguf's); `write_bytes_atomic` writes bytes through it."""
     path = Path(path)
     temp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     try:
-        with open_new_file(temp) as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
+        yield temp
+        fd = os.open(temp, os.O_RDONLY | _NO_FOLLOW | _CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             temp.unlink()
         raise
     fsync_dir(path.parent)
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """Replace `path` with `data` all at once (`atomic_path`). The new file gets the
+    permissions of the user's umask, like any file they write."""
+    with atomic_path(path) as temp, open_new_file(temp) as file:
+        file.write(data)
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:

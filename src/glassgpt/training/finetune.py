@@ -19,7 +19,7 @@ The new run is a whole run: its config, tokenizer and chat template (the templat
 with, so that `sample --chat` renders what it learnt) are in every checkpoint. The recipe is the
 source's with a fine-tune's defaults (a tenth of its lr; see lifecycle.finetune_config).
 
-With `lora` (glassgpt.adapters.lora.LoraSettings) only low-rank adapters train, the base
+With `lora` (glassgpt.adapters.settings.LoraSettings) only low-rank adapters train, the base
 weights frozen: the run's model.safetensors (and best.safetensors) hold the base weights as
 they were, and each checkpoint commits the adapters beside them, in the same commit
 (adapter.json and adapter.safetensors: glassgpt.adapters.lora; `glassgpt convert --to-hf
@@ -38,14 +38,12 @@ large vocabulary's logits never exist whole.
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from glassgpt.adapters.lora import (
@@ -54,9 +52,9 @@ from glassgpt.adapters.lora import (
     load_lora_state_dict,
     run_adapter_files,
 )
+from glassgpt.adapters.settings import LoraSettings
 from glassgpt.config import TrainConfig
 from glassgpt.data.sft import (
-    IGNORED,
     ConversationSampler,
     ConversationSet,
     encode_conversations,
@@ -65,9 +63,9 @@ from glassgpt.data.sft import (
     simple_template,
 )
 from glassgpt.errors import ConfigError, InputError
-from glassgpt.machine.devices import AUTO, cpu_bf16_support, resolve_device, timed, tuner_for
+from glassgpt.machine.devices import AUTO, cpu_bf16_support, resolve_device
 from glassgpt.machine.memory import return_large_buffers
-from glassgpt.model import GPT, count_parameters, eval_mode
+from glassgpt.model import GPT, count_parameters
 from glassgpt.rundir import checkpoint as ckpt
 from glassgpt.rundir import directory as rundir
 from glassgpt.storage import files
@@ -75,7 +73,6 @@ from glassgpt.storage.layout import CHAT_TEMPLATE_FILE
 from glassgpt.tokenizers import Tokenizer
 from glassgpt.tokenizers.chat import ChatTemplate
 from glassgpt.training import arguments, lifecycle, runs
-from glassgpt.training.evaluate import MAX_LOSS, Evaluation, eval_batch_size, eval_context
 from glassgpt.training.metrics import Reporter
 from glassgpt.training.steps import fused_loss, recompute_blocks
 from glassgpt.training.trainer import Trainer, TrainResult
@@ -167,9 +164,24 @@ class FinetuneOutcome:
     data: SFTData
 
 
+@dataclass
+class FinetuneRequest(lifecycle.TrainRequest):
+    """A fine-tune's request: train_run's (`init_from` is the run it starts from) with the
+    conversations and how the weights train (`finetune_run` says what each is)."""
+
+    sft: str | Path | None = None
+    val_sft: str | Path | None = None
+    lora: LoraSettings | None = None
+    adapter: tuple[LoraSettings, dict[str, Any]] | None = None
+    recompute: bool = False
+    base_dtype: str = "auto"
+    seq_len: int | None = None
+
+
 def finetune_run(source: str | Path | None, sft: str | Path | None, out: str | Path, *,
                  val_sft: str | Path | None = None, train: dict[str, Any] | None = None,
-                 lora: Any = None, adapter: tuple[Any, dict[str, Any]] | None = None,
+                 lora: LoraSettings | None = None,
+                 adapter: tuple[LoraSettings, dict[str, Any]] | None = None,
                  recompute: bool = False, base_dtype: str = "auto",
                  seq_len: int | None = None, resume: bool = False,
                  force: bool = False,
@@ -180,94 +192,104 @@ def finetune_run(source: str | Path | None, sft: str | Path | None, out: str | P
     """Fine-tune run `source` on the conversations of `sft` into the new run `out`, or (with
     `resume`) continue `out` (its recorded conversation files unless given). `train` holds
     TrainConfig settings by name. `adapter` (LoraSettings, tensors in lora_state_dict's names:
-    what glassgpt.hf.adapter.read_adapter reads from a peft directory) starts the LoRA tune from
-    those adapters instead of new ones. `recompute` keeps only each block's input for the
+    what glassgpt.formats.peft.read_adapter reads from a peft directory) starts the LoRA tune
+    from those adapters instead of new ones. `recompute` keeps only each block's input for the
     backward and computes the rest again there (kept for a resume). `base_dtype` (auto,
     float32, bfloat16) is the frozen base's under LoRA; auto is bf16 where the device has bf16
     matrix instructions (module docstring). `seq_len` is the tokens of a training window
     (default: the model's context, at most DEFAULT_SEQ_LEN; kept for a resume). Raises
-    glassgpt.errors
-    exceptions, having changed nothing, for bad input."""
+    glassgpt.errors exceptions, having changed nothing, for bad input."""
     spell = arguments.spelling(wording)
     out = files.check_path_given(out, ConfigError, spell("out"))
     return_large_buffers()  # freed activations go back to the OS, not into a fragmented heap
-    if lora is not None and adapter is not None:
+    request = FinetuneRequest(out, dict(train or {}), force, init_from=source,
+                              checkpoint=checkpoint, threads=threads, reporter=reporter,
+                              stop=stop, on_start=on_start, spell=spell, sft=sft,
+                              val_sft=val_sft, lora=lora, adapter=adapter, recompute=recompute,
+                              base_dtype=base_dtype, seq_len=seq_len)
+    _check_request(request, resume)
+    if resume:
+        return _resume(request)
+    if source is None or sft is None:
+        raise ConfigError("a fine-tune needs the run to start from and the conversations "
+                          f"({spell('sft')})")
+    return _start(request)
+
+
+def _check_request(request: FinetuneRequest, resume: bool) -> None:
+    """Settings that cannot go together, or of the wrong kind: refused before anything is
+    read."""
+    spell, seq_len = request.spell, request.seq_len
+    if request.lora is not None and request.adapter is not None:
         raise ConfigError("an adapter to start from brings its own LoRA settings; drop "
                           f"{spell('lora_rank')} and the other LoRA settings")
-    if base_dtype != "auto" and base_dtype not in BASE_DTYPES:
+    if request.base_dtype != "auto" and request.base_dtype not in BASE_DTYPES:
         raise ConfigError(f"{spell('base_dtype')} must be auto, float32 or bfloat16, got "
-                          f"{base_dtype!r}")
+                          f"{request.base_dtype!r}")
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int)
                                 or seq_len < 1):
         raise ConfigError(f"{spell('seq_len')} must be a positive number of tokens, got "
                           f"{seq_len!r}")
-    if resume:
-        if lora is not None or adapter is not None or base_dtype != "auto" \
-                or seq_len is not None:
-            raise ConfigError("a resumed fine-tune keeps its own LoRA settings, base dtype and "
-                              "window; drop them")
-        return _resume(out, source, sft, val_sft, dict(train or {}), threads, reporter,
-                       stop, on_start, spell)
-    if source is None or sft is None:
-        raise ConfigError("a fine-tune needs the run to start from and the conversations "
-                          f"({spell('sft')})")
-    return _start(Path(source), sft, out, val_sft, dict(train or {}), force, checkpoint,
-                  threads, reporter, stop, on_start, spell, lora, adapter, recompute,
-                  base_dtype, seq_len)
+    if resume and (request.lora is not None or request.adapter is not None
+                   or request.base_dtype != "auto" or seq_len is not None):
+        raise ConfigError("a resumed fine-tune keeps its own LoRA settings, base dtype and "
+                          "window; drop them")
 
 
-def _start(source_dir: Path, sft: str | Path, out: Path, val_sft: str | Path | None,
-           train: dict[str, Any], force: bool, checkpoint: str, threads: int | str | None,
-           reporter: Reporter | None, stop: threading.Event | None,
-           on_start: Callable | None, spell: arguments.Spell, lora: Any,
-           adapter: tuple[Any, dict[str, Any]] | None, recompute: bool,
-           base_dtype: str, seq_len: int | None) -> FinetuneOutcome:
-    rundir.check_out_dir(out, force, source_dir, spell)
+def _start(request: FinetuneRequest) -> FinetuneOutcome:
+    out, source_dir, spell = request.out, Path(request.init_from), request.spell
+    rundir.check_out_dir(out, request.force, source_dir, spell)
     source = ckpt.Run(source_dir)
-    cfg = lifecycle.finetune_config(source, runs.preset_for_device(train.get("device", AUTO)),
-                                    None, train)
-    data = sft_data(source, sft, val_sft)
-    adapted = lora is not None or adapter is not None
-    dtype = frozen_base_dtype(base_dtype, adapted, resolve_device(cfg.device), spell)
-    model = source.load_model(checkpoint=checkpoint, dtype=dtype)[0].train()
-    if adapter is not None:
-        lora, tensors = adapter
-        _add_adapters(model, lora, source_dir)
-        load_lora_state_dict(model, tensors)
-    elif lora is not None:
-        _add_adapters(model, lora, source_dir)
-    _save_memory(model, recompute)
+    cfg = lifecycle.finetune_config(
+        source, runs.preset_for_device(request.train.get("device", AUTO)), None, request.train)
+    data = sft_data(source, request.sft, request.val_sft)
+    adapted = request.lora is not None or request.adapter is not None
+    dtype = frozen_base_dtype(request.base_dtype, adapted, resolve_device(cfg.device), spell)
+    model, lora = _model_to_tune(source, request, dtype)
     block_size = model.config.block_size
-    if seq_len is not None and seq_len > block_size:
-        raise ConfigError(f"{spell('seq_len')} {seq_len} is more than the model's context "
-                          f"({block_size})")
-    window = seq_len or min(block_size, DEFAULT_SEQ_LEN)
+    if request.seq_len is not None and request.seq_len > block_size:
+        raise ConfigError(f"{spell('seq_len')} {request.seq_len} is more than the model's "
+                          f"context ({block_size})")
+    window = request.seq_len or min(block_size, DEFAULT_SEQ_LEN)
     # The conversation files by absolute path: `eval RUN2` reads them again from anywhere.
-    extra = {"preset": None, "init_from": str(source_dir), "sft": str(Path(sft).absolute()),
-             "recompute": recompute,
-             "val_sft": None if val_sft is None else str(Path(val_sft).absolute()),
-             "chat_template": data.template_source,
+    val_sft = None if request.val_sft is None else str(Path(request.val_sft).absolute())
+    extra = {"preset": None, "init_from": str(source_dir),
+             "sft": str(Path(request.sft).absolute()), "recompute": request.recompute,
+             "val_sft": val_sft, "chat_template": data.template_source,
              "lora": None if lora is None else dataclasses.asdict(lora),
              "base_dtype": str(dtype).removeprefix("torch."), "seq_len": window}
-    trainer = _trainer(model, cfg, data, out, reporter, threads, stop, extra)
+    trainer = _trainer(model, cfg, data, request, extra)
     start = lifecycle.TrainStart(
         "fine-tune", out, data.dir, trainer.device, cfg, describe_tuned_model(model),
         None, trainer.describe_threads(), 0,
-        f"{source.dir} from {source.describe_weights(checkpoint)}",
+        f"{source.dir} from {source.describe_weights(request.checkpoint)}",
         lifecycle.recipe_warnings(cfg) + data.notes)
     with rundir.writing(out):
-        rundir.check_still_free(out, force, spell)
-        if on_start is not None:
-            on_start(start, data)
+        rundir.check_still_free(out, request.force, spell)
+        if request.on_start is not None:
+            request.on_start(start, data)
         result = trainer.run()
     return FinetuneOutcome(out, "fine-tune", result, start, data)
 
 
-def _resume(out: Path, source: str | Path | None, sft: str | Path | None,
-            val_sft: str | Path | None,
-            train: dict[str, Any], threads: int | str | None, reporter: Reporter | None,
-            stop: threading.Event | None, on_start: Callable | None,
-            spell: arguments.Spell) -> FinetuneOutcome:
+def _model_to_tune(source: ckpt.Run, request: FinetuneRequest, dtype: torch.dtype
+                   ) -> tuple[GPT, LoraSettings | None]:
+    """The source's model to train, its base in `dtype`, with its LoRA adapters (new, or read
+    from `request.adapter`) where asked, and the LoRA settings it trains with."""
+    lora = request.lora
+    model = source.load_model(checkpoint=request.checkpoint, dtype=dtype)[0].train()
+    if request.adapter is not None:
+        lora, tensors = request.adapter
+        add_lora(model, lora)  # a target the model lacks is refused here, before training
+        load_lora_state_dict(model, tensors)
+    elif lora is not None:
+        add_lora(model, lora)
+    _save_memory(model, request.recompute)
+    return model, lora
+
+
+def _resume(request: FinetuneRequest) -> FinetuneOutcome:
+    out = request.out
     files.check_unlocked(out, ckpt.CheckpointError)
     validated = rundir.fingerprint(out)
     run = ckpt.Run(out)
@@ -275,14 +297,15 @@ def _resume(out: Path, source: str | Path | None, sft: str | Path | None,
     if recorded is None:
         raise ConfigError(f"{out} was not fine-tuned on conversations; continue it with "
                           f"`glassgpt train --resume --out {out}`")
-    cfg = lifecycle.resumed_config(run, None, None, source, {}, train, spell)  # RUN checked
-    sft = sft if sft is not None else recorded
-    val_sft = val_sft if val_sft is not None else run.extra.get("val_sft")
+    cfg = lifecycle.resumed_config(run, None, None, request.init_from, {}, request.train,
+                                   request.spell)  # RUN checked
+    sft = request.sft if request.sft is not None else recorded
+    val_sft = request.val_sft if request.val_sft is not None else run.extra.get("val_sft")
     rundir.check_recoverable(out)
     data = sft_data(run, sft, val_sft)
     model = _resumed_model(run)
     _save_memory(model, bool(run.extra.get("recompute")))
-    trainer = _trainer(model, cfg, data, out, reporter, threads, stop, run.extra)  # its window
+    trainer = _trainer(model, cfg, data, request, run.extra)  # its window
     trainer.resume(weights=False, run=run)
     start = lifecycle.TrainStart("resume", out, data.dir, trainer.device, cfg,
                                  describe_tuned_model(model), None,
@@ -291,8 +314,8 @@ def _resume(out: Path, source: str | Path | None, sft: str | Path | None,
         return FinetuneOutcome(out, "nothing", None, start, data)
     with rundir.writing(out):
         rundir.continue_run(out, validated)
-        if on_start is not None:
-            on_start(start, data)
+        if request.on_start is not None:
+            request.on_start(start, data)
         result = trainer.run()
     return FinetuneOutcome(out, "resume", result, start, data)
 
@@ -309,9 +332,8 @@ def describe_tuned_model(model: GPT) -> str:
             f"parameters of {lifecycle.parameters_text(every)}, {shape}")
 
 
-def _trainer(model: GPT, cfg: TrainConfig, data: SFTData, out: Path,
-             reporter: Reporter | None, threads: int | str | None,
-             stop: threading.Event | None, extra: dict[str, Any]) -> Trainer:
+def _trainer(model: GPT, cfg: TrainConfig, data: SFTData, request: FinetuneRequest,
+             extra: dict[str, Any]) -> Trainer:
     """`train`'s Trainer, drawing packed conversations, committing the chat template (and
     any LoRA adapters) with every checkpoint (a run's first commit removes files it does not
     write)."""
@@ -324,9 +346,9 @@ def _trainer(model: GPT, cfg: TrainConfig, data: SFTData, out: Path,
         if not tuned_with_lora:
             return template
         return {**template, **run_adapter_files(model)}
-    return Trainer(model, cfg, data, out, reporter, threads=threads,  # type: ignore[arg-type]
-                   stop=stop, extra=extra, batches=batches, more_files=more_files,
-                   window=window)
+    return Trainer(model, cfg, data, request.out, request.reporter,  # type: ignore[arg-type]
+                   threads=request.threads, stop=request.stop, extra=extra, batches=batches,
+                   more_files=more_files, window=window)
 
 
 def frozen_base_dtype(setting: str, adapted: bool, device: torch.device,
@@ -356,12 +378,6 @@ def _save_memory(model: GPT, recompute: bool) -> None:
         recompute_blocks(model)
 
 
-def _add_adapters(model: GPT, lora: Any, source_dir: Path) -> None:
-    """LoRA adapters on `model`, its base frozen (a target the model lacks is refused at once,
-    before any training)."""
-    add_lora(model, lora)
-
-
 def _resumed_model(run: ckpt.Run) -> GPT:
     """The last checkpoint's weights (those its optimizer state belongs to), in train mode;
     a LoRA fine-tune's base with its adapters read back on, unmerged."""
@@ -385,95 +401,3 @@ def summary_line(outcome: FinetuneOutcome) -> str:
     return (f"{lifecycle.summary_line(outcome.result, outcome.run_dir)}; "
             f"{len(train.examples)} conversations, {train.trained_tokens} assistant tokens "
             f"trained, {outcome.data.template_source} chat template{note}")
-
-
-# --- evaluating a fine-tuned run --------------------------------------------------------------
-# A fine-tune has no prepared corpus: its data is conversations. `glassgpt eval RUN2` measures
-# what its val loss measured while it trained, the loss on the assistant's tokens of the
-# held-out conversations (split "val"; "train": the others), packed as training packs them. The
-# base corpus it came from (its source run's data) is `eval RUN2 --data DIR`.
-
-def evaluated_conversations(run: ckpt.Run, split: str) -> str:
-    """What `evaluate_conversations(run, split)` scores, for the line that reports it."""
-    val_sft = run.extra.get("val_sft")
-    if split == "val" and val_sft is not None:
-        return f"the assistant's tokens of the conversations of {val_sft}"
-    which = "held-out" if split == "val" else "training"
-    return f"the assistant's tokens of the {which} conversations of {run.extra.get('sft')}"
-
-
-def evaluate_conversations(run: ckpt.Run, split: str = "val", batch_size: int | None = None,
-                           max_batches: int = 200, device: torch.device | str = "cpu",
-                           checkpoint: str = "best", threads: int | str | None = AUTO,
-                           progress: Callable[[int, int], Any] | None = None,
-                           context: int | None = None) -> Evaluation:
-    """Loss, perplexity and bits per byte of fine-tuned `run` on the assistant's tokens of
-    its conversations (`evaluated_conversations`), over non-overlapping windows of `context`
-    tokens of their packed stream: every assistant token is scored once, after the tokens
-    before it in its window. The arguments are `runs.evaluate_run`'s."""
-    if split not in ("train", "val"):
-        raise ConfigError(f"split must be train or val, got {split!r:.40}")
-    sft, val_sft = run.extra.get("sft"), run.extra.get("val_sft")
-    if not isinstance(sft, str) or not isinstance(val_sft, str | None):
-        raise ConfigError(f"{run.dir} records no conversation file it was fine-tuned on; "
-                          f"evaluate it on a prepared corpus (--data DIR, data_dir=)")
-    for path in (sft, val_sft):
-        if path is not None and not Path(path).is_file():
-            raise ConfigError(f"{run.dir} was fine-tuned on the conversations of {path}, which "
-                              f"is not there any more; evaluate it on a prepared corpus "
-                              f"instead (--data DIR, data_dir=)")
-    conversations = sft_data(run, sft, val_sft).splits[split]
-    model, tokenizer = run.load_model(device, checkpoint=checkpoint)
-    window = eval_context(model.config.block_size, context)
-    batch_size = batch_size or eval_batch_size(window, model.config.vocab_size)
-    x, y = _scored_windows(*conversations.stream(), window)  # (W, T) each
-    has_targets = (y != IGNORED).any(dim=1)  # a window of prompts alone scores nothing
-    x, y = x[has_targets], y[has_targets]
-    kept = min(len(y), batch_size * max_batches)
-    total, tokens, text_bytes = _windows_loss(model, tokenizer, x[:kept], y[:kept], batch_size,
-                                              threads, progress)
-    loss = total / tokens
-    if not math.isfinite(loss) or loss > MAX_LOSS:
-        raise ckpt.CheckpointError(f"the model's loss is {loss}, not a usable number (do its "
-                                   f"weights hold NaN or inf?)")
-    used = torch.get_num_threads() if model.lm_head.weight.device.type == "cpu" else None
-    return Evaluation(loss, tokens, text_bytes, kept == len(y), used, window)
-
-
-def _scored_windows(ids: np.ndarray, trained: np.ndarray, window: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The packed stream as inputs and targets in windows of `window`: (W, T) each, targets
-    -1 where the token is not an assistant's and in the padding that ends the last window."""
-    inputs = ids[:-1]  # (N - 1,)
-    targets = np.where(trained[1:], ids[1:], IGNORED)  # (N - 1,)
-    padding = -len(inputs) % window
-    inputs = np.concatenate([inputs, np.zeros(padding, dtype=np.int64)])
-    targets = np.concatenate([targets, np.full(padding, IGNORED, dtype=np.int64)])
-    return (torch.from_numpy(inputs).view(-1, window),
-            torch.from_numpy(targets).view(-1, window))
-
-
-@torch.no_grad()
-def _windows_loss(model: GPT, tokenizer: Tokenizer, x: torch.Tensor, y: torch.Tensor,
-                  batch_size: int, threads: int | str | None,
-                  progress: Callable[[int, int], Any] | None) -> tuple[float, int, int]:
-    """(summed loss, targets scored, their UTF-8 bytes) of windows x, y (W, T), a batch of
-    `batch_size` windows at a time."""
-    device = model.lm_head.weight.device
-    tuner = tuner_for(threads, device)
-    byte_lengths = torch.tensor(tokenizer.token_byte_lengths(), dtype=torch.long)  # (V,)
-    total, tokens, text_bytes = 0.0, 0, 0
-    if progress is not None:
-        progress(0, len(x))
-    with eval_mode(model):
-        for first in range(0, len(x), batch_size):
-            xb, yb = x[first:first + batch_size], y[first:first + batch_size]  # (B, T)
-            scored = yb != IGNORED
-            with timed(tuner):
-                _, loss = model(xb.to(device), yb.to(device))  # mean over the scored targets
-                total += loss.item() * int(scored.sum())
-            tokens += int(scored.sum())
-            text_bytes += int(byte_lengths[yb[scored]].sum())
-            if progress is not None:
-                progress(min(first + batch_size, len(x)), len(x))
-    return total, tokens, text_bytes

@@ -118,32 +118,39 @@ def train_run(out: str | Path | None = None, *, data: str | Path | None = None,
                                    model=model, train=train, resume=resume, force=force,
                                    init_from=init_from, checkpoint=checkpoint, threads=threads,
                                    reporter=reporter, stop=stop, on_start=on_start))
-    request = _Request(out, data, preset, config, dict(model or {}), dict(train or {}), force,
-                       init_from, checkpoint, threads, reporter, stop, on_start, spell)
+    request = TrainRequest(out, dict(train or {}), force, init_from=init_from,
+                           checkpoint=checkpoint, threads=threads, reporter=reporter, stop=stop,
+                           on_start=on_start, spell=spell, data=data, preset=preset,
+                           config=config, model=dict(model or {}))
     return _resume(request) if resume else _start(request)
 
 
 @dataclass
-class _Request:
+class TrainRequest:
+    """What a run is asked to train, its arguments checked: `train_run`'s, and the part of
+    `finetune_run`'s it shares (glassgpt.training.finetune.FinetuneRequest adds the rest).
+    `init_from` is the run a fine-tune starts from; `spell` names a setting in messages."""
+
     out: str | Path | None
-    data: str | Path | None
-    preset: str | None
-    config: str | Path | None
-    model: dict[str, Any]
-    train: dict[str, Any]
-    force: bool
-    init_from: str | Path | None
-    checkpoint: str
-    threads: int | str | None
-    reporter: Reporter | None
-    stop: threading.Event | None
-    on_start: Callable[[TrainStart], Any] | None
-    spell: arguments.Spell = arguments.as_argument  # how messages name a setting
+    train: dict[str, Any] = field(default_factory=dict)  # TrainConfig settings by name
+    force: bool = False
+    init_from: str | Path | None = None
+    checkpoint: str = "best"
+    threads: int | str | None = AUTO
+    reporter: Reporter | None = None
+    stop: threading.Event | None = None
+    on_start: Callable[..., Any] | None = None
+    spell: arguments.Spell = arguments.as_argument
+    # train_run's own: the data, and where the settings come from
+    data: str | Path | None = None
+    preset: str | None = None
+    config: str | Path | None = None
+    model: dict[str, Any] = field(default_factory=dict)  # GPTConfig settings by name
 
 
 # --- a new run, or a fine-tune ------------------------------------------------------------------
 
-def _start(request: _Request) -> TrainOutcome:
+def _start(request: TrainRequest) -> TrainOutcome:
     if request.out is None and ddp.launched_by_torchrun():
         raise ConfigError(f"under torchrun, name the run directory ({request.spell('out')})")
     run_dir = runs.fresh_run_dir() if request.out is None else \
@@ -190,7 +197,7 @@ def _start(request: _Request) -> TrainOutcome:
     return TrainOutcome(run_dir, start.action, result, start, warnings)
 
 
-def _user_train_settings(request: _Request) -> dict[str, Any]:
+def _user_train_settings(request: TrainRequest) -> dict[str, Any]:
     return arguments.user_train_settings(request.config, request.train, runs.read_config_file)
 
 
@@ -242,7 +249,7 @@ def recipe_warnings(cfg: TrainConfig) -> list[str]:
 
 # --- resuming -----------------------------------------------------------------------------------
 
-def _resume(request: _Request) -> TrainOutcome:
+def _resume(request: TrainRequest) -> TrainOutcome:
     if request.out is None:
         raise ConfigError(f"resuming needs the run directory to continue "
                           f"({request.spell('out')})")
@@ -360,7 +367,7 @@ def _writer(run_dir: Path, context: ddp.DistContext) -> Iterator[None]:
         yield
 
 
-def _announce(request: _Request, start: TrainStart) -> None:
+def _announce(request: TrainRequest, start: TrainStart) -> None:
     if request.on_start is not None:
         request.on_start(start)
 

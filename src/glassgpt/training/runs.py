@@ -196,13 +196,13 @@ def evaluate_run(run_dir: str | Path, split: str = "val", data_dir: str | Path |
     window's tokens (default `evaluate.eval_context`'s: the model's, at most 2,048);
     `batch_size` None is `evaluate.eval_batch_size`'s (32, fewer for a large vocabulary).
     A fine-tuned run without `data_dir` is scored on its conversations
-    (finetune.evaluate_conversations)."""
+    (finetune_eval.evaluate_conversations)."""
     if (batch_size is not None and batch_size <= 0) or max_batches <= 0:
         raise ConfigError(f"batch size and max batches must be positive, got {batch_size} "
                           f"and {max_batches}")
     run = ckpt.open_run(run_dir)
     if data_dir is None and run.extra.get("sft") is not None:  # a fine-tune: its conversations
-        from glassgpt.training.finetune import evaluate_conversations
+        from glassgpt.training.finetune_eval import evaluate_conversations
 
         return evaluate_conversations(run, split, batch_size, max_batches, device, checkpoint,
                                       threads, progress, context)

@@ -41,6 +41,7 @@ from glassgpt.machine.memory import check_training_fits_memory
 from glassgpt.model import GPT, count_parameters
 from glassgpt.rundir import checkpoint as ckpt
 from glassgpt.rundir.trainstate import TrainState, capture_rng_state, restore_rng_state
+from glassgpt.rundir.weights import load_model_tensors, read_weights
 from glassgpt.storage.layout import MODEL_FILE, STATE_TENSORS_FILE
 from glassgpt.training import fsdp
 from glassgpt.training.metrics import (
@@ -211,11 +212,11 @@ class Trainer:
         self.unsaved_metrics = None  # metrics.jsonl is the run's already
 
     def _load_weights(self, path: Path) -> None:
-        tensors = ckpt.read_weights(path, self.model.config)  # names and shapes checked
+        tensors = read_weights(path, self.model.config)  # names and shapes checked
         if self.cfg.fsdp:
             fsdp.load_full_weights(self.model, tensors)
         else:
-            ckpt.load_model_tensors(self.model, tensors, path)
+            load_model_tensors(self.model, tensors, path)
 
     def _prepare_run_dir(self) -> None:
         """Create the run directory; a resumed run drops metrics logged after its checkpoint

@@ -1,17 +1,24 @@
 """The model card's counts and layers, as the page describes them: parameters by part, and
-each layer's attention (local or global, its rotary base), read from the modules; and a LoRA
-fine-tune's adapters, read from what its run recorded.
+each layer's attention (local or global, its rotary base), read from the modules; a LoRA
+fine-tune's adapters, and the training (its settings and loss curve), read from what its run
+recorded.
 """
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
+from glassgpt.errors import CheckpointError
 from glassgpt.model import GPT, count_parameters
+from glassgpt.rundir.checkpoint import read_run_config
+from glassgpt.training.metrics import read_metrics
 
 PARAMETER_PARTS = ("embeddings", "attention", "ffn", "norm", "lm_head")
+CURVE_POINTS = 500  # training-loss points sent for the card's curve (evaluations all kept)
 
 
 def layer_kinds(model: GPT) -> list[dict[str, Any]]:
@@ -78,3 +85,52 @@ def lora_card(run_config: dict[str, Any]) -> dict[str, Any] | None:
 
 def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def run_lora_card(run_dir: Path | None) -> dict[str, Any] | None:
+    """`lora_card` of the run in `run_dir` (the run's weights have the adapters merged); None
+    without a run, or where its config.json cannot be read."""
+    try:
+        return None if run_dir is None else lora_card(read_run_config(run_dir))
+    except CheckpointError:
+        return None
+
+
+def training_card(run_dir: Path | None) -> dict[str, Any]:
+    """The run's training: its settings from config.json and its loss curve from metrics.jsonl
+    (at most CURVE_POINTS steps; every evaluation), and its best val loss."""
+    if run_dir is None:
+        return {"settings": None, "iterations": None, "best_val_loss": None,
+                "best_val_iter": None, "train": [], "eval": []}
+    records = read_metrics(run_dir)
+    steps = [[r["iter"], r["loss"]] for r in records if _is_finite(r.get("loss"))]
+    evals = [[r["iter"], r["train_loss"], r["val_loss"]] for r in records
+             if _is_finite(r.get("train_loss")) and _is_finite(r.get("val_loss"))]
+    # The run keeps best weights from its first evaluation after step 0 on.
+    best = min((e for e in evals if e[0] > 0), key=lambda e: e[2], default=None)
+    return {"settings": _train_settings(run_dir),
+            "iterations": max((r["iter"] for r in records), default=None),
+            "best_val_loss": best[2] if best else None,
+            "best_val_iter": best[0] if best else None,
+            "train": thin(steps, CURVE_POINTS), "eval": evals}
+
+
+def _train_settings(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        return read_run_config(run_dir).get("train")
+    except CheckpointError:
+        return None
+
+
+def _is_finite(value: Any) -> bool:
+    """A finite int or float (metrics.jsonl is written by the trainer, but read with care)."""
+    return _number(value) and math.isfinite(value)
+
+
+def thin(points: list[list[float]], most: int) -> list[list[float]]:
+    """At most `most` of `points`, evenly spread, always keeping the last one."""
+    if len(points) <= most:
+        return points
+    step = len(points) / most
+    kept = [points[int(i * step)] for i in range(most - 1)]
+    return [*kept, points[-1]]

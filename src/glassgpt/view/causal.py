@@ -22,13 +22,13 @@ from torch import Tensor
 from glassgpt.block import SwiGLUFeedForward
 from glassgpt.errors import GlassGPTError, InputError
 from glassgpt.hooks import lens_name
-from glassgpt.interp import checks
-from glassgpt.interp import patching as patch
-from glassgpt.interp.attribution import logit_attribution
-from glassgpt.interp.heads import block_sources
-from glassgpt.interp.hooked import run_with_cache
-from glassgpt.interp.scores import HeadScores, head_scores
-from glassgpt.interp.utils import get_act_name
+from glassgpt.interp.core import checks
+from glassgpt.interp.core.hooked import run_with_cache
+from glassgpt.interp.core.utils import get_act_name
+from glassgpt.interp.methods import patching as patch
+from glassgpt.interp.methods.attribution import logit_attribution
+from glassgpt.interp.methods.heads import block_sources
+from glassgpt.interp.methods.scores import HeadScores, head_scores
 from glassgpt.model import count_parameters
 from glassgpt.view.values import Prompt, View, rounded, step_answer
 

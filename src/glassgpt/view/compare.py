@@ -11,13 +11,14 @@
 
 The two runs must have the same shape and the same tokenizer (a fine-tune of one by the other);
 a run whose adapter is merged on loading compares as its merged weights. Both models run on the
-view's model thread, one after the other, on the view's device.
+view's model thread, one after the other, on the view's device. The numbers are
+glassgpt.interp.methods.diffing's; this module loads the base, parses the requests and shapes
+the answers.
 """
 
 from __future__ import annotations
 
 import copy
-import re
 from pathlib import Path
 from typing import Any
 
@@ -25,17 +26,20 @@ import torch
 from torch import Tensor
 
 from glassgpt.errors import GlassGPTError, InputError
-from glassgpt.interp.hooked import run_with_cache
-from glassgpt.interp.hooked_gpt.weights import head_weight, output_weight
+from glassgpt.interp.core.hooked import run_with_cache
+from glassgpt.interp.methods.diffing import (
+    check_comparable,
+    head_output_changes,
+    other_changes,
+    token_logprobs,
+    weight_changes,
+)
 from glassgpt.model import GPT
 from glassgpt.rundir.checkpoint import load_model, read_run_config
 from glassgpt.tokenizers import Tokenizer, same_tokenizer
 from glassgpt.view import requests as req
 from glassgpt.view.values import View, rounded
 
-SHAPE_FIELDS = ("vocab_size", "n_layer", "n_head", "n_embd", "n_kv_head", "head_dim",
-                "activation", "norm", "position", "attn_only")
-PROJECTIONS = ("q", "k", "v", "o")
 NO_BASE = "this view compares with no base: start it with glassgpt view RUN2 --compare RUN"
 
 # The requests of the panel's routes (glassgpt.view.requests checks each field's type).
@@ -51,7 +55,7 @@ class Comparison:
         self.view, self.base = view, base
         self._weights: dict[str, Any] | None = None  # the prompt does not change them
         if base is not None:
-            check_comparable(view, base)
+            check_comparable(view.model, base)
         # A LoRA tune on a bf16 base stores that base rounded: the weight maps compare with
         # the base as the tune saw it, or every weight would read as moved by the rounding.
         self.weights_base = base
@@ -116,90 +120,12 @@ def load_comparison(view: View, base_dir: str | Path, checkpoint: str = "best") 
         raise InputError(f"--compare: {error}") from None
 
 
-def check_comparable(view: View, base: GPT) -> None:
-    """The base must have the tuned run's shape (a fine-tune keeps it)."""
-    tuned = view.model.config
-    for field in SHAPE_FIELDS:
-        if getattr(tuned, field) != getattr(base.config, field):
-            raise InputError(f"the runs differ in {field} ({getattr(tuned, field)} here, "
-                             f"{getattr(base.config, field)} in the base): compare a "
-                             f"fine-tune with the run it was tuned from")
-
-
 def check_same_tokens(tuned: Tokenizer, base: Tokenizer) -> None:
     """Token t must be the same text in both runs, or their log-probabilities compare nothing."""
     if not same_tokenizer(tuned, base):
         raise InputError(f"the runs' tokenizers differ ({tuned.kind}, {tuned.vocab_size} tokens "
                          f"here; {base.kind}, {base.vocab_size} in the base): compare a "
                          f"fine-tune with the run it was tuned from")
-
-
-def token_logprobs(model: GPT, idx: Tensor) -> Tensor:
-    """idx (1, T) -> log p(token t | tokens < t) for t = 1..T-1, (T - 1,)."""
-    with torch.no_grad():
-        logits, _ = model(idx)  # (1, T, V)
-    logprobs = torch.log_softmax(logits[0, :-1].double(), -1)  # (T - 1, V)
-    return logprobs.gather(1, idx[0, 1:, None])[:, 0]
-
-
-def relative_change(after: Tensor, before: Tensor, dims: tuple[int, ...]) -> Tensor:
-    """||after - before|| / ||before|| over `dims` (0 where before is all zeros)."""
-    change = (after - before).double().square().sum(dims).sqrt()
-    size = before.double().square().sum(dims).sqrt()
-    return torch.where(size > 0, change / size.clamp(min=1e-30), change)
-
-
-def weight_changes(tuned: GPT, base: GPT) -> dict[str, Tensor]:
-    """Per layer and head, how far q, k, v and o moved ((L, H) each, heads of the query side:
-    a K/V head shared by several query heads is counted for each), and per layer the MLP
-    ((L, 1): all its matrices together)."""
-    n_layer, n_head = tuned.config.n_layer, tuned.config.n_head
-    maps = {name: torch.zeros(n_layer, n_head, dtype=torch.float64) for name in PROJECTIONS}
-    maps["mlp"] = torch.zeros(n_layer, 1, dtype=torch.float64)
-    for layer in range(n_layer):
-        after, before = head_weights(tuned, layer), head_weights(base, layer)
-        for name in PROJECTIONS:
-            maps[name][layer] = relative_change(after[name], before[name], (1, 2))
-        mlp_after, mlp_before = mlp_weights(tuned, layer), mlp_weights(base, layer)
-        if mlp_before is not None:
-            maps["mlp"][layer, 0] = relative_change(mlp_after, mlp_before, (0,))
-    return maps
-
-
-def head_weights(model: GPT, layer: int) -> dict[str, Tensor]:
-    """Each query head's slices of its layer's projections: W_Q, W_K, W_V (H, C, d) and W_O
-    (H, d, C) in TransformerLens's layout (K/V heads repeated per query head)."""
-    attn = model.blocks[layer].attn
-    with torch.no_grad():
-        return {**{name: head_weight(attn, name) for name in ("q", "k", "v")},
-                "o": output_weight(attn)}
-
-
-def mlp_weights(model: GPT, layer: int) -> Tensor | None:
-    """Every weight of the layer's MLP, flattened into one vector (None: no MLP)."""
-    mlp = model.blocks[layer].ffn  # None in an attn_only model
-    if mlp is None:
-        return None
-    return torch.cat([p.detach().flatten() for p in mlp.parameters()])
-
-
-def other_changes(tuned: GPT, base: GPT) -> list[dict[str, Any]]:
-    """The parameters the maps leave out (embeddings, norms, the attention's biases and norms),
-    each with its relative change, largest first; those that did not move are left out."""
-    mapped = re.compile(r"blocks\.\d+\.(ffn\.|attn\.(qkv|proj)\.weight$)")
-    before = dict(base.named_parameters())
-    moved = [{"name": name, "change": float(relative_change(p.detach(), before[name].detach(),
-                                                            tuple(range(p.dim()))))}
-             for name, p in tuned.named_parameters() if not mapped.match(name)]
-    return sorted((m for m in moved if m["change"] > 0), key=lambda m: -m["change"])
-
-
-def head_output_changes(tuned: GPT, base: GPT, idx: Tensor) -> Tensor:
-    """(L, H): how far each head's output (hook_result) moved on the prompt."""
-    names = [f"blocks.{layer}.attn.hook_result" for layer in range(tuned.config.n_layer)]
-    _, after = run_with_cache(tuned, idx, names)
-    _, before = run_with_cache(base, idx, names)
-    return torch.stack([relative_change(after[n][0], before[n][0], (0, 2)) for n in names])
 
 
 def top_heads(values: Tensor, k: int = 5) -> list[dict[str, Any]]:

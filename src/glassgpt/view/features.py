@@ -1,9 +1,9 @@
 """The Features panel's numbers: sparse dictionaries (`glassgpt view RUN --sae SAE`) read on the
 viewed run, as JSON-ready values.
 
-Every activation comes from glassgpt.interp: the latents from `run_with_cache_and_saes` (with
-the error term, so the model downstream computes what it always does), a feature's writers from
-`attribution.residual_parts`, a clamp from interp.sae's own splice run at every decoding step.
+Every number comes from glassgpt.interp.sae.features (the latents spliced with the error term,
+the scan of the run's text, a feature's logit effects and writers, the clamp's hooks, run at
+every decoding step); this module parses the requests and shapes the answers.
     top features   the k largest latents at each position of a prompt
     a feature      its top-activating windows of the run's validation text (a bounded scan, done
                    once per dictionary), its density (the dictionary's sparsity file, else the
@@ -19,8 +19,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,18 +29,24 @@ from torch import Tensor
 from glassgpt.config import SamplingConfig
 from glassgpt.decoding.generate import generate
 from glassgpt.errors import GlassGPTError, InputError, ModelError
-from glassgpt.interp import checks
-from glassgpt.interp.attribution import check_sum_of_parts, frozen_norm, norm_gain, residual_parts
-from glassgpt.interp.hooked import hook_points
-from glassgpt.interp.sae import SAE, run_with_cache_and_saes
-from glassgpt.interp.sae.splice import check_saes, splice_hooks
+from glassgpt.interp.core import checks
+from glassgpt.interp.core.hooked import hook_points
+from glassgpt.interp.sae import SAE
+from glassgpt.interp.sae.features import (
+    Scan,
+    clamp_hooks,
+    feature_writers,
+    latents,
+    logit_effects,
+    scan_text,
+    top_contexts,
+    writers_unavailable,
+)
+from glassgpt.interp.sae.splice import check_saes
 from glassgpt.view.values import View, rounded
 
 TOP_PER_POSITION = 5  # features listed under each token
 MAX_K = 20
-SCAN_WINDOWS = 64  # windows of the validation text scanned for a feature's top contexts
-SCAN_TOKENS = 32  # tokens a scanned window holds (at most the model's context)
-SCAN_BATCH = 16  # windows run at once
 TOP_CONTEXTS = 8
 LOGIT_TOKENS = 10  # tokens listed pushed up, and down
 MAX_CLAMP_TOKENS = 200  # new tokens, each continuation
@@ -51,18 +55,6 @@ CLAMP_NEW_TOKENS = 40  # the panel's default: two continuations side by side, re
 # ones fire at up to tens, steering asks for ten times that, and residual streams are at most
 # thousands long, so a latent set past 10,000 or scaled past 1,000 only shows an overflow.
 MAX_CLAMP_VALUE, MAX_CLAMP_SCALE = 1e4, 1e3
-RESIDUAL_POINT = re.compile(r"blocks\.(\d+)\.hook_resid_(pre|mid|post)")
-PART_LAYER = re.compile(r"L(\d+)(H\d+| attn| MLP)")
-
-
-@dataclass
-class Scan:
-    """What the scan of the validation text found for every latent at once."""
-
-    windows: Tensor  # (N, W) token ids
-    best: Tensor  # (N, F): each window's largest activation of each latent
-    fired: Tensor  # (F,): positions where each latent was above 0
-    positions: int  # N * W
 
 
 class Dictionaries:
@@ -92,7 +84,8 @@ class Dictionaries:
     def scan(self, name: str) -> Scan | None:
         """The scan of `name`'s dictionary over the validation text (once; None: no text)."""
         if name not in self.scans:
-            self.scans[name] = scan_text(self.view, self.saes[name], validation_ids(self.view))
+            self.scans[name] = scan_text(self.view.model, self.saes[name],
+                                         validation_ids(self.view))
         return self.scans[name]
 
 
@@ -119,13 +112,6 @@ def load_dictionaries(view: View, paths: list[str | Path]) -> Dictionaries:
     return Dictionaries(view, saes)
 
 
-def latents(view: View, sae: SAE, idx: Tensor) -> Tensor:
-    """The dictionary's latents (B, T, F) on ids idx (B, T), spliced with its error term."""
-    name = f"{sae.cfg.hook_name_out}.hook_sae_acts_post"
-    _, cache = run_with_cache_and_saes(view.model, idx, [sae], use_error_term=True, names=[name])
-    return cache[name].float()
-
-
 # --- top features of a prompt --------------------------------------------------------------------
 
 def top_features(view: View, dicts: Dictionaries, prompt: str, sae: str | None = None,
@@ -135,7 +121,7 @@ def top_features(view: View, dicts: Dictionaries, prompt: str, sae: str | None =
         raise InputError(f"k must be between 1 and {MAX_K}, got {k}")
     name, chosen = dicts.get(sae)
     encoded = view.encode(prompt)
-    acts = latents(view, chosen, encoded.idx)[0]  # (T, F)
+    acts = latents(view.model, chosen, encoded.idx)[0]  # (T, F)
     values, ids = torch.topk(acts, min(k, acts.shape[-1]), dim=-1)  # (T, k)
     positions = [[{"id": int(i), "value": v} for i, v in zip(row_ids, row_values, strict=True)
                   if v > 0] for row_ids, row_values in zip(ids.tolist(), rounded(values),
@@ -146,23 +132,6 @@ def top_features(view: View, dicts: Dictionaries, prompt: str, sae: str | None =
 
 
 # --- one feature ---------------------------------------------------------------------------------
-
-def scan_text(view: View, sae: SAE, text: np.ndarray | None) -> Scan | None:
-    """Every latent's largest activation in each of SCAN_WINDOWS windows spread evenly through
-    `text`, and how often each fired; None when the text is shorter than one window."""
-    width = min(SCAN_TOKENS, view.model.config.block_size)
-    if text is None or len(text) < width:
-        return None
-    starts = dict.fromkeys(np.linspace(0, len(text) - width, SCAN_WINDOWS).astype(int).tolist())
-    windows = torch.stack([torch.as_tensor(np.asarray(text[s:s + width], dtype=np.int64))
-                           for s in starts]).to(sae.W_enc.device)  # (N, W)
-    best, fired = [], torch.zeros(sae.cfg.d_sae, dtype=torch.long, device=windows.device)
-    for batch in windows.split(SCAN_BATCH):
-        acts = latents(view, sae, batch)  # (n, W, F)
-        best.append(acts.amax(dim=1))  # (n, F)
-        fired += (acts > 0).sum(dim=(0, 1))
-    return Scan(windows, torch.cat(best), fired, windows.numel())
-
 
 def feature(view: View, dicts: Dictionaries, sae: str, feature: int,
             prompt: str | None = None, position: int | None = None) -> dict[str, Any]:
@@ -176,8 +145,8 @@ def feature(view: View, dicts: Dictionaries, sae: str, feature: int,
     answer = {"sae": name, "feature": feature, "hook": chosen.cfg.hook_name_out,
               "contexts": contexts(view, chosen, scan, feature), "scanned": scanned,
               "density": density(chosen, scan, feature),
-              "logits": logit_effects(view, chosen, feature)}
-    why_not = writers_unavailable(view, chosen)
+              "logits": logit_effects_listed(view, chosen, feature)}
+    why_not = writers_unavailable(view.model, chosen)
     if why_not is not None:
         answer["writers_note"] = why_not
     elif prompt is not None:
@@ -190,19 +159,11 @@ def feature(view: View, dicts: Dictionaries, sae: str, feature: int,
 def contexts(view: View, sae: SAE, scan: Scan | None, feature: int) -> list[dict[str, Any]]:
     """The TOP_CONTEXTS scanned windows where the feature is largest, each token with its
     activation (the page shades by it)."""
-    if scan is None:
-        return []
-    peaks = scan.best[:, feature]  # (N,)
-    order = [i for i in torch.argsort(peaks, descending=True)[:TOP_CONTEXTS].tolist()
-             if peaks[i] > 0]
-    if not order:
-        return []
-    windows = scan.windows[order]  # (n, W)
-    acts = latents(view, sae, windows)[..., feature]  # (n, W)
+    windows, acts = top_contexts(view.model, sae, scan, feature, TOP_CONTEXTS)  # (n, W) each
     return [{"max": rounded(acts[row].max()), "tokens": [
                 {"id": int(t), "text": view.token_text(int(t)), "value": v}
                 for t, v in zip(windows[row].tolist(), rounded(acts[row]), strict=True)]}
-            for row in range(len(order))]
+            for row in range(windows.shape[0])]
 
 
 def density(sae: SAE, scan: Scan | None, feature: int) -> dict[str, Any] | None:
@@ -217,19 +178,12 @@ def density(sae: SAE, scan: Scan | None, feature: int) -> dict[str, Any] | None:
             "source": f"{scan.positions:,} tokens of the run's validation text"}
 
 
-def logit_effects(view: View, sae: SAE, feature: int) -> dict[str, Any] | None:
-    """The tokens the feature's decoder row W_dec[f] pushes up and down through the unembedding,
-    after the final norm's gain (and its centring, for a LayerNorm), as the Attribution panel
-    reads a direction. None for a dictionary that writes elsewhere than the residual width."""
-    model = view.model
-    direction = sae.W_dec[feature].detach().double()  # (C,)
-    if direction.shape[-1] != model.config.n_embd:
+def logit_effects_listed(view: View, sae: SAE, feature: int) -> dict[str, Any] | None:
+    """The tokens the feature's decoder row pushes up and down most (`logit_effects`); None for
+    a dictionary that writes elsewhere than the residual width."""
+    effects = logit_effects(view.model, sae, feature)  # (V,)
+    if effects is None:
         return None
-    _, centred = frozen_norm(model.ln_f, direction[None])
-    if centred:
-        direction = direction - direction.mean()
-    direction = direction * norm_gain(model.ln_f).detach().double()
-    effects = model.lm_head.weight.detach().double() @ direction  # (V,)
     effects = effects[:view.tokenizer.vocab_size]
     count = min(LOGIT_TOKENS, effects.shape[0])
 
@@ -240,75 +194,17 @@ def logit_effects(view: View, sae: SAE, feature: int) -> dict[str, Any] | None:
             "down": listed(*torch.topk(effects, count, largest=False))}
 
 
-def writers_unavailable(view: View, sae: SAE) -> str | None:
-    """Why a feature's writers cannot be read for this dictionary and model, or None."""
-    point = RESIDUAL_POINT.fullmatch(sae.cfg.hook_name or "")
-    if point is None or sae.cfg.reshape_activations != "none":
-        return (f"writers are read for a dictionary on the residual stream "
-                f"(blocks.L.hook_resid_pre/mid/post); this one reads {sae.cfg.hook_name}")
-    try:
-        check_sum_of_parts(view.model)
-    except ModelError as error:
-        return str(error)
-    return None
-
-
 def writers(view: View, sae: SAE, feature: int, prompt: str, position: int) -> dict[str, Any]:
-    """Each head's, MLP's and embedding's direct push on the feature's pre-activation at
-    `position`: the parts of the residual stream the dictionary reads (`residual_parts`), each
-    times its encoder column, and the constant b_enc[f] - b_dec . W_enc[:, f]; they add up to
-    the pre-activation (`pre`, from the spliced run's hook_sae_acts_pre)."""
-    why_not = writers_unavailable(view, sae)
-    if why_not is not None:
-        raise InputError(why_not)
-    encoded = view.encode(prompt)
-    checks.index("position", position, len(encoded.ids))
-    _, cache = run_with_cache_and_saes(view.model, encoded.idx, [sae], use_error_term=True)
-    labels, parts = residual_parts(view.model, cache, position)
-    point = RESIDUAL_POINT.fullmatch(sae.cfg.hook_name)
-    layer, where = int(point.group(1)), point.group(2)
-    kept = [i for i, label in enumerate(labels) if _reaches(label, layer, where)]
-    column = sae.W_enc[:, feature].detach().double()  # (C,)
-    values = [float(parts[i][0].detach().double() @ column) for i in kept]
-    constant = float(sae.b_enc[feature].detach().double())
-    if sae.cfg.apply_b_dec_to_input:
-        constant -= float(sae.b_dec.detach().double() @ column)
-    at = f"{sae.cfg.hook_name_out}.hook_sae_acts_"
-    order = sorted(range(len(kept)), key=lambda i: -abs(values[i]))
-    return {"position": position, "labels": [labels[i] for i in kept], "values": values,
-            "order": order, "constant": constant, "sum": sum(values) + constant,
-            "pre": float(cache[at + "pre"][0, position, feature]),
-            "post": float(cache[at + "post"][0, position, feature])}
-
-
-def _reaches(label: str, layer: int, where: str) -> bool:
-    """Whether the part `label` is in the stream at blocks.{layer}.hook_resid_{where}."""
-    found = PART_LAYER.match(label)
-    if found is None:  # the embeddings
-        return True
-    part_layer = int(found.group(1))
-    if part_layer != layer:
-        return part_layer < layer
-    return where == "post" or (where == "mid" and found.group(2) != " MLP")
+    """Each part's push on the feature's pre-activation at `position` of `prompt`
+    (`feature_writers`), the largest first in `order`, adding up to `pre`."""
+    found = feature_writers(view.model, sae, feature, view.encode(prompt).idx, position)
+    order = sorted(range(len(found.values)), key=lambda i: -abs(found.values[i]))
+    return {"position": position, "labels": found.labels, "values": found.values,
+            "order": order, "constant": found.constant, "sum": found.total, "pre": found.pre,
+            "post": found.post}
 
 
 # --- clamping a feature while sampling -----------------------------------------------------------
-
-def clamp_hooks(sae: SAE, feature: int, value: float | None, scale: float | None
-                ) -> list[tuple[str, Any]]:
-    """The hooks that splice the dictionary into its point with the feature's latent set to
-    `value` (or multiplied by `scale`) at every position, plus the untouched dictionary's error
-    term, so that only the edit changes what the model carries on with."""
-    def edit(acts: Tensor, name: str) -> Tensor:  # (..., F)
-        acts = acts.clone()
-        acts[..., feature] = value if value is not None else acts[..., feature] * scale
-        return acts
-
-    splice, capture = splice_hooks(
-        sae, True, {f"{sae.cfg.hook_name_out}.hook_sae_acts_post": [edit]})
-    hooks = [(sae.cfg.hook_name_out, splice)]
-    return hooks if capture is None else [(sae.cfg.hook_name, capture), *hooks]
-
 
 def clamp(view: View, dicts: Dictionaries, sae: str, feature: int, prompt: str,
           sampling: SamplingConfig, value: float | None = None, scale: float | None = None

@@ -10,23 +10,20 @@ tokenizer lacks, a layer that does not exist) raise `glassgpt.errors` exceptions
 messages; the server turns those into 4xx answers.
 
 One forward pass per prompt gives both the attention maps and the logit lens; the last few are
-kept (`TraceCache`), so switching layers or heads on the page does not run the model again.
-Notation: L = layers, H = heads, T = prompt tokens, k = top tokens kept.
+kept (`TraceCache`, glassgpt.view.traces), so switching layers or heads on the page does not run
+the model again. The maps are drawn by glassgpt.view.maps, the card's parts by
+glassgpt.view.card. Notation: L = layers, H = heads, T = prompt tokens, k = top tokens kept.
 """
 
 from __future__ import annotations
 
-import math
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from glassgpt.config import SamplingConfig
@@ -39,9 +36,9 @@ from glassgpt.decoding.sampling import (
     check_filter,
     sampling_distribution,
 )
-from glassgpt.errors import CheckpointError, GlassGPTError, InputError
-from glassgpt.interp.checks import integer
-from glassgpt.interp.lens import (
+from glassgpt.errors import GlassGPTError, InputError
+from glassgpt.interp.core.checks import integer
+from glassgpt.interp.methods.lens import (
     Ablation,
     TopK,
     hidden_keys,
@@ -53,17 +50,16 @@ from glassgpt.interp.lens import (
 from glassgpt.model import GPT, count_parameters
 from glassgpt.rundir.checkpoint import read_run_config
 from glassgpt.tokenizers import Tokenizer, same_tokenizer
-from glassgpt.training.metrics import read_metrics
 from glassgpt.view import causal, walk
-from glassgpt.view.card import layer_kinds, lora_card, parameter_counts
+from glassgpt.view.card import layer_kinds, parameter_counts, run_lora_card, training_card
+from glassgpt.view.maps import lower_triangle, out_of_window, pooled, scale_of
 from glassgpt.view.pieces import piece_text
-from glassgpt.view.values import DECIMALS, Prompt, rounded
+from glassgpt.view.traces import Inside, TraceCache
+from glassgpt.view.values import Prompt, rounded
 
 MAX_PROMPT_CHARS = 20_000  # refused before tokenizing: longer than any context glassgpt trains
 MAX_TOP_K = 20
 MAX_NEW_TOKENS = 2_000
-CURVE_POINTS = 500  # training-loss points sent for the card's curve (evaluations all kept)
-TRACE_CACHE_BYTES = 256 * 2**20
 # The page starts with a piece of the run's own validation text, this many tokens long at most:
 # short enough that every token of a map is labelled at the page's first zoom.
 EXAMPLE_TOKENS = 32
@@ -72,98 +68,6 @@ EXAMPLE_PROMPTS = ("ROMEO:\nBut soft, what light through yonder window breaks?",
                    "To be, or not to be, that is the question", "to be or not to be")
 THUMBNAIL_CELLS = 48  # an overview map of a longer prompt averages blocks of cells
 ATTENTION_KINDS = ("weights", "scores")
-
-
-@dataclass(frozen=True)
-class Inside:
-    """What one forward pass over a prompt showed: kept for the page's next questions."""
-
-    attention: Tensor  # (L, H, T, T)
-    scores: Tensor  # (L, H, T, T): before the softmax, -inf where the model hid a key
-    lens: TopK  # (L + 1, T, MAX_TOP_K): after the embeddings, then after each layer
-    residuals: Tensor  # (L + 1, 1, T, C): for the scores, one head's steps, sampling's view
-    loss: float | None  # mean cross-entropy of the prompt's next tokens (None: one token)
-
-    @property
-    def nbytes(self) -> int:
-        tensors = (self.attention, self.scores, self.lens.probs, self.lens.ids, self.residuals)
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-
-class TraceCache:
-    """The `Inside` of the most recent prompts, by token ids, within a byte budget."""
-
-    def __init__(self, budget_bytes: int = TRACE_CACHE_BYTES):
-        self.budget = budget_bytes
-        # Keyed by the prompt's ids and what was switched off (None: the intact model).
-        self.entries: OrderedDict[tuple, Inside] = OrderedDict()
-        self.lock = threading.Lock()  # the server asks from several threads
-
-    def get(self, key: tuple) -> Inside | None:
-        with self.lock:
-            if key in self.entries:
-                self.entries.move_to_end(key)
-            return self.entries.get(key)
-
-    def put(self, key: tuple, inside: Inside) -> None:
-        with self.lock:
-            self.entries[key] = inside
-            self.entries.move_to_end(key)
-            # The newest entry stays even over budget: it is the one being looked at.
-            while len(self.entries) > 1 and self._total() > self.budget:
-                self.entries.popitem(last=False)
-
-    def _total(self) -> int:
-        return sum(inside.nbytes for inside in self.entries.values())
-
-
-def lower_triangle(weights: Tensor, hidden: Tensor | None = None) -> list[list[float | None]]:
-    """Causal attention (T, T) as its rows up to the diagonal: row i has i + 1 entries. Where
-    `hidden` (T, T) is True (a local layer's keys outside its window) the entry is None: a key
-    the query cannot see, never a weight of 0 (the page hatches it)."""
-    rows = [row[:i + 1] for i, row in enumerate(rounded(weights))]
-    if hidden is None:
-        return rows
-    for row, out in zip(rows, hidden.tolist(), strict=True):
-        row[:] = [None if gone else value for value, gone in zip(row, out[:len(row)],
-                                                                  strict=True)]
-    return rows
-
-
-def out_of_window(scores: Tensor, cells: int | None = None) -> Tensor | None:
-    """(T, T) True where a layer's query could not see an earlier key (a local layer's keys W or
-    more positions back), read from the layer's scores (T, T), -inf where the model's mask hid
-    a key. Shrunk to (cells, cells) as `pooled` shrinks the maps, a cell is hidden only when its
-    whole block is. None where no earlier key is hidden (a global layer, a window that holds
-    the whole prompt)."""
-    hidden = hidden_keys(scores).tril()  # (T, T): the future aside
-    if not hidden.any():
-        return None
-    seen = (~hidden).float()  # (T, T): the band (and the future)
-    if cells is not None and seen.shape[-1] > cells:
-        seen = F.adaptive_avg_pool2d(seen[None, None], cells)[0, 0]  # (cells, cells)
-    return seen == 0
-
-
-def scale_of(values: Tensor) -> dict[str, float]:
-    """The range a map's colours span (finite values only), for the page's legend."""
-    finite = values[torch.isfinite(values)]
-    if finite.numel() == 0:
-        return {"min": 0.0, "max": 0.0}
-    return {"min": round(float(finite.min()), DECIMALS), "max": round(float(finite.max()),
-                                                                      DECIMALS)}
-
-
-def pooled(maps: Tensor, cells: int) -> Tensor:
-    """Attention maps (..., T, T) shrunk to at most (..., cells, cells) by averaging blocks of
-    queries and summing blocks of keys, so each row of a thumbnail still sums to 1."""
-    tokens = maps.shape[-1]  # T
-    if tokens <= cells:
-        return maps
-    flat = maps.reshape(-1, 1, tokens, tokens)  # (N, 1, T, T)
-    shrunk = F.adaptive_avg_pool2d(flat, cells)  # (N, 1, cells, cells): block means
-    shrunk = shrunk / shrunk.sum(dim=-1, keepdim=True).clamp_min(1e-12)
-    return shrunk.reshape(*maps.shape[:-2], cells, cells)
 
 
 def ablation_from(heads: list, attention: list, mlp: list) -> Ablation:
@@ -491,49 +395,4 @@ class RunView:
                               "vocab_size": self.tokenizer.vocab_size},
                 "parameters": {"total": count_parameters(self.model),
                                "parts": parameter_counts(self.model)},
-                "training": self._training(), "lora": self._lora()}
-
-    def _training(self) -> dict[str, Any]:
-        """Settings from config.json and the curve from metrics.jsonl (both in the run)."""
-        if self.run_dir is None:
-            return {"settings": None, "iterations": None, "best_val_loss": None,
-                    "best_val_iter": None, "train": [], "eval": []}
-        records = read_metrics(self.run_dir)
-        steps = [[r["iter"], r["loss"]] for r in records if _is_number(r.get("loss"))]
-        evals = [[r["iter"], r["train_loss"], r["val_loss"]] for r in records
-                 if _is_number(r.get("train_loss")) and _is_number(r.get("val_loss"))]
-        # The run keeps best weights from its first evaluation after step 0 on.
-        best = min((e for e in evals if e[0] > 0), key=lambda e: e[2], default=None)
-        return {"settings": self._train_settings(),
-                "iterations": max((r["iter"] for r in records), default=None),
-                "best_val_loss": best[2] if best else None,
-                "best_val_iter": best[0] if best else None,
-                "train": thin(steps, CURVE_POINTS), "eval": evals}
-
-    def _lora(self) -> dict[str, Any] | None:
-        """A LoRA fine-tune's rank, alpha and targets (the run's weights have them merged)."""
-        try:
-            return None if self.run_dir is None else lora_card(read_run_config(self.run_dir))
-        except CheckpointError:
-            return None
-
-    def _train_settings(self) -> dict[str, Any] | None:
-        try:
-            return read_run_config(self.run_dir).get("train")
-        except CheckpointError:
-            return None
-
-
-def _is_number(value: Any) -> bool:
-    """A finite int or float (metrics.jsonl is written by the trainer, but read with care)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) \
-        and math.isfinite(value)
-
-
-def thin(points: list[list[float]], most: int) -> list[list[float]]:
-    """At most `most` of `points`, evenly spread, always keeping the last one."""
-    if len(points) <= most:
-        return points
-    step = len(points) / most
-    kept = [points[int(i * step)] for i in range(most - 1)]
-    return [*kept, points[-1]]
+                "training": training_card(self.run_dir), "lora": run_lora_card(self.run_dir)}

@@ -43,7 +43,7 @@ def rounded(values: Tensor) -> Any:
 
 def step_answer(name: str, title: str, values: Tensor, source: Any) -> dict[str, Any]:
     """One step of a walk through a head or an MLP: its values, shape and the line of the
-    model's code that computes it (a `glassgpt.interp.heads.SourceLine`)."""
+    model's code that computes it (a `glassgpt.interp.methods.heads.SourceLine`)."""
     values = values.detach().float().cpu()
     shown = values.tolist() if values.dtype == torch.bool else rounded(values)
     return {"name": name, "title": title, "shape": list(values.shape), "values": shown,

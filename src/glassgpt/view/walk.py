@@ -1,5 +1,5 @@
 """The page's "Inside one head" panel as JSON-ready values: one query token through one head,
-step by step, with the model's numbers (`glassgpt.interp.heads.head_steps`, read from one
+step by step, with the model's numbers (`glassgpt.interp.methods.heads.head_steps`, read from one
 run's hook points) and the lines that compute them.
 
 The titles say what this layer really does: the scale the scores are multiplied by (1/sqrt(d),
@@ -16,8 +16,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from glassgpt.attention import score_scale
-from glassgpt.interp import checks
-from glassgpt.interp.heads import HeadSteps, head_steps
+from glassgpt.interp.core import checks
+from glassgpt.interp.methods.heads import HeadSteps, head_steps
 from glassgpt.view import causal
 from glassgpt.view.values import Prompt, View, step_answer
 

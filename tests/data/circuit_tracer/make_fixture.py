@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import save_file
 
 from glassgpt.config import GPTConfig
+from glassgpt.formats.transformer_lens_files import write_lens_checkpoint
 from glassgpt.interp import run_with_cache
-from glassgpt.interp.hooked_gpt.checkpoint import write_lens_checkpoint
 from glassgpt.interp.sae import SAE, SAEConfig
 from glassgpt.model import GPT
 from glassgpt.rundir.checkpoint import save_model

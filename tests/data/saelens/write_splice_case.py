@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from glassgpt.config import GPTConfig
-from glassgpt.interp.hooked_gpt.checkpoint import write_lens_checkpoint
+from glassgpt.formats.transformer_lens_files import write_lens_checkpoint
 from glassgpt.interp.sae import SAE, SAEConfig, run_with_saes
 from glassgpt.model import GPT
 

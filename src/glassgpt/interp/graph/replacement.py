@@ -17,7 +17,6 @@ else stays frozen, which is what `frozen_run` computes and what the tests check 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,12 +25,13 @@ import torch
 from torch import Tensor, nn
 
 from glassgpt.errors import InputError
-from glassgpt.interp.hooked import as_glass, check_run_ids, hook_points, run_with_cache
-from glassgpt.interp.hooked import run_with_hooks as hooked_run
+from glassgpt.hooknames import parse_hook_name
+from glassgpt.interp.core.hooked import as_glass, check_run_ids, hook_points, run_with_cache
+from glassgpt.interp.core.hooked import run_with_hooks as hooked_run
+from glassgpt.interp.sae.encoding import pre_acts
 from glassgpt.interp.sae.model import SAE
 from glassgpt.interp.sae.splice import check_saes
 
-MLP_OUT = re.compile(r"blocks\.(\d+)\.hook_mlp_out")
 # Where a transcoder of layer L may read: the MLP's input, before or after its norm.
 READS = ("ln2.hook_normalized", "hook_mlp_in", "hook_resid_mid")
 
@@ -71,11 +71,12 @@ def by_layer(model: nn.Module, transcoders: Sequence[SAE]) -> list[SAE | None]:
             kind = sae.cfg.architecture if isinstance(sae, SAE) else type(sae).__name__
             raise InputError(f"an attribution graph replaces each MLP by a transcoder; got a "
                              f"{kind} dictionary")
-        match = MLP_OUT.fullmatch(sae.cfg.hook_name_out or "")
-        if match is None or int(match.group(1)) >= config.n_layer:
+        writes = parse_hook_name(sae.cfg.hook_name_out or "")
+        if writes.layer not in range(config.n_layer) or writes.module or \
+                writes.point != "hook_mlp_out":
             raise InputError(f"a transcoder of the graph writes blocks.L.hook_mlp_out (L < "
                              f"{config.n_layer}); this one writes {sae.cfg.hook_name_out}")
-        layer = int(match.group(1))
+        layer = writes.layer
         if sae.cfg.hook_name not in {f"blocks.{layer}.{point}" for point in READS}:
             raise InputError(f"the transcoder of layer {layer} reads {sae.cfg.hook_name}; it "
                              f"must read that block's MLP input: "
@@ -243,10 +244,10 @@ def _appender(store: list):
 def feature_inputs(prompt: Prompt, run: FrozenRun, layer: int, rows: Tensor, positions: Tensor,
                    features: Tensor) -> Tensor:
     """Each target feature's pre-activation in the frozen run: x[row, pos] @ W_enc[:, f] +
-    b_enc[f] (rows, positions, features: (N,) each) -> (N,)."""
+    b_enc[f] (rows, positions, features: (N,) each) -> (N,), from f's column alone."""
     sae = prompt.transcoders[layer]
     x = run.inputs[layer][rows, positions].to(sae.W_enc.dtype)  # (N, d_in)
-    return (x * sae.W_enc[:, features].T).sum(-1) + sae.b_enc[features]
+    return pre_acts(sae, x, features)
 
 
 def logit_inputs(run: FrozenRun, rows: Tensor, tokens: Tensor) -> Tensor:

@@ -22,7 +22,7 @@ from safetensors.torch import save as safetensors_save
 from torch import Tensor
 
 from glassgpt.errors import CheckpointError
-from glassgpt.rundir.checkpoint import check_fits_memory
+from glassgpt.rundir.weights import check_fits_memory
 from glassgpt.storage import files
 from glassgpt.storage.tensorfile import FLOAT_DTYPES, SafetensorsFile
 

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from glassgpt.errors import InputError
 from glassgpt.hooks import HookPoint, lens_name
-from glassgpt.interp.hooked import expand_hooks
+from glassgpt.interp.core.hooked import expand_hooks
 
 LensHookFn = Callable[..., Tensor | None]  # fn(tensor, hook=point)
 

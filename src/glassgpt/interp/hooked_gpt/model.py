@@ -40,12 +40,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glassgpt.errors import InputError, ModelError
+from glassgpt.formats.transformer_lens import lens_state_dict
+from glassgpt.formats.transformer_lens_config import FOLDED_TYPES, LensConfig, lens_config
+from glassgpt.formats.transformer_lens_files import load_lens_checkpoint
 from glassgpt.inputs import check_token_ids
-from glassgpt.interp.cache import ActivationCache
-from glassgpt.interp.hooked import hook_points, run_with_hooks, select_names
+from glassgpt.interp.core.cache import ActivationCache
+from glassgpt.interp.core.hooked import hook_points, run_with_hooks, select_names
 from glassgpt.interp.hooked_gpt import process
-from glassgpt.interp.hooked_gpt.checkpoint import lens_state_dict, load_lens_checkpoint
-from glassgpt.interp.hooked_gpt.config import FOLDED_TYPES, LensConfig, lens_config
 from glassgpt.interp.hooked_gpt.hooks import AttachedHook, LensHookFn, LensHookMethods
 from glassgpt.interp.hooked_gpt.tokens import LensTokenizer, LensTokenMethods
 from glassgpt.interp.hooked_gpt.weights import LensWeights
@@ -148,13 +149,14 @@ class HookedGPT(LensHookMethods, LensWeights, LensTokenMethods, nn.Module):
                              tokenizer: Tokenizer | LensTokenizer | None = None) -> HookedGPT:
         """A TransformerLens checkpoint (ARENA's pretrained models): HookedTransformerConfig's
         fields (a dict or config.json), HookedTransformer.state_dict() (a dict, .safetensors or
-        .pth of tensors) as a glass model computing the same (hooked_gpt.checkpoint)."""
+        .pth of tensors) as a glass model computing the same (glassgpt.formats.transformer_lens)."""
         model = load_lens_checkpoint(cfg, state_dict)
         name = cfg.get("model_name") if isinstance(cfg, dict) else None
         return cls(model, tokenizer, model_name=name if isinstance(name, str) else "lens")
 
     def lens_state_dict(self) -> dict[str, Tensor]:
-        """The weights as HookedTransformer.state_dict() holds them (hooked_gpt.checkpoint)."""
+        """The weights as HookedTransformer.state_dict() holds them
+        (glassgpt.formats.transformer_lens)."""
         return lens_state_dict(self.glass)
 
     # --- the glass model's own attributes, for glassgpt.interp's free functions ---------------

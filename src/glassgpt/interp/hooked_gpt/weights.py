@@ -24,15 +24,8 @@ import torch
 from torch import Tensor, nn
 
 from glassgpt.errors import InputError
-from glassgpt.interp.factored import FactoredMatrix
-
-
-def qkv_rows(attn: nn.Module, which: str) -> slice:
-    """The rows of `attn.qkv` that make the queries, the keys or the values."""
-    q_width, kv_width = attn.q_width, attn.n_kv_head * attn.head_dim
-    starts = {"q": (0, q_width), "k": (q_width, kv_width), "v": (q_width + kv_width, kv_width)}
-    start, width = starts[which]
-    return slice(start, start + width)
+from glassgpt.formats.transformer_lens import bias_or_zeros, output_weight, qkv_rows
+from glassgpt.interp.hooked_gpt.factored import FactoredMatrix
 
 
 def head_weight(attn: nn.Module, which: str) -> Tensor:
@@ -50,17 +43,6 @@ def head_bias(attn: nn.Module, which: str) -> Tensor:
         return attn.qkv.weight.new_zeros(attn.n_heads, attn.head_dim)
     per_head = bias[rows].reshape(-1, attn.head_dim)  # (heads, d)
     return per_head if which == "q" else per_head.repeat_interleave(attn.groups, dim=0)
-
-
-def output_weight(attn: nn.Module) -> Tensor:
-    """W_O of one attention, (H, d, C): `proj.weight` (C, H d) transposed, split by head."""
-    return attn.proj.weight.T.reshape(attn.n_heads, attn.head_dim, attn.d_model)
-
-
-def bias_or_zeros(linear: nn.Linear) -> Tensor:
-    if linear.bias is not None:
-        return linear.bias
-    return linear.weight.new_zeros(linear.weight.shape[0])
 
 
 def mlp_input_linear(mlp: nn.Module, which: str) -> nn.Linear:

@@ -10,12 +10,43 @@ written in its file format, spliced into a glassgpt model's hook points.
 
 Architectures: SAELens's "standard", "topk", "jumprelu", "transcoder" and "jumprelu_transcoder";
 a BatchTopK dictionary runs as SAELens runs it after training, as "jumprelu"
-(`SAEConfig.batchtopk`).
+(`SAEConfig.batchtopk`). Each is one record of glassgpt.interp.sae.architectures.
 """
 
-from glassgpt.interp.sae.config import SAEConfig, SAEMetadata
-from glassgpt.interp.sae.model import SAE
-from glassgpt.interp.sae.splice import run_with_cache_and_saes, run_with_saes, sae_hook_names
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> its module, imported on first use: a torch-free part (the training settings)
+# imports without the torch modules of the rest
+_HOMES = {
+    "SAE": "glassgpt.interp.sae.model",
+    "SAEConfig": "glassgpt.interp.sae.config",
+    "SAEMetadata": "glassgpt.interp.sae.config",
+    "run_with_cache_and_saes": "glassgpt.interp.sae.splice",
+    "run_with_saes": "glassgpt.interp.sae.splice",
+    "sae_hook_names": "glassgpt.interp.sae.splice",
+}
 
 __all__ = ["SAE", "SAEConfig", "SAEMetadata", "run_with_cache_and_saes", "run_with_saes",
            "sae_hook_names"]
+
+if TYPE_CHECKING:  # what a type checker and an editor see; nothing here runs
+    from glassgpt.interp.sae.config import SAEConfig, SAEMetadata
+    from glassgpt.interp.sae.model import SAE
+    from glassgpt.interp.sae.splice import run_with_cache_and_saes, run_with_saes, sae_hook_names
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module the first time the name is asked for (PEP 562)."""
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))

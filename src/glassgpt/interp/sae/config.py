@@ -5,8 +5,9 @@ anything SAELens would not have written.
 The fields and their order are SAELens's (`sae_lens.saes.*Config.to_dict`):
     every architecture   d_in, d_sae, dtype, device, apply_b_dec_to_input,
                          normalize_activations, reshape_activations, metadata, architecture
-    "topk"               + k, rescale_acts_by_decoder_norm
-    "transcoder", "jumprelu_transcoder"   + d_out
+    and, before architecture, the fields its record adds (`Architecture.cfg_fields`,
+    glassgpt.interp.sae.architectures): topk's k and rescale_acts_by_decoder_norm, a
+    transcoder's d_out.
 The hook point lives in `metadata.hook_name` (a transcoder's output in `metadata.hook_name_out`),
 as SAELens 6 keeps it. A BatchTopK dictionary is not an architecture of its own at inference:
 SAELens saves it as "jumprelu" with the learned batch threshold for every latent and
@@ -24,11 +25,9 @@ from typing import Any
 import torch
 
 from glassgpt.errors import ConfigError
+from glassgpt.interp.sae.architectures import BATCHTOPK, LOADABLE, REGISTRY, Architecture, find
 from glassgpt.storage.files import ErrorType
 
-ARCHITECTURES = ("standard", "topk", "jumprelu", "transcoder", "jumprelu_transcoder")
-TRANSCODERS = ("transcoder", "jumprelu_transcoder")
-WITH_THRESHOLD = ("jumprelu", "jumprelu_transcoder")
 # SAELens's dtype names (sae_lens.constants.DTYPE_MAP); it writes the short ones.
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
           "bfloat16": torch.bfloat16}
@@ -41,6 +40,8 @@ RESHAPES = ("none", "hook_z")
 # The format this module reads and writes: SAELens's 6.x, checked against 6.54.12. A cfg.json
 # without metadata.sae_lens_version >= 6 is the older layout, which SAELens converts on load.
 SAELENS_FORMAT_VERSION = "6.54.12"
+# SAEConfig's fields that only some architectures have (Architecture.cfg_fields)
+OPTIONAL_FIELDS = ("k", "rescale_acts_by_decoder_norm", "d_out")
 # What glassgpt's trainer adds to the metadata of a dictionary it trains on a run: the run
 # directory and the sha256 of the weights it read (glassgpt.interp.sae.provenance reads them).
 TRAINED_ON_RUN, TRAINED_ON_WEIGHTS = "glassgpt_run", "glassgpt_weights_sha256"
@@ -93,9 +94,8 @@ class SAEConfig:
         """A BatchTopK dictionary as SAELens runs it after training: a JumpReLU SAE whose
         threshold (one value for every latent) is the batch threshold learned in training."""
         metadata = SAEMetadata(fields.pop("metadata", {}), hook_name=hook_name,
-                               training_architecture="batchtopk",
-                               training_architecture_details={"k": k})
-        return cls(d_in, d_sae, "jumprelu", metadata=metadata, **fields)
+                               **BATCHTOPK.saved_metadata(k))
+        return cls(d_in, d_sae, BATCHTOPK.saved_as, metadata=metadata, **fields)
 
     @property
     def hook_name(self) -> str | None:
@@ -109,8 +109,13 @@ class SAEConfig:
         return self.metadata.hook_name_out or self.metadata.hook_name
 
     @property
+    def arch(self) -> Architecture:
+        """The record of `architecture`: what it reads, saves and computes."""
+        return REGISTRY[self.architecture]
+
+    @property
     def is_transcoder(self) -> bool:
-        return self.architecture in TRANSCODERS
+        return self.arch.transcoder
 
     @property
     def width_out(self) -> int:
@@ -124,11 +129,8 @@ class SAEConfig:
                 "normalize_activations": self.normalize_activations,
                 "reshape_activations": self.reshape_activations,
                 "metadata": {"sae_lens_version": SAELENS_FORMAT_VERSION, **self.metadata}}
-        if self.architecture == "topk":
-            data |= {"k": self.k, "rescale_acts_by_decoder_norm":
-                     self.rescale_acts_by_decoder_norm}
-        if self.is_transcoder:
-            data["d_out"] = self.d_out
+        for name in self.arch.cfg_fields:
+            data[name] = getattr(self, name)
         data["architecture"] = self.architecture
         return data
 
@@ -142,15 +144,15 @@ def config_from_dict(data: dict[str, Any], source: str, error: ErrorType) -> SAE
     check_format_version(data, source, error)
     required = ["d_in", "d_sae", "architecture", "dtype", "apply_b_dec_to_input",
                 "normalize_activations"]
-    architecture = data.get("architecture")
-    required += {"topk": ["k", "rescale_acts_by_decoder_norm"], "transcoder": ["d_out"],
-                 "jumprelu_transcoder": ["d_out"]}.get(architecture, [])
+    arch = find(data.get("architecture"))  # None: refused by check_config below
+    own_fields = [] if arch is None else list(arch.cfg_fields)
+    required += own_fields
     missing = [name for name in required if name not in data]
     if missing:
         raise error(f"{source} lacks {', '.join(missing)}: not a complete SAELens cfg.json")
     given = {f.name: data[f.name] for f in dataclasses.fields(SAEConfig) if f.name in data}
-    if architecture not in ("topk", *TRANSCODERS):  # SAELens drops another architecture's
-        for name in ("k", "rescale_acts_by_decoder_norm", "d_out"):
+    if not own_fields:  # SAELens drops another architecture's
+        for name in OPTIONAL_FIELDS:
             given.pop(name, None)
     given["device"] = "cpu"  # where it is loaded, not where it was saved (as in SAELens)
     check_config(SimpleNamespace(**{**_defaults(), **given}), source, error)
@@ -177,11 +179,12 @@ def check_format_version(data: dict[str, Any], source: str, error: ErrorType) ->
 
 def check_config(config: Any, source: str, error: ErrorType) -> None:
     """Every field of `config` is one SAELens could have written, or `error` naming it."""
-    if config.architecture not in ARCHITECTURES:
-        hint = (" (SAELens saves a trained BatchTopK SAE as 'jumprelu'; SAEConfig.batchtopk)"
-                if config.architecture == "batchtopk" else "")
+    arch = find(config.architecture)
+    if arch is None or not arch.loadable:
+        hint = "" if arch is None else (f" (SAELens saves a trained {arch.title} SAE as "
+                                        f"{arch.saved_as!r}; SAEConfig.{arch.name})")
         raise error(f"{source}: unknown architecture {config.architecture!r:.40}; glassgpt "
-                    f"reads {', '.join(ARCHITECTURES)}{hint}")
+                    f"reads {', '.join(LOADABLE)}{hint}")
     for name in ("d_in", "d_sae"):
         _positive_int(getattr(config, name), f"{source}: {name}", error)
     _check_choices(config, source, error)
@@ -189,14 +192,14 @@ def check_config(config: Any, source: str, error: ErrorType) -> None:
         raise error(f"{source}: metadata must be a JSON object, got "
                     f"{type(config.metadata).__name__}")
     _check_metadata(config.metadata, source, error)
-    _check_architecture_fields(config, source, error)
-    if config.architecture == "topk":
+    _check_architecture_fields(config, arch, source, error)
+    if "k" in arch.cfg_fields:
         k = _positive_int(config.k, f"{source}: k", error)
         if k > config.d_sae:
             raise error(f"{source}: k = {k} latents of d_sae = {config.d_sae}")
         _boolean(config.rescale_acts_by_decoder_norm, f"{source}: rescale_acts_by_decoder_norm",
                  error)
-    if config.architecture in TRANSCODERS:
+    if arch.transcoder:
         _check_transcoder(config, source, error)
 
 
@@ -217,13 +220,15 @@ def _check_metadata(metadata: dict[str, Any], source: str, error: ErrorType) -> 
         _positive_int(metadata["context_size"], f"{source}: metadata.context_size", error)
 
 
-def _check_architecture_fields(config: Any, source: str, error: ErrorType) -> None:
+def _check_architecture_fields(config: Any, arch: Architecture, source: str,
+                               error: ErrorType) -> None:
     """k belongs to topk, d_out to transcoders: elsewhere it would be silently unused."""
-    if config.architecture != "topk" and (config.k is not None
-                                          or config.rescale_acts_by_decoder_norm):
-        raise error(f"{source}: k and rescale_acts_by_decoder_norm are fields of 'topk', not "
-                    f"of {config.architecture!r}")
-    if config.architecture not in TRANSCODERS and config.d_out is not None:
+    if "k" not in arch.cfg_fields and (config.k is not None
+                                       or config.rescale_acts_by_decoder_norm):
+        owners = [repr(other.name) for other in REGISTRY.values() if "k" in other.cfg_fields]
+        raise error(f"{source}: k and rescale_acts_by_decoder_norm are fields of "
+                    f"{' and '.join(owners)}, not of {config.architecture!r}")
+    if not arch.transcoder and config.d_out is not None:
         raise error(f"{source}: d_out is a transcoder's field, not {config.architecture!r}'s")
 
 

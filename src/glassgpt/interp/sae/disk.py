@@ -2,7 +2,8 @@
 
     cfg.json                  the SAEConfig (glassgpt.interp.sae.config), SAELens's fields
     sae_weights.safetensors   W_enc (d_in, d_sae), b_enc (d_sae,), W_dec (d_sae, d_out),
-                              b_dec (d_out,), and threshold (d_sae,) for a JumpReLU
+                              b_dec (d_out,), and the (d_sae,) tensors the architecture
+                              adds (Architecture.tensors: a JumpReLU's threshold)
     sparsity.safetensors      optional: "sparsity" (d_sae,), log10 of each latent's firing
                               frequency, as SAELens's trainer writes it
 
@@ -23,7 +24,7 @@ from safetensors.torch import save as safetensors_bytes
 from torch import Tensor
 
 from glassgpt.errors import CheckpointError
-from glassgpt.interp.sae.config import DTYPES, WITH_THRESHOLD, SAEConfig, config_from_dict
+from glassgpt.interp.sae.config import DTYPES, SAEConfig, config_from_dict
 from glassgpt.storage import files
 from glassgpt.storage.commit import staged_directory
 from glassgpt.storage.tensorfile import (
@@ -52,8 +53,8 @@ def expected_shapes(config: SAEConfig) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape, as SAELens's state dict of this architecture holds them."""
     shapes = {"W_enc": (config.d_in, config.d_sae), "b_enc": (config.d_sae,),
               "W_dec": (config.d_sae, config.width_out), "b_dec": (config.width_out,)}
-    if config.architecture in WITH_THRESHOLD:
-        shapes["threshold"] = (config.d_sae,)
+    for name in config.arch.tensors:  # a JumpReLU's threshold
+        shapes[name] = (config.d_sae,)
     return shapes
 
 

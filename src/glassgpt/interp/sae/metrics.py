@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glassgpt.errors import InputError
-from glassgpt.interp.hooked import as_glass, run_with_cache, run_with_hooks
+from glassgpt.interp.core.hooked import as_glass, run_with_cache, run_with_hooks
+from glassgpt.interp.core.names import stop_at_layer
 from glassgpt.interp.sae.model import SAE
 from glassgpt.interp.sae.splice import run_with_saes
 
@@ -122,24 +123,12 @@ class ReconstructionMeter:
                                  dense=int((density > dense_threshold).sum()), tokens=n, **ce)
 
 
-def stop_layer(model: nn.Module, names: Iterable[str]) -> int | None:
-    """The blocks a run must go through to reach every one of `names` (TransformerLens's
-    stop_at_layer), or None when one lies past the last block."""
-    layers = []
-    for name in names:
-        parts = name.split(".")
-        if parts[0] == "blocks" and len(parts) > 1 and parts[1].isdigit():
-            layers.append(int(parts[1]) + 1)
-        elif name not in ("hook_embed", "hook_pos_embed"):
-            return None
-    return min(max(layers, default=1), as_glass(model).config.n_layer)
-
-
 def dictionary_activations(model: nn.Module, sae: SAE, ids: Tensor) -> tuple[Tensor, Tensor]:
     """ids (B, T) -> (x (B*T, d_in) at the dictionary's hook, y (B*T, d_out) at its output
     point), read under no_grad from a run that stops after the last block it needs."""
     names = list(dict.fromkeys([sae.cfg.hook_name, sae.cfg.hook_name_out]))
-    _, cache = run_with_cache(model, ids, names, stop_layer(model, names))
+    _, cache = run_with_cache(model, ids, names,
+                              stop_at_layer(names, as_glass(model).config.n_layer))
     x = cache[sae.cfg.hook_name].flatten(0, -2)
     return x, cache[sae.cfg.hook_name_out].flatten(0, -2)
 

@@ -5,15 +5,14 @@ with SAELens's to the last bit in float32.
 Notation: x (..., d_in) an activation; f (..., d_sae) the latents; x_hat (..., d_out) the
 reconstruction (d_out = d_in except for a transcoder); n_i = ||W_dec[i]|| a decoder row's norm.
 
-    x_c   = x - b_dec            when apply_b_dec_to_input (never for a transcoder), else x
-    pre   = x_c @ W_enc + b_enc                                  hook_sae_acts_pre
-    f     = ReLU(pre)                                            "standard", "transcoder"
-          = ReLU(pre) * [pre > threshold]                        "jumprelu", "jumprelu_transcoder"
-          = ReLU of the k largest of pre (pre * n with rescale), 0 elsewhere       "topk"
+    pre   = x_c @ W_enc + b_enc     x_c = x - b_dec when apply_b_dec_to_input   hook_sae_acts_pre
+    f     = the architecture's activation of pre (ReLU, TopK, JumpReLU)      hook_sae_acts_post
     x_hat = f @ W_dec + b_dec    (f / n @ W_dec + b_dec for topk with rescale)   hook_sae_recons
 
-A BatchTopK dictionary runs as "jumprelu" with one threshold for every latent, as SAELens runs it
-after training (see glassgpt.interp.sae.config).
+The first two lines are glassgpt.interp.sae.encoding's (`pre_acts`, `ACTIVATIONS`); what else
+differs between architectures is read from their records (glassgpt.interp.sae.architectures):
+a JumpReLU's threshold, a transcoder's output width. A BatchTopK dictionary runs as "jumprelu"
+with one threshold for every latent, as SAELens runs it after training.
 """
 
 from __future__ import annotations
@@ -23,11 +22,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from glassgpt.interp.sae import disk
-from glassgpt.interp.sae.config import DTYPES, WITH_THRESHOLD, SAEConfig
+from glassgpt.interp.sae.config import DTYPES, SAEConfig
+from glassgpt.interp.sae.encoding import ACTIVATIONS, pre_acts
 
 # visit(point, tensor) -> tensor: what the splice in glassgpt.interp.sae.splice reads or replaces
 # at each of the dictionary's points ("hook_sae_acts_post", ...); encode/decode pass it through.
@@ -64,7 +63,7 @@ class SAE(nn.Module):
         self.b_enc = nn.Parameter(torch.zeros(cfg.d_sae, dtype=dtype))  # (d_sae,)
         self.W_dec = nn.Parameter(W_dec)  # (d_sae, d_out)
         self.b_dec = nn.Parameter(torch.zeros(d_out, dtype=dtype))  # (d_out,)
-        if cfg.architecture in WITH_THRESHOLD:
+        if "threshold" in cfg.arch.tensors:  # a JumpReLU's
             self.threshold = nn.Parameter(torch.zeros(cfg.d_sae, dtype=dtype))  # (d_sae,)
         else:
             self.threshold = None
@@ -88,9 +87,7 @@ class SAE(nn.Module):
         """encode, with `visit` reading or replacing the input, the pre-activations and the
         latents at SAELens's points (hook_sae_input, hook_sae_acts_pre, hook_sae_acts_post)."""
         sae_in = visit("hook_sae_input", x.to(self.W_enc.dtype))
-        if self.cfg.apply_b_dec_to_input:
-            sae_in = sae_in - self.b_dec
-        pre = visit("hook_sae_acts_pre", sae_in @ self.W_enc + self.b_enc)  # (..., d_sae)
+        pre = visit("hook_sae_acts_pre", pre_acts(self, sae_in))  # (..., d_sae)
         return visit("hook_sae_acts_post", self.activation(pre))
 
     def decode_visiting(self, f: Tensor, visit: Visit) -> Tensor:
@@ -100,18 +97,9 @@ class SAE(nn.Module):
         return visit("hook_sae_recons", f @ self.W_dec + self.b_dec)  # (..., d_out)
 
     def activation(self, pre: Tensor) -> Tensor:
-        """The pre-activations (..., d_sae) -> the latents (..., d_sae), per architecture."""
-        if self.cfg.architecture == "topk":
-            return self._top_k(pre)
-        if self.threshold is not None:  # a JumpReLU: ReLU, then off at or below the threshold
-            return F.relu(pre) * (pre > self.threshold).to(pre.dtype)
-        return F.relu(pre)
-
-    def _top_k(self, pre: Tensor) -> Tensor:
-        if self.cfg.rescale_acts_by_decoder_norm:  # rank by what a latent writes, not its size
-            pre = pre * self.W_dec.norm(dim=-1)
-        values, indices = torch.topk(pre, k=self.cfg.k, dim=-1, sorted=False)  # (..., k)
-        return torch.zeros_like(pre).scatter(-1, indices, values.relu())  # (..., d_sae)
+        """The pre-activations (..., d_sae) -> the latents (..., d_sae): the activation of the
+        dictionary's architecture."""
+        return ACTIVATIONS[self.cfg.arch.activation](self, pre)
 
     # --- files -------------------------------------------------------------------------------
 

@@ -27,8 +27,8 @@ from torch import Tensor, nn
 
 from glassgpt.errors import InputError
 from glassgpt.hooks import check_replacement
-from glassgpt.interp.cache import ActivationCache, unknown_name_message
-from glassgpt.interp.hooked import (
+from glassgpt.interp.core.cache import ActivationCache, unknown_name_message
+from glassgpt.interp.core.hooked import (
     HookFn,
     NamesFilter,
     as_glass,
@@ -39,6 +39,7 @@ from glassgpt.interp.hooked import (
     run_with_hooks,
     select_names,
 )
+from glassgpt.interp.core.names import stop_at_layer
 from glassgpt.interp.sae.model import SAE
 
 SAE_POINTS = ("hook_sae_input", "hook_sae_acts_pre", "hook_sae_acts_post", "hook_sae_recons",
@@ -186,7 +187,8 @@ def check_points(sae: SAE, order: Mapping[str, int]) -> None:
 def check_widths(model: nn.Module, ids: Tensor, saes: list[SAE]) -> None:
     """Each dictionary's d_in (and d_out) against its points' widths in a one-token run."""
     names = {name for sae in saes for name in (sae.cfg.hook_name, sae.cfg.hook_name_out)}
-    _, probe = run_with_cache(model, ids[:1, :1], sorted(names), _enough_layers(model, names))
+    stop = stop_at_layer(names, as_glass(model).config.n_layer)
+    _, probe = run_with_cache(model, ids[:1, :1], sorted(names), stop)
     for sae in saes:
         cfg = sae.cfg
         for name, width in ((cfg.hook_name, cfg.d_in), (cfg.hook_name_out, cfg.width_out)):
@@ -204,20 +206,6 @@ def check_widths(model: nn.Module, ids: Tensor, saes: list[SAE]) -> None:
             if sae.W_enc.device != activation.device:
                 raise InputError(f"the dictionary for {name} is on {sae.W_enc.device}, the "
                                  f"model on {activation.device}: move it with sae.to(...)")
-
-
-def _enough_layers(model: nn.Module, names: set[str]) -> int | None:
-    """The blocks a probe of `names` must run (stop_at_layer), or None for the whole model."""
-    layers = []
-    for name in names:
-        parts = name.split(".")
-        if parts[0] == "blocks" and parts[1].isdigit():
-            layers.append(int(parts[1]) + 1)
-        elif name in ("hook_embed", "hook_pos_embed"):
-            layers.append(0)
-        else:
-            return None
-    return min(max(layers), as_glass(model).config.n_layer)
 
 
 def split_hooks(hooks: Any, points: Mapping[str, Any], sae_names: list[str],

@@ -19,8 +19,8 @@ from torch import Tensor, nn
 
 from glassgpt.data import BatchSampler
 from glassgpt.errors import DataError
-from glassgpt.interp.hooked import run_with_cache
-from glassgpt.interp.sae.metrics import stop_layer
+from glassgpt.interp.core.hooked import as_glass, run_with_cache
+from glassgpt.interp.core.names import stop_at_layer
 
 
 class ActivationSource(Protocol):
@@ -38,7 +38,7 @@ class WindowActivations:
                  context: int, batch_tokens: int, seed: int, device: torch.device | str):
         self.model, self.hook, self.target_hook = model, hook, target_hook
         self.names = list(dict.fromkeys([hook, target_hook]))
-        self.stop_at_layer = stop_layer(model, self.names)
+        self.stop_at_layer = stop_at_layer(self.names, as_glass(model).config.n_layer)
         self.batch_tokens = batch_tokens
         self.sampler = BatchSampler(ids, context, math.ceil(batch_tokens / context), seed,
                                     device, vocab_size=model.config.vocab_size)

@@ -23,6 +23,7 @@ TopK dictionary's norms are folded into its encoder when it is saved (`inference
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from glassgpt.interp.sae import SAE
+from glassgpt.interp.sae.architectures import REGISTRY
+from glassgpt.interp.sae.encoding import pre_acts
 from glassgpt.interp.sae.training.settings import DictionarySettings
 
 
@@ -80,48 +83,103 @@ def _rectangle(z: Tensor) -> Tensor:
     return ((z > -0.5) & (z < 0.5)).to(z.dtype)
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """What a step brings beside the batch: the L1 or L0 coefficient of this step (after its
+    warm-up), the latents counted dead (d_sae,), and the batch threshold (a float64 scalar,
+    batchtopk only, updated in place)."""
+
+    sparsity_weight: float
+    dead: Tensor
+    batch_threshold: Tensor | None
+
+
+@dataclass
+class Forward:
+    """One architecture's training forward: x_hat (N, d_out), its loss terms beside the MSE
+    (Architecture.losses), and how many rows each latent fired on (d_sae,)."""
+
+    x_hat: Tensor
+    terms: dict[str, Tensor]
+    firing: Tensor
+
+
 def training_step(sae: SAE, settings: DictionarySettings, x: Tensor, y: Tensor,
                   sparsity_weight: float, dead: Tensor, batch_threshold: Tensor | None
                   ) -> StepOutput:
-    """The loss of one batch x (N, d_in) -> y (N, d_out). `sparsity_weight` is the L1 or L0
-    coefficient of this step (after its warm-up), `dead` (d_sae,) the latents counted dead,
-    `batch_threshold` (a float64 scalar, batchtopk only) updated in place."""
-    arch = settings.architecture
-    sae_in = x - sae.b_dec if sae.cfg.apply_b_dec_to_input else x
-    pre = sae_in @ sae.W_enc + sae.b_enc  # (N, d_sae)
-    norms = sae.W_dec.norm(dim=-1)  # (d_sae,)
-    terms: dict[str, Tensor] = {}
-    firing = None
-    if arch in ("topk", "batchtopk"):
-        pre = pre * norms  # rank by what a latent writes (rescale_acts_by_decoder_norm)
-        if arch == "topk":
-            values, indices = pre.topk(int(settings.k), dim=-1, sorted=False)  # (N, k)
-            values = values.relu()
-            x_hat = decode_rows(sae.W_dec, indices, values / norms[indices]) + sae.b_dec
-            firing = torch.bincount(indices[values > 0], minlength=pre.shape[1])
-            f = None
-        else:
-            f = _batch_top_k(pre, settings.k)
-            x_hat = (f / norms) @ sae.W_dec + sae.b_dec  # (N, d_out)
-            _update_batch_threshold(batch_threshold, f.detach(), settings.topk_threshold_lr)
-        terms["auxk_loss"] = settings.aux_loss_coefficient * auxk_loss(
-            sae, pre, dead, (y - x_hat).detach(), norms)
-    elif arch == "jumprelu":
-        threshold = sae.threshold
-        f = _JumpReLU.apply(pre, threshold, settings.jumprelu_bandwidth)
-        x_hat = f @ sae.W_dec + sae.b_dec
-        l0 = _Step.apply(pre, threshold, settings.jumprelu_bandwidth).sum(-1)  # (N,)
-        terms["l0_loss"] = (sparsity_weight * l0).mean()
-    else:
-        f = F.relu(pre)
-        x_hat = f @ sae.W_dec + sae.b_dec
-        terms["l1_loss"] = (sparsity_weight * (f * norms).norm(p=1, dim=-1)).mean()
-    terms = {"mse_loss": (x_hat - y).pow(2).sum(-1).mean(), **terms}
+    """The loss of one batch x (N, d_in) -> y (N, d_out): the MSE and the terms of the
+    architecture's forward (`FORWARDS`, keyed by its record's activation). `sparsity_weight`,
+    `dead` and `batch_threshold` as in StepInputs."""
+    forward = FORWARDS[REGISTRY[settings.architecture].activation]
+    out = forward(sae, settings, pre_acts(sae, x), y,  # pre (N, d_sae)
+                  StepInputs(sparsity_weight, dead, batch_threshold))
+    terms = {"mse_loss": (out.x_hat - y).pow(2).sum(-1).mean(), **out.terms}
     loss = sum(terms.values())
-    if firing is None:
-        firing = torch.count_nonzero(f.detach(), dim=0)  # (d_sae,)
-    return StepOutput(loss, {name: t.detach() for name, t in terms.items()}, firing,
-                      x_hat.detach())
+    return StepOutput(loss, {name: t.detach() for name, t in terms.items()}, out.firing,
+                      out.x_hat.detach())
+
+
+def _firing(f: Tensor) -> Tensor:
+    return torch.count_nonzero(f.detach(), dim=0)  # (d_sae,)
+
+
+def l1_forward(sae: SAE, settings: DictionarySettings, pre: Tensor, y: Tensor,
+               step: StepInputs) -> Forward:
+    """standard: ReLU, and the L1 of the latents weighted by their decoder rows' norms."""
+    norms = sae.W_dec.norm(dim=-1)  # (d_sae,)
+    f = F.relu(pre)
+    x_hat = f @ sae.W_dec + sae.b_dec
+    l1 = (step.sparsity_weight * (f * norms).norm(p=1, dim=-1)).mean()
+    return Forward(x_hat, {"l1_loss": l1}, _firing(f))
+
+
+def top_k_forward(sae: SAE, settings: DictionarySettings, pre: Tensor, y: Tensor,
+                  step: StepInputs) -> Forward:
+    """topk: the k largest of pre * n each row, decoded from those k rows only, and AuxK."""
+    norms = sae.W_dec.norm(dim=-1)  # (d_sae,)
+    pre = pre * norms  # rank by what a latent writes (rescale_acts_by_decoder_norm)
+    values, indices = pre.topk(int(settings.k), dim=-1, sorted=False)  # (N, k)
+    values = values.relu()
+    x_hat = decode_rows(sae.W_dec, indices, values / norms[indices]) + sae.b_dec
+    firing = torch.bincount(indices[values > 0], minlength=pre.shape[1])
+    return Forward(x_hat, _auxk_terms(sae, settings, pre, y, x_hat, norms, step), firing)
+
+
+def batch_top_k_forward(sae: SAE, settings: DictionarySettings, pre: Tensor, y: Tensor,
+                        step: StepInputs) -> Forward:
+    """batchtopk: the k * N largest of pre * n in the whole batch, AuxK, and the batch
+    threshold's moving average (what is saved as every latent's threshold)."""
+    norms = sae.W_dec.norm(dim=-1)  # (d_sae,)
+    pre = pre * norms  # rank by what a latent writes (rescale_acts_by_decoder_norm)
+    f = _batch_top_k(pre, settings.k)
+    x_hat = (f / norms) @ sae.W_dec + sae.b_dec  # (N, d_out)
+    _update_batch_threshold(step.batch_threshold, f.detach(), settings.topk_threshold_lr)
+    return Forward(x_hat, _auxk_terms(sae, settings, pre, y, x_hat, norms, step), _firing(f))
+
+
+def jump_relu_forward(sae: SAE, settings: DictionarySettings, pre: Tensor, y: Tensor,
+                      step: StepInputs) -> Forward:
+    """jumprelu: the threshold projected to >= 0 (as SAELens keeps it), then the
+    straight-through JumpReLU and its "step" L0 loss."""
+    with torch.no_grad():
+        sae.threshold.clamp_(min=0.0)
+    threshold = sae.threshold
+    f = _JumpReLU.apply(pre, threshold, settings.jumprelu_bandwidth)
+    x_hat = f @ sae.W_dec + sae.b_dec
+    l0 = _Step.apply(pre, threshold, settings.jumprelu_bandwidth).sum(-1)  # (N,)
+    return Forward(x_hat, {"l0_loss": (step.sparsity_weight * l0).mean()}, _firing(f))
+
+
+def _auxk_terms(sae: SAE, settings: DictionarySettings, pre: Tensor, y: Tensor, x_hat: Tensor,
+                norms: Tensor, step: StepInputs) -> dict[str, Tensor]:
+    return {"auxk_loss": settings.aux_loss_coefficient * auxk_loss(
+        sae, pre, step.dead, (y - x_hat).detach(), norms)}
+
+
+# Architecture.activation -> its training forward, for every architecture glassgpt trains
+FORWARDS: dict[str, Callable[..., Forward]] = {
+    "relu": l1_forward, "topk": top_k_forward, "batchtopk": batch_top_k_forward,
+    "jumprelu": jump_relu_forward}
 
 
 def decode_rows(w_dec: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
@@ -167,12 +225,13 @@ def inference_tensors(sae: SAE, settings: DictionarySettings,
     """The tensors SAELens saves for inference: a TopK's (and BatchTopK's) decoder norms folded
     into the encoder (W_dec rows of norm 1), a BatchTopK's batch threshold as every latent's
     JumpReLU threshold."""
+    arch = REGISTRY[settings.architecture]
     tensors = {name: t.detach().clone() for name, t in sae.state_dict().items()}
-    if settings.architecture in ("topk", "batchtopk"):
+    if arch.rescales_by_decoder_norm:
         norms = tensors["W_dec"].norm(dim=-1).clamp(min=1e-8)  # (d_sae,)
         tensors["b_enc"] = tensors["b_enc"] * norms
         tensors["W_dec"] = tensors["W_dec"] / norms[:, None]
         tensors["W_enc"] = tensors["W_enc"] * norms[None, :]
-    if settings.architecture == "batchtopk":
+    if arch.batch_threshold:
         tensors["threshold"] = torch.full_like(tensors["b_enc"], float(batch_threshold))
     return tensors

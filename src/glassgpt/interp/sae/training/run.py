@@ -15,9 +15,10 @@ from torch import nn
 from glassgpt.data import PreparedData, cache_dir, prepare, sequential_batches, sha256_of
 from glassgpt.data.datadir import holds_corpus
 from glassgpt.errors import ConfigError, InputError
-from glassgpt.interp.cache import unknown_name_message
-from glassgpt.interp.hooked import as_glass, hook_points, run_with_cache
-from glassgpt.interp.sae.metrics import evaluate_dictionary, stop_layer
+from glassgpt.interp.core.cache import unknown_name_message
+from glassgpt.interp.core.hooked import as_glass, hook_points, run_with_cache
+from glassgpt.interp.core.names import stop_at_layer
+from glassgpt.interp.sae.metrics import evaluate_dictionary
 from glassgpt.interp.sae.provenance import run_record
 from glassgpt.interp.sae.training.activations import WindowActivations
 from glassgpt.interp.sae.training.settings import DictionarySettings
@@ -115,7 +116,8 @@ def check_hooks(model: nn.Module, settings: DictionarySettings, context: int,
         raise InputError(f"the transcoder reads {settings.hook}, which the model computes "
                          f"after {settings.hook_out}")
     probe = torch.zeros(1, 1, dtype=torch.long, device=device)
-    _, cache = run_with_cache(model, probe, settings.hooks, stop_layer(model, settings.hooks))
+    stop = stop_at_layer(settings.hooks, as_glass(model).config.n_layer)
+    _, cache = run_with_cache(model, probe, settings.hooks, stop)
     widths = []
     for name in (settings.hook, settings.target_hook):
         if cache[name].dim() != 3:

@@ -4,21 +4,23 @@ Names follow SAELens's runner config where one exists (l1_coefficient, l0_coeffi
 lr_warm_up_steps, lr_decay_steps, aux_loss_coefficient, topk_threshold_lr, decoder_init_norm,
 jumprelu_init_threshold, jumprelu_bandwidth); `dead_tokens` replaces its `dead_feature_window`
 (steps) with the number of tokens a latent may go without firing before it counts as dead.
+What each architecture needs and reads (k, a transcoder) is its record's
+(glassgpt.interp.sae.architectures), read here without torch.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from glassgpt.config import setting
 from glassgpt.errors import ConfigError
+from glassgpt.hooknames import parse_hook_name
+from glassgpt.interp.sae.architectures import REGISTRY, TRAINABLE, listed
 
-ARCHITECTURES = ("standard", "topk", "batchtopk", "jumprelu")
-MLP_INPUT = re.compile(r"blocks\.(\d+)\.ln2\.hook_normalized")
+ARCHITECTURES = TRAINABLE  # what `architecture` takes (and `sae train --architecture`)
 
 
 @dataclass
@@ -29,7 +31,8 @@ class DictionarySettings:
 
     hook: str = setting("", "the hook point the dictionary reads")
     d_sae: int = setting(0, "number of latents")
-    architecture: str = setting("standard", "standard (L1), topk, batchtopk or jumprelu")
+    architecture: str = setting("standard", listed([REGISTRY[name].label
+                                                    for name in ARCHITECTURES]))
     transcoder: bool = setting(False, "reconstruct hook_out from hook (an MLP's transcoder)")
     hook_out: str | None = setting(None, "a transcoder's target point")
     k: float | None = setting(None, "topk: latents kept per token; batchtopk: on average")
@@ -92,17 +95,19 @@ class DictionarySettings:
                               f"the {self.steps} steps")
 
     def _check_k(self) -> None:
-        if self.architecture in ("topk", "batchtopk"):
+        kind = REGISTRY[self.architecture].k  # "count", "mean" or None (takes no k)
+        if kind is not None:
             if self.k is None:
                 raise ConfigError(f"the {self.architecture} architecture needs k (--k)")
-            if self.architecture == "topk":
+            if kind == "count":
                 _positive_int(self.k, "k")
             elif _non_negative(self.k, "k") == 0:
                 raise ConfigError(f"k must be positive, got {self.k}")
             if self.k > self.d_sae:
                 raise ConfigError(f"k = {self.k} latents of d_sae = {self.d_sae}")
         elif self.k is not None:
-            raise ConfigError(f"k is a setting of topk and batchtopk, not of "
+            takers = [name for name in ARCHITECTURES if REGISTRY[name].k is not None]
+            raise ConfigError(f"k is a setting of {listed(takers, 'and')}, not of "
                               f"{self.architecture}")
 
     def _check_transcoder(self) -> None:
@@ -110,16 +115,17 @@ class DictionarySettings:
             if self.hook_out is not None:
                 raise ConfigError("hook_out is a transcoder's setting (transcoder=True)")
             return
-        if self.architecture not in ("standard", "jumprelu"):
-            raise ConfigError(f"SAELens's transcoders are standard or jumprelu, not "
+        if REGISTRY[self.architecture].transcoder_form is None:
+            forms = [name for name in ARCHITECTURES if REGISTRY[name].transcoder_form]
+            raise ConfigError(f"SAELens's transcoders are {listed(forms)}, not "
                               f"{self.architecture}")
         if self.hook_out is None:
-            match = MLP_INPUT.fullmatch(self.hook)
-            if match is None:
+            read = parse_hook_name(self.hook)
+            if read.layer is None or (read.module, read.point) != ("ln2", "hook_normalized"):
                 raise ConfigError(f"a transcoder of {self.hook} needs hook_out (the default "
                                   f"pairs blocks.L.ln2.hook_normalized with "
                                   f"blocks.L.hook_mlp_out)")
-            self.hook_out = f"blocks.{match.group(1)}.hook_mlp_out"
+            self.hook_out = f"blocks.{read.layer}.hook_mlp_out"
 
     @property
     def steps(self) -> int:

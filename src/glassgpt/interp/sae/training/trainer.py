@@ -30,6 +30,7 @@ from torch import Tensor
 
 from glassgpt.errors import CheckpointError, ConfigError, InputError
 from glassgpt.interp.sae import SAE, SAEConfig, SAEMetadata
+from glassgpt.interp.sae.architectures import REGISTRY
 from glassgpt.interp.sae.config import TRAINED_ON_RUN, TRAINED_ON_WEIGHTS
 from glassgpt.interp.sae.disk import CFG_FILE, SAE_FILES, SPARSITY_FILE, WEIGHTS_FILE, read_config
 from glassgpt.interp.sae.metrics import DictionaryMetrics, ReconstructionMeter, log_density
@@ -81,9 +82,11 @@ class DictionaryTrainer:
         self.settings, self.source, self.out = settings, source, Path(out)
         self.evaluate, self.report, self.stop = evaluate, report, stop
         torch.manual_seed(settings.seed)
+        self.arch = REGISTRY[settings.architecture]
         self.sae = build_sae(settings, d_in, d_out, metadata or {}).to(device)
+        # a batch threshold is a moving average, not a gradient's
         trained = [p for name, p in self.sae.named_parameters()
-                   if not (name == "threshold" and settings.architecture == "batchtopk")]
+                   if not (name == "threshold" and self.arch.batch_threshold)]
         self.optimizer = torch.optim.Adam(trained, lr=settings.lr,
                                           betas=(settings.adam_beta1, settings.adam_beta2))
         d_sae = settings.d_sae
@@ -110,8 +113,11 @@ class DictionaryTrainer:
         return s.lr * factor
 
     def sparsity_weight(self, step: int) -> float:
+        """The weight of the architecture's L1 or L0 loss at `step`, rising from 0 over
+        sparsity_warm_up_steps (0 for one without such a loss)."""
         s = self.settings
-        weight = s.l0_coefficient if s.architecture == "jumprelu" else s.l1_coefficient
+        coefficient = self.arch.sparsity_coefficient
+        weight = 0.0 if coefficient is None else getattr(s, coefficient)
         if step < s.sparsity_warm_up_steps:
             return weight * step / s.sparsity_warm_up_steps
         return weight
@@ -149,9 +155,6 @@ class DictionaryTrainer:
         lr = self.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if s.architecture == "jumprelu":  # SAELens keeps the threshold >= 0 by projection
-            with torch.no_grad():
-                self.sae.threshold.clamp_(min=0.0)
         out = training_step(self.sae, s, x, y, self.sparsity_weight(self.step), self.dead,
                             self.batch_threshold)
         if not bool(torch.isfinite(out.loss)):
@@ -291,29 +294,24 @@ class DictionaryTrainer:
 def build_sae(settings: DictionarySettings, d_in: int, d_out: int,
               metadata: dict[str, Any]) -> SAE:
     """A fresh dictionary, initialised as SAELens's trainer does: decoder rows of norm
-    decoder_init_norm, the encoder their transpose (a transcoder's its own), biases 0."""
+    decoder_init_norm, the encoder their transpose (a transcoder's its own), biases 0; its
+    config the one it is saved with (the architecture's record says which)."""
     meta = SAEMetadata(metadata, hook_name=settings.hook)
-    arch = settings.architecture
+    arch = REGISTRY[settings.architecture]
     if settings.transcoder:
         meta.hook_name_out = settings.hook_out
-        cfg = SAEConfig(d_in, settings.d_sae, "transcoder" if arch == "standard" else
-                        "jumprelu_transcoder", apply_b_dec_to_input=False, d_out=d_out,
-                        metadata=meta)
-    elif arch == "batchtopk":
-        cfg = SAEConfig.batchtopk(d_in, settings.d_sae, settings.k, settings.hook,
-                                  metadata=meta)
-    elif arch == "topk":
-        cfg = SAEConfig(d_in, settings.d_sae, "topk", k=int(settings.k),
-                        rescale_acts_by_decoder_norm=True, metadata=meta)
+        cfg = SAEConfig(d_in, settings.d_sae, arch.transcoder_form, apply_b_dec_to_input=False,
+                        d_out=d_out, metadata=meta)
     else:
-        cfg = SAEConfig(d_in, settings.d_sae, arch, metadata=meta)
+        meta.update(arch.saved_metadata(settings.k))
+        cfg = SAEConfig(d_in, settings.d_sae, metadata=meta, **arch.saved_fields(settings.k))
     sae = SAE(cfg)
     with torch.no_grad():
         sae.W_dec.mul_(settings.decoder_init_norm / sae.W_dec.norm(dim=-1, keepdim=True))
         if not settings.transcoder:
             sae.W_enc.copy_(sae.W_dec.T)
-        if sae.threshold is not None:
-            sae.threshold.fill_(settings.jumprelu_init_threshold if arch == "jumprelu" else 0)
+        if sae.threshold is not None:  # a batch threshold starts at 0
+            sae.threshold.fill_(0 if arch.batch_threshold else settings.jumprelu_init_threshold)
     return sae
 
 
