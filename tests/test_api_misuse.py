@@ -124,6 +124,48 @@ def test_a_wrong_input_to_attention_or_a_block_is_an_input_error_naming_it(modul
         module()(x)
 
 
+X = torch.randn(2, 3, 8)
+PAD = torch.zeros(2, 3, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("module", [
+    lambda: MultiHeadSelfAttention(8, 2), lambda: TransformerBlock(8, 2)])
+@pytest.mark.parametrize("return_attn", [False, True], ids=["fused", "weights"])
+@pytest.mark.parametrize(("x", "pad_mask", "message"), [
+    (torch.randn(2, 0, 8), None, r"one position \(T\), got shape \(2, 0, 8\)"),
+    (torch.randn(0, 3, 8), None, r"one sequence \(B\).*\(0, 3, 8\)"),
+    (X, PAD[0], r"pad_mask must be of shape \(B=2, S\).*got \(3,\)"),
+    (X, PAD[:, None].expand(2, 3, 3), r"got \(2, 3, 3\)"),
+    (X, torch.zeros(3, 3, dtype=torch.bool), r"\(B=2, S\).*got \(3, 3\)"),
+    (X, torch.tensor(False), r"got \(\)"),
+    (X, PAD.long(), "bool tensor.*got dtype torch.int64.*attention_mask == 0"),
+    (X, PAD.float(), "got dtype torch.float32"),
+    (X, [[False] * 3] * 2, "bool tensor .*got list"),
+    (X, PAD.to("meta"), "pad_mask is on meta but x is on cpu"),
+], ids=["T=0", "B=0", "mask 1-D", "mask 3-D", "mask of 3 rows", "mask 0-D", "int mask",
+        "float mask", "list mask", "meta mask"])
+def test_an_empty_stream_or_a_pad_mask_that_does_not_fit_is_an_input_error(
+        module, return_attn, x, pad_mask, message):
+    """They were torch's RuntimeError or IndexError from inside the mask, or, an integer
+    attention_mask of 1 on real tokens (Hugging Face's), every key hidden without a word."""
+    with pytest.raises(InputError, match=message):
+        module()(x, pad_mask, return_attn=return_attn)
+
+
+def test_a_pad_mask_of_one_row_still_covers_every_sequence():
+    attn = MultiHeadSelfAttention(8, 2).eval()
+    one_row = torch.tensor([[False, False, True]])
+    y, weights = attn(X, one_row, return_attn=True)
+    assert torch.equal(weights[:, :, 2, 2], torch.zeros(2, 2))  # key 2 hidden from both rows
+    assert torch.allclose(y, attn(X, one_row.expand(2, 3)), atol=1e-6)
+
+
+def test_an_empty_prompt_is_an_input_error_naming_its_shape(model):
+    with pytest.raises(InputError, match=r"at least one sequence of one token, got shape "
+                                         r"\(1, 0\)"):
+        model(IDX[:, :0])
+
+
 def test_a_block_under_autocast_takes_the_precision_autocast_chose():
     block = TransformerBlock(8, 2)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -205,6 +205,9 @@ def test_builtin_tasks_ship_with_the_package() -> None:
     ('{"kind": "generate_until", "context": "a", "answer": "b", "until": "x", "max_tokens": 0}',
      "\"max_tokens\" must be a positive integer, got 0"),
     ('{"kind": "generate_until", "context": "a", "anwser": "b"}', "unknown keys ['anwser']"),
+    # An empty stop string cut every answer to "": exact_match 0 for every model, unsaid.
+    ('{"kind": "generate_until", "context": "a", "answer": "b", "until": ["\\n", ""]}',
+     "\"until\" holds an empty string"),
     ('["a", "b"]', "line 2: expected a JSON object, got list"),
 ])
 def test_bad_task_lines_are_named(tmp_path: Path, line: str, named: str) -> None:

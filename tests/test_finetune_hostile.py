@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,24 @@ def test_force_never_writes_a_run_into_a_dictionary_or_an_adapter(tiny, tmp_path
                              *force, capsys=capsys)
         assert code == 2 and "not a run" in one_error_line(err)
     assert sorted(p.name for p in other.iterdir()) == sorted(names)
+
+
+def test_a_resume_checks_its_run_against_the_source_from_any_directory(tiny, tmp_path: Path,
+                                                                      capsys, monkeypatch
+                                                                      ) -> None:
+    """The source was recorded as given ("run"): from another directory, `--resume` with
+    another run of that name was taken for the one the tune started from."""
+    for place in ("a", "b"):
+        shutil.copytree(tiny["run"], tmp_path / place / "run")
+    monkeypatch.chdir(tmp_path / "a")
+    tuned = tmp_path / "tuned"
+    code, _ = glassgpt("finetune", "run", "--sft", tiny["sft"], "--out", tuned, *TUNE,
+                       capsys=capsys)
+    assert code == 0 and Run(tuned).extra["init_from"] == str(tmp_path / "a" / "run")
+    monkeypatch.chdir(tmp_path / "b")
+    code, err = glassgpt("finetune", "run", "--resume", "--out", tuned, "--max-iters", "3",
+                         capsys=capsys)
+    assert code == 2 and "differs from the run's" in one_error_line(err)
 
 
 # --- eval of a fine-tuned run ----------------------------------------------------------------

@@ -216,6 +216,27 @@ def test_q8_0_rows_off_its_block_are_f16_and_said(bpe: BPETokenizer, tmp_path: P
     assert len(exported.notes) == 1 and "not a multiple of 32" in exported.notes[0]
 
 
+@pytest.mark.parametrize(("dtype", "weight", "value", "limit"), [
+    ("f16", "blocks.1.ffn.proj.weight", 1e9, "6.55e+04"),  # past f16's largest value
+    ("q8_0", "blocks.1.ffn.proj.weight", 1e9, "8.32e+06"),  # a block scale is an f16
+    ("q8_0", "blocks.0.attn.qkv.weight", 1e5, "6.55e+04"),  # rows of 16: the f16 fallback
+])
+def test_a_weight_past_what_the_dtype_holds_is_refused_not_written_infinite(
+        dtype: str, weight: str, value: float, limit: str, bpe: BPETokenizer,
+        tmp_path: Path) -> None:
+    """A finite float32 weight past f16's range was written as infinity, which llama.cpp
+    computes with, without a word."""
+    model = random_model("llama", bpe.vocab_size, n_embd=16)
+    with torch.no_grad():
+        model.get_parameter(weight).view(-1)[3] = value
+    with pytest.raises(CheckpointError) as refused:
+        write_gguf(model, bpe, tmp_path / "m.gguf", dtype)
+    assert f"holds {value:.3g}, more than {dtype} can hold (about {limit})" in str(refused.value)
+    assert str(refused.value).endswith("export with --dtype f32")
+    assert not (tmp_path / "m.gguf").exists()
+    assert write_gguf(model, bpe, tmp_path / "m.gguf", "bf16").dtype == "bf16"  # bf16 holds it
+
+
 # --- the vocabulary ----------------------------------------------------------------------------
 
 
@@ -556,6 +577,7 @@ def test_force_keeps_a_file_that_only_starts_like_gguf(damage: str, bpe_run: Pat
     (["--to-hf", "OUT", "--dtype", "f16"], "--dtype applies to --to-gguf only"),
     (["--to-gguf", "OUT", "--to-hf", "OUT2"], "give one of --to-hf and --to-gguf, not both"),
     (["--to-gguf", "OUT", "--adapter"], "--adapter applies to --to-hf only"),
+    (["--to-lens", "OUT", "--adapter"], "--adapter applies to --to-hf only"),  # was ignored
 ])
 def test_flag_mistakes_are_one_line(args: list[str], message: str, bpe_run: Path,
                                     tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -147,3 +147,45 @@ def test_transcoders_of_another_run_are_refused_unless_told(trained_run, tmp_pat
     assert str(trained_run.run.resolve()) in err and str(other.resolve()) in err
     assert graph_cli(other, path, "--any-run", capsys=capsys)[0] == 0
     assert graph_cli(trained_run.run, path, capsys=capsys)[0] == 0
+
+
+@pytest.mark.parametrize("flag, mine", [
+    ("--out", lambda path: save_file({"weights": torch.zeros(3)}, path)),
+    ("--json", lambda path: path.write_text('{"my": "notes"}')),
+    ("--out", lambda path: path.write_text("not even safetensors")),
+], ids=["a-users-safetensors", "a-users-json", "a-users-text"])
+def test_force_replaces_only_a_file_glassgpt_graph_wrote(trained_run, fitting, tmp_path, capsys,
+                                                         flag, mine) -> None:
+    """--force replaced any file at --out or --json: a user's, a transcoder's weights."""
+    path = tmp_path / "mine"
+    mine(path)
+    before = path.read_bytes()
+    code, err = graph_cli(trained_run.run, fitting, flag, path, "--force", capsys=capsys)
+    assert code == 2 and err.count("\n") == 1 and "--force replaces only such a file" in err
+    assert path.read_bytes() == before
+
+
+def test_a_transcoders_own_file_is_never_an_output(trained_run, tmp_path, capsys) -> None:
+    layer = transcoder(0, 16).save(tmp_path / "layer0")
+    before = {p.name: p.read_bytes() for p in layer.iterdir()}
+    for flag, name in (("--out", "sae_weights.safetensors"), ("--json", "cfg.json")):
+        code, err = graph_cli(trained_run.run, layer, flag, layer / name, "--force",
+                              capsys=capsys)
+        assert code == 2 and "is not" in err and err.count("\n") == 1
+    assert {p.name: p.read_bytes() for p in layer.iterdir()} == before
+
+
+def test_outputs_go_under_new_folders_and_force_replaces_them(trained_run, fitting, tmp_path,
+                                                              capsys) -> None:
+    """A missing folder was a FileNotFoundError traceback; a graph's own files are replaced."""
+    out, data = tmp_path / "new" / "g.safetensors", tmp_path / "other" / "deeper" / "g.json"
+    assert graph_cli(trained_run.run, fitting, "--out", out, "--json", data, capsys=capsys)[0] == 0
+    assert AttributionGraph.load(out).n_layers == 1 and "nodes" in json.loads(data.read_text())
+    code, _ = graph_cli(trained_run.run, fitting, "--out", out, "--json", data, "--force",
+                        "--node-threshold", "0.5", capsys=capsys)
+    assert code == 0 and json.loads(data.read_text())["thresholds"]["node"] == 0.5
+
+
+def test_saving_a_graph_onto_a_directory_is_an_input_error(saved_graph, tmp_path) -> None:
+    with pytest.raises(InputError, match="is a directory; give a file name"):
+        AttributionGraph.load(saved_graph).save(tmp_path)

@@ -205,3 +205,31 @@ def test_a_config_eps_of_the_wrong_type_and_a_damaged_pth_are_refused_by_name(tm
     junk.write_bytes(b"junk" * 10)  # the weights-only unpickler raised a bare KeyError
     with pytest.raises(CheckpointError, match="not a file of tensors"):
         HookedGPT.from_lens_checkpoint(cfg, junk)
+
+
+@pytest.mark.parametrize("attn_types", [["local", "global"], ["global", "sliding"], "local"])
+def test_a_checkpoint_with_local_attention_layers_is_refused(attn_types):
+    """attn_types was read as inert: a layer TransformerLens bands to window_size keys was
+    computed as global attention, other numbers without a word."""
+    model = gpt()
+    cfg, state = lens_config_dict(model), lens_state_dict(model)
+    with pytest.raises(ConfigError, match="attn_types=.* holds other than global layers"):
+        HookedGPT.from_lens_checkpoint({**cfg, "attn_types": attn_types, "window_size": 4},
+                                       state)
+    both_global = {**cfg, "attn_types": ["global", "global"], "window_size": 4}
+    assert torch.equal(HookedGPT.from_lens_checkpoint(both_global, state)(ids()),
+                       HookedGPT(model)(ids()))
+
+
+@pytest.mark.parametrize("tokenizer", ["gpt2", object()], ids=["a-name", "another-library's"])
+def test_a_tokenizer_that_is_not_glassgpts_is_named(tokenizer):
+    with pytest.raises(InputError, match="tokenizer must be a glassgpt tokenizer .*got "
+                                         f"{type(tokenizer).__name__}"):
+        HookedGPT(gpt(), tokenizer)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool, "float16"])
+def test_from_run_refuses_a_dtype_weights_cannot_take(trained_run, dtype):
+    """int8 was a many-line load_state_dict error; a string, an AttributeError."""
+    with pytest.raises(InputError, match="dtype must be a floating-point torch.dtype"):
+        HookedGPT.from_run(trained_run.run, dtype=dtype)

@@ -242,6 +242,31 @@ def test_a_new_training_needs_the_hook_and_the_width(trained_run, tmp_path, caps
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize("extra, says", [
+    (["--seed", str(2**70)], "seed must be at most 2**63 - 1, got an integer of 71 bits"),
+    (["--l1", "3"], "l1_coefficient is a setting of standard, not of topk"),
+    (["--l0", "3"], "l0_coefficient is a setting of jumprelu, not of topk"),
+], ids=["seed-past-64-bits", "l1-with-topk", "l0-with-topk"])
+def test_a_setting_out_of_reach_or_of_another_architecture_is_one_line(
+        trained_run, tmp_path, capsys, extra, says) -> None:
+    """A seed past 64 bits was torch's traceback; --l1 or --l0 with topk trained as if not
+    given, without a word."""
+    code, _, err = cli(*train_args(trained_run.run, tmp_path / "s", *extra), capsys=capsys)
+    assert code == 2 and says in err and err.count("\n") == 1
+    assert not (tmp_path / "s").exists()
+
+
+def test_force_never_replaces_a_link_to_a_dictionary(trained_run, trained_sae, tmp_path,
+                                                     capsys) -> None:
+    """The link was swapped for a new directory, and left behind as .link.replaced."""
+    (tmp_path / "link").symlink_to(trained_sae)
+    code, _, err = cli(*train_args(trained_run.run, tmp_path / "link", "--force"),
+                       capsys=capsys)
+    assert code == 2 and "is a symbolic link" in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link"]
+    assert (tmp_path / "link").is_symlink()
+
+
 def test_the_density_histograms_bars_scale_to_the_largest_count(trained_run, trained_sae,
                                                                 capsys) -> None:
     from glassgpt.cli.sae import HISTOGRAM_WIDTH

@@ -196,6 +196,7 @@ def test_sample_steer_prints_what_generate_gives_with_the_hook(trained_run, tmp_
       "--compile"], "--compile cannot go with --steer"),
     (["--at", "blocks.0.hook_resid_post"], "--at goes with --steer"),
     (["--scale", "2"], "--scale goes with --steer"),
+    (["--any-run"], "--any-run goes with --steer"),  # it was ignored without a word
     (["--steer", "{d}/v.json", "--at", "blocks.0.hook_resid_post"], "--steer needs --scale"),
     (["--steer", "{d}/v.json", "--steer", "{d}/v.json", "--steer", "{d}/v.json",
       "--scale", "1", "--scale", "2"], "--scale is given 2 times for 3 --steer"),

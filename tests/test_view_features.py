@@ -170,6 +170,7 @@ def test_a_clamp_with_scale_one_changes_nothing_and_keeps_the_seed(client, view,
     ("feature", {"feature": D_SAE}, f"feature {D_SAE}"),
     ("feature", {"feature": 0, "prompt": PROMPT}, "position"),
     ("feature", {"feature": 0, "prompt": PROMPT, "position": 99}, "position 99"),
+    ("feature", {"feature": 0, "position": 2}, "give the prompt too"),  # was ignored
     ("clamp", {"prompt": PROMPT, "feature": 0}, "one of value"),
     ("clamp", {"prompt": PROMPT, "feature": 0, "value": 1, "scale": 2}, "one of value"),
     ("clamp", {"prompt": PROMPT, "feature": 0, "value": "big"}, "value must be a number"),

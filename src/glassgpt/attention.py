@@ -38,7 +38,8 @@ from torch import Tensor, nn
 from glassgpt.config import GPTConfig, check_heads_divide_width
 from glassgpt.errors import ConfigError, InputError
 from glassgpt.hooks import add_hook_points, recorded
-from glassgpt.norms import RMSNorm, autocast_enabled
+from glassgpt.inputs import check_pad_mask, check_stream
+from glassgpt.norms import RMSNorm
 from glassgpt.rotary import RotaryEmbedding
 
 
@@ -169,20 +170,6 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_cau
     return y if empty_rows is None else y.masked_fill(empty_rows, 0.0)
 
 
-def check_stream(x: object, d_model: int, weight: Tensor, what: str) -> None:
-    """Raise InputError unless x is a float tensor (B, T, C=d_model) in the weights' dtype
-    (under autocast any float dtype: autocast chooses the precision of each product)."""
-    if not isinstance(x, Tensor):
-        raise InputError(f"{what} takes a tensor (B, T, C={d_model}), got {type(x).__name__}")
-    if x.dim() != 3 or x.shape[-1] != d_model:
-        raise InputError(f"{what} takes x of shape (B, T, C={d_model}), got {tuple(x.shape)}")
-    if not x.dtype.is_floating_point:
-        raise InputError(f"{what} takes floating-point x, got dtype {x.dtype}")
-    if x.dtype != weight.dtype and not autocast_enabled(x.device.type):
-        raise InputError(f"{what}: x is {x.dtype} but its weights are {weight.dtype}; cast one "
-                         f"to the other (e.g. x.to({weight.dtype}))")
-
-
 def repeat_kv(x: Tensor, groups: int) -> Tensor:  # query head h reads K/V head h // groups
     """(B, H_kv, S, d) -> (B, H_kv * groups, S, d)."""
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
@@ -291,6 +278,7 @@ class MultiHeadSelfAttention(nn.Module):
                 y = self.forward(x, pad_mask, start_pos=start_pos, qk_pos=qk_pos)
             return y, seen[0]
         check_stream(x, self.d_model, self.qkv.weight, "attention")
+        check_pad_mask(pad_mask, x)
         q, k, v = self.project(x, start_pos, qk_pos)  # (B, H, T, d), 2 x (B, H_kv, T, d)
         window = self.window
         if start_pos is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from glassgpt.attention import MultiHeadSelfAttention, check_stream
+from glassgpt.attention import MultiHeadSelfAttention
 from glassgpt.config import (
     ACTIVATIONS,
     GATED_ACTIVATIONS,
@@ -27,6 +27,7 @@ from glassgpt.config import (
 )
 from glassgpt.errors import ConfigError
 from glassgpt.hooks import add_hook_points, recorded
+from glassgpt.inputs import check_stream
 from glassgpt.norms import make_norm
 
 __all__ = ["FeedForward", "GeGLUFeedForward", "ReLUSquared", "SwiGLUFeedForward",

@@ -1,8 +1,10 @@
-"""The checks of what a caller hands the model: token ids and targets, each refused in one
-clear InputError naming the value, never an opaque index failure deep inside torch.
+"""The checks of what a caller hands the model: token ids and targets, and the stream and
+padding mask an attention layer or a block is called with, each refused in one clear
+InputError naming the value, never an opaque index or shape failure deep inside torch.
 
-Shapes: B = batch, T = positions. `GPT.check_tokens` adds what only the model knows (its
-`block_size`); the decoders check a prompt's ids once, where it enters (`check_token_ids`).
+Shapes: B = batch, T = positions, S = key positions, C = width. `GPT.check_tokens` adds what
+only the model knows (its `block_size`); the decoders check a prompt's ids once, where it
+enters (`check_token_ids`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 from torch import Tensor
 
 from glassgpt.errors import InputError
+from glassgpt.norms import autocast_enabled
 
 ID_DTYPES = (torch.int64, torch.int32)  # what nn.Embedding takes
 TARGET_DTYPES = (torch.int64,)  # what cross_entropy takes, -1 included
@@ -52,3 +55,42 @@ def check_targets(targets: Tensor, idx: Tensor, vocab_size: int, check_ids: bool
         if low < -1 or high >= vocab_size:
             raise InputError(f"target {low if low < -1 else high} is outside the vocabulary "
                              f"[0, {vocab_size}) (or -1 to skip a position)")
+
+
+def check_stream(x: object, d_model: int, weight: Tensor, what: str) -> None:
+    """Raise InputError unless x is a float tensor (B, T, C=d_model), B and T at least 1, in
+    the weights' dtype (under autocast any float dtype: autocast chooses each product's)."""
+    if not isinstance(x, Tensor):
+        raise InputError(f"{what} takes a tensor (B, T, C={d_model}), got {type(x).__name__}")
+    if x.dim() != 3 or x.shape[-1] != d_model:
+        raise InputError(f"{what} takes x of shape (B, T, C={d_model}), got {tuple(x.shape)}")
+    if 0 in x.shape[:2]:
+        raise InputError(f"{what} takes x of at least one sequence (B) of one position (T), got "
+                         f"shape {tuple(x.shape)}")
+    if not x.dtype.is_floating_point:
+        raise InputError(f"{what} takes floating-point x, got dtype {x.dtype}")
+    if x.dtype != weight.dtype and not autocast_enabled(x.device.type):
+        raise InputError(f"{what}: x is {x.dtype} but its weights are {weight.dtype}; cast one "
+                         f"to the other (e.g. x.to({weight.dtype}))")
+
+
+def check_pad_mask(pad_mask: object, x: Tensor) -> None:
+    """Raise InputError unless `pad_mask` is None or a bool tensor (B or 1, S) on x's device,
+    True on the padding keys (nn.MultiheadAttention's key_padding_mask). Only bool: a Hugging
+    Face attention_mask holds 1 on the real tokens, the opposite, and would hide them all.
+    S, the keys' count, is checked where the keys are known (`build_attention_mask`)."""
+    if pad_mask is None:
+        return
+    if not isinstance(pad_mask, Tensor):
+        raise InputError(f"pad_mask must be a bool tensor (B, S), True on padding keys, got "
+                         f"{type(pad_mask).__name__}")
+    if pad_mask.dtype != torch.bool:
+        raise InputError(f"pad_mask must be a bool tensor, True on padding keys, got dtype "
+                         f"{pad_mask.dtype}; from an attention_mask of 1 on real tokens, pass "
+                         f"attention_mask == 0")
+    B = x.shape[0]
+    if pad_mask.dim() != 2 or pad_mask.shape[0] not in (1, B):
+        raise InputError(f"pad_mask must be of shape (B={B}, S) (or (1, S) for every row), got "
+                         f"{tuple(pad_mask.shape)}")
+    if pad_mask.device != x.device:
+        raise InputError(f"pad_mask is on {pad_mask.device} but x is on {x.device}")

@@ -137,8 +137,9 @@ class GPT(nn.Module):
         once where they enter (the batch sampler, the prompt) and pass check_ids=False.
         """
         check_id_tensor(idx)
-        if idx.dim() != 2:
-            raise InputError(f"token ids must be (batch, time), got shape {tuple(idx.shape)}")
+        if idx.dim() != 2 or 0 in idx.shape:
+            raise InputError(f"token ids must be (batch, time) with at least one sequence of "
+                             f"one token, got shape {tuple(idx.shape)}")
         end = start_pos + idx.shape[1]
         if end > self.config.block_size:
             raise InputError(f"sequence of {end} tokens is longer than block_size="

@@ -90,6 +90,9 @@ def run_convert(args: argparse.Namespace) -> int:
     if importing == exporting:
         raise CommandLineError("convert: give either --from-hf NAME_OR_DIR --out RUN_DIR, or "
                                "RUN_DIR --to-hf OUT_DIR")
+    if args.adapter and args.to_hf is None:
+        raise CommandLineError("convert: --adapter applies to --to-hf only (--to-lens and "
+                               "--to-gguf write the adapter merged; an import has none)")
     if importing:
         if args.from_hf is None or args.out is None:
             raise CommandLineError("convert: --from-hf and --out go together")
@@ -110,9 +113,6 @@ def run_convert(args: argparse.Namespace) -> int:
     if args.dtype is not None and args.to_gguf is None:
         raise CommandLineError("convert: --dtype applies to --to-gguf only")
     if args.to_gguf is not None:
-        if args.adapter:
-            raise CommandLineError("convert: --adapter applies to --to-hf only (a GGUF file "
-                                   "holds the adapter merged)")
         return export_to_gguf(Path(args.run_dir), Path(args.to_gguf), args.checkpoint,
                               args.dtype or "f32", args.force)
     if args.to_lens is not None:

@@ -37,8 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top", type=int, default=10, help="features to list")
     p.add_argument("--out", type=path_arg, help="save the whole graph (.safetensors)")
     p.add_argument("--json", type=path_arg, help="write the pruned graph's nodes and edges")
-    p.add_argument("--force", action="store_true", help="replace --out and --json files that "
-                   "already exist")
+    p.add_argument("--force", action="store_true", help="replace the --out and --json files "
+                   "an earlier glassgpt graph wrote (no other file)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     p.add_argument("--any-run", action="store_true", help="use transcoders glassgpt trained on "
                    "another run's model (neither this run's directory nor its weights)")
@@ -62,9 +62,25 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.out is not None and args.json is not None and same_file(args.out, args.json):
         raise ConfigError(f"--out and --json both name {args.json}: the graph and its JSON "
                           f"need a file each")
-    for output in (args.out, args.json):
+    for output, flag in ((args.out, "--out"), (args.json, "--json")):
         if output is not None:
             check_output_file(output, args.force, ConfigError)
+            check_replacing(output, flag)
+
+
+def check_replacing(output: Path, flag: str) -> None:
+    """--force replaces only a file `glassgpt graph` wrote, checked by its content: a graph's
+    safetensors (--out) or its JSON (--json); a user's file of the same name stays."""
+    from glassgpt.interp.graph import AttributionGraph
+    from glassgpt.interp.graph.export import is_pruned_json
+
+    if not output.exists():
+        return
+    ours = AttributionGraph.saved_at(output) if flag == "--out" else is_pruned_json(output)
+    if not ours:
+        what = "an attribution graph" if flag == "--out" else "a graph's JSON"
+        raise ConfigError(f"{flag} {output} is not {what} glassgpt graph wrote; --force "
+                          f"replaces only such a file: give another name")
 
 
 def same_file(first: Path, second: Path) -> bool:
@@ -117,6 +133,7 @@ def run_graph(args: argparse.Namespace) -> int:
         print(f"saved {graph.save(args.out)}")
     if args.json is not None:
         data = pruned_json(graph, pruned, (args.node_threshold, args.edge_threshold), decode)
+        args.json.parent.mkdir(parents=True, exist_ok=True)  # as --out's folder is made
         files.write_text_atomic(args.json, json.dumps(data))
         print(f"wrote {args.json}")
     return 0

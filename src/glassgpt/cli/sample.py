@@ -146,7 +146,8 @@ def steer_flags(args: argparse.Namespace) -> list[tuple[str, str | None, float]]
     apply to every --steer, given once per --steer they pair up in order."""
     steers = args.steer or []
     if not steers:
-        for flag, given in (("--at", args.at), ("--scale", args.scale)):
+        for flag, given in (("--at", args.at), ("--scale", args.scale),
+                            ("--any-run", args.any_run)):
             if given:
                 raise CommandLineError(f"{flag} goes with --steer FEATURE_OR_VECTOR")
         return []

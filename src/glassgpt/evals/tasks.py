@@ -182,6 +182,9 @@ def _generate_until(data: dict, context: str, where: str, line: int) -> Generate
     if not isinstance(until, list) or not all(isinstance(stop, str) for stop in until):
         raise InputError(f"{where}: \"until\" must be a list of strings, got "
                          f"{json.dumps(until)[:60]}")
+    if "" in until:  # every text holds it at its start: the answer would always be cut to ""
+        raise InputError(f"{where}: \"until\" holds an empty string, which stops before the "
+                         f"first token; drop it")
     max_tokens = data.get("max_tokens", DEFAULT_MAX_TOKENS)
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
         raise InputError(f"{where}: \"max_tokens\" must be a positive integer, got "

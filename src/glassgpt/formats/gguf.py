@@ -299,14 +299,34 @@ def _typed(gguf: Any, tensors: dict[str, Tensor], dtype: str
             qtype = qtypes.F32
         data = tensor.numpy()
         try:
+            check_in_range(name, data, LARGEST.get(qtype.name), dtype)
             written[name] = (gguf.quants.quantize(data, qtype), qtype)
         except gguf.QuantError:
+            check_in_range(name, data, F16_MAX, dtype)
             written[name] = (gguf.quants.quantize(data, qtypes.F16), qtypes.F16)
             fallen_back.append(name)
     notes = [] if not fallen_back else [
         f"{len(fallen_back)} matrices are f16, not q8_0: their rows are not a multiple of 32 "
         f"long (q8_0's block), e.g. {fallen_back[0]}"]
     return written, notes
+
+
+# The largest magnitude each narrow type holds: f16's largest finite value, bf16's, and q8_0's,
+# whose block scale (the block's largest magnitude / 127) is itself an f16.
+F16_MAX = 65504.0
+LARGEST = {"F16": F16_MAX, "BF16": float(torch.finfo(torch.bfloat16).max), "Q8_0": F16_MAX * 127}
+
+
+def check_in_range(name: str, data: np.ndarray, largest: float | None, dtype: str) -> None:
+    """Refuse a tensor whose values its GGUF type cannot hold: written, they would be
+    infinities that llama.cpp computes with, where the run holds finite weights."""
+    if largest is None or data.size == 0:
+        return
+    biggest = float(np.abs(data).max())
+    if biggest > largest:
+        raise CheckpointError(f"{name} holds {biggest:.3g}, more than {dtype} can hold (about "
+                              f"{largest:.3g}): the GGUF file would hold infinities; export "
+                              f"with --dtype f32")
 
 
 # --- the settings ------------------------------------------------------------------------------

@@ -202,6 +202,12 @@ INERT_FIELDS = frozenset({
 def check_lens_fields(cfg: dict) -> None:
     """ConfigError naming a field glassgpt cannot compute: a switch at another value than
     SWITCHED_OFF's, or a field it does not know that is set (None or False: left off)."""
+    attn_types = cfg.get("attn_types")  # TransformerLens bands a "local" layer by window_size
+    if attn_types is not None and (not isinstance(attn_types, list)
+                                   or any(kind != "global" for kind in attn_types)):
+        raise ConfigError(f"attn_types={attn_types!r:.60} holds other than global layers (a "
+                          f"local one sees only window_size keys), and glassgpt reads "
+                          f"TransformerLens's checkpoints of global attention only")
     for name, value in cfg.items():
         if name in READ_FIELDS or name in INERT_FIELDS:
             continue

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from glassgpt.config import GPTConfig
-from glassgpt.errors import CheckpointError
+from glassgpt.errors import CheckpointError, InputError
 from glassgpt.machine.distributed import unwrap_model
 from glassgpt.machine.memory import gib, physical_memory
 from glassgpt.model import GPT
@@ -84,6 +84,9 @@ def read_weights(path: Path, config: GPTConfig, dtype: torch.dtype | None = None
     """The tensors of a model file, checked against `config` before any is read; as `dtype`
     when given (each converted as it is read: bfloat16 weights never pass through a float32
     copy of the model)."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise InputError(f"dtype must be a floating-point torch.dtype (torch.float32, "
+                         f"torch.bfloat16, ...), got {dtype!r:.40}")
     with SafetensorsFile(path, CheckpointError) as file:
         check_shapes(config, {name: info.shape for name, info in file.header.items()}, path)
         check_float_dtypes(file.header, path, CheckpointError)

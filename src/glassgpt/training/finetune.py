@@ -251,9 +251,10 @@ def _start(request: FinetuneRequest) -> FinetuneOutcome:
         raise ConfigError(f"{spell('seq_len')} {request.seq_len} is more than the model's "
                           f"context ({block_size})")
     window = request.seq_len or min(block_size, DEFAULT_SEQ_LEN)
-    # The conversation files by absolute path: `eval RUN2` reads them again from anywhere.
+    # The conversation files and the source by absolute path: `eval RUN2` reads them again,
+    # and a resume checks its RUN against the source, from anywhere.
     val_sft = None if request.val_sft is None else str(Path(request.val_sft).absolute())
-    extra = {"preset": None, "init_from": str(source_dir),
+    extra = {"preset": None, "init_from": str(source_dir.absolute()),
              "sft": str(Path(request.sft).absolute()), "recompute": request.recompute,
              "val_sft": val_sft, "chat_template": data.template_source,
              "lora": None if lora is None else dataclasses.asdict(lora),

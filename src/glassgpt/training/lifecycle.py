@@ -171,7 +171,7 @@ def _start(request: TrainRequest) -> TrainOutcome:
     warnings = recipe_warnings(cfg)
     device = resolve_device(cfg.device)
     extra = {"preset": None if source else preset,
-             "init_from": None if init_from is None else str(init_from)}
+             "init_from": None if init_from is None else str(Path(init_from).absolute())}
     with ddp.distributed(device.type) as context:
         data = runs.training_data(None if request.data is None else Path(request.data), context)
         if source is None:

@@ -139,6 +139,8 @@ def feature(view: View, dicts: Dictionaries, sae: str, feature: int,
     each head's and MLP's direct push on its pre-activation there."""
     name, chosen = dicts.get(sae)
     checks.index("feature", feature, chosen.cfg.d_sae)
+    if position is not None and prompt is None:
+        raise InputError("a position is a position of the prompt: give the prompt too")
     scan = dicts.scan(name)
     scanned = None if scan is None else {"windows": scan.windows.shape[0],
                                          "tokens": scan.positions}

@@ -14,12 +14,18 @@ T@{position} (token embedding), L{token} (logit); `index` is its row in the adja
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from glassgpt.errors import CheckpointError
 from glassgpt.interp.graph.prune import PrunedGraph, graph_scores
 from glassgpt.interp.graph.result import AttributionGraph
+from glassgpt.storage import files
+
+JSON_KEYS = frozenset({"tokens", "n_layers", "scores", "thresholds", "nodes", "edges"})
+MAX_JSON_BYTES = 256 * 2**20  # a graph's JSON read back only to recognise it
 
 
 def node_id(node: dict[str, Any]) -> str:
@@ -62,6 +68,16 @@ def pruned_json(graph: AttributionGraph, pruned: PrunedGraph, thresholds: tuple[
             "scores": {"replacement": replacement, "completeness": completeness},
             "thresholds": {"node": thresholds[0], "edge": thresholds[1]},
             "nodes": nodes, "edges": sorted(edges, key=lambda e: -abs(e["weight"]))}
+
+
+def is_pruned_json(path: str | Path) -> bool:
+    """Whether `path` holds what `pruned_json` writes (an object of exactly its keys): what
+    `glassgpt graph --json --force` may replace."""
+    try:
+        data = files.read_json(path, CheckpointError, MAX_JSON_BYTES)
+    except CheckpointError:
+        return False
+    return isinstance(data, dict) and set(data) == JSON_KEYS
 
 
 def top_features(graph: AttributionGraph, pruned: PrunedGraph, k: int = 10

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save as safetensors_save
 from torch import Tensor
 
-from glassgpt.errors import CheckpointError
+from glassgpt.errors import CheckpointError, InputError
 from glassgpt.rundir.weights import check_fits_memory
 from glassgpt.storage import files
 from glassgpt.storage.tensorfile import FLOAT_DTYPES, SafetensorsFile
@@ -113,12 +113,23 @@ class AttributionGraph:
     def save(self, path: str | Path) -> Path:
         """One safetensors file, written atomically: the tensors, with n_layers and the
         transcoders' hooks in its metadata."""
+        path = files.check_can_write_file(path, InputError)
         tensors = {name: getattr(self, name).detach().cpu().contiguous() for name in TENSORS}
         metadata = {"format": FORMAT, "n_layers": str(self.n_layers),
                     "transcoders": json.dumps(self.transcoders)}
-        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)  # as a picture's folder is made
         files.write_bytes_atomic(path, safetensors_save(tensors, metadata))
         return path
+
+    @staticmethod
+    def saved_at(path: str | Path) -> bool:
+        """Whether `path` is a file `save` wrote (its header says so; nothing else is read):
+        what `glassgpt graph --out --force` may replace."""
+        try:
+            with SafetensorsFile(Path(path), CheckpointError) as file:
+                return file.metadata.get("format") == FORMAT
+        except CheckpointError:
+            return False
 
     @classmethod
     def load(cls, path: str | Path) -> AttributionGraph:

@@ -55,6 +55,8 @@ from glassgpt.rundir.checkpoint import load_model
 from glassgpt.tokenizers import Tokenizer
 
 RETURN_TYPES = ("logits", "loss", "both", None)
+# What a glassgpt Tokenizer (a Protocol, so not an isinstance check) offers and LensTokenizer reads.
+TOKENIZER_METHODS = ("kind", "vocab_size", "encode", "decode", "leading_special_ids")
 
 
 def loss_fn(logits: Tensor, tokens: Tensor, attention_mask: Tensor | None = None,
@@ -95,6 +97,11 @@ def lens_tokenizer(tokenizer: Tokenizer | LensTokenizer | None,
         return None
     if isinstance(tokenizer, LensTokenizer):
         return tokenizer if bos is None else LensTokenizer(tokenizer.inner, bos)
+    missing = [name for name in TOKENIZER_METHODS if not hasattr(tokenizer, name)]
+    if missing:  # a Hugging Face tokenizer, a name: never the tokenizer the model was made with
+        raise InputError(f"tokenizer must be a glassgpt tokenizer (a run's: "
+                         f"glassgpt.rundir.checkpoint.read_tokenizer(run_dir)), got "
+                         f"{type(tokenizer).__name__}, which has no {', '.join(missing)}")
     return LensTokenizer(tokenizer, bos)
 
 

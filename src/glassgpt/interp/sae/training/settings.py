@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from glassgpt.config import setting
+from glassgpt.config_checks import INT64_MAX
 from glassgpt.errors import ConfigError
 from glassgpt.hooknames import parse_hook_name
 from glassgpt.interp.sae.architectures import REGISTRY, TRAINABLE, listed
@@ -85,6 +86,7 @@ class DictionarySettings:
             raise ConfigError(f"tokens={self.tokens} is less than one batch of "
                               f"batch_tokens={self.batch_tokens}")
         self._check_k()
+        self._check_read()
         self._check_transcoder()
         if self.lr_decay_steps is None:
             self.lr_decay_steps = self.steps // 5
@@ -109,6 +111,18 @@ class DictionarySettings:
             takers = [name for name in ARCHITECTURES if REGISTRY[name].k is not None]
             raise ConfigError(f"k is a setting of {listed(takers, 'and')}, not of "
                               f"{self.architecture}")
+
+    def _check_read(self) -> None:
+        """A setting that only other architectures read, changed from its default, trains
+        nothing different: it is a mistake (`--l1` with topk), refused by name."""
+        own = REGISTRY[self.architecture].settings
+        for field in fields(self):
+            readers = [name for name in ARCHITECTURES if field.name in REGISTRY[name].settings]
+            if field.name == "k" or field.name in own or not readers:
+                continue
+            if getattr(self, field.name) != field.default:
+                raise ConfigError(f"{field.name} is a setting of {listed(readers, 'and')}, not "
+                                  f"of {self.architecture}")
 
     def _check_transcoder(self) -> None:
         if not self.transcoder:
@@ -154,6 +168,9 @@ def _positive_int(value: Any, name: str) -> int:
 def _count(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ConfigError(f"{name} must be a whole number >= 0, got {value!r:.40}")
+    if value > INT64_MAX:  # a seed or a size past 64 bits fails deep inside torch
+        raise ConfigError(f"{name} must be at most 2**63 - 1, got an integer of "
+                          f"{int(value).bit_length()} bits")
     return int(value)
 
 

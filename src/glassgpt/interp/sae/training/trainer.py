@@ -317,8 +317,13 @@ def build_sae(settings: DictionarySettings, d_in: int, d_out: int,
 
 def check_out(out: Path, force: bool, resume: bool) -> None:
     """A new training goes into a missing or empty directory; an existing one only with
-    `force`, and only when glassgpt's dictionary training wrote it (nothing else inside)."""
-    if resume or not out.exists() or (out.is_dir() and not any(out.iterdir())):
+    `force`, and only when glassgpt's dictionary training wrote it (nothing else inside). Never
+    a link: the new directory would replace the user's link, not the directory it names."""
+    if resume:
+        return
+    if out.is_symlink():
+        raise CheckpointError(f"{out} is a symbolic link; give the directory it points to")
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return
     if not force:
         raise CheckpointError(f"{out} exists; pass --force to replace the dictionary there, "
