@@ -70,3 +70,50 @@ def test_pruning_and_scores_equal_circuit_tracers(both) -> None:
     settings = json.loads((HERE / "reference.json").read_text())
     assert settings["circuit_tracer_version"] == "0.5.0"
     assert settings["n_kept_nodes"] == int(pruned.node_mask.sum())
+
+
+# circuit-tracer's `attribute(max_feature_nodes=100, batch_size=2, update_interval=1)` on the
+# same weights and prompt: 100 of the 270 active features, chosen greedily over 50 rankings (the
+# 100 ranked once would differ in 2; the closest call at a round's cut is 1e-3 apart, far
+# beyond float32's rounding).
+CAPPED = {"max_feature_nodes": 100, "batch_size": 2, "update_interval": 1}
+
+
+@pytest.fixture(scope="module")
+def capped():
+    model, _ = load_model(HERE / "run")
+    reference = load_file(HERE / "capped.safetensors")
+    ids = reference["input_tokens"][None]
+    graph = attribution_graph(model, load_transcoders([HERE / "tc"]), ids, **CAPPED)
+    return graph, reference
+
+
+def test_the_capped_graph_selects_circuit_tracers_features(capped) -> None:
+    graph, reference = capped
+    selected = reference["selected_features"]
+    assert len(selected) == CAPPED["max_feature_nodes"] == graph.n_features
+    assert graph.n_active == len(reference["active_features"]) == 270
+    assert torch.equal(graph.active_features, reference["active_features"][selected])
+    torch.testing.assert_close(graph.activation_values, reference["activation_values"][selected],
+                               atol=1e-5, rtol=0)
+    # not simply the first 100, nor the 100 with the largest activations
+    assert not torch.equal(selected, torch.arange(100))
+    largest = reference["activation_values"].topk(100).indices.sort().values
+    assert not torch.equal(selected, largest)
+
+
+def test_the_capped_adjacency_pruning_and_scores_are_circuit_tracers(capped) -> None:
+    graph, reference = capped
+    expected = reference["adjacency_matrix"]
+    assert graph.n_nodes == expected.shape[0] == 100 + 2 * 12 + 12 + 3
+    torch.testing.assert_close(graph.adjacency_matrix, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(node_influence(graph), reference["node_influence"],
+                               atol=1e-6, rtol=0)
+    pruned = prune_graph(graph, 0.8, 0.98)
+    assert torch.equal(pruned.node_mask, reference["prune_node_mask"].bool())
+    assert torch.equal(pruned.edge_mask.nonzero().to(torch.int32), reference["prune_kept_edges"])
+    settings = json.loads((HERE / "capped.json").read_text())
+    assert settings["attribute_kwargs"] | CAPPED == settings["attribute_kwargs"]
+    replacement, completeness = graph_scores(graph)
+    assert replacement == pytest.approx(settings["replacement_score"], abs=1e-6)
+    assert completeness == pytest.approx(settings["completeness_score"], abs=1e-6)

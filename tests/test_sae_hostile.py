@@ -218,7 +218,7 @@ def test_the_command_printed_after_ctrl_c_continues_the_training(trained_run, tm
                                                                  capsys, monkeypatch) -> None:
     import glassgpt.cli.sae as sae_cli
 
-    def interrupting(bar, steps):
+    def interrupting(bar):
         return lambda step, record: os.kill(os.getpid(), signal.SIGINT) if step == 1 else None
 
     monkeypatch.setattr(sae_cli, "_reporter", interrupting)

@@ -19,7 +19,7 @@ from starlette.testclient import TestClient
 
 from glassgpt.cli import main
 from glassgpt.interp.graph import attribution_graph, load_transcoders
-from glassgpt.interp.graph.export import node_id, pruned_json
+from glassgpt.interp.graph.export import FEW_FEATURES, few_features_line, node_id, pruned_json
 from glassgpt.interp.graph.heads import edge_heads
 from glassgpt.interp.graph.prune import prune_graph
 from glassgpt.interp.graph.replacement import read_prompt
@@ -130,11 +130,23 @@ def test_the_graph_is_the_librarys_and_names_its_dictionaries(client, view, libr
     _, graphs = loaded
     answer = client.post("/api/graph", json={"prompt": PROMPT}).json()
     mapping = answer.pop("dictionaries")
+    assert answer.pop("why") is None  # its features were kept
     close(answer, pruned(view, library))
     assert mapping == graphs.names
     features = [n for n in answer["nodes"] if n["kind"] == "feature"]
     assert features and all(n["dictionary"] in mapping for n in features)
     assert {n["kind"] for n in answer["nodes"]} >= {"feature", "token", "logit"}
+
+
+def test_the_graph_says_why_where_it_kept_few_features(client, library):
+    graph, _ = library
+    for threshold in (0.1, 0.8):
+        answer = client.post("/api/graph", json={"prompt": PROMPT,
+                                                 "node_threshold": threshold}).json()
+        assert answer["why"] == few_features_line(graph, prune_graph(graph, threshold))
+        features = sum(n["kind"] == "feature" for n in answer["nodes"])
+        assert (answer["why"] is None) == (features >= FEW_FEATURES)
+    assert few_features_line(graph, prune_graph(graph, 0.1)) is not None  # a line was said
 
 
 def test_a_higher_node_threshold_keeps_at_least_as_many_features(client):
@@ -276,6 +288,20 @@ def test_moving_the_node_slider_redraws_the_graph(page, view, library):
                         "s.dispatchEvent(new Event('input', {bubbles: true}))")
     wait_for(page, lambda d: node_threshold_drawn(d) == "1", "the graph at threshold 1")
     assert sorted(drawn(page)) == sorted(n["id"] for n in want["nodes"])
+
+
+def test_the_panel_says_why_where_few_features_were_kept(page, library):
+    graph, _ = library
+    want = few_features_line(graph, prune_graph(graph, 0.1))
+    page.execute_script("const s = document.getElementById('graph-node'); s.value = '0.1';"
+                        "s.dispatchEvent(new Event('input', {bubbles: true}))")
+    wait_for(page, lambda d: node_threshold_drawn(d) == "0.1", "the graph at threshold 0.1")
+    assert values(page, "#graph-why") == [want] and values(page, "#graph-why", "hidden") == [
+        False]
+    page.execute_script("const s = document.getElementById('graph-node'); s.value = '1';"
+                        "s.dispatchEvent(new Event('input', {bubbles: true}))")
+    wait_for(page, lambda d: node_threshold_drawn(d) == "1", "the graph at threshold 1")
+    assert values(page, "#graph-why", "hidden") == [True]
 
 
 def test_clicking_an_edge_shows_its_heads(page, library):

@@ -295,10 +295,22 @@ class MultiHeadSelfAttention(nn.Module):
         passes `hook_result` (B, T, H, C), TransformerLens's; the output is their sum + bias."""
         if not self.hook_result.active:
             return self.proj(z.flatten(2))  # (B, T, H*d) -> (B, T, C): one product
-        w_o = self.proj.weight.view(self.d_model, self.n_heads, self.head_dim)  # (C, H, d)
-        result = self.hook_result(torch.einsum("bthd,chd->bthc", z, w_o))  # (B, T, H, C)
+        result = self.hook_result(self.head_shares(z))  # (B, T, H, C)
         summed = result.sum(dim=2)  # (B, T, C)
         return summed if self.proj.bias is None else summed + self.proj.bias
+
+    def head_shares(self, z: Tensor) -> Tensor:
+        """z (B, T, H, d) -> each head's share of the output without the bias (B, T, H, C). A
+        plain `proj` is one product with W_O's columns of each head; a wrapped one (LoRA
+        adapters, linear in their input too) is asked itself, a head at a time, so nothing it
+        adds to W_O is skipped."""
+        if type(self.proj) is nn.Linear:
+            w_o = self.proj.weight.view(self.d_model, self.n_heads, self.head_dim)  # (C, H, d)
+            return torch.einsum("bthd,chd->bthc", z, w_o)
+        eye = torch.eye(self.n_heads, dtype=z.dtype, device=z.device)[..., None]  # (H, H, 1)
+        alone = (z.unsqueeze(-2) * eye).flatten(-2)  # (B, T, H, H*d): head h's z, zeros elsewhere
+        shares = self.proj(alone)  # (B, T, H, C)
+        return shares if self.proj.bias is None else shares - self.proj.bias
 
     def read_cache(self, k: Tensor, v: Tensor, pad_mask: Tensor | None, start_pos: int,
                    T: int) -> tuple[Tensor, Tensor, Tensor | None, int | None]:

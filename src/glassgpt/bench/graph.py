@@ -15,6 +15,12 @@ graph's size), and a prompt of `prompt_len` random ids. It times, in interleaved
     and one backward of the corrupted prompt) beside activation patching of every head
     (get_act_patch_attn_head_out_all_pos: a forward run a head), on the same prompt pair
 
+`bench_real_graph` (`glassgpt bench graph --real-size`) times one graph at a real model's
+size: Qwen3-0.6B's shape with random weights (bf16 where the CPU multiplies it), a random
+16k-latent transcoder a layer firing ~64 latents a token, a 32-token prompt, at most 7,500
+feature nodes chosen as circuit-tracer chooses them (max_feature_nodes); and the process's
+peak memory.
+
 Library only: the CLI (`glassgpt bench graph`) prints it.
 """
 
@@ -22,9 +28,12 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import statistics
 import subprocess
+import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +41,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from glassgpt.bench.measure import interleaved_medians
-from glassgpt.config import GPTConfig
+from glassgpt.config import GPTConfig, load_preset
 from glassgpt.errors import ConfigError
 from glassgpt.formats.transformer_lens_files import write_lens_checkpoint
 from glassgpt.interp.core.hooked import run_with_cache
@@ -41,6 +50,7 @@ from glassgpt.interp.graph.prune import graph_scores, prune_graph
 from glassgpt.interp.methods.attribution_patching import get_attr_patch_attn_head_out_all_pos
 from glassgpt.interp.methods.patching import get_act_patch_attn_head_out_all_pos
 from glassgpt.interp.sae import SAE, SAEConfig
+from glassgpt.machine.devices import cpu_bf16_support
 from glassgpt.model import GPT
 
 CIRCUIT_TRACER_WORKER = Path(__file__).with_name("circuit_tracer_worker.py")
@@ -173,3 +183,118 @@ def circuit_tracer_graph(python: str | Path, model: GPT, transcoders: list[SAE],
         seconds = json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
         return statistics.median(seconds), load_file(folder / "adjacency.safetensors")[
             "adjacency_matrix"]
+
+
+# --- the real size: a Qwen3-0.6B-shaped model, circuit-tracer's max_feature_nodes ---------------
+
+CALIBRATION_PROMPTS = 8  # random prompts whose pre-activations set each encoder's biases
+
+
+@dataclass(frozen=True)
+class RealGraphSize:
+    """A model of Qwen3-0.6B's shape (random weights) and a transcoder of d_sae latents for
+    each MLP, about `active` of them firing on a token, a prompt of prompt_len random ids,
+    attributed with at most max_feature_nodes feature nodes, batch_size rows a backward pass."""
+
+    n_layer: int = 28
+    n_embd: int = 1024
+    n_head: int = 16
+    n_kv_head: int = 8
+    head_dim: int = 128
+    mlp_hidden: int = 3072
+    vocab_size: int = 151_936
+    d_sae: int = 16_384
+    active: int = 64
+    prompt_len: int = 32
+    max_feature_nodes: int = 7500  # circuit-tracer's CLI defaults, as `glassgpt graph`'s
+    batch_size: int = 256
+
+
+REAL = RealGraphSize()
+
+
+@dataclass
+class RealGraphResult:
+    size: RealGraphSize
+    dtype: str  # of the weights: bfloat16 where the CPU multiplies it, else float32
+    build_s: float  # the model, its transcoders and their calibration
+    graph_s: float  # one attribution graph (one run: minutes)
+    peak_rss_gib: float  # this process's peak resident memory, everything included
+    active_features: int
+    features_per_token: float  # active features a position (positions 1.., as the graph)
+    feature_nodes: int
+    nodes: int
+    kept_nodes: int  # features after pruning at circuit-tracer's defaults
+    replacement_score: float
+    completeness_score: float
+
+
+def bench_real_graph(size: RealGraphSize = REAL, seed: int = 0) -> RealGraphResult:
+    """The attribution graph of a real model's size on this machine: time and peak memory."""
+    dtype = torch.bfloat16 if cpu_bf16_support() else torch.float32
+    started = time.perf_counter()
+    model, transcoders = real_model(size, dtype, seed)
+    build_s = time.perf_counter() - started
+    generator = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(size.vocab_size, (1, size.prompt_len), generator=generator)
+    started = time.perf_counter()
+    graph = attribution_graph(model, transcoders, ids, batch_size=size.batch_size,
+                              max_feature_nodes=size.max_feature_nodes)
+    graph_s = time.perf_counter() - started
+    pruned = prune_graph(graph)
+    replacement, completeness = graph_scores(graph, pruned.influence)
+    return RealGraphResult(
+        size, str(dtype).removeprefix("torch."), build_s, graph_s, peak_rss_gib(),
+        graph.n_active, graph.n_active / (size.n_layer * (size.prompt_len - 1)),
+        graph.n_features, graph.n_nodes, int(pruned.node_mask[:graph.n_features].sum()),
+        replacement, completeness)
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory so far, GiB (ru_maxrss: KiB on Linux, bytes on
+    macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def real_model(size: RealGraphSize, dtype: torch.dtype, seed: int) -> tuple[GPT, list[SAE]]:
+    """Qwen3-0.6B's architecture (its preset) at `size`'s shape, random weights in `dtype`,
+    and its calibrated transcoders."""
+    torch.manual_seed(seed)
+    shape = {name: getattr(size, name) for name in ("n_layer", "n_embd", "n_head", "n_kv_head",
+                                                    "head_dim", "mlp_hidden", "vocab_size")}
+    config = GPTConfig(**{**load_preset("qwen3-0.6b")["model"], **shape,
+                          "block_size": max(64, size.prompt_len)})
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # made in dtype: a float32 copy of 0.6B weights is 2.4 GB
+    try:
+        model = GPT(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+    return model, calibrated_transcoders(model, size, dtype)
+
+
+def calibrated_transcoders(model: GPT, size: RealGraphSize, dtype: torch.dtype) -> list[SAE]:
+    """A random transcoder a layer, its encoder biases set so that about size.active latents
+    fire on a token: one threshold for the layer's latents, the (active x tokens)-th largest
+    of their pre-activations on random prompts. (A threshold a latent, from its own mean and
+    spread over those few hundred tokens, fits them and lets 2-4x as many fire on others.)"""
+    hooks = [f"blocks.{layer}.ln2.hook_normalized" for layer in range(size.n_layer)]
+    ids = torch.randint(size.vocab_size, (CALIBRATION_PROMPTS, size.prompt_len))
+    _, cache = run_with_cache(model, ids, hooks)
+    transcoders = []
+    for layer, hook in enumerate(hooks):
+        config = SAEConfig(d_in=size.n_embd, d_sae=size.d_sae, architecture="transcoder",
+                           d_out=size.n_embd, apply_b_dec_to_input=False,
+                           dtype=str(dtype).removeprefix("torch."))
+        config.metadata.hook_name = hook
+        config.metadata.hook_name_out = f"blocks.{layer}.hook_mlp_out"
+        sae = SAE(config)
+        with torch.no_grad():
+            reads = cache[hook][:, 1:].flatten(0, 1).float()  # (N, C), past the first token
+            pre = (reads @ sae.W_enc.float()).flatten()  # (N * d_sae,)
+            threshold = pre.topk(min(size.active * len(reads), len(pre))).values[-1]
+            sae.b_enc.fill_(-float(threshold))
+            sae.W_dec.mul_(0.1)
+        transcoders.append(sae)
+    return transcoders

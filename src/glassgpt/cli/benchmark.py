@@ -79,6 +79,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--circuit-tracer-python", type=path_arg, metavar="PYTHON",
                    help="bench graph: the python of a venv with circuit-tracer, to time its "
                    "graph beside glassgpt's (default: $GLASSGPT_CIRCUIT_TRACER_PYTHON)")
+    p.add_argument("--real-size", action="store_true",
+                   help="bench graph: one attribution graph of a Qwen3-0.6B-shaped model (28 "
+                   "layers, random weights) over 28 random 16k-latent transcoders, 32 tokens, "
+                   "at most 7,500 feature nodes: its time and peak memory (minutes)")
     add_ladder_flags(p)
     p.set_defaults(handler=run_bench)
 
@@ -104,6 +108,8 @@ def run_bench(args: argparse.Namespace) -> int:
         check_output_file(args.json, args.force, ConfigError)  # before minutes of measuring
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda was asked for, but CUDA is not available here")
+    if args.real_size and args.workload != "graph":
+        raise ConfigError(f"--real-size sizes `bench graph`, not `bench {args.workload}`")
     if args.workload == "threads":
         return _bench_threads(args)
     if args.workload == "sae":
@@ -187,6 +193,8 @@ def _bench_graph(args: argparse.Namespace) -> int:
     from glassgpt.bench.graph import FULL, QUICK, bench_graph
     from glassgpt.bench.report import machine_info
 
+    if args.real_size:
+        return _bench_real_graph(args)
     size = QUICK if args.quick else FULL
     if args.rounds is not None:
         size = dataclasses.replace(size, rounds=args.rounds)
@@ -220,6 +228,42 @@ def _bench_graph(args: argparse.Namespace) -> int:
         write_text_atomic(args.json, json.dumps({**dataclasses.asdict(r),
                                                  "patching_ratio": r.patching_ratio},
                                                 indent=2) + "\n")
+    return 0
+
+
+def _bench_real_graph(args: argparse.Namespace) -> int:
+    """`bench graph --real-size`: one attribution graph at a real model's size, capped at
+    circuit-tracer's max_feature_nodes: its time and this process's peak memory."""
+    import torch
+
+    from glassgpt.bench.graph import REAL, bench_real_graph
+    from glassgpt.bench.report import machine_info
+
+    size, threads = REAL, torch.get_num_threads()
+    with Console(stderr=True).status("building a real-size attribution graph (minutes)"):
+        r = bench_real_graph(size)
+    table = Table(title=f"A real-size attribution graph ({size.n_layer} layers, width "
+                  f"{size.n_embd}, {size.n_head} heads / {size.n_kv_head} KV, vocabulary "
+                  f"{size.vocab_size:,}; {size.d_sae:,}-latent transcoders; "
+                  f"{size.prompt_len}-token prompt)",
+                  caption=f"{machine_info()['cpu']}, {os.cpu_count()} cores, "
+                  f"{threads} thread{'s' if threads != 1 else ''}, one run, weights in {r.dtype}")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    for name, value in (
+            ("active features (a token)", f"{r.active_features:,} ({r.features_per_token:.0f})"),
+            ("feature nodes (at most), all nodes",
+             f"{r.feature_nodes:,} ({size.max_feature_nodes:,}), {r.nodes:,}"),
+            ("model and transcoders built, s", f"{r.build_s:.1f}"),
+            ("attribution graph, s", f"{r.graph_s:.1f}"),
+            ("peak resident memory, GiB", f"{r.peak_rss_gib:.2f}"),
+            ("kept after pruning (0.8 / 0.98)", f"{r.kept_nodes:,}"),
+            ("replacement / completeness score",
+             f"{r.replacement_score:.3f} / {r.completeness_score:.3f}")):
+        table.add_row(name, value)
+    output_console().print(table)
+    if args.json is not None:
+        write_text_atomic(args.json, json.dumps(dataclasses.asdict(r), indent=2) + "\n")
     return 0
 
 

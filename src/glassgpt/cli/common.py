@@ -11,7 +11,8 @@ import contextlib
 import dataclasses
 import os
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +64,154 @@ def stderr_progress(*columns: Any) -> Iterator[Progress]:
     with Progress(*columns, console=console, transient=True,
                   disable=not console.is_terminal) as progress:
         yield progress
+
+
+# --- a long command's progress -------------------------------------------------------------------
+
+ESTIMATE_AFTER_UNITS = 3  # units timed past the first report (a warm-up) before an estimate
+ESTIMATE_AFTER_SECONDS = 3.0  # ... and this long: a fast loop's first steps say little
+
+
+def duration_text(seconds: float) -> str:
+    """"45 s", "3 min 20 s", "1 h 05 min": a wait as a person reads it."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes} min {seconds:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def rate_text(per_second: float, unit: str) -> str:
+    """"3,120 tokens/s", or "0.42 s per step" for a rate below one a second."""
+    if per_second >= 1:
+        return f"{per_second:,.{0 if per_second >= 10 else 1}f} {unit}/s"
+    return f"{1 / per_second:.2f} s per {unit.removesuffix('s')}"
+
+
+class Estimate:
+    """The time the rest of a loop takes at its measured rate. The first report ends the
+    warm-up (allocations, the first forward, a thread count being timed); the rate is measured
+    from there, and once ESTIMATE_AFTER_UNITS units and ESTIMATE_AFTER_SECONDS have gone by,
+    `line` returns the estimate, once. `extra_seconds` is work the rate leaves out that the
+    caller knows the cost of (evaluations to come), added; `note` says what it is."""
+
+    def __init__(self, total: int, unit: str = "steps", note: str = "",
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.total, self.unit, self.note, self.clock = total, unit, note, clock
+        self.extra_seconds = 0.0
+        self.since: tuple[int, float] | None = None  # (units done, time) at the warm-up's end
+        self.said = False
+
+    def line(self, done: int) -> str | None:
+        now = self.clock()
+        if self.since is None:
+            self.since = (done, now)
+            return None
+        units, seconds = done - self.since[0], now - self.since[1]
+        if self.said or done >= self.total or units < ESTIMATE_AFTER_UNITS \
+                or seconds < ESTIMATE_AFTER_SECONDS:
+            return None
+        self.said = True
+        left = self.total - done
+        time_left = left * seconds / units + self.extra_seconds
+        return (f"estimated {duration_text(time_left)} for the {left:,} "
+                f"{self.unit} left, at {rate_text(units / seconds, self.unit)} (measured over "
+                f"{units:,} {self.unit}){self.note}")
+
+
+class StepBar:
+    """A long command's progress on stderr: a bar on a terminal (units done of all, the
+    caller's stats, the time left at the recent rate: rich's) and, on a terminal or not, the
+    estimate's line (`Estimate`) once a few units ran."""
+
+    def __init__(self, bar: Progress, unit: str = "steps") -> None:
+        self.bar, self.unit = bar, unit
+        self.task: Any = None
+        self.estimate: Estimate | None = None
+
+    def begin(self, total: int, done: int = 0, note: str = "") -> None:
+        self.task = self.bar.add_task("", total=total, completed=done, stats="")
+        self.estimate = Estimate(total, self.unit, note)
+
+    def advance(self, done: int, stats: str = "") -> None:
+        if self.estimate is None:
+            return  # no begin: nothing to measure against
+        self.bar.update(self.task, completed=done, stats=stats)
+        line = self.estimate.line(done)
+        if line is not None:
+            say(line)
+
+
+def reports_left(done: int, total: int, every: int) -> int:
+    """The reports a loop still makes after `done` of `total` steps: one each `every` steps
+    and one at the end (only at the end when `every` is 0)."""
+    if done >= total:
+        return 0
+    if not every:
+        return 1
+    return total // every - done // every + (1 if total % every else 0)
+
+
+class EstimatingReporter:
+    """A training Reporter (training.metrics) that passes everything on to `inner` (train's
+    bar) and says, once a few logged steps ran, how long the rest takes: the step time
+    measured after the first log (the evaluation at step 0 and the thread count's timing are
+    the warm-up), plus each evaluation to come at the cost the first one measured."""
+
+    def __init__(self, inner: Any, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.inner, self.clock = inner, clock
+        self.eval_every = 0
+        self.estimate: Estimate | None = None
+        self.started_at: float | None = None
+        self.eval_seconds: float | None = None
+
+    @property
+    def output_closed(self) -> bool:
+        return self.inner.output_closed
+
+    def start(self, total: int, done: int) -> None:
+        self.inner.start(total, done)
+        self.estimate = Estimate(total, "steps", clock=self.clock)
+        self.started_at = self.clock()
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.inner.log(record)
+        self.started_at = None  # an evaluation after this one is not the first step's
+        if self.estimate is None:
+            return
+        done = record["iter"]
+        evaluations = reports_left(done, self.estimate.total, self.eval_every)
+        if evaluations and self.eval_seconds is not None:
+            self.estimate.extra_seconds = evaluations * self.eval_seconds
+            self.estimate.note = (f", and {evaluations} evaluation"
+                                  f"{'s' if evaluations != 1 else ''} of "
+                                  f"{duration_text(self.eval_seconds)}")
+        line = self.estimate.line(done)
+        if line is not None:
+            say(line)
+
+    def eval(self, record: dict[str, Any]) -> None:
+        self.inner.eval(record)
+        if self.started_at is not None:  # the evaluation before any step: its cost measured
+            self.eval_seconds = self.clock() - self.started_at
+            self.started_at = None
+
+    def stop(self) -> None:
+        self.inner.stop()
+
+
+@contextlib.contextmanager
+def step_bar(label: str, unit: str = "steps") -> Iterator[StepBar]:
+    """A StepBar drawn as training's bar is (`label`, the bar, done/total, stats, time left),
+    on stderr and only on a terminal (stderr_progress)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, TimeRemainingColumn
+
+    with stderr_progress(f"[bold]{label}", BarColumn(), MofNCompleteColumn(),
+                         "{task.fields[stats]}", TimeRemainingColumn()) as bar:
+        yield StepBar(bar, unit)
 
 
 def say(message: str) -> None:

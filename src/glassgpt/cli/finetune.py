@@ -15,6 +15,7 @@ from glassgpt.adapters.settings import (
     LoraSettings,
 )
 from glassgpt.cli.common import (
+    EstimatingReporter,
     add_checkpoint_flag,
     add_dataclass_flags,
     add_threads_flag,
@@ -133,14 +134,19 @@ def run_finetune(args: argparse.Namespace) -> int:
                                    "the run it was trained on, not --resume")
         adapter = read_adapter(args.adapter, Run(args.run_dir).model_config)
     stop = threading.Event()
-    reporter = RichReporter(stop)
+    reporter = EstimatingReporter(RichReporter(stop))
+
+    def announce(start: Any, data: Any) -> None:
+        _announce(start, data)
+        reporter.eval_every = start.cfg.eval_interval
+
     outcome = finetune_run(args.run_dir, args.sft, args.out, val_sft=args.val_sft,
                            train=given_flags(args, "train"), lora=lora, adapter=adapter,
                            recompute=args.recompute, base_dtype=args.base_dtype,
                            seq_len=args.seq_len,
                            resume=args.resume,
                            force=args.force, checkpoint=args.checkpoint, threads=args.threads,
-                           reporter=reporter, stop=stop, on_start=_announce, wording="cli")
+                           reporter=reporter, stop=stop, on_start=announce, wording="cli")
     return _finish(outcome)
 
 
@@ -148,9 +154,21 @@ def _announce(start: Any, data: Any) -> None:
     from glassgpt.training.lifecycle import start_line
 
     say(start_line(start))
-    say(f"conversations rendered through {data.template_source} chat template")
+    say(f"conversations rendered through {data.template_source} chat template; {plan(start, data)}")
     for warning in start.warnings:
         say(f"warning: {warning}")
+
+
+def plan(start: Any, data: Any) -> str:
+    """"1,000 steps of 8 windows of 40 tokens (111 passes over the 2,880 tokens of 72
+    conversations), peak lr 0.003": how much the tune reads, and how fast it moves."""
+    cfg, conversations = start.cfg, len(data.splits["train"].examples)
+    per_step = cfg.batch_size * cfg.grad_accum * data.window
+    passes = (cfg.max_iters - start.first_iteration) * per_step / data.train_tokens
+    return (f"{cfg.max_iters - start.first_iteration:,} steps of {cfg.batch_size * cfg.grad_accum}"
+            f" windows of {data.window} tokens ({passes:,.3g} passes over the "
+            f"{data.train_tokens:,} tokens of {conversations:,} conversation"
+            f"{'s' if conversations != 1 else ''}), peak lr {cfg.lr:.3g}")
 
 
 def _finish(outcome: Any) -> int:

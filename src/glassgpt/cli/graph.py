@@ -11,6 +11,15 @@ from typing import Any
 from glassgpt.cli.common import DefaultsHelpFormatter, add_checkpoint_flag, path_arg, say
 from glassgpt.errors import ConfigError
 
+# A graph of more rows than this (one backward pass of attribution_graph's default batch) says
+# what it attributes before it starts: past a few seconds, a command is not silent.
+SAY_ROWS_ABOVE = 64
+# circuit-tracer's CLI default. A graph of every active feature of a real model (Qwen3-0.6B's
+# shape, 16k-latent transcoders: ~55,000 active on 32 tokens) needs a 13 GB matrix and half an
+# hour of backward passes on 2 cores; with 7,500 it took 3.5 min and 6 GiB in all (`glassgpt
+# bench graph --real-size`). A small model's graph keeps every active feature.
+MAX_FEATURE_NODES = 7500
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -34,6 +43,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-logits", type=int, default=10, help="most logit nodes")
     p.add_argument("--logit-prob", type=float, default=0.95,
                    help="logit nodes: the likeliest tokens until their probability reaches this")
+    p.add_argument("--max-feature-nodes", type=int, default=MAX_FEATURE_NODES, metavar="N",
+                   help="at most N active features become nodes, chosen greedily by their "
+                        "influence on the logits (circuit-tracer's max_feature_nodes and its "
+                        "CLI's default): a real model's graph then fits in memory")
     p.add_argument("--top", type=int, default=10, help="features to list")
     p.add_argument("--out", type=path_arg, help="save the whole graph (.safetensors)")
     p.add_argument("--json", type=path_arg, help="write the pruned graph's nodes and edges")
@@ -55,7 +68,7 @@ def check_flags(args: argparse.Namespace) -> None:
         if not 0 < getattr(args, name) <= 1:
             raise ConfigError(f"--{name.replace('_', '-')} is a share in (0, 1], got "
                               f"{getattr(args, name)}")
-    for name in ("max_logits", "top"):
+    for name in ("max_logits", "top", "max_feature_nodes"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got "
                               f"{getattr(args, name)}")
@@ -95,9 +108,10 @@ def same_file(first: Path, second: Path) -> bool:
 
 
 def run_graph(args: argparse.Namespace) -> int:
+    from glassgpt.cli.common import step_bar
     from glassgpt.decoding.generate import encode_prompt
     from glassgpt.interp.graph import attribution_graph
-    from glassgpt.interp.graph.export import pruned_json, top_features
+    from glassgpt.interp.graph.export import few_features_line, pruned_json, top_features
     from glassgpt.interp.graph.prune import graph_scores, prune_graph
     from glassgpt.rundir.checkpoint import load_model
     from glassgpt.storage import files
@@ -108,8 +122,11 @@ def run_graph(args: argparse.Namespace) -> int:
     ids, given = encode_prompt(tokenizer, args.prompt, model.config.block_size, args.device)
     if given > ids.shape[1]:
         say(f"the prompt has {given} tokens; the graph reads its last {ids.shape[1]}")
-    graph = attribution_graph(model, transcoders, ids, max_n_logits=args.max_logits,
-                              desired_logit_prob=args.logit_prob)
+    with step_bar("graph", "rows") as bar:
+        graph = attribution_graph(model, transcoders, ids, max_n_logits=args.max_logits,
+                                  desired_logit_prob=args.logit_prob,
+                                  max_feature_nodes=args.max_feature_nodes,
+                                  progress=_drawn(bar))
     pruned = prune_graph(graph, args.node_threshold, args.edge_threshold)
     replacement, completeness = graph_scores(graph, pruned.influence)
 
@@ -117,10 +134,13 @@ def run_graph(args: argparse.Namespace) -> int:
         return tokenizer.decode([token])
 
     kept = int(pruned.node_mask[:graph.n_features].sum())
-    print(f"{graph.n_pos} tokens, {graph.n_features} active features, {graph.n_logits} logits; "
+    print(f"{graph.n_pos} tokens, {feature_count(graph)}, {graph.n_logits} logits; "
           f"kept {kept} features and {int(pruned.edge_mask.sum())} edges (node threshold "
           f"{args.node_threshold}, edge threshold {args.edge_threshold})")
     print(f"replacement score {replacement:.3f}, completeness score {completeness:.3f}")
+    why = few_features_line(graph, pruned)
+    if why is not None:
+        print(why)
     print("logits: " + ", ".join(f"{decode(int(t))!r} {float(p):.3f}" for t, p in
                                  zip(graph.logit_tokens, graph.logit_probabilities,
                                      strict=True)))
@@ -137,6 +157,38 @@ def run_graph(args: argparse.Namespace) -> int:
         files.write_text_atomic(args.json, json.dumps(data))
         print(f"wrote {args.json}")
     return 0
+
+
+def feature_count(graph: Any) -> str:
+    """"270 active features", or with fewer nodes than active features "55,012 active
+    features (7,500 of them nodes: --max-feature-nodes)"."""
+    active = f"{graph.n_active:,} active features"
+    if graph.n_features == graph.n_active:
+        return active
+    return f"{active} ({graph.n_features:,} of them nodes: --max-feature-nodes)"
+
+
+def _drawn(bar: Any) -> Any:
+    """attribution_graph's progress on the bar, after a line saying what a graph of more than
+    SAY_ROWS_ABOVE rows attributes."""
+    def progress(graph: Any, done: int, total: int) -> None:
+        if done == 0:
+            if total > SAY_ROWS_ABOVE:
+                say(start_line(graph, total))
+            bar.begin(total)
+        bar.advance(done)
+    return progress
+
+
+def start_line(graph: Any, rows: int) -> str:
+    """"attributing 6,537 rows of the adjacency (6,534 active features at 12 tokens and 3
+    logits)": the targets whose gradients the backward passes compute."""
+    logits = f"{graph.n_logits} logit{'s' if graph.n_logits != 1 else ''}"
+    features = f"{graph.n_features:,} active features"
+    if rows < graph.n_features + graph.n_logits:  # --max-feature-nodes: the rows of the chosen
+        features = f"{rows - graph.n_logits:,} of {features}, the most influential"
+    return (f"attributing {rows:,} rows of the adjacency ({features} at {graph.n_pos} tokens "
+            f"and {logits})")
 
 
 def _transcoders(args: argparse.Namespace, model: Any) -> list[Any]:

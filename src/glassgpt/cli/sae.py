@@ -94,20 +94,20 @@ def _register_eval(commands: argparse._SubParsersAction) -> None:
 
 
 def run_sae_train(args: argparse.Namespace) -> int:
+    from glassgpt.cli.common import step_bar
     from glassgpt.interp.sae.training import train_dictionary
 
     settings = _settings(args)
-    from rich.progress import BarColumn, MofNCompleteColumn, TimeRemainingColumn
-
-    from glassgpt.cli.common import stderr_progress
-
     stop = threading.Event()
-    with stderr_progress("[bold]sae", BarColumn(), MofNCompleteColumn(),
-                         "{task.fields[stats]}", TimeRemainingColumn()) as bar:
+    with step_bar("sae") as bar:
+        def announce(start: Any) -> None:
+            say(start_line(start, args.run_dir))
+            bar.begin(settings.steps, start.step, _reports_note(settings, start.step))
+
         result = train_dictionary(args.run_dir, settings, args.out, data=args.data,
                                   checkpoint=args.checkpoint, device=args.device,
                                   resume=args.resume, force=args.force,
-                                  report=_reporter(bar, settings.steps), stop=stop)
+                                  report=_reporter(bar), stop=stop, on_start=announce)
     if result.interrupted:
         say(f"interrupted at step {result.step}; saved in {result.out}; continue with: "
             f"{resume_command(args)}")
@@ -117,6 +117,30 @@ def run_sae_train(args: argparse.Namespace) -> int:
           f"{result.out}" + (f"; {_metrics_line(result.metrics.summary())}"
                              if result.metrics else ""))
     return 0
+
+
+def start_line(start: Any, run_dir: Any) -> str:
+    """"training a topk SAE of 1,024 latents, k 32, on blocks.1.hook_resid_post (width 128) of
+    RUN: 488 steps of 4,096 activations (2,000,000 in all, windows of 128 tokens), metrics every
+    100 steps": what trains, on what, and how much of it (a resume: from which step)."""
+    s = start.settings
+    k = "" if s.k is None else f", k {s.k:g},"
+    kind = "transcoder" if s.transcoder else "SAE"
+    where = (f"from {s.hook} (width {start.d_in}) to {s.hook_out} (width {start.d_out})"
+             if s.transcoder else f"on {s.hook} (width {start.d_in})")
+    verb, resumed = ("resuming", f", from step {start.step}") if start.step else ("training", "")
+    metrics = f"metrics every {s.eval_every} steps" if s.eval_every else "metrics at the end"
+    return (f"{verb} a {s.architecture} {kind} of {s.d_sae:,} latents{k} {where} of "
+            f"{run_dir}: {s.steps:,} steps of {s.batch_tokens:,} activations ({s.tokens:,} in "
+            f"all, windows of {start.context} tokens){resumed}, {metrics}")
+
+
+def _reports_note(settings: Any, step: int) -> str:
+    """", plus 4 metric reports": what the step time leaves out of the estimate."""
+    from glassgpt.cli.common import reports_left
+
+    reports = reports_left(step, settings.steps, settings.eval_every)
+    return f", plus {reports} metric report{'s' if reports != 1 else ''}" if reports else ""
 
 
 def _settings(args: argparse.Namespace) -> Any:
@@ -160,13 +184,12 @@ def _k(k: float | int | None, architecture: str | None) -> float | int | None:
     return int(k) if float(k).is_integer() else k
 
 
-def _reporter(bar: Any, steps: int) -> Any:
-    """Progress on the bar (on a terminal), and a line on stderr per metric report."""
-    task = bar.add_task("sae", total=steps, stats="")
-
+def _reporter(bar: Any) -> Any:
+    """Each step on the bar (on a terminal) with its batch's MSE, L0 and dead latents, and a
+    line on stderr per metric report."""
     def report(step: int, record: dict[str, Any]) -> None:
-        bar.update(task, completed=step, stats=f"mse {record['mse_loss']:.4g}  l0 "
-                   f"{record['l0']:.1f}  dead {record['dead']}")
+        bar.advance(step, f"mse {record['mse_loss']:.4g}  l0 {record['l0']:.1f}  dead "
+                    f"{record['dead']}")
         if "eval_l0" in record:
             say(f"step {step}: " + _metrics_line(
                 {k.removeprefix("eval_"): v for k, v in record.items()
@@ -183,10 +206,19 @@ def _metrics_line(m: dict[str, Any]) -> str:
 
 
 def run_sae_eval(args: argparse.Namespace) -> int:
+    from glassgpt.cli.common import step_bar
     from glassgpt.interp.sae.evaluate import evaluate_on_run
 
-    metrics = evaluate_on_run(args.sae, args.run, args.tokens, args.data, args.split,
-                              args.device, args.checkpoint, args.any_run, wording="cli")
+    with step_bar("sae eval", "tokens") as bar:
+        def progress(done: int, total: int) -> None:
+            if bar.estimate is None:  # before the first batch
+                say(eval_start_line(args, total))
+                bar.begin(total)
+            bar.advance(done)
+
+        metrics = evaluate_on_run(args.sae, args.run, args.tokens, args.data, args.split,
+                                  args.device, args.checkpoint, args.any_run, wording="cli",
+                                  progress=progress)
     counts, edges = metrics.density_histogram(bins=10)
     if args.json:
         print(json.dumps({**metrics.summary(), "log10_density_histogram":
@@ -199,6 +231,13 @@ def run_sae_eval(args: argparse.Namespace) -> int:
                                 strict=True):
         print(f"  [{low:5.1f}, {high:5.1f})  {count:6d}  {'#' * bar_length(count, largest)}")
     return 0
+
+
+def eval_start_line(args: argparse.Namespace, tokens: int) -> str:
+    """"evaluating SAE on 65,536 tokens of the val split of RUN's data (fewer with --tokens N)"."""
+    data = f"{args.data}" if args.data is not None else f"{args.run}'s data"
+    return (f"evaluating {args.sae} on {tokens:,} tokens of the {args.split} split of {data} "
+            f"(fewer with --tokens N)")
 
 
 def bar_length(count: int, largest: int) -> int:

@@ -79,9 +79,19 @@ from glassgpt.training.trainer import Trainer, TrainResult
 
 VAL_FRACTION = 0.1  # of the conversations held out for the val loss, without val_sft
 BASE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # and "auto"
-# Tokens a training window holds by default: the model's context up to this. An imported model's
-# context (Qwen3's 40,960) would pad a few conversations into one window a laptop cannot train.
+# Tokens a training window holds by default: the longest conversation's, at most the model's
+# context and this. An imported model's context (Qwen3's 40,960) would pad a few conversations
+# into one window a laptop cannot train.
 DEFAULT_SEQ_LEN = 1024
+# What a tune derives from its data where the user set nothing, chosen by measurement
+# (docs/finetune.md, "The defaults, measured"): the steps are TUNE_EPOCHS passes over the
+# conversations' tokens, at least MIN_TUNE_ITERS (a small set needs many passes) and at most
+# MAX_TUNE_ITERS; under LoRA the peak lr is LORA_LR_FACTOR times a whole-model tune's (the
+# adapters start at zero and are few: they take larger steps, ~10x in the literature).
+TUNE_EPOCHS = 3
+MIN_TUNE_ITERS = 2000
+MAX_TUNE_ITERS = 4000
+LORA_LR_FACTOR = 10
 
 
 @dataclass
@@ -96,6 +106,17 @@ class SFTData:
     template_source: str  # "the run's" or "glassgpt's simple"
     splits: dict[str, ConversationSet]
     notes: list[str] = field(default_factory=list)
+    window: int = 0  # tokens of a training window, once chosen (default_window)
+
+    @property
+    def longest(self) -> int:
+        """Tokens of the longest conversation, of either split."""
+        return max(len(e.ids) for split in self.splits.values() for e in split.examples)
+
+    @property
+    def train_tokens(self) -> int:
+        """Tokens of the training conversations packed end to end: one pass over them."""
+        return sum(len(e.ids) for e in self.splits["train"].examples)
 
     def check_block_size(self, block_size: int) -> None:
         """Any length works: a short stream is padded (glassgpt.data.sft)."""
@@ -240,17 +261,16 @@ def _start(request: FinetuneRequest) -> FinetuneOutcome:
     out, source_dir, spell = request.out, Path(request.init_from), request.spell
     rundir.check_out_dir(out, request.force, source_dir, spell)
     source = ckpt.Run(source_dir)
-    cfg = lifecycle.finetune_config(
-        source, runs.preset_for_device(request.train.get("device", AUTO)), None, request.train)
     data = sft_data(source, request.sft, request.val_sft)
-    adapted = request.lora is not None or request.adapter is not None
-    dtype = frozen_base_dtype(request.base_dtype, adapted, resolve_device(cfg.device), spell)
-    model, lora = _model_to_tune(source, request, dtype)
-    block_size = model.config.block_size
+    block_size = source.model_config.block_size
     if request.seq_len is not None and request.seq_len > block_size:
         raise ConfigError(f"{spell('seq_len')} {request.seq_len} is more than the model's "
                           f"context ({block_size})")
-    window = request.seq_len or min(block_size, DEFAULT_SEQ_LEN)
+    window = data.window = request.seq_len or default_window(data, block_size)
+    adapted = request.lora is not None or request.adapter is not None
+    cfg = tune_config(source, request.train, data.train_tokens, window, adapted)
+    dtype = frozen_base_dtype(request.base_dtype, adapted, resolve_device(cfg.device), spell)
+    model, lora = _model_to_tune(source, request, dtype)
     # The conversation files and the source by absolute path: `eval RUN2` reads them again,
     # and a resume checks its RUN against the source, from anywhere.
     val_sft = None if request.val_sft is None else str(Path(request.val_sft).absolute())
@@ -271,6 +291,41 @@ def _start(request: FinetuneRequest) -> FinetuneOutcome:
             request.on_start(start, data)
         result = trainer.run()
     return FinetuneOutcome(out, "fine-tune", result, start, data)
+
+
+def default_window(data: SFTData, block_size: int) -> int:
+    """The tokens of a training window when seq_len is not given: the longest conversation's
+    (a window then holds any one whole; a fixed 256 would pack a dozen 20-token conversations
+    into each step), at most the model's context and DEFAULT_SEQ_LEN."""
+    return min(data.longest, block_size, DEFAULT_SEQ_LEN)
+
+
+def default_iterations(train_tokens: int, tokens_per_step: int) -> int:
+    """The steps of a tune when max_iters is not given: TUNE_EPOCHS passes over the
+    conversations' `train_tokens`, `tokens_per_step` a step, within [MIN_TUNE_ITERS,
+    MAX_TUNE_ITERS]."""
+    passes = -(-TUNE_EPOCHS * train_tokens // tokens_per_step)
+    return max(MIN_TUNE_ITERS, min(MAX_TUNE_ITERS, passes))
+
+
+def tune_config(source: ckpt.Run, train: dict[str, Any], train_tokens: int, window: int,
+                adapted: bool) -> TrainConfig:
+    """The recipe of a tune (lifecycle.finetune_config: the source's, a tenth of its lr), with
+    what the data decides where `train` (the user's settings) says nothing: the steps from
+    the conversations' size (default_iterations; the lr then decays over them), and under
+    LoRA (`adapted`), unless the lr is given, an lr and min_lr LORA_LR_FACTOR times higher."""
+    preset = runs.preset_for_device(train.get("device", AUTO))
+    cfg = lifecycle.finetune_config(source, preset, None, train)
+    if "max_iters" not in train:
+        steps = default_iterations(train_tokens, cfg.batch_size * cfg.grad_accum * window)
+        derived = {"max_iters": steps, **({} if "lr_decay_iters" in train
+                                          else {"lr_decay_iters": 0})}
+        cfg = lifecycle.finetune_config(source, preset, None, {**train, **derived})
+    if adapted and "lr" not in train:
+        faster = {name: getattr(cfg, name) * LORA_LR_FACTOR for name in ("lr", "min_lr")
+                  if name not in train}
+        cfg = dataclasses.replace(cfg, **faster)
+    return cfg
 
 
 def _model_to_tune(source: ckpt.Run, request: FinetuneRequest, dtype: torch.dtype
@@ -307,6 +362,7 @@ def _resume(request: FinetuneRequest) -> FinetuneOutcome:
     model = _resumed_model(run)
     _save_memory(model, bool(run.extra.get("recompute")))
     trainer = _trainer(model, cfg, data, request, run.extra)  # its window
+    data.window = trainer.window
     trainer.resume(weights=False, run=run)
     start = lifecycle.TrainStart("resume", out, data.dir, trainer.device, cfg,
                                  describe_tuned_model(model), None,

@@ -4,6 +4,8 @@ view was started with (`glassgpt view RUN --transcoders DIR`), from glassgpt.int
     available   whether the view has transcoders (the panel says how to start it otherwise)
     graph       the prompt's pruned graph as `export.pruned_json` writes it, plus the name each
                 transcoder has in the Features panel (a feature node opens its page there)
+                and `why`: where few features were kept, the line saying why
+                (`export.few_features_line`), else null
     edge        how one edge splits over the heads that carry it (`heads.edge_heads`)
 
 A graph costs a backward pass per feature; moving a threshold only prunes again, so the last
@@ -20,7 +22,7 @@ from typing import Any
 from glassgpt.errors import GlassGPTError, InputError
 from glassgpt.interp.graph import AttributionGraph, load_transcoders
 from glassgpt.interp.graph.build import graph_of
-from glassgpt.interp.graph.export import node_id, pruned_json
+from glassgpt.interp.graph.export import few_features_line, node_id, pruned_json
 from glassgpt.interp.graph.heads import edge_heads
 from glassgpt.interp.graph.prune import prune_graph
 from glassgpt.interp.graph.replacement import Prompt, by_layer, read_prompt
@@ -91,7 +93,7 @@ class Graphs:
         pruned = prune_graph(graph, node_threshold, edge_threshold)
         answer = pruned_json(graph, pruned, (node_threshold, edge_threshold),
                              self.view.token_text)
-        return {**answer, "dictionaries": self.names}
+        return {**answer, "dictionaries": self.names, "why": few_features_line(graph, pruned)}
 
     def edge(self, prompt: str, source: str | int, target: str | int) -> dict[str, Any]:
         """The edge source -> target: its weight, its part through no head, and the heads that

@@ -8,7 +8,10 @@ circuit-tracer pins TransformerLens < 4, so it runs in a venv of its own, offlin
 Reads BUILD (make_fixture.py's output: the TransformerLens checkpoint of the model and the
 transcoders in circuit-tracer's layout) and writes OUT/reference.safetensors (the Graph's
 adjacency, nodes and logits, prune_graph's masks at 0.8 / 0.98 with the kept edges as index
-pairs, the node influences) and OUT/reference.json (the scores and settings).
+pairs, the node influences) and OUT/reference.json (the scores and settings); and the same of
+`attribute(max_feature_nodes=CAPPED["max_feature_nodes"], ...)` as OUT/capped.safetensors and
+OUT/capped.json (the selected features' indices among the active ones beside them), with
+batches small enough that the greedy ranking is redone several times.
 """
 import importlib.util
 import json
@@ -29,6 +32,9 @@ FIX = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("build")
 OUT = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(".")
 torch.manual_seed(0)
 torch.set_grad_enabled(True)
+# some a third of the 270 active features, ranked again after every batch of 2: 50 rounds
+# (re-ranking matters here: ranked once, 2 of the 100 would be others)
+CAPPED = {"max_feature_nodes": 100, "batch_size": 2, "update_interval": 1}
 
 
 # The model and its transcoders are built as `glassgpt bench graph` builds them for
@@ -49,6 +55,7 @@ def graph_tensors(graph, prune, scores) -> tuple[dict, dict]:
     t = {
         "adjacency_matrix": graph.adjacency_matrix.float().contiguous(),
         "active_features": graph.active_features.long().contiguous(),  # (n_active, 3) layer,pos,idx
+        "selected_features": graph.selected_features.long().contiguous(),  # (n_features,)
         "activation_values": graph.activation_values.float().contiguous(),
         "logit_tokens": graph.logit_token_ids.long().contiguous(),
         "logit_probabilities": graph.logit_probabilities.float().contiguous(),
@@ -96,6 +103,7 @@ def run_one(model, prompt, tag, **kw):
     scores = compute_graph_scores(graph)
     t, s = graph_tensors(graph, prune, scores)
     s["attribute_kwargs"] = {"max_n_logits": 10, "desired_logit_prob": 0.95, "batch_size": 512,
+                             "update_interval": 4,
                              "max_feature_nodes": None, **kw}
     save_file(t, str(OUT / f"{tag}.safetensors"))
     (OUT / f"{tag}.json").write_text(json.dumps(s, indent=2) + "\n")
@@ -131,6 +139,7 @@ def main() -> int:
 
     # 3. the graphs
     g, t = run_one(model, prompt, "reference")
+    run_one(model, prompt, "capped", **CAPPED)
 
     # 4. cross-check: gain/bias-folded encoder reading the MLP's input (post gain) gives the
     #    same graph

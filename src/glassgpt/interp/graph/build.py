@@ -8,8 +8,13 @@ wrote there dotted with g:
     error (l, p):                         e[l, p] . g_mlp_out[l][p]
     token at p:                           W_E[token] . g_embed[p]
 Features do not pass gradients on (their activations are frozen), so the gradient measures the
-direct effect only: paths through other features are edges of their own. The forward runs once
-on `batch_size` copies of the prompt, each copy a target, and every backward reuses it.
+direct effect only: paths through other features are edges of their own. For the models it knows
+(Pre-LN blocks) the backward pass is written out (glassgpt.interp.graph.backward), a batch of
+`batch_size` targets at a time; for any other, autograd computes it: the forward runs once on
+`batch_size` copies of the prompt, each copy a target, and every backward reuses it.
+
+With `max_feature_nodes`, only that many features become nodes, chosen greedily by their
+influence on the logits as circuit-tracer chooses them (glassgpt.interp.graph.select).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from glassgpt.errors import InputError
+from glassgpt.interp.graph.backward import Writes, WrittenBackward, knows
 from glassgpt.interp.graph.replacement import (
     FrozenRun,
     Prompt,
@@ -29,32 +35,40 @@ from glassgpt.interp.graph.replacement import (
     read_prompt,
 )
 from glassgpt.interp.graph.result import AttributionGraph
+from glassgpt.interp.graph.select import Progress, RowsOf, capped_adjacency
 from glassgpt.interp.sae.model import SAE
 
 
 def attribution_graph(model: nn.Module, transcoders: Sequence[SAE], ids: Tensor | Sequence[int],
                       *, max_n_logits: int = 10, desired_logit_prob: float = 0.95,
-                      batch_size: int = 64, skip_positions: int = 1) -> AttributionGraph:
+                      batch_size: int = 64, skip_positions: int = 1,
+                      max_feature_nodes: int | None = None, update_interval: int = 4,
+                      progress: Progress | None = None) -> AttributionGraph:
     """The attribution graph of the prompt `ids` ((T,) or (1, T) token ids) through `model`
     with each MLP replaced by its transcoder (one a layer, SAELens's format; see
     glassgpt.interp.graph.replacement). Logit nodes: the most probable next tokens at the last
     position, fewest whose probabilities reach `desired_logit_prob`, at most `max_n_logits`
     (circuit-tracer's defaults). `batch_size` targets share one backward pass. The first
     `skip_positions` positions have no feature or error nodes (circuit-tracer skips position
-    0, a BOS or attention sink in most models); 0 gives every position its nodes."""
+    0, a BOS or attention sink in most models); 0 gives every position its nodes.
+    `max_feature_nodes`: at most that many feature nodes, circuit-tracer's greedy choice
+    re-ranked every `update_interval` batches (glassgpt.interp.graph.select; the same nodes as
+    circuit-tracer's `attribute` given the same batch_size and update_interval); None, its
+    default, makes every active feature a node. `progress` follows the backward passes (see
+    Progress)."""
     prompt = read_prompt(model, transcoders, _as_prompt(ids), skip_positions)
     return graph_of(prompt, max_n_logits=max_n_logits, desired_logit_prob=desired_logit_prob,
-                    batch_size=batch_size)
+                    batch_size=batch_size, max_feature_nodes=max_feature_nodes,
+                    update_interval=update_interval, progress=progress)
 
 
 def graph_of(prompt: Prompt, *, max_n_logits: int = 10, desired_logit_prob: float = 0.95,
-             batch_size: int = 64) -> AttributionGraph:
+             batch_size: int = 64, max_feature_nodes: int | None = None,
+             update_interval: int = 4, progress: Progress | None = None) -> AttributionGraph:
     """attribution_graph of a prompt already read (replacement.read_prompt), for a caller that
     keeps the Prompt to split edges over heads afterwards (heads.edge_heads)."""
-    if batch_size < 1 or max_n_logits < 1 or not 0 < desired_logit_prob <= 1:
-        raise InputError(f"batch_size and max_n_logits must be positive and "
-                         f"desired_logit_prob in (0, 1], got {batch_size}, {max_n_logits}, "
-                         f"{desired_logit_prob}")
+    check_settings(batch_size, max_n_logits, desired_logit_prob, max_feature_nodes,
+                   update_interval)
     tokens, probs = top_logits(prompt.logits[-1], max_n_logits, desired_logit_prob)
     features, values = active_features(prompt)
     graph = AttributionGraph(
@@ -63,8 +77,31 @@ def graph_of(prompt: Prompt, *, max_n_logits: int = 10, desired_logit_prob: floa
         adjacency_matrix=torch.zeros(0, 0), n_layers=prompt.n_layers,
         transcoders=[None if sae is None else sae.cfg.hook_name_out
                      for sae in prompt.transcoders])
-    graph.adjacency_matrix = adjacency(prompt, graph, batch_size)
+    if max_feature_nodes is None or max_feature_nodes >= graph.n_features:
+        graph.adjacency_matrix = adjacency(prompt, graph, batch_size, progress)
+        return graph
+    rows_of, dtype = row_source(prompt, graph, batch_size)
+    graph.adjacency_matrix, chosen = capped_adjacency(graph, rows_of, max_feature_nodes,
+                                                      batch_size, update_interval, dtype,
+                                                      progress)
+    graph.n_active_features = graph.n_features
+    graph.active_features = graph.active_features[chosen]
+    graph.activation_values = graph.activation_values[chosen]
     return graph
+
+
+def check_settings(batch_size: int, max_n_logits: int, desired_logit_prob: float,
+                   max_feature_nodes: int | None, update_interval: int) -> None:
+    """The counts positive (max_feature_nodes may be None: no cap), the probability a share."""
+    counts = {"batch_size": batch_size, "max_n_logits": max_n_logits,
+              "update_interval": update_interval}
+    if max_feature_nodes is not None:
+        counts["max_feature_nodes"] = max_feature_nodes
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{name} must be a positive count, got {value!r:.40}")
+    if not 0 < desired_logit_prob <= 1:
+        raise InputError(f"desired_logit_prob must be in (0, 1], got {desired_logit_prob}")
 
 
 def _as_prompt(ids: Tensor | Sequence[int]) -> Tensor:
@@ -98,25 +135,45 @@ def active_features(prompt: Prompt) -> tuple[Tensor, Tensor]:
     return torch.cat(rows).cpu(), torch.cat(values).detach().cpu()
 
 
-def adjacency(prompt: Prompt, graph: AttributionGraph, batch_size: int) -> Tensor:
+def adjacency(prompt: Prompt, graph: AttributionGraph, batch_size: int,
+              progress: Progress | None = None) -> Tensor:
     """The (N, N) matrix: a row for each feature and logit, computed batch_size at a time."""
     n = graph.n_nodes
-    matrix = torch.zeros(n, n, dtype=prompt.logits.dtype)
+    rows_of, dtype = row_source(prompt, graph, batch_size)
+    matrix = torch.zeros(n, n, dtype=dtype)
     targets = list(range(graph.n_features)) + list(range(n - graph.n_logits, n))
-    run = frozen_run(prompt, batch=min(batch_size, len(targets)))
-    device = prompt.logits.device
-    features = graph.active_features.to(device)
-    writes = feature_writes(prompt, graph, features)
+    if progress is not None:
+        progress(graph, 0, len(targets))
     for start in range(0, len(targets), batch_size):
         chunk = targets[start:start + batch_size]
+        matrix[chunk, :n - graph.n_logits] = rows_of(chunk).cpu()  # (B, N - K)
+        if progress is not None:
+            progress(graph, start + len(chunk), len(targets))
+    return matrix
+
+
+def row_source(prompt: Prompt, graph: AttributionGraph, batch_size: int
+               ) -> tuple[RowsOf, torch.dtype]:
+    """What computes the rows of targets (node indices), batch_size at most at a time: the
+    written-out backward pass where the model is one it knows, autograd elsewhere; and the
+    dtype of the rows (the model's, float32 at least: a bf16 model's edges are kept in
+    float32, as circuit-tracer keeps them)."""
+    dtype = torch.promote_types(prompt.logits.dtype, torch.float32)
+    writes = feature_writes(prompt, graph, graph.active_features.to(prompt.logits.device))
+    if knows(prompt):
+        return WrittenBackward(prompt, graph, writes), dtype
+    run = frozen_run(prompt, batch=min(batch_size, graph.n_features + graph.n_logits))
+    features = graph.active_features.to(prompt.logits.device)
+
+    def rows_of(chunk: list[int]) -> Tensor:
         value = target_inputs(prompt, run, graph, features, chunk)
         leaves = [run.embed, *(leaf for leaf in run.mlp_out if leaf is not None)]
         grads = torch.autograd.grad(value, leaves, retain_graph=True, allow_unused=True)
         g_embed, g_mlp = grads[0], iter(grads[1:])
         g_layers = [None if leaf is None else next(g_mlp) for leaf in run.mlp_out]
         rows = source_effects(prompt, graph, writes, g_embed, g_layers)  # (B, N - K)
-        matrix[chunk, :n - graph.n_logits] = rows[:len(chunk)].detach().cpu()
-    return matrix
+        return rows[:len(chunk)].detach().to(dtype)
+    return rows_of, dtype
 
 
 def target_inputs(prompt: Prompt, run: FrozenRun, graph: AttributionGraph, features: Tensor,
@@ -139,11 +196,6 @@ def target_inputs(prompt: Prompt, run: FrozenRun, graph: AttributionGraph, featu
         tokens = graph.logit_tokens.to(device)[index[~is_feature] - graph.logit_index(0)]
         total = total + logit_inputs(run, logit_rows, tokens).sum()
     return total
-
-
-# (layer, position, first column, the written vectors (C, n)): the features of one layer at
-# one position are a run of columns, their activations times decoder rows one matrix.
-Writes = list[tuple[int, int, int, Tensor]]
 
 
 def feature_writes(prompt: Prompt, graph: AttributionGraph, features: Tensor) -> Writes:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from glassgpt.errors import CheckpointError
-from glassgpt.interp.graph.prune import PrunedGraph, graph_scores
+from glassgpt.interp.graph.prune import PrunedGraph, graph_scores, source_shares
 from glassgpt.interp.graph.result import AttributionGraph
 from glassgpt.storage import files
 
@@ -87,3 +87,23 @@ def top_features(graph: AttributionGraph, pruned: PrunedGraph, k: int = 10
     scores = pruned.influence[:graph.n_features]
     order = torch.argsort(scores, descending=True)[:k].tolist()
     return [{**graph.node(i), "influence": float(scores[i])} for i in order]
+
+
+FEW_FEATURES = 3  # fewer kept features than this and `few_features_line` says why
+
+
+def few_features_line(graph: AttributionGraph, pruned: PrunedGraph) -> str | None:
+    """One line saying why the pruned graph kept fewer than FEW_FEATURES features: how much of
+    the logits' influence the error nodes and the token embeddings carry, and what to do;
+    None where it kept more."""
+    kept = int(pruned.node_mask[:graph.n_features].sum())
+    if kept >= FEW_FEATURES:
+        return None
+    errors, tokens = source_shares(graph, pruned.influence)
+    said = "no feature was kept" if kept == 0 else \
+        f"only {kept} feature{'s were' if kept > 1 else ' was'} kept"
+    where = ("the transcoders miss most of what the MLPs write" if errors >= tokens
+             else "most of it flows from the tokens through attention alone")
+    return (f"{said}: the error nodes carry {errors:.0%} of the logits' influence and the token "
+            f"embeddings {tokens:.0%} ({where}); train the transcoders longer or wider, or "
+            f"lower the node threshold (--node-threshold)")

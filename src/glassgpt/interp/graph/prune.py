@@ -136,3 +136,14 @@ def graph_scores(graph: AttributionGraph, influence_on_logits: Tensor | None = N
     weight = scores + weights
     completeness = (non_error * weight).sum() / weight.sum()
     return float(replacement), float(completeness)
+
+
+def source_shares(graph: AttributionGraph, influence_on_logits: Tensor) -> tuple[float, float]:
+    """(errors, tokens): the shares of the logits' influence (a PrunedGraph's `influence`) that
+    the error nodes and the token embeddings carry. Every path to a logit starts at one of
+    them (a feature passes on what it reads), so the two add up to 1; what the transcoders
+    fail to explain starts at an error node."""
+    from_errors = influence_on_logits[graph.error_slice].sum()
+    from_tokens = influence_on_logits[graph.token_slice].sum()
+    total = (from_errors + from_tokens).clamp(min=1e-30)
+    return float(from_errors / total), float(from_tokens / total)

@@ -2,7 +2,8 @@
 circuit-tracer lays out its Graph, and saved as one safetensors file.
 
 Nodes, in the adjacency's order (N = F + L*T + T + K):
-    [0, F)                 the active features, by (layer, position, feature)
+    [0, F)                 the feature nodes, by (layer, position, feature): every active
+                           feature, or with max_feature_nodes the ones chosen
     [F, F + L*T)           the error nodes, layer by layer, a position each
     [F + L*T, F + L*T + T) the token embeddings, a position each
     [N - K, N)             the logit nodes, the most probable tokens at the last position
@@ -35,9 +36,11 @@ FORMAT = "glassgpt-attribution-graph"
 @dataclass
 class AttributionGraph:
     """One prompt's attribution graph. input_ids (T,); active_features (F, 3) long: layer,
-    position, feature; activation_values (F,); logit_tokens (K,), logit_probabilities (K,);
-    adjacency_matrix (N, N), rows targets and columns sources; transcoders: the hook each
-    layer's transcoder writes (None for a layer without one)."""
+    position, feature of each feature node; activation_values (F,); logit_tokens (K,),
+    logit_probabilities (K,); adjacency_matrix (N, N), rows targets and columns sources;
+    transcoders: the hook each layer's transcoder writes (None for a layer without one);
+    n_active_features: how many features were active where max_feature_nodes kept fewer as
+    nodes (None: every active feature is a node)."""
 
     input_ids: Tensor
     active_features: Tensor
@@ -47,6 +50,12 @@ class AttributionGraph:
     adjacency_matrix: Tensor
     n_layers: int
     transcoders: list[str | None] = field(default_factory=list)
+    n_active_features: int | None = None
+
+    @property
+    def n_active(self) -> int:
+        """The features active on the prompt: the nodes' count, or more with a cap."""
+        return self.n_features if self.n_active_features is None else self.n_active_features
 
     @property
     def n_pos(self) -> int:
@@ -117,6 +126,8 @@ class AttributionGraph:
         tensors = {name: getattr(self, name).detach().cpu().contiguous() for name in TENSORS}
         metadata = {"format": FORMAT, "n_layers": str(self.n_layers),
                     "transcoders": json.dumps(self.transcoders)}
+        if self.n_active_features is not None:
+            metadata["n_active_features"] = str(self.n_active_features)
         path.parent.mkdir(parents=True, exist_ok=True)  # as a picture's folder is made
         files.write_bytes_atomic(path, safetensors_save(tensors, metadata))
         return path
@@ -148,7 +159,8 @@ class AttributionGraph:
                          n_layers, path)
             check_fits_memory(file.nbytes, f"the attribution graph in {path}")
             tensors = file.read_all()
-        graph = cls(**tensors, n_layers=n_layers, transcoders=transcoders)
+        graph = cls(**tensors, n_layers=n_layers, transcoders=transcoders,
+                    n_active_features=read_count(metadata, "n_active_features", "features", path))
         check_values(graph, path)
         return graph
 
@@ -158,7 +170,7 @@ class AttributionGraph:
                                 self.activation_values.to(dtype), self.logit_tokens,
                                 self.logit_probabilities.to(dtype),
                                 self.adjacency_matrix.to(dtype), self.n_layers,
-                                list(self.transcoders))
+                                list(self.transcoders), self.n_active_features)
 
 
 # --- the checks of a file ------------------------------------------------------------------------
@@ -169,10 +181,7 @@ def read_metadata(metadata: dict[str, str], path: Path) -> tuple[int, list[str |
     if "n_layers" not in metadata or "transcoders" not in metadata:
         raise CheckpointError(f"{path} is not an attribution graph: its metadata lacks "
                               f"{'n_layers' if 'n_layers' not in metadata else 'transcoders'}")
-    text = metadata["n_layers"]
-    if not (text.isascii() and text.isdigit() and len(text) <= 6):
-        raise CheckpointError(f"{path}: n_layers must be a count of layers, got {text!r:.40}")
-    n_layers = int(text)
+    n_layers = read_count(metadata, "n_layers", "layers", path)
     transcoders = files.parse_json(metadata["transcoders"], f"{path} (transcoders)",
                                    CheckpointError)
     if not isinstance(transcoders, list) or len(transcoders) != n_layers or not all(
@@ -180,6 +189,17 @@ def read_metadata(metadata: dict[str, str], path: Path) -> tuple[int, list[str |
         raise CheckpointError(f"{path}: transcoders must list the {n_layers} layers' hooks "
                               f"(a name or null each), got {metadata['transcoders']!r:.60}")
     return n_layers, transcoders
+
+
+def read_count(metadata: dict[str, str], name: str, of: str, path: Path) -> int | None:
+    """The count of `of` the metadata holds under `name` (at most 9 digits), None where it has
+    none."""
+    text = metadata.get(name)
+    if text is None:
+        return None
+    if not (text.isascii() and text.isdigit() and len(text) <= 9):
+        raise CheckpointError(f"{path}: {name} must be a count of {of}, got {text!r:.40}")
+    return int(text)
 
 
 def check_header(found: dict[str, tuple[str, tuple[int, ...]]], n_layers: int,
@@ -234,6 +254,9 @@ def check_values(graph: AttributionGraph, path: Path) -> None:
                 row = int(bad.nonzero()[0])
                 raise CheckpointError(f"{path}: active feature {row} "
                                       f"{graph.active_features[row].tolist()} names {what}")
+    if graph.n_active < graph.n_features:
+        raise CheckpointError(f"{path}: n_active_features is {graph.n_active}, fewer than the "
+                              f"graph's {graph.n_features} feature nodes")
     for name in FLOATS:
         values = getattr(graph, name)
         if not bool(torch.isfinite(values).all()):

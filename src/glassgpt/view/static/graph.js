@@ -72,7 +72,19 @@ async function loadGraph(prompt) {
     `${answer.edges.length} edges`;
   $("graph-scores").textContent = `replacement score ${answer.scores.replacement.toFixed(3)} · ` +
     `completeness score ${answer.scores.completeness.toFixed(3)}`;
+  showWhy(answer.why);
   renderGraph(answer);
+}
+
+// Where few features were kept, the server's line saying why, under the scores.
+function showWhy(why) {
+  let line = $("graph-why");
+  if (!line) {
+    line = el("p", { id: "graph-why", class: "readout" });
+    $("graph-scores").after(line);
+  }
+  line.textContent = why || "";
+  line.hidden = !why;
 }
 
 // Where each node goes: columns are positions, rows layers (token embeddings at the bottom,

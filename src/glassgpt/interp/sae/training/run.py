@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +31,32 @@ from glassgpt.storage.layout import TOKENIZER_FILE
 EVAL_SEED_OFFSET = 1_000_003
 
 
+@dataclass
+class DictionaryStart:
+    """What a training is about to do, for its caller's start line: everything is checked and
+    the model read; `step` is where it starts (0, or a resume's saved step) of settings.steps."""
+
+    settings: DictionarySettings
+    step: int
+    d_in: int
+    d_out: int
+    context: int  # tokens per window the model reads
+
+
 def train_dictionary(run_or_model: str | Path | ckpt.Run | nn.Module,
                      settings: DictionarySettings, out: str | Path, *,
                      data: str | Path | None = None, checkpoint: str = "best",
                      device: str | torch.device = "cpu", resume: bool = False,
                      force: bool = False,
                      report: Callable[[int, dict[str, Any]], None] | None = None,
-                     stop: threading.Event | None = None) -> DictionaryResult:
+                     stop: threading.Event | None = None,
+                     on_start: Callable[[DictionaryStart], None] | None = None
+                     ) -> DictionaryResult:
     """Train the dictionary `settings` describe on the model of a run directory (its
     `checkpoint` weights) or on a glassgpt model, reading windows of the train split of `data`
     (default: the run's data directory; a text file is tokenised with the run's tokenizer,
-    see `prepared_text`) and reporting metrics on its val split. Everything is
+    see `prepared_text`) and reporting metrics on its val split: `report(step, record)` after
+    every step, `on_start` once before the first (DictionaryStart). Everything is
     checked before anything is written: the hook names, the widths, whether `d_sae` fits in
     memory, `out` (see trainer.check_out), and for a resume its state and that it was trained
     on this run's model (glassgpt.interp.sae.provenance). Returns the trainer's result."""
@@ -68,6 +84,8 @@ def train_dictionary(run_or_model: str | Path | ckpt.Run | nn.Module,
                                 device=device, report=report, stop=stop)
     if resume:
         trainer.resume()
+    if on_start is not None:
+        on_start(DictionaryStart(settings, trainer.step, d_in, d_out, context))
     return trainer.run()
 
 
