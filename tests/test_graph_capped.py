@@ -142,7 +142,7 @@ def test_the_start_line_says_how_many_of_the_active_features_get_rows(both) -> N
 
 def test_the_default_cap_is_circuit_tracers_and_leaves_a_small_graph_whole(
         trained_run, transcoders_folder, tmp_path, capsys) -> None:
-    from glassgpt.cli.graph import MAX_FEATURE_NODES
+    from glassgpt.interp.graph.select import DEFAULT_MAX_FEATURE_NODES as MAX_FEATURE_NODES
 
     assert MAX_FEATURE_NODES == 7500  # circuit-tracer's CLI default
     out = tmp_path / "g.safetensors"

@@ -14,11 +14,6 @@ from glassgpt.errors import ConfigError
 # A graph of more rows than this (one backward pass of attribution_graph's default batch) says
 # what it attributes before it starts: past a few seconds, a command is not silent.
 SAY_ROWS_ABOVE = 64
-# circuit-tracer's CLI default. A graph of every active feature of a real model (Qwen3-0.6B's
-# shape, 16k-latent transcoders: ~55,000 active on 32 tokens) needs a 13 GB matrix and half an
-# hour of backward passes on 2 cores; with 7,500 it took 3.5 min and 6 GiB in all (`glassgpt
-# bench graph --real-size`). A small model's graph keeps every active feature.
-MAX_FEATURE_NODES = 7500
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,10 +38,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-logits", type=int, default=10, help="most logit nodes")
     p.add_argument("--logit-prob", type=float, default=0.95,
                    help="logit nodes: the likeliest tokens until their probability reaches this")
-    p.add_argument("--max-feature-nodes", type=int, default=MAX_FEATURE_NODES, metavar="N",
+    p.add_argument("--max-feature-nodes", type=int, default=None, metavar="N",
                    help="at most N active features become nodes, chosen greedily by their "
-                        "influence on the logits (circuit-tracer's max_feature_nodes and its "
-                        "CLI's default): a real model's graph then fits in memory")
+                        "influence on the logits (circuit-tracer's max_feature_nodes; default: "
+                        "its CLI's 7500, glassgpt.interp.graph.select.DEFAULT_MAX_FEATURE_NODES):"
+                        " a real model's graph then fits in memory")
     p.add_argument("--top", type=int, default=10, help="features to list")
     p.add_argument("--out", type=path_arg, help="save the whole graph (.safetensors)")
     p.add_argument("--json", type=path_arg, help="write the pruned graph's nodes and edges")
@@ -69,7 +65,7 @@ def check_flags(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} is a share in (0, 1], got "
                               f"{getattr(args, name)}")
     for name in ("max_logits", "top", "max_feature_nodes"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got "
                               f"{getattr(args, name)}")
     if args.out is not None and args.json is not None and same_file(args.out, args.json):
@@ -113,6 +109,7 @@ def run_graph(args: argparse.Namespace) -> int:
     from glassgpt.interp.graph import attribution_graph
     from glassgpt.interp.graph.export import few_features_line, pruned_json, top_features
     from glassgpt.interp.graph.prune import graph_scores, prune_graph
+    from glassgpt.interp.graph.select import DEFAULT_MAX_FEATURE_NODES
     from glassgpt.rundir.checkpoint import load_model
     from glassgpt.storage import files
 
@@ -125,7 +122,8 @@ def run_graph(args: argparse.Namespace) -> int:
     with step_bar("graph", "rows") as bar:
         graph = attribution_graph(model, transcoders, ids, max_n_logits=args.max_logits,
                                   desired_logit_prob=args.logit_prob,
-                                  max_feature_nodes=args.max_feature_nodes,
+                                  max_feature_nodes=args.max_feature_nodes
+                                  or DEFAULT_MAX_FEATURE_NODES,
                                   progress=_drawn(bar))
     pruned = prune_graph(graph, args.node_threshold, args.edge_threshold)
     replacement, completeness = graph_scores(graph, pruned.influence)

@@ -26,6 +26,7 @@ from glassgpt.interp.graph.export import few_features_line, node_id, pruned_json
 from glassgpt.interp.graph.heads import edge_heads
 from glassgpt.interp.graph.prune import prune_graph
 from glassgpt.interp.graph.replacement import Prompt, by_layer, read_prompt
+from glassgpt.interp.graph.select import DEFAULT_MAX_FEATURE_NODES
 from glassgpt.interp.sae import SAE
 from glassgpt.view import requests as req
 from glassgpt.view.features import Dictionaries
@@ -79,7 +80,7 @@ class Graphs:
             self.built.move_to_end(ids)
             return self.built[ids]
         prompt_run = read_prompt(self.view.model, self.transcoders, encoded.idx)
-        graph = graph_of(prompt_run)
+        graph = graph_of(prompt_run, max_feature_nodes=DEFAULT_MAX_FEATURE_NODES)
         self.built[ids] = Built(prompt_run, graph, {node_id(graph.node(i)): i
                                                     for i in range(graph.n_nodes)})
         while len(self.built) > KEPT_PROMPTS:

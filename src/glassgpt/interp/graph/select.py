@@ -35,6 +35,12 @@ RowsOf = Callable[[list[int]], Tensor]
 # progress(graph, rows done, rows in all): called before the first backward pass (0 done) and
 # after each; the graph holds its nodes then (the adjacency is being filled).
 Progress = Callable[[AttributionGraph, int, int], None]
+# What `glassgpt graph` and the view's Graph panel cap the feature nodes at: circuit-tracer's
+# CLI default. A graph of every active feature of a real model (Qwen3-0.6B's shape, 16k-latent
+# transcoders: ~55,000 active on 32 tokens) needs a 13 GB matrix and half an hour of backward
+# passes on 2 cores; with 7,500 it took 3.5 min and 6 GiB in all (`glassgpt bench graph
+# --real-size`). A small model's graph keeps every active feature.
+DEFAULT_MAX_FEATURE_NODES = 7500
 CHUNK = 256  # rows a time where a whole matrix's |values| would be a copy of it
 SMALLEST_ROW_SUM = 1e-8  # circuit-tracer's clamp of a row's sum in its partial influence
 
