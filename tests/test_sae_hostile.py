@@ -280,3 +280,20 @@ def test_the_density_histograms_bars_scale_to_the_largest_count(trained_run, tra
     assert sum(counts) == 16 and max(bars) == HISTOGRAM_WIDTH  # 16 latents: not 16 characters
     largest = max(counts)
     assert bars == [max(1, round(HISTOGRAM_WIDTH * c / largest)) if c else 0 for c in counts]
+
+
+def test_the_scaling_and_resampling_settings_are_flags(trained_run, tmp_path, capsys) -> None:
+    """--normalize-activations and --resample-every reach the training's settings; resampling
+    is a setting of standard and jumprelu, refused with topk in one line."""
+    out = tmp_path / "s"
+    args = train_args(trained_run.run, out, "--normalize-activations", "none",
+                      "--resample-every", "7")
+    args[args.index("topk")] = "jumprelu"
+    args[args.index("--k"):args.index("--k") + 2] = []
+    code, _, err = cli(*args, capsys=capsys)
+    assert code == 0, err
+    settings = json.loads((out / "trainer_state.json").read_text())["settings"]
+    assert (settings["normalize_activations"], settings["resample_every"]) == ("none", 7)
+    code, _, err = cli(*train_args(trained_run.run, tmp_path / "t", "--resample-every", "7"),
+                       capsys=capsys)
+    assert code == 2 and "resample_every" in err and "topk" in err and err.count("\n") == 1

@@ -20,6 +20,7 @@ from glassgpt.interp import run_with_cache
 from glassgpt.interp.sae.training import DictionarySettings, DictionaryTrainer
 from glassgpt.interp.sae.training.activations import TensorActivations
 from glassgpt.model import GPT
+from test_sae_train import settings_before_issue_53
 
 REFERENCE = Path(__file__).parent / "data" / "saelens" / "training_reference.json"
 EV_MARGIN, L0_MARGIN = 0.01, 0.10  # issue 41: explained variance within 0.01, L0 within 10%
@@ -56,7 +57,7 @@ def glassgpt_settings(reference: dict[str, Any], architecture: str,
         lr=common["lr"], lr_warm_up_steps=common["lr_warm_up_steps"],
         lr_decay_steps=common["lr_decay_steps"], decoder_init_norm=common["decoder_init_norm"],
         dead_tokens=common["dead_steps"] * common["batch_tokens"], eval_every=0,
-        checkpoint_every=0, seed=seed, **extra)
+        checkpoint_every=0, seed=seed, **settings_before_issue_53(architecture), **extra)
 
 
 def train_on_reference(reference: dict[str, Any], train: torch.Tensor, held_out: torch.Tensor,
@@ -183,10 +184,11 @@ def held_out_windows(data_dir: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def char_settings(**fields: Any) -> DictionarySettings:
+    architecture = fields.setdefault("architecture", "standard")  # the default until issue 53
     return DictionarySettings(**{"d_sae": 128, "tokens": 256 * 120, "batch_tokens": 256,
                                  "context": CHAR_MODEL["block_size"], "lr": 3e-3,
                                  "eval_every": 0, "eval_windows": 16, "checkpoint_every": 0,
-                                 **fields})
+                                 **settings_before_issue_53(architecture), **fields})
 
 
 def test_ce_loss_recovered_is_between_0_and_1_and_its_formula(char_model, tmp_path) -> None:

@@ -46,11 +46,22 @@ class SparseToy:
         self.generator.set_state(state)
 
 
+def settings_before_issue_53(architecture: str) -> dict:
+    """The settings whose defaults issue 53 changed, at their old values (what these tests
+    were written for): no activation scaling, no resampling where the architecture reads it."""
+    old = {"normalize_activations": "none"}
+    if architecture in ("standard", "jumprelu"):
+        old["resample_every"] = 0
+    return old
+
+
 def toy_settings(**overrides) -> DictionarySettings:
     fields = dict(hook="blocks.0.hook_resid_post", d_sae=64, architecture="topk",
                   tokens=256 * 300, batch_tokens=256, lr=3e-3, lr_warm_up_steps=10,
                   eval_every=0, checkpoint_every=0, dead_tokens=256 * 50)
-    return DictionarySettings(**{**fields, **overrides})
+    architecture = overrides.get("architecture", fields["architecture"])
+    return DictionarySettings(**{**fields, **settings_before_issue_53(architecture),
+                                 **overrides})
 
 
 def train_toy(out: Path, settings: DictionarySettings, **kwargs) -> DictionaryTrainer:

@@ -148,7 +148,8 @@ def settings_for(size: SAEBenchSize) -> Any:
     from glassgpt.interp.sae.training import DictionarySettings
     return DictionarySettings(hook=HOOK, d_sae=size.d_sae, architecture="topk", k=size.k,
                               tokens=size.tokens, batch_tokens=size.batch_tokens,
-                              lr=size.lr, eval_every=0, checkpoint_every=0)
+                              lr=size.lr, normalize_activations="none", eval_every=0,
+                              checkpoint_every=0)
 
 
 class WarmupClock:

@@ -20,15 +20,20 @@ from glassgpt.cli.common import (
     say,
 )
 from glassgpt.interp.sae.architectures import find
-from glassgpt.interp.sae.training.settings import ARCHITECTURES, DictionarySettings
+from glassgpt.interp.sae.training.settings import (
+    ARCHITECTURES,
+    NORMALIZATIONS,
+    DictionarySettings,
+)
 
 INTERRUPTED_EXIT_CODE = 130
 # Each flag of `sae train` that is a setting -> its DictionarySettings field.
 SETTINGS = {"hook": "hook", "d_sae": "d_sae", "architecture": "architecture",
             "transcoder": "transcoder", "hook_out": "hook_out", "k": "k", "l1": "l1_coefficient",
             "l0": "l0_coefficient", "tokens": "tokens", "batch_tokens": "batch_tokens",
-            "lr": "lr", "eval_every": "eval_every", "checkpoint_every": "checkpoint_every",
-            "seed": "seed"}
+            "lr": "lr", "normalize_activations": "normalize_activations",
+            "resample_every": "resample_every", "eval_every": "eval_every",
+            "checkpoint_every": "checkpoint_every", "seed": "seed"}
 HISTOGRAM_WIDTH = 60  # characters of the longest bar
 ANY_RUN_HELP = ("use a dictionary glassgpt trained on another run's model (neither this run's "
                 "directory nor its weights)")
@@ -62,7 +67,8 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", type=path_arg, metavar="RUN_DIR")
     p.add_argument("--out", type=path_arg, required=True, help="directory to write")
     add_settings_flags(p, DictionarySettings, SETTINGS, Given,
-                       choices={"architecture": ARCHITECTURES})
+                       choices={"architecture": ARCHITECTURES,
+                                "normalize_activations": NORMALIZATIONS})
     p.set_defaults(hook=None, d_sae=None)  # no default: a new training is told both
     p.add_argument("--data", type=path_arg, help="prepared data directory, or a text file "
                    "(tokenised with the run's tokenizer into the cache) (default: the run's)")

@@ -160,10 +160,10 @@ def best_cosines(directions: Tensor, decoder: Tensor) -> Tensor:
 def toy_superposition(s: ToySettings, seed: int) -> dict[str, Any]:
     directions = unit_rows(torch.randn(s.n_features, s.width,
                                        generator=torch.Generator().manual_seed(seed)))  # (n, d)
-    settings = DictionarySettings(hook=TOY_HOOK, d_sae=s.d_sae, tokens=s.tokens,
-                                  batch_tokens=s.batch_tokens, lr=s.lr,
-                                  l1_coefficient=s.l1_coefficient, eval_every=0,
-                                  checkpoint_every=0, seed=seed)
+    settings = DictionarySettings(hook=TOY_HOOK, d_sae=s.d_sae, architecture="standard",
+                                  tokens=s.tokens, batch_tokens=s.batch_tokens, lr=s.lr,
+                                  l1_coefficient=s.l1_coefficient, normalize_activations="none",
+                                  resample_every=0, eval_every=0, checkpoint_every=0, seed=seed)
     sae = train_on(SparseFeatureSource(directions, s.firing, s.batch_tokens, seed + 1),
                    settings, s.width)
     cosines = best_cosines(directions, sae.W_dec.detach())  # (n, F)
@@ -226,7 +226,8 @@ def char_features(s: CharSettings, seed: int) -> dict[str, Any]:
     settings = DictionarySettings(hook=s.hook, d_sae=s.d_sae, architecture="topk", k=s.k,
                                   tokens=s.tokens, batch_tokens=s.batch_tokens,
                                   context=s.lm.block_size, lr=s.lr, dead_tokens=s.dead_tokens,
-                                  eval_every=0, checkpoint_every=0, seed=seed)
+                                  normalize_activations="none", eval_every=0,
+                                  checkpoint_every=0, seed=seed)
     source = WindowActivations(model, s.hook, s.hook, train_ids.numpy().astype(np.int64),
                                s.lm.block_size, s.batch_tokens, seed, "cpu")
     sae = train_on(source, settings, s.lm.n_embd)

@@ -81,7 +81,7 @@ class Architecture:
 STANDARD = Architecture(
     "standard", "standard", "relu", note="L1", transcoder_form="transcoder",
     losses=("l1_loss",), sparsity_coefficient="l1_coefficient",
-    settings=("l1_coefficient", "sparsity_warm_up_steps"))
+    settings=("l1_coefficient", "sparsity_warm_up_steps", "resample_every"))
 TOPK = Architecture(
     "topk", "TopK", "topk", cfg_fields=("k", "rescale_acts_by_decoder_norm"),
     losses=("auxk_loss",), k="count", rescales_by_decoder_norm=True,
@@ -94,7 +94,7 @@ JUMPRELU = Architecture(
     "jumprelu", "JumpReLU", "jumprelu", transcoder_form="jumprelu_transcoder",
     tensors=("threshold",), losses=("l0_loss",), sparsity_coefficient="l0_coefficient",
     settings=("l0_coefficient", "sparsity_warm_up_steps", "jumprelu_init_threshold",
-              "jumprelu_bandwidth"))
+              "jumprelu_bandwidth", "resample_every"))
 TRANSCODER = Architecture("transcoder", "transcoder", "relu", transcoder=True,
                           cfg_fields=("d_out",))
 JUMPRELU_TRANSCODER = Architecture("jumprelu_transcoder", "JumpReLU transcoder", "jumprelu",

@@ -221,17 +221,58 @@ def auxk_loss(sae: SAE, pre: Tensor, dead: Tensor, error: Tensor, norms: Tensor)
 
 
 def inference_tensors(sae: SAE, settings: DictionarySettings,
-                      batch_threshold: Tensor | None) -> dict[str, Tensor]:
-    """The tensors SAELens saves for inference: a TopK's (and BatchTopK's) decoder norms folded
-    into the encoder (W_dec rows of norm 1), a BatchTopK's batch threshold as every latent's
-    JumpReLU threshold."""
+                      batch_threshold: Tensor | None,
+                      scaling: Tensor | None = None) -> dict[str, Tensor]:
+    """The tensors SAELens saves for inference: the activations' scaling (2,) (s_in, s_out)
+    folded in first (SAELens's fold_activation_norm_scaling_factor: the saved dictionary reads
+    and writes raw activations), then a TopK's (and BatchTopK's) decoder norms folded into the
+    encoder (W_dec rows of norm 1), a BatchTopK's batch threshold as every latent's JumpReLU
+    threshold."""
     arch = REGISTRY[settings.architecture]
     tensors = {name: t.detach().clone() for name, t in sae.state_dict().items()}
+    threshold_scale = 1.0
+    if scaling is not None:  # x * s_in in, y * s_out out: pre is unchanged, x_hat / s_out
+        s_in, s_out = (float(s) for s in scaling)
+        tensors["W_enc"] = tensors["W_enc"] * s_in
+        tensors["W_dec"] = tensors["W_dec"] / s_out
+        tensors["b_dec"] = tensors["b_dec"] / s_out
+        threshold_scale = 1 / s_out  # a batch threshold ranks pre * ||W_dec||, now / s_out
     if arch.rescales_by_decoder_norm:
         norms = tensors["W_dec"].norm(dim=-1).clamp(min=1e-8)  # (d_sae,)
         tensors["b_enc"] = tensors["b_enc"] * norms
         tensors["W_dec"] = tensors["W_dec"] / norms[:, None]
         tensors["W_enc"] = tensors["W_enc"] * norms[None, :]
     if arch.batch_threshold:
-        tensors["threshold"] = torch.full_like(tensors["b_enc"], float(batch_threshold))
+        tensors["threshold"] = torch.full_like(tensors["b_enc"],
+                                               float(batch_threshold) * threshold_scale)
     return tensors
+
+
+@torch.no_grad()
+def resample_dead(sae: SAE, settings: DictionarySettings, x: Tensor, y: Tensor,
+                  x_hat: Tensor, dead: Tensor, generator: torch.Generator) -> Tensor:
+    """Bricken et al. 2023's neuron resampling ("Towards Monosemanticity", Neuron
+    Resampling), on one batch x (N, d_in) -> y (N, d_out) with its reconstruction x_hat:
+    each dead latent (dead (d_sae,) bool) takes an input drawn with probability proportional
+    to the square of its loss, its decoder row the target's direction and its encoder column
+    the input's (x - b_dec where the encoder reads that), at 0.2 x the mean norm of the living
+    latents' encoder columns, its bias 0 (a JumpReLU threshold back at its start). The decoder
+    row has the living rows' mean norm (their unit norm, in the paper). Returns the indices of
+    the latents resampled (R,), whose Adam moments the trainer zeroes."""
+    latents = dead.nonzero()[:, 0]  # (R,)
+    loss = (y - x_hat).pow(2).sum(-1).double()  # (N,)
+    if latents.numel() == 0 or not bool(loss.sum() > 0):
+        return latents[:0]
+    picked = torch.multinomial(loss.pow(2).cpu(), latents.numel(), replacement=True,
+                               generator=generator).to(x.device)  # (R,)
+    alive = ~dead
+    encoder_norm = sae.W_enc[:, alive].norm(dim=0).mean() if alive.any() else 1.0
+    decoder_norm = sae.W_dec[alive].norm(dim=-1).mean() if alive.any() \
+        else settings.decoder_init_norm
+    inputs = x[picked] - sae.b_dec if sae.cfg.apply_b_dec_to_input else x[picked]
+    sae.W_dec[latents] = F.normalize(y[picked], dim=-1) * decoder_norm  # (R, d_out)
+    sae.W_enc[:, latents] = (F.normalize(inputs, dim=-1) * 0.2 * encoder_norm).T  # (d_in, R)
+    sae.b_enc[latents] = 0.0
+    if sae.threshold is not None and not REGISTRY[settings.architecture].batch_threshold:
+        sae.threshold[latents] = settings.jumprelu_init_threshold
+    return latents

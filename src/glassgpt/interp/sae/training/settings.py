@@ -1,4 +1,7 @@
-"""`DictionarySettings`: what `train_dictionary` trains, with SAELens 6's training defaults.
+"""`DictionarySettings`: what `train_dictionary` trains. The defaults of architecture, lr,
+l0_coefficient, normalize_activations and resample_every were chosen by measurement for a good
+dictionary in minutes on a laptop (docs/interpretability.md, "The defaults, by measurement");
+the others are SAELens 6's training defaults.
 
 Names follow SAELens's runner config where one exists (l1_coefficient, l0_coefficient,
 lr_warm_up_steps, lr_decay_steps, aux_loss_coefficient, topk_threshold_lr, decoder_init_norm,
@@ -22,6 +25,9 @@ from glassgpt.hooknames import parse_hook_name
 from glassgpt.interp.sae.architectures import REGISTRY, TRAINABLE, listed
 
 ARCHITECTURES = TRAINABLE  # what `architecture` takes (and `sae train --architecture`)
+# SAELens's normalize_activations that a training may use: the scale is folded into the
+# weights when it is saved, so the saved dictionary reads raw activations (its cfg says "none")
+NORMALIZATIONS = ("none", "expected_average_only_in")
 
 
 @dataclass
@@ -32,24 +38,31 @@ class DictionarySettings:
 
     hook: str = setting("", "the hook point the dictionary reads")
     d_sae: int = setting(0, "number of latents")
-    architecture: str = setting("standard", listed([REGISTRY[name].label
+    architecture: str = setting("jumprelu", listed([REGISTRY[name].label
                                                     for name in ARCHITECTURES]))
     transcoder: bool = setting(False, "reconstruct hook_out from hook (an MLP's transcoder)")
     hook_out: str | None = setting(None, "a transcoder's target point")
     k: float | None = setting(None, "topk: latents kept per token; batchtopk: on average")
     l1_coefficient: float = setting(5.0, "standard: weight of the decoder-norm-weighted L1")
-    l0_coefficient: float = setting(1.0, "jumprelu: weight of the L0 penalty")
+    l0_coefficient: float = setting(5.0, "jumprelu: weight of the L0 penalty")
     sparsity_warm_up_steps: int = setting(0, "steps over which the L1/L0 weight rises from 0")
     tokens: int = setting(2_000_000, "activations to train on in all")
     batch_tokens: int = setting(4096, "activations per optimizer step")
     context: int = setting(128, "tokens per window the model reads (at most its block_size)")
-    lr: float = setting(3e-4, "Adam learning rate")
+    lr: float = setting(3e-3, "Adam learning rate")
     adam_beta1: float = setting(0.9, "Adam beta1")
     adam_beta2: float = setting(0.999, "Adam beta2")
     lr_warm_up_steps: int = setting(0, "steps of linear lr warm-up")
     lr_decay_steps: int | None = setting(None, "last steps of linear lr decay to 0 (default: "
                                          "a fifth of the steps)")
     decoder_init_norm: float = setting(0.1, "norm of each decoder row at the start")
+    normalize_activations: str = setting(
+        "expected_average_only_in", "expected_average_only_in: train on inputs (and targets) "
+        "scaled so that their mean norm is sqrt(width), the scale folded into the saved weights "
+        "(SAELens's); none")
+    resample_every: int = setting(50, "standard/jumprelu: steps between resamplings of the "
+                                  "dead latents from high-loss inputs, in the first half of "
+                                  "the training (Bricken et al. 2023); 0: never")
     aux_loss_coefficient: float = setting(1.0, "topk/batchtopk: weight of the AuxK loss")
     topk_threshold_lr: float = setting(0.01, "batchtopk: rate of the threshold's moving "
                                        "average")
@@ -67,11 +80,14 @@ class DictionarySettings:
         if self.architecture not in ARCHITECTURES:
             raise ConfigError(f"architecture {self.architecture!r:.40} is none of "
                               f"{', '.join(ARCHITECTURES)}")
+        if self.normalize_activations not in NORMALIZATIONS:
+            raise ConfigError(f"normalize_activations {self.normalize_activations!r:.40} is "
+                              f"none of {', '.join(NORMALIZATIONS)}")
         for name in ("d_sae", "tokens", "batch_tokens", "context", "dead_tokens",
                      "eval_windows"):
             _positive_int(getattr(self, name), name)
         for name in ("sparsity_warm_up_steps", "lr_warm_up_steps", "eval_every",
-                     "checkpoint_every", "seed"):
+                     "checkpoint_every", "seed", "resample_every"):
             _count(getattr(self, name), name)
         for name in ("l1_coefficient", "l0_coefficient", "aux_loss_coefficient"):
             _non_negative(getattr(self, name), name)

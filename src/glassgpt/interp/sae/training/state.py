@@ -30,6 +30,9 @@ STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
 FLOATS = (torch.float32, torch.float64)  # Adam's step: float64 when that is torch's default
 # A tensor the state must hold: its shape and the dtypes it may have.
 Expected = tuple[tuple[int, ...], tuple[torch.dtype, ...]]
+# Settings added after states were saved without them, at the values those trainings used
+# (not today's defaults): a state saved before them resumes as it was trained.
+SETTINGS_ADDED = {"normalize_activations": "none", "resample_every": 0}
 
 
 def read_state(out: Path) -> dict[str, Any]:
@@ -45,6 +48,7 @@ def read_state(out: Path) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise CheckpointError(f"{out / STATE_JSON}: {name} must be a whole number >= 0, "
                                   f"got {value!r:.40}")
+    state["settings"] = {**SETTINGS_ADDED, **state["settings"]}
     return state
 
 

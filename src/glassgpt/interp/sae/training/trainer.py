@@ -36,7 +36,11 @@ from glassgpt.interp.sae.disk import CFG_FILE, SAE_FILES, SPARSITY_FILE, WEIGHTS
 from glassgpt.interp.sae.metrics import DictionaryMetrics, ReconstructionMeter, log_density
 from glassgpt.interp.sae.provenance import trained_elsewhere
 from glassgpt.interp.sae.training.activations import ActivationSource
-from glassgpt.interp.sae.training.objective import inference_tensors, training_step
+from glassgpt.interp.sae.training.objective import (
+    inference_tensors,
+    resample_dead,
+    training_step,
+)
 from glassgpt.interp.sae.training.settings import DictionarySettings
 from glassgpt.interp.sae.training.state import (
     FLOATS,
@@ -54,6 +58,9 @@ from glassgpt.training.steps import stop_on_sigint
 OWN_FILES = (*SAE_FILES, STATE_JSON, STATE_TENSORS)
 FEATURE_SAMPLING_WINDOW = 2000  # steps over which firing counts gather (SAELens's default)
 GRAD_CLIP = 1.0  # SAELens clips every step to this norm
+# Batches whose mean activation norm sets normalize_activations's scale (SAELens reads 1,000
+# batches of its buffer; the mean norm of a hook point settles long before that)
+NORM_ESTIMATE_BATCHES = 8
 # Evaluate(sae) -> metrics on held-out data, or None (a toy source has none).
 Evaluate = Callable[[SAE], DictionaryMetrics | None]
 
@@ -95,6 +102,9 @@ class DictionaryTrainer:
         self.fired = torch.zeros(d_sae, dtype=torch.float64, device=device)
         self.window_tokens = 0
         self.batch_threshold = torch.zeros((), dtype=torch.float64, device=device)
+        # (s_in, s_out) float64: what the inputs and targets are multiplied by while training
+        # (normalize_activations), set before the first step
+        self.scaling: Tensor | None = None
         self.metrics: DictionaryMetrics | None = None
 
     # --- the schedule ------------------------------------------------------------------------
@@ -131,6 +141,9 @@ class DictionaryTrainer:
     def run(self) -> DictionaryResult:
         start, s = time.perf_counter(), self.settings
         interrupted = False
+        if s.normalize_activations != "none" and self.scaling is None:
+            self.scaling = estimate_scaling(self.source, NORM_ESTIMATE_BATCHES).to(
+                self.batch_threshold.device)
         with stop_on_sigint(self.stop) as stop_requested:
             while self.step < s.steps:
                 record = self.train_step()
@@ -152,6 +165,8 @@ class DictionaryTrainer:
     def train_step(self) -> dict[str, Any]:
         s = self.settings
         x, y = self.source.next_batch()
+        if self.scaling is not None:  # SAELens's normalize_activations
+            x, y = x * float(self.scaling[0]), y * float(self.scaling[1])
         lr = self.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -166,6 +181,8 @@ class DictionaryTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        if self._resampling_now():
+            self._resample(x, y, out.reconstruction)
         meter = ReconstructionMeter(s.d_sae)
         meter.add(y, out.firing, out.reconstruction)
         batch = meter.result()
@@ -173,6 +190,32 @@ class DictionaryTrainer:
                 **{name: float(t) for name, t in out.terms.items()},
                 "l0": batch.l0, "explained_variance": batch.explained_variance,
                 "dead": int(self.dead.sum())}
+
+    def _resampling_now(self) -> bool:
+        """Every resample_every steps of the first half of the training, for an architecture
+        that reads the setting (TopK and BatchTopK have AuxK instead)."""
+        every = self.settings.resample_every if "resample_every" in self.arch.settings else 0
+        return bool(every) and self.step % every == 0 and 2 * self.step <= self.settings.steps
+
+    def _resample(self, x: Tensor, y: Tensor, x_hat: Tensor) -> None:
+        """The latents silent since the last resampling take new directions (objective.
+        resample_dead); their Adam moments start again from zero, as Bricken et al. reset them.
+        The generator is seeded by the step, so a resumed training draws the same inputs."""
+        s = self.settings
+        silent = self.tokens_since_fired >= s.resample_every * s.batch_tokens
+        generator = torch.Generator().manual_seed((s.seed * 1_000_003 + self.step) % 2**63)
+        latents = resample_dead(self.sae, s, x, y, x_hat, silent, generator)
+        if latents.numel() == 0:
+            return
+        for name, param in self.sae.named_parameters():
+            state = self.optimizer.state.get(param, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state and name != "b_dec":  # b_dec (d_out,) is no latent's
+                    if name == "W_enc":  # a latent's column of W_enc, its row or entry else
+                        state[key][:, latents] = 0
+                    else:
+                        state[key][latents] = 0
+        self.tokens_since_fired[latents] = 0
 
     @torch.no_grad()
     def _count_firing(self, firing: Tensor, tokens: int) -> None:
@@ -195,8 +238,8 @@ class DictionaryTrainer:
         """The dictionary as it is saved: SAELens's inference tensors and cfg."""
         sae = SAE(self.sae.cfg).to(self.sae.W_enc.device)
         with torch.no_grad():
-            for name, tensor in inference_tensors(self.sae, self.settings,
-                                                  self.batch_threshold).items():
+            for name, tensor in inference_tensors(self.sae, self.settings, self.batch_threshold,
+                                                  self.scaling).items():
                 getattr(sae, name).copy_(tensor)
         if self.window_tokens:
             sae.log_sparsity = log_density(self.fired / self.window_tokens).float()
@@ -227,8 +270,13 @@ class DictionaryTrainer:
         return self.out
 
     def _counters(self) -> dict[str, Tensor]:
-        return {"tokens_since_fired": self.tokens_since_fired, "fired": self.fired,
-                "batch_threshold": self.batch_threshold, "data_state": self.source.get_state()}
+        counters = {"tokens_since_fired": self.tokens_since_fired, "fired": self.fired,
+                    "batch_threshold": self.batch_threshold,
+                    "data_state": self.source.get_state()}
+        if self.settings.normalize_activations != "none":  # estimated once, at the start
+            counters["norm_scaling"] = self.scaling if self.scaling is not None \
+                else torch.ones(2, dtype=torch.float64)
+        return counters
 
     def _expected_state(self) -> dict[str, Expected]:
         """What trainer_state.safetensors holds for this trainer: its weights, Adam's step and
@@ -267,6 +315,8 @@ class DictionaryTrainer:
         self.tokens_since_fired = tensors["tokens_since_fired"].to(device)
         self.fired = tensors["fired"].to(device)
         self.batch_threshold = tensors["batch_threshold"].to(device)
+        if "norm_scaling" in tensors:
+            self.scaling = tensors["norm_scaling"].to(device)
         self.step, self.window_tokens = state["step"], state["window_tokens"]
 
     def _check_same_training(self, state: dict[str, Any]) -> None:
@@ -289,6 +339,22 @@ class DictionaryTrainer:
             raise InputError(f"{self.out} was trained on the model of "
                              f"{recorded[TRAINED_ON_RUN]}, not of {current[TRAINED_ON_RUN]}: a "
                              f"resume goes on with the same run's model")
+
+
+@torch.no_grad()
+def estimate_scaling(source: ActivationSource, batches: int) -> Tensor:
+    """(2,) float64: sqrt(width) / the mean norm of the inputs and of the targets over
+    `batches` batches of `source` (SAELens's ActivationScaler: the mean of each batch's mean
+    norm), 1 for a point whose activations are all zero."""
+    norms = torch.zeros(2, dtype=torch.float64)
+    for _ in range(batches):
+        x, y = source.next_batch()
+        norms += torch.stack([x.double().norm(dim=-1).mean(), y.double().norm(dim=-1).mean()]
+                             ).cpu()
+    widths = torch.tensor([x.shape[-1], y.shape[-1]], dtype=torch.float64)
+    mean = norms / batches
+    return torch.where(mean > 0, widths.sqrt() / mean.clamp(min=1e-30), torch.ones(2,
+                       dtype=torch.float64))
 
 
 def build_sae(settings: DictionarySettings, d_in: int, d_out: int,
