@@ -49,7 +49,8 @@ class WindowActivations:
         x = cache[self.hook].flatten(0, -2)[:self.batch_tokens]  # (N, d_in)
         y = cache[self.target_hook].flatten(0, -2)[:self.batch_tokens]  # (N, d_out)
         check_finite_activations(x, self.hook)
-        check_finite_activations(y, self.target_hook)
+        if self.target_hook != self.hook:  # an SAE's target is x itself: read it once
+            check_finite_activations(y, self.target_hook)
         return x, y
 
     def get_state(self) -> Tensor:

@@ -19,6 +19,9 @@ it): the k_aux = d_in / 2 largest pre-activations of the dead latents reconstruc
 y - x_hat (no bias); scaled by min(dead / k_aux, 1). SAELens 6 keeps no unit-norm constraint on
 the decoder: the L1 and the TopK ranking weigh each latent by its decoder norm instead, and a
 TopK dictionary's norms are folded into its encoder when it is saved (`inference_tensors`).
+
+TopK and BatchTopK read the batch x rather than pre: they rank pre * n without autograd and
+carry the gradient through the kept entries alone (glassgpt.interp.sae.training.sparse).
 """
 
 from __future__ import annotations
@@ -35,6 +38,13 @@ from glassgpt.interp.sae import SAE
 from glassgpt.interp.sae.architectures import REGISTRY
 from glassgpt.interp.sae.encoding import pre_acts
 from glassgpt.interp.sae.training.settings import DictionarySettings
+from glassgpt.interp.sae.training.sparse import (
+    Kept,
+    decode_kept,
+    kept_of_flat,
+    kept_of_rows,
+    kept_pre,
+)
 
 
 @dataclass
@@ -111,8 +121,9 @@ def training_step(sae: SAE, settings: DictionarySettings, x: Tensor, y: Tensor,
     architecture's forward (`FORWARDS`, keyed by its record's activation). `sparsity_weight`,
     `dead` and `batch_threshold` as in StepInputs."""
     forward = FORWARDS[REGISTRY[settings.architecture].activation]
-    out = forward(sae, settings, pre_acts(sae, x), y,  # pre (N, d_sae)
-                  StepInputs(sparsity_weight, dead, batch_threshold))
+    # the ranking forwards read the batch itself: they rank pre without autograd (sparse.py)
+    read = x if forward in RANKING_FORWARDS else pre_acts(sae, x)  # x, or pre (N, d_sae)
+    out = forward(sae, settings, read, y, StepInputs(sparsity_weight, dead, batch_threshold))
     terms = {"mse_loss": (out.x_hat - y).pow(2).sum(-1).mean(), **out.terms}
     loss = sum(terms.values())
     return StepOutput(loss, {name: t.detach() for name, t in terms.items()}, out.firing,
@@ -133,28 +144,63 @@ def l1_forward(sae: SAE, settings: DictionarySettings, pre: Tensor, y: Tensor,
     return Forward(x_hat, {"l1_loss": l1}, _firing(f))
 
 
-def top_k_forward(sae: SAE, settings: DictionarySettings, pre: Tensor, y: Tensor,
+@dataclass(frozen=True)
+class Ranking:
+    """What a TopK or BatchTopK step ranks, computed without autograd: ranked = pre * n
+    (N, d_sae) (rescale_acts_by_decoder_norm); and what the kept entries' gradient flows to:
+    the encoder's input (N, d_in) and the decoder norms n (d_sae,)."""
+
+    sae_in: Tensor
+    ranked: Tensor
+    norms: Tensor
+
+    def values(self, sae: SAE, kept: Kept) -> tuple[Tensor, Tensor]:
+        """pre * n at the kept entries (M,), with their gradient, and n there (M,)."""
+        norms = self.norms[kept.cols]  # (M,)
+        pre = kept_pre(self.sae_in, sae.W_enc, sae.b_enc, self.ranked, kept, norms.detach())
+        return pre * norms, norms
+
+
+def _ranking(sae: SAE, x: Tensor) -> Ranking:
+    """pre * n = sae_in @ (W_enc * n) + b_enc * n, one product (pre_acts's pre, scaled)."""
+    norms = sae.W_dec.norm(dim=-1)  # (d_sae,)
+    sae_in = x - sae.b_dec if sae.cfg.apply_b_dec_to_input else x  # as pre_acts reads it
+    with torch.no_grad():
+        n = norms.detach()
+        ranked = torch.addmm(sae.b_enc * n, sae_in, sae.W_enc * n)  # (N, d_sae)
+    return Ranking(sae_in, ranked, norms)
+
+
+def top_k_forward(sae: SAE, settings: DictionarySettings, x: Tensor, y: Tensor,
                   step: StepInputs) -> Forward:
-    """topk: the k largest of pre * n each row, decoded from those k rows only, and AuxK."""
-    norms = sae.W_dec.norm(dim=-1)  # (d_sae,)
-    pre = pre * norms  # rank by what a latent writes (rescale_acts_by_decoder_norm)
-    values, indices = pre.topk(int(settings.k), dim=-1, sorted=False)  # (N, k)
-    values = values.relu()
-    x_hat = decode_rows(sae.W_dec, indices, values / norms[indices]) + sae.b_dec
-    firing = torch.bincount(indices[values > 0], minlength=pre.shape[1])
-    return Forward(x_hat, _auxk_terms(sae, settings, pre, y, x_hat, norms, step), firing)
+    """topk, from the batch x (N, d_in): the k largest of pre * n each row, decoded from those
+    k rows only, and AuxK; sparse both ways (glassgpt.interp.sae.training.sparse)."""
+    ranking = _ranking(sae, x)
+    d_sae = ranking.ranked.shape[1]
+    indices = ranking.ranked.topk(int(settings.k), dim=-1, sorted=False).indices  # (N, k)
+    kept = kept_of_rows(indices, d_sae)
+    values, norms = ranking.values(sae, kept)
+    values = values.relu()  # (N * k,)
+    x_hat = decode_kept(values / norms, sae.W_dec, kept) + sae.b_dec
+    firing = torch.bincount(kept.cols[values > 0], minlength=d_sae)
+    return Forward(x_hat, _auxk_terms(sae, settings, ranking, y, x_hat, step), firing)
 
 
-def batch_top_k_forward(sae: SAE, settings: DictionarySettings, pre: Tensor, y: Tensor,
+def batch_top_k_forward(sae: SAE, settings: DictionarySettings, x: Tensor, y: Tensor,
                         step: StepInputs) -> Forward:
-    """batchtopk: the k * N largest of pre * n in the whole batch, AuxK, and the batch
-    threshold's moving average (what is saved as every latent's threshold)."""
-    norms = sae.W_dec.norm(dim=-1)  # (d_sae,)
-    pre = pre * norms  # rank by what a latent writes (rescale_acts_by_decoder_norm)
-    f = _batch_top_k(pre, settings.k)
-    x_hat = (f / norms) @ sae.W_dec + sae.b_dec  # (N, d_out)
-    _update_batch_threshold(step.batch_threshold, f.detach(), settings.topk_threshold_lr)
-    return Forward(x_hat, _auxk_terms(sae, settings, pre, y, x_hat, norms, step), _firing(f))
+    """batchtopk, from the batch x (N, d_in): the k * N largest of pre * n in the whole batch
+    (after a ReLU), AuxK, and the batch threshold's moving average (what is saved as every
+    latent's threshold)."""
+    ranking = _ranking(sae, x)
+    n, d_sae = ranking.ranked.shape
+    flat = ranking.ranked.relu().flatten().topk(int(settings.k * n), sorted=False).indices
+    kept = kept_of_flat(flat, n, d_sae)
+    values, norms = ranking.values(sae, kept)
+    values = values.relu()  # (M,)
+    x_hat = decode_kept(values / norms, sae.W_dec, kept) + sae.b_dec
+    _update_batch_threshold(step.batch_threshold, values.detach(), settings.topk_threshold_lr)
+    firing = torch.bincount(kept.cols[values > 0], minlength=d_sae)
+    return Forward(x_hat, _auxk_terms(sae, settings, ranking, y, x_hat, step), firing)
 
 
 def jump_relu_forward(sae: SAE, settings: DictionarySettings, pre: Tensor, y: Tensor,
@@ -170,32 +216,18 @@ def jump_relu_forward(sae: SAE, settings: DictionarySettings, pre: Tensor, y: Te
     return Forward(x_hat, {"l0_loss": (step.sparsity_weight * l0).mean()}, _firing(f))
 
 
-def _auxk_terms(sae: SAE, settings: DictionarySettings, pre: Tensor, y: Tensor, x_hat: Tensor,
-                norms: Tensor, step: StepInputs) -> dict[str, Tensor]:
+def _auxk_terms(sae: SAE, settings: DictionarySettings, ranking: Ranking, y: Tensor,
+                x_hat: Tensor, step: StepInputs) -> dict[str, Tensor]:
     return {"auxk_loss": settings.aux_loss_coefficient * auxk_loss(
-        sae, pre, step.dead, (y - x_hat).detach(), norms)}
+        sae, ranking, step.dead, (y - x_hat).detach())}
 
 
 # Architecture.activation -> its training forward, for every architecture glassgpt trains
 FORWARDS: dict[str, Callable[..., Forward]] = {
     "relu": l1_forward, "topk": top_k_forward, "batchtopk": batch_top_k_forward,
     "jumprelu": jump_relu_forward}
-
-
-def decode_rows(w_dec: Tensor, indices: Tensor, weights: Tensor) -> Tensor:
-    """sum_j weights[n, j] * w_dec[indices[n, j]]: (N, k) chosen latents -> (N, d_out), the
-    product f @ W_dec of a latent vector with k nonzeros, without forming the (N, d_sae)
-    zeros around them. A TopK dictionary of 16x width keeps 1 latent in 64: this costs k rows,
-    the dense product all d_sae of them, forward and backward."""
-    return F.embedding_bag(indices, w_dec, per_sample_weights=weights, mode="sum")
-
-
-def _batch_top_k(pre: Tensor, k: float) -> Tensor:
-    """The k * N largest latents of the whole batch (after a ReLU), zero elsewhere."""
-    acts = pre.relu()
-    flat = acts.flatten()
-    kept = flat.topk(int(k * pre.shape[0]), dim=-1)
-    return torch.zeros_like(flat).scatter(-1, kept.indices, kept.values).reshape(acts.shape)
+# the forwards that read the batch x (N, d_in) rather than pre (N, d_sae)
+RANKING_FORWARDS = (top_k_forward, batch_top_k_forward)
 
 
 @torch.no_grad()
@@ -205,18 +237,20 @@ def _update_batch_threshold(threshold: Tensor, f: Tensor, lr: float) -> None:
         threshold.mul_(1 - lr).add_(lr * positive.min().to(threshold.dtype))
 
 
-def auxk_loss(sae: SAE, pre: Tensor, dead: Tensor, error: Tensor, norms: Tensor) -> Tensor:
-    """OpenAI's AuxK as SAELens computes it (see the module docstring); 0 with no dead latent."""
-    n_dead = int(dead.sum())
+def auxk_loss(sae: SAE, ranking: Ranking, dead: Tensor, error: Tensor) -> Tensor:
+    """OpenAI's AuxK as SAELens computes it (see the module docstring); 0 with no dead latent.
+    Ranked among the dead latents' columns only, sparse both ways as the TopK itself."""
+    dead_latents = dead.nonzero()[:, 0]  # (n_dead,)
+    n_dead = dead_latents.numel()
     if n_dead == 0:
-        return pre.new_zeros(())
+        return ranking.ranked.new_zeros(())
     k_aux = sae.cfg.d_in // 2
     scale = min(n_dead / k_aux, 1.0)
     k_aux = min(k_aux, n_dead)
-    candidates = torch.where(dead[None], pre, -torch.inf)  # living latents never chosen
-    top = candidates.topk(k_aux, dim=-1, sorted=False)  # (N, k_aux)
-    # no b_dec: the error already lacks it
-    recons = decode_rows(sae.W_dec, top.indices, top.values / norms[top.indices])
+    top = ranking.ranked[:, dead_latents].topk(k_aux, dim=-1, sorted=False)  # (N, k_aux)
+    kept = kept_of_rows(dead_latents[top.indices], ranking.ranked.shape[1])
+    values, norms = ranking.values(sae, kept)
+    recons = decode_kept(values / norms, sae.W_dec, kept)  # no b_dec: the error lacks it
     return scale * (recons - error).pow(2).sum(-1).mean()
 
 
