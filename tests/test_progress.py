@@ -6,6 +6,7 @@ depends on how fast anything runs: the clocks are fake where time matters."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -101,6 +102,8 @@ def test_sae_train_starts_with_a_line_and_reports_every_step(trained_run, tmp_pa
                         f"{trained_run.run}: 3 steps of 128 activations (384 in all, windows "
                         f"of 16 tokens), metrics every 2 steps")
     assert [line.split(":")[0] for line in lines[1:]] == ["step 2", "step 3"]
+    # dead and dense counted on a few held-out tokens: the line says how many
+    assert all(re.search(r" dense \(\d[\d,]* tokens\)$", line) for line in lines[1:]), lines
     assert BAR not in err  # stderr is no terminal here: no bar
     settings = DictionarySettings(hook=HOOK, d_sae=16, architecture="topk", k=2, tokens=640,
                                   batch_tokens=128, eval_every=2)

@@ -47,6 +47,7 @@ from glassgpt.formats.transformer_lens_files import write_lens_checkpoint
 from glassgpt.interp.core.hooked import run_with_cache
 from glassgpt.interp.graph import attribution_graph
 from glassgpt.interp.graph.prune import graph_scores, prune_graph
+from glassgpt.interp.graph.select import DEFAULT_MAX_FEATURE_NODES
 from glassgpt.interp.methods.attribution_patching import get_attr_patch_attn_head_out_all_pos
 from glassgpt.interp.methods.patching import get_act_patch_attn_head_out_all_pos
 from glassgpt.interp.sae import SAE, SAEConfig
@@ -206,7 +207,7 @@ class RealGraphSize:
     d_sae: int = 16_384
     active: int = 64
     prompt_len: int = 32
-    max_feature_nodes: int = 7500  # circuit-tracer's CLI defaults, as `glassgpt graph`'s
+    max_feature_nodes: int = DEFAULT_MAX_FEATURE_NODES  # circuit-tracer's CLI's, as graph's
     batch_size: int = 256
 
 
