@@ -20,8 +20,9 @@ The names below are imported on first use, not with the package, so that a torch
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from glassgpt.interp.core.lazyface import lazy_names
 
 # public name -> the module that defines it
 _HOMES = {
@@ -53,17 +54,4 @@ if TYPE_CHECKING:  # what a type checker and an editor see; nothing here runs
     from glassgpt.interp.methods import patching
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name's module the first time the name is asked for (PEP 562)."""
-    if name in _MODULES:
-        value = importlib.import_module(_MODULES[name])
-    elif name in _HOMES:
-        value = getattr(importlib.import_module(_HOMES[name]), name)
-    else:
-        raise AttributeError(f"module 'glassgpt.interp' has no attribute {name!r}")
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOMES) | set(_MODULES))
+__getattr__, __dir__ = lazy_names(__name__, _HOMES, _MODULES)

@@ -15,8 +15,9 @@ a BatchTopK dictionary runs as SAELens runs it after training, as "jumprelu"
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from glassgpt.interp.core.lazyface import lazy_names
 
 # public name -> its module, imported on first use: a torch-free part (the training settings)
 # imports without the torch modules of the rest
@@ -38,15 +39,4 @@ if TYPE_CHECKING:  # what a type checker and an editor see; nothing here runs
     from glassgpt.interp.sae.splice import run_with_cache_and_saes, run_with_saes, sae_hook_names
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name's module the first time the name is asked for (PEP 562)."""
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOMES))
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)

@@ -4,8 +4,9 @@ with `DictionarySettings`. See docs/interpretability.md, "Dictionaries"."""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from glassgpt.interp.core.lazyface import lazy_names
 
 # public name -> its module, imported on first use: the settings import without torch
 _HOMES = {
@@ -25,15 +26,4 @@ if TYPE_CHECKING:  # what a type checker and an editor see; nothing here runs
     from glassgpt.interp.sae.training.trainer import DictionaryResult, DictionaryTrainer
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name's module the first time the name is asked for (PEP 562)."""
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_HOMES))
+__getattr__, __dir__ = lazy_names(__name__, _HOMES)
