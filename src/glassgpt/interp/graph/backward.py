@@ -145,6 +145,7 @@ class WrittenBackward:
         glass = prompt.model
         self.prompt, self.graph = prompt, graph
         self.dtype = prompt.errors.dtype
+        self.features = graph.active_features.to(prompt.errors.device)  # (F, 3), read each batch
         self.out_dtype = torch.promote_types(self.dtype, torch.float32)
         self.blocks = [block_path(prompt, layer, self.dtype) for layer in range(prompt.n_layers)]
         self.final = frozen_norm(glass.ln_f, prompt.scales, self.dtype)
@@ -178,7 +179,7 @@ class WrittenBackward:
         index = torch.tensor(chunk, dtype=torch.long, device=device)
         is_feature = index < graph.n_features
         features = torch.zeros(len(chunk), 3, dtype=torch.long, device=device)
-        features[is_feature] = graph.active_features.to(device)[index[is_feature]]
+        features[is_feature] = self.features[index[is_feature]]
         layers = torch.where(is_feature, features[:, 0], prompt.n_layers)
         positions = torch.where(is_feature, features[:, 1], graph.n_pos - 1)
         vectors = prompt.errors.new_zeros(len(chunk), prompt.errors.shape[-1])  # (n, C)

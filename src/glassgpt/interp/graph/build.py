@@ -159,11 +159,11 @@ def row_source(prompt: Prompt, graph: AttributionGraph, batch_size: int
     dtype of the rows (the model's, float32 at least: a bf16 model's edges are kept in
     float32, as circuit-tracer keeps them)."""
     dtype = torch.promote_types(prompt.logits.dtype, torch.float32)
-    writes = feature_writes(prompt, graph, graph.active_features.to(prompt.logits.device))
+    features = graph.active_features.to(prompt.logits.device)
+    writes = feature_writes(prompt, graph, features)
     if knows(prompt):
         return WrittenBackward(prompt, graph, writes), dtype
     run = frozen_run(prompt, batch=min(batch_size, graph.n_features + graph.n_logits))
-    features = graph.active_features.to(prompt.logits.device)
 
     def rows_of(chunk: list[int]) -> Tensor:
         value = target_inputs(prompt, run, graph, features, chunk)

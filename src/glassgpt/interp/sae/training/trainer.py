@@ -166,7 +166,9 @@ class DictionaryTrainer:
         s = self.settings
         x, y = self.source.next_batch()
         if self.scaling is not None:  # SAELens's normalize_activations
-            x, y = x * float(self.scaling[0]), y * float(self.scaling[1])
+            # an SAE's target is its input, one tensor with one scale: scaled once
+            scaled = x * float(self.scaling[0])
+            x, y = scaled, scaled if y is x else y * float(self.scaling[1])
         lr = self.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
