@@ -138,7 +138,8 @@ def estimate_llc(model: nn.Module, batches: Tensor | Sequence[Tensor], settings:
     sequences = token_sequences(batches)
     settings = settings.resolved()
     order = batch_order(len(sequences), settings.batch_size, settings.seed)
-    with torch.random.fork_rng(devices=[]):
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         init_loss = loss_at_weights(model, sequences, order, settings)
         step_losses = [run_chain(model, sequences, order, settings, chain, progress)
                        for chain in range(settings.num_chains)]
