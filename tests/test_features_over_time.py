@@ -88,6 +88,9 @@ def test_dictionary_reads_only_the_steps_it_explains():
     assert reading.density[0] is None and reading.top[0] is None
     assert reading.density[1] == pytest.approx([1.0, 1.0, 1.0])
     assert reading.top[1][0] == positive[:, 0].topk(2).indices.tolist()
+    # read from 16 windows of 4 positions: activation 4 b + t is window b's position t
+    assert reading.contexts(5, 0, 4) == [divmod(i, 4) for i in reading.top[1][0]]
+    assert reading.contexts(0, 0, 4) is None
 
 
 def test_snapshots_of_a_gpt_are_read_at_one_hook_on_the_same_windows():
