@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 import yaml
 from circuit_tracer.transcoder.activation_functions import JumpReLU
-from circuit_tracer.transcoder.cross_layer_transcoder import CrossLayerTranscoder, load_clt
+from circuit_tracer.transcoder.cross_layer_transcoder import CrossLayerTranscoder
 from circuit_tracer.transcoder.single_layer_transcoder import (
     SingleLayerTranscoder,
     TranscoderSet,
-    load_transcoder_set,
 )
+from circuit_tracer.utils.caching import load_transcoders_from_cache
 from safetensors.torch import load_file, save_file
 
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
@@ -116,25 +116,21 @@ def circuit_tracer_written(g: torch.Generator) -> dict:
 
 
 def glassgpt_written() -> dict:
-    """The directories make_glass_files.py wrote, read by circuit-tracer's own loaders (their
-    config.yaml's hooks, as its cache loader reads them), on glassgpt's inputs."""
+    """The directories make_glass_files.py wrote, read as circuit-tracer reads a directory of
+    its cache (load_transcoders_from_cache: config.yaml's model_kind and hooks, then load_clt
+    or load_transcoder_set), on glassgpt's inputs."""
     outputs = {}
     inputs = load_file(OUT / "glass_inputs.safetensors")
-    for name in ("glass_clt", "glass_clt_relu"):
-        config = yaml.safe_load((OUT / name / "config.yaml").read_text())
-        assert config["model_kind"] == "cross_layer_transcoder", config
-        clt = load_clt(str(OUT / name), config["feature_input_hook"],
-                       config["feature_output_hook"], device=CPU, dtype=torch.float32,
-                       lazy_decoder=False)
-        outputs |= clt_outputs(clt, inputs[f"{name}.x"], name)
-    for name in ("glass_set", "glass_set_padded"):
-        config = yaml.safe_load((OUT / name / "config.yaml").read_text())
-        assert config["model_kind"] == "transcoder_set", config
-        paths = {i: str(OUT / name / p) for i, p in enumerate(config["transcoders"])}
-        tset = load_transcoder_set(paths, config.get("scan", name), config["feature_input_hook"],
-                                   config["feature_output_hook"], device=CPU,
-                                   dtype=torch.float32, lazy_encoder=False, lazy_decoder=False)
-        outputs |= set_outputs(tset, inputs[f"{name}.x"], name)
+    for name in ("glass_clt", "glass_clt_relu", "glass_set", "glass_set_padded"):
+        loaded, config = load_transcoders_from_cache(name, cache_dir=OUT, device=CPU,
+                                                     dtype=torch.float32, lazy_encoder=False,
+                                                     lazy_decoder=False)
+        if config["model_kind"] == "cross_layer_transcoder":
+            assert isinstance(loaded, CrossLayerTranscoder), type(loaded)
+            outputs |= clt_outputs(loaded, inputs[f"{name}.x"], name)
+        else:
+            assert isinstance(loaded, TranscoderSet), type(loaded)
+            outputs |= set_outputs(loaded, inputs[f"{name}.x"], name)
     return outputs
 
 
