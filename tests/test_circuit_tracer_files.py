@@ -242,3 +242,18 @@ def test_lying_files_are_refused(tmp_path: Path) -> None:
         load_circuit_tracer(clt)
     with pytest.raises(CheckpointError, match="one transcoder a layer from 0"):
         save_transcoder_set([SAE.load(DATA / "tc" / "layer_1")], tmp_path / "one")
+
+
+def test_a_topk_clt_round_trips_under_a_kind_circuit_tracer_refuses(tmp_path: Path) -> None:
+    """circuit-tracer has no TopK CLT (its load_clt would run one as ReLU): glassgpt saves it
+    in the same layout under its own model_kind, and reads it back the same."""
+    torch.manual_seed(0)
+    clt = CrossLayerTranscoder(2, 8, 12, "topk", k=3)
+    save_clt(clt, tmp_path / "topk")
+    assert "model_kind: glassgpt_topk_cross_layer_transcoder" in \
+        (tmp_path / "topk" / "config.yaml").read_text()
+    back = load_circuit_tracer(tmp_path / "topk")
+    x = torch.randn(2, 5, 8)
+    assert (back.activation, back.k) == ("topk", 3)
+    with torch.no_grad():
+        torch.testing.assert_close(back(x), clt(x), atol=0, rtol=0)
