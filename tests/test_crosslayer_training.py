@@ -109,6 +109,7 @@ def trained_files(out: Path) -> dict[str, torch.Tensor]:
             for k, v in load_file(p).items()}
 
 
+@pytest.mark.slow  # the first Adam of a process imports torch's compiler: seconds
 @pytest.mark.parametrize("architecture, extra", [("jumprelu", {}), ("topk", {"k": 3})])
 def test_resume_continues_bit_for_bit(tmp_path: Path, architecture: str, extra: dict) -> None:
     import threading
