@@ -11,7 +11,12 @@ adjacency, nodes and logits, prune_graph's masks at 0.8 / 0.98 with the kept edg
 pairs, the node influences) and OUT/reference.json (the scores and settings); and the same of
 `attribute(max_feature_nodes=CAPPED["max_feature_nodes"], ...)` as OUT/capped.safetensors and
 OUT/capped.json (the selected features' indices among the active ones beside them), with
-batches small enough that the greedy ranking is redone several times.
+batches small enough that the greedy ranking is redone several times. And circuit-tracer's graph
+files of the reference graph (`create_graph_files`: the JSON its local server and Neuronpedia
+read) in OUT/graph_files/: reference.json at the default thresholds (it keeps no feature),
+wide.json at node 0.99 / edge 0.995 (42 features), their graph-metadata.json, and
+graph_schema.json, the JSON schema of the file as circuit-tracer's own pydantic model states it
+(frontend/graph_models.Model), that tests/test_graph_files.py holds glassgpt's `--json` to.
 """
 import importlib.util
 import json
@@ -97,6 +102,34 @@ def graph_tensors(graph, prune, scores) -> tuple[dict, dict]:
     return t, scalars
 
 
+# create_graph_files(graph, slug, dir, node_threshold, edge_threshold) of the reference graph
+GRAPH_FILES = {"reference": (0.8, 0.98), "wide": (0.99, 0.995)}
+
+
+def write_graph_files(model, graph) -> None:
+    """circuit-tracer's graph JSON of `graph`, with the fixture's id tokenizer standing in for
+    the Hugging Face one it loads by name (the model has none)."""
+    import circuit_tracer.utils.create_graph_files  # noqa: F401 (the module, not the function)
+    from circuit_tracer.frontend.graph_models import Model
+
+    module = sys.modules["circuit_tracer.utils.create_graph_files"]
+
+    class ByName:
+        @staticmethod
+        def from_pretrained(name):
+            return model.tokenizer
+
+    module.AutoTokenizer = ByName
+    folder = OUT / "graph_files"
+    folder.mkdir(exist_ok=True)
+    (folder / "graph-metadata.json").unlink(missing_ok=True)
+    for slug, (node_threshold, edge_threshold) in GRAPH_FILES.items():
+        module.create_graph_files(graph, slug, str(folder), node_threshold=node_threshold,
+                                  edge_threshold=edge_threshold)
+    (folder / "graph_schema.json").write_text(json.dumps(Model.model_json_schema(), indent=2)
+                                              + "\n")
+
+
 def run_one(model, prompt, tag, **kw):
     graph = attribute(torch.tensor(prompt), model, **kw)
     prune = prune_graph(graph, node_threshold=0.8, edge_threshold=0.98)
@@ -139,6 +172,7 @@ def main() -> int:
 
     # 3. the graphs
     g, t = run_one(model, prompt, "reference")
+    write_graph_files(model, g)
     run_one(model, prompt, "capped", **CAPPED)
 
     # 4. cross-check: gain/bias-folded encoder reading the MLP's input (post gain) gives the
