@@ -17,9 +17,16 @@ read) in OUT/graph_files/: reference.json at the default thresholds (it keeps no
 wide.json at node 0.99 / edge 0.995 (42 features), their graph-metadata.json, and
 graph_schema.json, the JSON schema of the file as circuit-tracer's own pydantic model states it
 (frontend/graph_models.Model), that tests/test_graph_files.py holds glassgpt's `--json` to.
+And docs/interpretability.md's circuit-tracer recipe (the python block after
+"<!-- section: into circuit-tracer -->"), run as written in BUILD/recipe/ on the fixture's
+prompt: OUT/lens_recipe.json says what it gave beside the reference graph, and the names and
+shapes of circuit-tracer's replacement model's state.
 """
+import hashlib
 import importlib.util
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -130,6 +137,53 @@ def write_graph_files(model, graph) -> None:
                                               + "\n")
 
 
+RECIPE_SECTION = "<!-- section: into circuit-tracer -->"
+RECIPE_PROMPT = 'prompt = "eszycidpyopumzg eszycidpyo"'
+
+
+def recipe_block() -> str:
+    """The first python block after RECIPE_SECTION in docs/interpretability.md."""
+    page = (WORKER.parents[3] / "docs" / "interpretability.md").read_text()
+    after = page[page.index(RECIPE_SECTION):]
+    return re.search(r"```python\n(.*?)```", after, re.S).group(1)
+
+
+def run_docs_recipe(reference) -> None:
+    """The recipe, as written but for its prompt (the fixture's, in its characters), in
+    BUILD/recipe/; what it gave against the reference graph goes to OUT/lens_recipe.json."""
+    code = recipe_block()
+    chars = json.loads((FIX / "recipe/runs/repeats/tokenizer.json").read_text())["chars"]
+    prompt = "".join(chars[i] for i in json.loads((FIX / "prompt.json").read_text())["prompt_ids"])
+    assert RECIPE_PROMPT in code
+    namespace = {"__name__": "__main__"}
+    here = os.getcwd()
+    os.chdir(FIX / "recipe")
+    try:
+        exec(compile(code.replace(RECIPE_PROMPT, f"prompt = {prompt!r}"), "recipe", "exec"),
+             namespace)
+    finally:
+        os.chdir(here)
+    graph, model = namespace["graph"], namespace["model"]
+    state = {name: list(t.shape) for name, t in model.state_dict().items()
+             if not name.startswith("transcoders.")}
+    result = {
+        "recipe_sha256": hashlib.sha256(code.encode()).hexdigest(),
+        "prompt": prompt,
+        "missing_keys": sorted(namespace["missing"]),
+        "unexpected_keys": sorted(namespace["unexpected"]),
+        "same_active_features": bool(torch.equal(graph.active_features,
+                                                 reference.active_features)),
+        "same_logit_tokens": bool(torch.equal(graph.logit_token_ids,
+                                              reference.logit_token_ids)),
+        "adjacency_max_abs_diff": float((graph.adjacency_matrix
+                                         - reference.adjacency_matrix).abs().max()),
+        "replacement_model_state": state,
+    }
+    (OUT / "lens_recipe.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"[recipe] adjacency max |diff| {result['adjacency_max_abs_diff']:.2e}, same "
+          f"features {result['same_active_features']}, missing {len(result['missing_keys'])}")
+
+
 def run_one(model, prompt, tag, **kw):
     graph = attribute(torch.tensor(prompt), model, **kw)
     prune = prune_graph(graph, node_threshold=0.8, edge_threshold=0.98)
@@ -173,6 +227,7 @@ def main() -> int:
     # 3. the graphs
     g, t = run_one(model, prompt, "reference")
     write_graph_files(model, g)
+    run_docs_recipe(g)
     run_one(model, prompt, "capped", **CAPPED)
 
     # 4. cross-check: gain/bias-folded encoder reading the MLP's input (post gain) gives the

@@ -12,6 +12,9 @@ Writes BUILD/ (this folder keeps its run/ and tc/):
   ct_tc_postgain/layer_L.safetensors  the gain/bias-folded variant (W_enc / w,
                        b_enc - (b/w) @ W_enc)
                        for a hook AFTER the gain and bias (a cross-check)
+  recipe/              what docs/interpretability.md's circuit-tracer recipe reads, under its
+                       names: repeats-lens/ (`--to-lens --circuit-tracer`), repeats-ct/
+                       (`glassgpt sae convert tc/`), runs/repeats/tokenizer.json
   prompt.json          token ids of the prompt
   glass_acts.safetensors  glassgpt's feature activations (L, T, d_sae), x_hat, mlp_out and logits
 """
@@ -27,6 +30,7 @@ from glassgpt.config import GPTConfig
 from glassgpt.formats.transformer_lens_files import write_lens_checkpoint
 from glassgpt.interp import run_with_cache
 from glassgpt.interp.sae import SAE, SAEConfig
+from glassgpt.interp.sae.circuit_tracer import convert_to_circuit_tracer
 from glassgpt.model import GPT
 from glassgpt.rundir.checkpoint import save_model
 from glassgpt.tokenizers.char import CharTokenizer
@@ -109,6 +113,11 @@ def main() -> None:
     print("last-position top probs:", probs.topk(5).values.tolist())
     (OUT / "prompt.json").write_text(json.dumps({"prompt_ids": PROMPT, "seed": SEED,
                                                  "d_sae": D_SAE}) + "\n")
+    recipe = OUT / "recipe"
+    write_lens_checkpoint(model, recipe / "repeats-lens", circuit_tracer=True)
+    convert_to_circuit_tracer([OUT / "tc"], recipe / "repeats-ct")
+    (recipe / "runs" / "repeats").mkdir(parents=True)
+    shutil.copy(OUT / "run" / "tokenizer.json", recipe / "runs" / "repeats")
     print("wrote", OUT)
 
 
