@@ -219,10 +219,20 @@ def start_line(graph: Any, rows: int) -> str:
             f"and {logits})")
 
 
-def _transcoders(args: argparse.Namespace, model: Any) -> list[Any]:
+def provenance_of(transcoders: Any) -> list[tuple[str, Any]]:
+    """(name, the record of where it was trained) of each transcoder, or of the CLT."""
+    from glassgpt.interp.sae.crosslayer import CrossLayerTranscoder
+
+    if isinstance(transcoders, CrossLayerTranscoder):
+        return [("the cross-layer transcoder", transcoders.metadata)]
+    return [(f"the transcoder of {sae.cfg.hook_name_out}", sae) for sae in transcoders]
+
+
+def _transcoders(args: argparse.Namespace, model: Any) -> Any:
     """--transcoders, each refused in one line unless it replaces one of the model's MLPs
     (as `glassgpt view --transcoders` refuses it) and, without --any-run, was trained on this
-    run (glassgpt.interp.sae.provenance)."""
+    run (glassgpt.interp.sae.provenance): a list of transcoders, or a cross-layer
+    transcoder."""
     from glassgpt.errors import GlassGPTError, InputError
     from glassgpt.interp.graph import load_transcoders
     from glassgpt.interp.graph.replacement import by_layer
@@ -237,10 +247,8 @@ def _transcoders(args: argparse.Namespace, model: Any) -> list[Any]:
             transcoders = load_transcoders(args.transcoders, device=args.device)
         by_layer(model, transcoders)
         if not args.any_run:
-            check_trained_on([(f"the transcoder of {sae.cfg.hook_name_out}", sae)
-                              for sae in transcoders],
-                             args.run_dir, args.checkpoint, "train transcoders on this run, or "
-                             "pass --any-run to use these")
+            check_trained_on(provenance_of(transcoders), args.run_dir, args.checkpoint,
+                             "train transcoders on this run, or pass --any-run to use these")
     except GlassGPTError as error:
         raise InputError(f"--transcoders: {error}") from None
     return transcoders

@@ -20,7 +20,10 @@ graph_schema.json, the JSON schema of the file as circuit-tracer's own pydantic 
 And docs/interpretability.md's circuit-tracer recipe (the python block after
 "<!-- section: into circuit-tracer -->"), run as written in BUILD/recipe/ on the fixture's
 prompt: OUT/lens_recipe.json says what it gave beside the reference graph, and the names and
-shapes of circuit-tracer's replacement model's state.
+shapes of circuit-tracer's replacement model's state. And the same graph over a cross-layer
+transcoder (BUILD/clt_graph/ct_clt, read by circuit-tracer's own loader, the model built by
+ReplacementModel.from_config as the recipe builds it): OUT/clt_graph/clt_reference.* and, with
+CLT_CAPPED, clt_capped.*, that tests/test_graph_clt.py holds glassgpt's CLT graph to.
 """
 import hashlib
 import importlib.util
@@ -184,6 +187,46 @@ def run_docs_recipe(reference) -> None:
           f"features {result['same_active_features']}, missing {len(result['missing_keys'])}")
 
 
+# the CLT's capped graph: a third of its active features, re-ranked after every batch of 2
+CLT_CAPPED = {"max_feature_nodes": 80, "batch_size": 2, "update_interval": 1}
+
+
+def clt_model():
+    """circuit-tracer's replacement model over the fixture's CLT, built as the recipe builds
+    one (from_config, then the export's circuit_tracer.safetensors)."""
+    from circuit_tracer import ReplacementModel
+    from circuit_tracer.transcoder.cross_layer_transcoder import CrossLayerTranscoder
+    from circuit_tracer.utils.caching import load_transcoders_from_cache
+    from transformer_lens import HookedTransformerConfig
+
+    lens = FIX / "recipe" / "repeats-lens"
+    cfg = HookedTransformerConfig.from_dict(json.loads((lens / "config.json").read_text()))
+    clt, _ = load_transcoders_from_cache("ct_clt", cache_dir=FIX / "clt_graph",
+                                         lazy_encoder=False, lazy_decoder=False)
+    assert isinstance(clt, CrossLayerTranscoder), type(clt)
+    model = ReplacementModel.from_config(cfg, clt, backend="transformerlens")
+    first_id = json.loads((FIX / "prompt.json").read_text())["prompt_ids"][0]
+    model.tokenizer = worker.IdTokenizer(cfg.d_vocab, first_id)
+    missing, unexpected = model.load_state_dict(
+        load_file(str(lens / "circuit_tracer.safetensors")), strict=False)
+    assert not unexpected and all(k.startswith("transcoders.") for k in missing), missing
+    return model.eval()
+
+
+def run_clt(prompt) -> None:
+    global OUT
+    model = clt_model()
+    _, acts = model.get_activations(torch.tensor(prompt))
+    print(f"[clt] active features: {int((acts > 0).sum())} of {acts.numel()}")
+    out, OUT = OUT, OUT / "clt_graph"
+    OUT.mkdir(exist_ok=True)
+    try:
+        run_one(model, prompt, "clt_reference")
+        run_one(model, prompt, "clt_capped", **CLT_CAPPED)
+    finally:
+        OUT = out
+
+
 def run_one(model, prompt, tag, **kw):
     graph = attribute(torch.tensor(prompt), model, **kw)
     prune = prune_graph(graph, node_threshold=0.8, edge_threshold=0.98)
@@ -229,6 +272,7 @@ def main() -> int:
     write_graph_files(model, g)
     run_docs_recipe(g)
     run_one(model, prompt, "capped", **CAPPED)
+    run_clt(prompt)
 
     # 4. cross-check: gain/bias-folded encoder reading the MLP's input (post gain) gives the
     #    same graph
