@@ -138,3 +138,40 @@ def check_writes_mlp_out(sae: SAE, n_layer: int) -> int:
         raise InputError(f"a transcoder of the graph writes blocks.L.hook_mlp_out (L < "
                          f"{n_layer}); this one writes {sae.cfg.hook_name_out}")
     return writes.layer
+
+
+def as_transcoder(clt: CrossLayerTranscoder, layer: int) -> SAE | None:
+    """Layer `layer` of the CLT as a transcoder of its own layer (its encoder, and the decoder
+    into its own MLP output alone): what the view's Features panel reads a feature's contexts,
+    density, logit effects and writers from. A copy; None for a TopK CLT, whose features no
+    transcoder architecture computes."""
+    from glassgpt.interp.sae.config import SAEConfig
+
+    if clt.activation == "topk":
+        return None
+    W_enc = clt.W_enc[layer].detach()
+    dtype = str(W_enc.dtype).removeprefix("torch.")
+    cfg = SAEConfig(d_in=clt.d_model, d_sae=clt.d_transcoder, d_out=clt.d_model,
+                    architecture="jumprelu_transcoder" if clt.activation == "jumprelu"
+                    else "transcoder", dtype=dtype, device=str(W_enc.device),
+                    apply_b_dec_to_input=False,
+                    metadata={"hook_name": clt.input_hook_at(layer),
+                              "hook_name_out": clt.output_hook_at(layer),
+                              **clt.metadata})
+    sae = SAE(cfg)
+    with torch.no_grad():
+        sae.W_enc.copy_(W_enc)
+        sae.b_enc.copy_(clt.b_enc[layer])
+        sae.W_dec.copy_(clt.decoder_rows(layer)[:, 0])  # (d_tc, C): into its own layer
+        sae.b_dec.copy_(clt.b_dec[layer])
+        if clt.threshold is not None:
+            sae.threshold.copy_(clt.threshold[layer])
+    return sae
+
+
+def decoder_norms(clt: CrossLayerTranscoder, layer: int, feature: int) -> list[dict[str, float]]:
+    """Which MLP outputs feature `feature` of `layer` writes into, and how strongly: the norm
+    of its decoder row into each layer from `layer` on."""
+    norms = clt.decoder_rows(layer)[feature].detach().norm(dim=-1)  # (L - layer,)
+    return [{"layer": layer + offset, "norm": float(norm)} for offset, norm in
+            enumerate(norms.tolist())]
