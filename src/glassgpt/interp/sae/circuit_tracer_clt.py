@@ -86,8 +86,8 @@ def layer_tensors(clt: CrossLayerTranscoder):
 
 def check_replaceable(out: Path, overwrite: bool) -> None:
     if not overwrite:
-        raise CheckpointError(f"{out} is not empty; save elsewhere, or pass overwrite=True to "
-                              f"replace the CLT saved there")
+        raise CheckpointError(f"{out} is not empty; write elsewhere, or replace the CLT "
+                              f"saved there (overwrite=True; glassgpt sae convert --force)")
     n = len(list(out.glob("W_enc_*.safetensors")))
     foreign = sorted(e.name for e in out.iterdir() if e.name not in clt_files(n))
     if foreign or not (out / ctc.CONFIG_FILE).is_file():

@@ -136,8 +136,8 @@ def padded(tensors: dict[str, Tensor], width: int) -> dict[str, Tensor]:
 
 def check_replaceable(out: Path, overwrite: bool) -> None:
     if not overwrite:
-        raise CheckpointError(f"{out} is not empty; save elsewhere, or pass overwrite=True to "
-                              f"replace the transcoders saved there")
+        raise CheckpointError(f"{out} is not empty; write elsewhere, or replace the transcoders "
+                              f"saved there (overwrite=True; glassgpt sae convert --force)")
     foreign = sorted(e.name for e in out.iterdir() if e.name != ctc.CONFIG_FILE and not
                      (e.name.startswith("layer_") and e.name.endswith(".safetensors")))
     if foreign or not (out / ctc.CONFIG_FILE).is_file():
