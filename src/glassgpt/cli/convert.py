@@ -64,7 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="with --to-lens, also circuit_tracer.safetensors: the same tensors "
                              "under the names circuit-tracer's replacement model gives them "
                              "(ReplacementModel.from_config, then load_state_dict; "
-                             "docs/interop.md)")
+                             "docs/interpretability.md)")
     parser.add_argument("--to-gguf", metavar="OUT.gguf", type=nonempty_arg,
                         help="new GGUF file for llama.cpp (GPT-2, Llama, Qwen2 or Qwen3 runs), "
                              "with the run's tokenizer and chat template")
@@ -224,5 +224,5 @@ def export_to_lens(run_dir: Path, out: Path, checkpoint: str = "best", force: bo
     if circuit_tracer:
         print(f"wrote {out / 'circuit_tracer.safetensors'}: the same weights as circuit-tracer's "
               f"replacement model names them (ReplacementModel.from_config(cfg, transcoders)"
-              f".load_state_dict(..., strict=False); docs/interop.md)")
+              f".load_state_dict(..., strict=False); docs/interpretability.md)")
     return 0

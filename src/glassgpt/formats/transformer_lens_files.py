@@ -15,7 +15,7 @@ state dict holds blocks.{l}.mlp.old_mlp.W_in, ... and unembed.old_unembed.W_U, b
 HookedTransformer holds blocks.{l}.mlp.W_in and unembed.W_U. With `circuit_tracer`, the export
 writes those names too, as circuit_tracer.safetensors (the same tensors again), so that
 `model.load_state_dict(load_file(".../circuit_tracer.safetensors"), strict=False)` leaves
-nothing out but the transcoders (docs/interop.md's recipe).
+nothing out but the transcoders (docs/interpretability.md's recipe).
 
 The tensors are glassgpt.formats.transformer_lens's, the config
 glassgpt.formats.transformer_lens_config's.
