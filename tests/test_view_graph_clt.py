@@ -89,3 +89,20 @@ def test_a_clt_features_page_lists_the_layers_it_writes_into(client, view, clt) 
         assert [w["layer"] for w in page["writes_to"]] == list(range(layer, 2))
         assert [w["norm"] for w in page["writes_to"]] == pytest.approx(norms.tolist())
         assert page["logits"]["up"]  # through its own layer's decoder, as a transcoder's
+
+
+def test_a_clt_features_edge_splits_over_heads(client, view, clt) -> None:
+    from glassgpt.interp.graph.heads import edge_heads
+    from glassgpt.interp.graph.replacement import read_prompt
+
+    answer = client.post("/api/graph", json={"prompt": PROMPT, "node_threshold": 0.95}).json()
+    index = {n["id"]: n["index"] for n in answer["nodes"]}
+    edge = next(e for e in answer["edges"] if e["source"].startswith("F0."))
+    got = client.post("/api/graph/edge", json={"prompt": PROMPT, "source": edge["source"],
+                                               "target": edge["target"]}).json()
+    ids = view.encode(PROMPT).idx
+    graph = attribution_graph(view.model, clt, ids)
+    want = edge_heads(read_prompt(view.model, clt, ids), graph, index[edge["target"]],
+                      index[edge["source"]])
+    assert got["weight"] == pytest.approx(want.weight, rel=1e-5) == edge["weight"]
+    assert got["direct"] == pytest.approx(want.direct, rel=1e-4, abs=1e-6)
