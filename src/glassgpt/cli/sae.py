@@ -12,6 +12,7 @@ import shlex
 import threading
 from typing import Any
 
+from glassgpt.cli import crosslayer
 from glassgpt.cli.common import (
     DefaultsHelpFormatter,
     add_checkpoint_flag,
@@ -55,8 +56,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     commands = p.add_subparsers(dest="sae_command", metavar="COMMAND")
     _register_train(commands)
     _register_eval(commands)
+    crosslayer.register(commands)
     _register_convert(commands)
-    p.set_defaults(handler=lambda args: p.error("give a command: train, eval or convert"))
+    p.set_defaults(handler=lambda args: p.error("give a command: train, eval, train-clt or "
+                                                "convert"))
 
 
 def _register_train(commands: argparse._SubParsersAction) -> None:

@@ -47,18 +47,27 @@ def save_clt(clt: CrossLayerTranscoder, path: str | Path, overwrite: bool = Fals
     replacing = out.exists() and any(out.iterdir())
     if replacing:
         check_replaceable(out, overwrite)
+    contents = clt_file_bytes(clt, extra)
+    with staged_directory(out, replacing) as staging:
+        for name, data in contents.items():
+            files.write_bytes_atomic(staging / name, data)
+    return out
+
+
+def clt_file_bytes(clt: CrossLayerTranscoder, extra: dict[str, Any] | None = None
+                   ) -> dict[str, bytes]:
+    """Every file of `clt`'s directory (file name -> its bytes), checked finite: what
+    `save_clt` writes, and the trainer beside its own state."""
     kind = ctc.TOPK_CLT_KIND if clt.activation == "topk" else ctc.CLT_KIND
     text = ctc.config_text(kind, ctc.ct_hook(clt.input_hook, "input hook"),
                            ctc.ct_hook(clt.output_hook, "output hook"), own_section(clt), extra)
-    with staged_directory(out, replacing) as staging:
-        for i, (encoder, decoder) in enumerate(layer_tensors(clt)):
-            check_finite({**encoder, **decoder}, "the CLT being saved", CheckpointError)
-            files.write_bytes_atomic(staging / f"W_enc_{i}.safetensors",
-                                     safetensors_bytes(encoder))
-            files.write_bytes_atomic(staging / f"W_dec_{i}.safetensors",
-                                     safetensors_bytes(decoder))
-        files.write_text_atomic(staging / ctc.CONFIG_FILE, text)
-    return out
+    contents = {}
+    for i, (encoder, decoder) in enumerate(layer_tensors(clt)):
+        check_finite({**encoder, **decoder}, "the CLT being saved", CheckpointError)
+        contents[f"W_enc_{i}.safetensors"] = safetensors_bytes(encoder)
+        contents[f"W_dec_{i}.safetensors"] = safetensors_bytes(decoder)
+    contents[ctc.CONFIG_FILE] = text.encode("utf-8")
+    return contents
 
 
 def own_section(clt: CrossLayerTranscoder) -> dict[str, Any]:

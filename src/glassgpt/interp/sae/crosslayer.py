@@ -63,9 +63,9 @@ class CrossLayerTranscoder(nn.Module):
         self.metadata = dict(metadata or {})
         L, d, f = n_layers, d_model, d_transcoder
         factory = {"dtype": dtype, "device": device}
-        # Init as the CLT papers do: encoders U(+-1/sqrt(d_model)); layer l's decoders
+        # Init as "Circuit Tracing" (2025) does: encoders U(+-1/sqrt(d_tc)), decoders
         # U(+-1/sqrt(L * d_model)) (each output sums up to L layers' writes), biases zero.
-        enc_bound, dec_bound = d ** -0.5, (L * d) ** -0.5
+        enc_bound, dec_bound = f ** -0.5, (L * d) ** -0.5
         self.W_enc = nn.Parameter(torch.empty(L, d, f, **factory).uniform_(-enc_bound, enc_bound))
         self.b_enc = nn.Parameter(torch.zeros(L, f, **factory))  # (L, d_tc)
         self.W_dec = nn.ParameterList(
