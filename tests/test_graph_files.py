@@ -3,8 +3,9 @@ what its local server and Neuronpedia read), equal to circuit-tracer 0.5.0's own
 same graph.
 
 tests/data/circuit_tracer/graph_files/ holds circuit-tracer's files of the fixture's graph
-(reference.json at the default thresholds, wide.json at 0.99 / 0.995 where 42 features stay),
-their graph-metadata.json, and graph_schema.json, the schema circuit-tracer's own pydantic model
+(reference.json at the default thresholds, wide.json at 0.99 / 0.995 where 42 features stay,
+clt.json of the graph over test_graph_clt.py's cross-layer transcoder), their
+graph-metadata.json, and graph_schema.json, the schema circuit-tracer's own pydantic model
 of the file gives (frontend/graph_models.Model.model_json_schema()); circuit_tracer_graph.py in
 that folder remakes them.
 """
@@ -85,7 +86,25 @@ def test_the_folder_lists_its_graphs_as_circuit_tracers_does(graph, tmp_path) ->
     mine = json.loads((tmp_path / "graph-metadata.json").read_text())
     assert [g["slug"] for g in mine["graphs"]] == ["wide", "reference"]
     assert_same(sorted(mine["graphs"], key=lambda g: g["slug"]),
-                sorted(theirs["graphs"], key=lambda g: g["slug"]))
+                sorted((g for g in theirs["graphs"] if g["slug"] in THRESHOLDS),
+                       key=lambda g: g["slug"]))
+
+
+def test_the_clt_graphs_file_equals_circuit_tracers(tmp_path) -> None:
+    from glassgpt.interp.sae.circuit_tracer import load_circuit_tracer
+
+    model, _ = load_model(HERE / "run")
+    clt = load_circuit_tracer(HERE / "clt_graph" / "ct_clt", model)
+    ids = load_file(HERE / "clt_graph" / "clt_reference.safetensors")["input_tokens"]
+    graph = attribution_graph(model, clt, ids[None])
+    data = graph_file(graph, prune_graph(graph), slug="clt", scan="glassgpt-fixture/clt",
+                      prompt=" ".join(str(int(t)) for t in ids), node_threshold=0.8,
+                      decode=str)
+    mine = json.loads(write_graph_files(data, tmp_path / "clt.json").read_text())
+    theirs = json.loads((FILES / "clt.json").read_text())
+    assert {n["layer"] for n in theirs["nodes"]
+            if n["feature_type"] == "cross layer transcoder"} == {"0", "1"}
+    assert_same(mine, theirs)
 
 
 def test_the_file_has_the_keys_and_types_of_circuit_tracers_model(graph, tmp_path) -> None:

@@ -116,9 +116,10 @@ def graph_tensors(graph, prune, scores) -> tuple[dict, dict]:
 GRAPH_FILES = {"reference": (0.8, 0.98), "wide": (0.99, 0.995)}
 
 
-def write_graph_files(model, graph) -> None:
-    """circuit-tracer's graph JSON of `graph`, with the fixture's id tokenizer standing in for
-    the Hugging Face one it loads by name (the model has none)."""
+def write_graph_files(model, graph, graph_files=GRAPH_FILES, fresh=True) -> None:
+    """circuit-tracer's graph JSON of `graph` ({slug: (node threshold, edge threshold)}), with
+    the fixture's id tokenizer standing in for the Hugging Face one it loads by name (the
+    model has none); `fresh`: a new graph-metadata.json."""
     import circuit_tracer.utils.create_graph_files  # noqa: F401 (the module, not the function)
     from circuit_tracer.frontend.graph_models import Model
 
@@ -132,8 +133,9 @@ def write_graph_files(model, graph) -> None:
     module.AutoTokenizer = ByName
     folder = OUT / "graph_files"
     folder.mkdir(exist_ok=True)
-    (folder / "graph-metadata.json").unlink(missing_ok=True)
-    for slug, (node_threshold, edge_threshold) in GRAPH_FILES.items():
+    if fresh:
+        (folder / "graph-metadata.json").unlink(missing_ok=True)
+    for slug, (node_threshold, edge_threshold) in graph_files.items():
         module.create_graph_files(graph, slug, str(folder), node_threshold=node_threshold,
                                   edge_threshold=edge_threshold)
     (folder / "graph_schema.json").write_text(json.dumps(Model.model_json_schema(), indent=2)
@@ -221,10 +223,11 @@ def run_clt(prompt) -> None:
     out, OUT = OUT, OUT / "clt_graph"
     OUT.mkdir(exist_ok=True)
     try:
-        run_one(model, prompt, "clt_reference")
+        graph, _ = run_one(model, prompt, "clt_reference")
         run_one(model, prompt, "clt_capped", **CLT_CAPPED)
     finally:
         OUT = out
+    write_graph_files(model, graph, {"clt": (0.8, 0.98)}, fresh=False)
 
 
 def run_one(model, prompt, tag, **kw):
