@@ -155,9 +155,8 @@ def as_transcoder(clt: CrossLayerTranscoder, layer: int) -> SAE | None:
                     architecture="jumprelu_transcoder" if clt.activation == "jumprelu"
                     else "transcoder", dtype=dtype, device=str(W_enc.device),
                     apply_b_dec_to_input=False,
-                    metadata={"hook_name": clt.input_hook_at(layer),
-                              "hook_name_out": clt.output_hook_at(layer),
-                              **clt.metadata})
+                    metadata={**clt.metadata, "hook_name": clt.input_hook_at(layer),
+                              "hook_name_out": clt.output_hook_at(layer)})
     sae = SAE(cfg)
     with torch.no_grad():
         sae.W_enc.copy_(W_enc)
