@@ -242,3 +242,51 @@ def test_lying_files_are_refused(tmp_path: Path) -> None:
         load_circuit_tracer(clt)
     with pytest.raises(CheckpointError, match="one transcoder a layer from 0"):
         save_transcoder_set([SAE.load(DATA / "tc" / "layer_1")], tmp_path / "one")
+
+
+def test_a_topk_clt_round_trips_under_a_kind_circuit_tracer_refuses(tmp_path: Path) -> None:
+    """circuit-tracer has no TopK CLT (its load_clt would run one as ReLU): glassgpt saves it
+    in the same layout under its own model_kind, and reads it back the same."""
+    torch.manual_seed(0)
+    clt = CrossLayerTranscoder(2, 8, 12, "topk", k=3)
+    save_clt(clt, tmp_path / "topk")
+    assert "model_kind: glassgpt_topk_cross_layer_transcoder" in \
+        (tmp_path / "topk" / "config.yaml").read_text()
+    back = load_circuit_tracer(tmp_path / "topk")
+    x = torch.randn(2, 5, 8)
+    assert (back.activation, back.k) == ("topk", 3)
+    with torch.no_grad():
+        torch.testing.assert_close(back(x), clt(x), atol=0, rtol=0)
+
+
+def test_a_clt_reading_mlp_hook_in_is_folded_too(tmp_path: Path) -> None:
+    """A CLT kept as circuit-tracer's Qwen3 ones are (mlp.hook_in, mlp.hook_out), read
+    against the graph fixture's model, encodes x_hat as the CLT it was made from."""
+    from glassgpt.rundir.checkpoint import load_model
+
+    model, _ = load_model(DATA / "run", "cpu")
+    torch.manual_seed(5)
+    clt = CrossLayerTranscoder(2, 32, 16, "relu")
+    with torch.no_grad():
+        clt.b_enc.normal_(0, 0.3)
+    save_clt(clt, tmp_path / "clt")
+    for layer in range(2):
+        path = tmp_path / "clt" / f"W_enc_{layer}.safetensors"
+        t = load_file(path)
+        ln = model.blocks[layer].ln2
+        w, b = ln.weight.detach(), ln.bias.detach()
+        W = t[f"W_enc_{layer}"]  # (d_tc, d_model)
+        t[f"b_enc_{layer}"] = t[f"b_enc_{layer}"] - (b / w) @ W.T
+        t[f"W_enc_{layer}"] = (W / w).contiguous()
+        save_file(t, path)
+    (tmp_path / "clt" / "config.yaml").write_text(
+        "model_kind: cross_layer_transcoder\nfeature_input_hook: mlp.hook_in\n"
+        "feature_output_hook: mlp.hook_out\n")
+    folded = load_circuit_tracer(tmp_path / "clt", model)
+    assert folded.input_hook_at(1) == "blocks.1.ln2.hook_normalized"
+    assert folded.output_hook_at(1) == "blocks.1.hook_mlp_out"
+    _, cache = run_with_cache(model, torch.tensor([[0, 17, 5, 42, 33, 8]]))
+    x_hat = torch.stack([cache[f"blocks.{layer}.ln2.hook_normalized"][0] for layer in range(2)])
+    with torch.no_grad():
+        torch.testing.assert_close(folded.encode(x_hat), clt.encode(x_hat), atol=1e-5,
+                                   rtol=1e-5)

@@ -94,3 +94,15 @@ def test_refuses_what_it_cannot_be() -> None:
         clt.encode(torch.zeros(3, 5, 4))
     with pytest.raises(InputError, match="layer 2"):
         clt.encode_layer(torch.zeros(5, 4), 2)
+
+
+def test_save_and_load_round_trip(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    clt = CrossLayerTranscoder(3, 6, 10, metadata={"model_name": "a run"})
+    with torch.no_grad():
+        clt.threshold.uniform_(0, 0.2)
+    clt.save(tmp_path / "clt")
+    back = CrossLayerTranscoder.load(tmp_path / "clt")
+    assert back.metadata == {"model_name": "a run"}
+    for name, tensor in clt.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name

@@ -109,6 +109,7 @@ def trained_files(out: Path) -> dict[str, torch.Tensor]:
             for k, v in load_file(p).items()}
 
 
+@pytest.mark.slow  # the first Adam of a process imports torch's compiler: seconds
 @pytest.mark.parametrize("architecture, extra", [("jumprelu", {}), ("topk", {"k": 3})])
 def test_resume_continues_bit_for_bit(tmp_path: Path, architecture: str, extra: dict) -> None:
     import threading
@@ -240,3 +241,19 @@ def test_the_command_trains_resumes_and_circuit_tracer_layout_loads(trained_run,
     assert "6 steps" in capsys.readouterr().out
     assert main(["sae", "train-clt", str(trained_run.run), "--out", str(out), *flags]) != 0
     assert "pass --force" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, says", [
+    ([], "give the number of features a layer (--d-transcoder)"),
+    (["--d-transcoder", "8", "--architecture", "topk"], "k must be in 1..8"),
+    (["--d-transcoder", "8", "--input-point", "blocks.0.ln2.hook_normalized"], "input_point"),
+    (["--d-transcoder", "8", "--input-point", "ln9.hook_normalized"], "ln9.hook_normalized"),
+])
+def test_the_command_refuses_mistakes_in_one_line(trained_run, tmp_path, capsys, flags,
+                                                  says) -> None:
+    from tests.helpers_cli import glassgpt, one_error_line
+
+    code, err = glassgpt("sae", "train-clt", trained_run.run, "--out", tmp_path / "clt",
+                         "--tokens", "128", "--batch-tokens", "64", *flags, capsys=capsys)
+    assert code != 0 and says in one_error_line(err)
+    assert not (tmp_path / "clt").exists()

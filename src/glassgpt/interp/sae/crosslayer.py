@@ -22,6 +22,7 @@ L * d_tc features in all.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -128,6 +129,25 @@ class CrossLayerTranscoder(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x (n_layers, ..., d_model) -> decode(encode(x)) (n_layers, ..., d_model)."""
         return self.decode(self.encode(x))
+
+    # --- files -------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, path: str | Path, device: str | torch.device = "cpu",
+             dtype: torch.dtype = torch.float32) -> CrossLayerTranscoder:
+        """The CLT in the directory `path`, circuit-tracer's layout (W_enc_i/W_dec_i
+        .safetensors and config.yaml), every file checked first
+        (glassgpt.interp.sae.circuit_tracer_clt.load_clt)."""
+        from glassgpt.interp.sae.circuit_tracer_clt import load_clt  # it imports this module
+
+        return load_clt(path, dtype, device)
+
+    def save(self, path: str | Path, overwrite: bool = False) -> Path:
+        """Write the CLT to the directory `path` in circuit-tracer's layout, whole or not at
+        all (glassgpt.interp.sae.circuit_tracer_clt.save_clt)."""
+        from glassgpt.interp.sae.circuit_tracer_clt import save_clt
+
+        return save_clt(self, path, overwrite)
 
     # --- checks ------------------------------------------------------------------------------
 

@@ -33,7 +33,8 @@ class CrossLayerSettings:
     architecture: str = setting("jumprelu", "jumprelu (tanh sparsity penalty) or topk")
     k: int | None = setting(None, "topk: features kept per layer and token")
     l1_coefficient: float = setting(
-        1e-3, "jumprelu: weight of the sparsity penalty sum tanh(c * ||W_dec|| * f)")
+        0.3, "jumprelu: weight of the sparsity penalty sum tanh(c * ||W_dec|| * f) (0.3: "
+        "measured on the quick-start run, docs/interpretability.md)")
     tanh_stretch_coefficient: float = setting(4.0, "jumprelu: c of the sparsity penalty")
     sparsity_warm_up_steps: int = setting(0, "steps over which the penalty's weight rises "
                                           "from 0")
