@@ -47,7 +47,7 @@ README_MOST_LINES = 300
 SHELL_BLOCK = re.compile(r"```(?:bash|sh|console)\n(.*?)```", re.S)
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 NEEDS_ELSEWHERE = ("needs network", "needs a network", "needs a GPU", "needs GPUs",
-                   "torchrun", "needs the network")
+                   "torchrun", "needs the network", "needs circuit-tracer")
 
 
 def shell_lines(page: Path) -> list[str]:

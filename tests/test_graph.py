@@ -337,7 +337,8 @@ def test_the_graph_command_prints_scores_and_writes_the_graph(trained_run, tmp_p
     torch.testing.assert_close(AttributionGraph.load(out).adjacency_matrix,
                                graph.adjacency_matrix)
     data = json.loads(js.read_text())
-    assert data["tokens"] == [tokenizer.decode([t]) for t in tokenizer.encode("to be or")]
+    assert data["metadata"]["prompt_tokens"] == [tokenizer.decode([t])
+                                                 for t in tokenizer.encode("to be or")]
     assert main(["graph", str(trained_run.run), "--transcoders", str(folder), "--prompt",
                  "to be or", "--json", str(js)]) == 2  # a file already there stays
     assert f"{js} already exists; pass --force" in capsys.readouterr().err

@@ -124,7 +124,11 @@ def test_the_flag_caps_the_saved_graph(trained_run, transcoders_folder, tmp_path
     assert f"replacement score {replacement:.3f}, completeness score {completeness:.3f}" \
         in printed
     data = json.loads(js.read_text())
-    assert {n["index"] for n in data["nodes"] if n["kind"] == "feature"} <= set(range(5))
+    kept = {tuple(int(v) for v in n["node_id"].split("_")) for n in data["nodes"]
+            if n["feature_type"] == "cross layer transcoder"}  # layer, feature, position
+    nodes = {(layer, feature, position) for layer, position, feature in
+             graph.active_features.tolist()}
+    assert kept <= nodes and len(nodes) == 5
 
 
 def test_the_start_line_says_how_many_of_the_active_features_get_rows(both) -> None:

@@ -183,7 +183,7 @@ def test_outputs_go_under_new_folders_and_force_replaces_them(trained_run, fitti
     assert AttributionGraph.load(out).n_layers == 1 and "nodes" in json.loads(data.read_text())
     code, _ = graph_cli(trained_run.run, fitting, "--out", out, "--json", data, "--force",
                         "--node-threshold", "0.5", capsys=capsys)
-    assert code == 0 and json.loads(data.read_text())["thresholds"]["node"] == 0.5
+    assert code == 0 and json.loads(data.read_text())["metadata"]["node_threshold"] == 0.5
 
 
 def test_saving_a_graph_onto_a_directory_is_an_input_error(saved_graph, tmp_path) -> None:

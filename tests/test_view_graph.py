@@ -205,7 +205,8 @@ def test_bad_requests_are_refused_in_one_line(client, route, body, says):
 
 def test_a_view_without_transcoders_says_how_to_start_one(view):
     with TestClient(create_app(view), base_url="http://127.0.0.1") as c:
-        assert c.get("/api/graph/available").json() == {"available": False, "transcoders": []}
+        assert c.get("/api/graph/available").json() == {"available": False,
+                                                        "crosslayer": False, "transcoders": []}
         response = c.post("/api/graph", json={"prompt": PROMPT})
     assert response.status_code == 400 and "--transcoders" in response.json()["error"]
 

@@ -3,6 +3,7 @@
     glassgpt convert --from-hf NAME_OR_DIR --out RUN_DIR   # hub name (e.g. gpt2) or local dir
     glassgpt convert RUN_DIR --to-hf OUT_DIR               # a save_pretrained directory
     glassgpt convert RUN_DIR --to-lens OUT_DIR             # TransformerLens's checkpoint format
+    glassgpt convert RUN_DIR --to-lens OUT_DIR --circuit-tracer  # ... that circuit-tracer loads
     glassgpt convert RUN_DIR --to-gguf OUT.gguf [--dtype q8_0]   # one file llama.cpp runs
 
 The families, both ways: GPT-2, Llama (3.x too), Qwen2/2.5, Qwen3, SmolLM3, Gemma 2 and 3, and
@@ -59,6 +60,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="new directory of TransformerLens's checkpoint format: config.json "
                              "(HookedTransformerConfig's fields) and model.safetensors "
                              "(HookedTransformer.state_dict()'s tensors)")
+    parser.add_argument("--circuit-tracer", action="store_true",
+                        help="with --to-lens, also circuit_tracer.safetensors: the same tensors "
+                             "under the names circuit-tracer's replacement model gives them "
+                             "(ReplacementModel.from_config, then load_state_dict; "
+                             "docs/interpretability.md)")
     parser.add_argument("--to-gguf", metavar="OUT.gguf", type=nonempty_arg,
                         help="new GGUF file for llama.cpp (GPT-2, Llama, Qwen2 or Qwen3 runs), "
                              "with the run's tokenizer and chat template")
@@ -93,6 +99,8 @@ def run_convert(args: argparse.Namespace) -> int:
     if args.adapter and args.to_hf is None:
         raise CommandLineError("convert: --adapter applies to --to-hf only (--to-lens and "
                                "--to-gguf write the adapter merged; an import has none)")
+    if args.circuit_tracer and args.to_lens is None:
+        raise CommandLineError("convert: --circuit-tracer applies to --to-lens only")
     if importing:
         if args.from_hf is None or args.out is None:
             raise CommandLineError("convert: --from-hf and --out go together")
@@ -117,7 +125,7 @@ def run_convert(args: argparse.Namespace) -> int:
                               args.dtype or "f32", args.force)
     if args.to_lens is not None:
         return export_to_lens(Path(args.run_dir), Path(args.to_lens), args.checkpoint,
-                              args.force)
+                              args.force, args.circuit_tracer)
     return export_to_hf(Path(args.run_dir), Path(args.to_hf), args.checkpoint, args.force,
                         args.adapter)
 
@@ -204,13 +212,17 @@ def export_to_gguf(run_dir: Path, out: Path, checkpoint: str = "best", dtype: st
     return 0
 
 
-def export_to_lens(run_dir: Path, out: Path, checkpoint: str = "best", force: bool = False
-                   ) -> int:
+def export_to_lens(run_dir: Path, out: Path, checkpoint: str = "best", force: bool = False,
+                   circuit_tracer: bool = False) -> int:
     from glassgpt.formats.transformer_lens_files import export_lens_run
 
-    exported = export_lens_run(run_dir, out, checkpoint, force)
+    exported = export_lens_run(run_dir, out, checkpoint, force, circuit_tracer)
     say(f"exporting {exported.weights}")
     print(f"wrote {out}: config.json and model.safetensors in TransformerLens's format (load "
           f"with HookedGPT.from_lens_checkpoint, or HookedTransformer(HookedTransformerConfig("
           f"**config)).load_state_dict)")
+    if circuit_tracer:
+        print(f"wrote {out / 'circuit_tracer.safetensors'}: the same weights as circuit-tracer's "
+              f"replacement model names them (ReplacementModel.from_config(cfg, transcoders)"
+              f".load_state_dict(..., strict=False); docs/interpretability.md)")
     return 0

@@ -4,7 +4,6 @@ through a run's model with each MLP replaced by its transcoder (glassgpt.interp.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         " a real model's graph then fits in memory")
     p.add_argument("--top", type=int, default=10, help="features to list")
     p.add_argument("--out", type=path_arg, help="save the whole graph (.safetensors)")
-    p.add_argument("--json", type=path_arg, help="write the pruned graph's nodes and edges")
+    p.add_argument("--json", type=path_arg, metavar="SLUG.json",
+                   help="write the pruned graph as circuit-tracer's graph file (what its local "
+                        "server and Neuronpedia read), listed in graph-metadata.json beside it")
     p.add_argument("--force", action="store_true", help="replace the --out and --json files "
                    "an earlier glassgpt graph wrote (no other file)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
@@ -76,6 +77,23 @@ def check_flags(args: argparse.Namespace) -> None:
         if output is not None:
             check_output_file(output, args.force, ConfigError)
             check_replacing(output, flag)
+    if args.json is not None:
+        check_graph_folder(args.json)
+
+
+def check_graph_folder(output: Path) -> None:
+    """--json names SLUG.json (circuit-tracer's server fetches a graph by its slug), in a
+    folder whose graph-metadata.json, if any, is the viewer's list of graphs."""
+    from glassgpt.errors import GlassGPTError
+    from glassgpt.interp.graph.graph_files import read_graph_list
+
+    if output.suffix != ".json" or output.stem in ("", "graph-metadata"):
+        raise ConfigError(f"--json {output}: a graph file is named SLUG.json (its slug, the "
+                          f"name circuit-tracer's viewer lists), and not graph-metadata.json")
+    try:
+        read_graph_list(output.parent)
+    except GlassGPTError as error:
+        raise ConfigError(f"--json: {error}") from None
 
 
 def check_replacing(output: Path, flag: str) -> None:
@@ -83,10 +101,12 @@ def check_replacing(output: Path, flag: str) -> None:
     safetensors (--out) or its JSON (--json); a user's file of the same name stays."""
     from glassgpt.interp.graph import AttributionGraph
     from glassgpt.interp.graph.export import is_pruned_json
+    from glassgpt.interp.graph.graph_files import is_graph_file
 
     if not output.exists():
         return
-    ours = AttributionGraph.saved_at(output) if flag == "--out" else is_pruned_json(output)
+    ours = AttributionGraph.saved_at(output) if flag == "--out" else \
+        is_graph_file(output) or is_pruned_json(output)
     if not ours:
         what = "an attribution graph" if flag == "--out" else "a graph's JSON"
         raise ConfigError(f"{flag} {output} is not {what} glassgpt graph wrote; --force "
@@ -108,11 +128,10 @@ def run_graph(args: argparse.Namespace) -> int:
     from glassgpt.cli.common import step_bar
     from glassgpt.decoding.generate import encode_prompt
     from glassgpt.interp.graph import attribution_graph
-    from glassgpt.interp.graph.export import few_features_line, pruned_json, top_features
+    from glassgpt.interp.graph.export import few_features_line, top_features
     from glassgpt.interp.graph.prune import graph_scores, prune_graph
     from glassgpt.interp.graph.select import DEFAULT_MAX_FEATURE_NODES
     from glassgpt.rundir.checkpoint import load_model
-    from glassgpt.storage import files
 
     check_flags(args)  # before the model is read and the graph built
     model, tokenizer = load_model(args.run_dir, args.device, args.checkpoint)
@@ -151,11 +170,21 @@ def run_graph(args: argparse.Namespace) -> int:
     if args.out is not None:
         print(f"saved {graph.save(args.out)}")
     if args.json is not None:
-        data = pruned_json(graph, pruned, (args.node_threshold, args.edge_threshold), decode)
-        args.json.parent.mkdir(parents=True, exist_ok=True)  # as --out's folder is made
-        files.write_text_atomic(args.json, json.dumps(data))
-        print(f"wrote {args.json}")
+        write_json(args, graph, pruned, tokenizer)
     return 0
+
+
+def write_json(args: argparse.Namespace, graph: Any, pruned: Any, tokenizer: Any) -> None:
+    """--json: circuit-tracer's graph file, its scan the run's name."""
+    from glassgpt.interp.graph.graph_files import graph_file, write_graph_files
+
+    data = graph_file(graph, pruned, slug=args.json.stem, scan=args.run_dir.resolve().name,
+                      prompt=tokenizer.decode(graph.input_ids.tolist()),
+                      node_threshold=args.node_threshold,
+                      decode=lambda token: tokenizer.decode([token]))
+    write_graph_files(data, args.json)
+    print(f"wrote {args.json} (circuit-tracer's graph file; `python -m circuit_tracer "
+          f"start-server --graph_file_dir {args.json.parent}` shows it)")
 
 
 def feature_count(graph: Any) -> str:
@@ -190,10 +219,20 @@ def start_line(graph: Any, rows: int) -> str:
             f"and {logits})")
 
 
-def _transcoders(args: argparse.Namespace, model: Any) -> list[Any]:
+def provenance_of(transcoders: Any) -> list[tuple[str, Any]]:
+    """(name, the record of where it was trained) of each transcoder, or of the CLT."""
+    from glassgpt.interp.sae.crosslayer import CrossLayerTranscoder
+
+    if isinstance(transcoders, CrossLayerTranscoder):
+        return [("the cross-layer transcoder", transcoders.metadata)]
+    return [(f"the transcoder of {sae.cfg.hook_name_out}", sae) for sae in transcoders]
+
+
+def _transcoders(args: argparse.Namespace, model: Any) -> Any:
     """--transcoders, each refused in one line unless it replaces one of the model's MLPs
     (as `glassgpt view --transcoders` refuses it) and, without --any-run, was trained on this
-    run (glassgpt.interp.sae.provenance)."""
+    run (glassgpt.interp.sae.provenance): a list of transcoders, or a cross-layer
+    transcoder."""
     from glassgpt.errors import GlassGPTError, InputError
     from glassgpt.interp.graph import load_transcoders
     from glassgpt.interp.graph.replacement import by_layer
@@ -208,10 +247,8 @@ def _transcoders(args: argparse.Namespace, model: Any) -> list[Any]:
             transcoders = load_transcoders(args.transcoders, device=args.device)
         by_layer(model, transcoders)
         if not args.any_run:
-            check_trained_on([(f"the transcoder of {sae.cfg.hook_name_out}", sae)
-                              for sae in transcoders],
-                             args.run_dir, args.checkpoint, "train transcoders on this run, or "
-                             "pass --any-run to use these")
+            check_trained_on(provenance_of(transcoders), args.run_dir, args.checkpoint,
+                             "train transcoders on this run, or pass --any-run to use these")
     except GlassGPTError as error:
         raise InputError(f"--transcoders: {error}") from None
     return transcoders

@@ -31,7 +31,9 @@ from glassgpt.decoding.generate import generate
 from glassgpt.errors import GlassGPTError, InputError, ModelError
 from glassgpt.interp.core import checks
 from glassgpt.interp.core.hooked import hook_points
+from glassgpt.interp.graph.layers import decoder_norms
 from glassgpt.interp.sae import SAE
+from glassgpt.interp.sae.crosslayer import CrossLayerTranscoder
 from glassgpt.interp.sae.features import (
     Scan,
     clamp_hooks,
@@ -63,6 +65,18 @@ class Dictionaries:
     def __init__(self, view: View, saes: dict[str, SAE]):
         self.view, self.saes = view, saes
         self.scans: dict[str, Scan | None] = {}
+        # a dictionary that is a layer of a cross-layer transcoder: the CLT and the layer
+        self.crosslayer: dict[str, tuple[CrossLayerTranscoder, int]] = {}
+
+    def add(self, name: str, sae: SAE, crosslayer: tuple[CrossLayerTranscoder, int] | None = None
+            ) -> str:
+        """Add `sae` under `name` (primed until it is new); the name it got."""
+        while name in self.saes:
+            name += "'"
+        self.saes[name] = sae
+        if crosslayer is not None:
+            self.crosslayer[name] = crosslayer
+        return name
 
     def listing(self) -> list[dict[str, Any]]:
         return [{"name": name, "hook": sae.cfg.hook_name_out, "reads": sae.cfg.hook_name,
@@ -148,6 +162,8 @@ def feature(view: View, dicts: Dictionaries, sae: str, feature: int,
               "contexts": contexts(view, chosen, scan, feature), "scanned": scanned,
               "density": density(chosen, scan, feature),
               "logits": logit_effects_listed(view, chosen, feature)}
+    if name in dicts.crosslayer:  # a CLT's feature: every later MLP output it writes into
+        answer["writes_to"] = decoder_norms(*dicts.crosslayer[name], feature)
     why_not = writers_unavailable(view.model, chosen)
     if why_not is not None:
         answer["writers_note"] = why_not

@@ -1,5 +1,8 @@
 """The Graph panel's numbers: attribution graphs of the page's prompt over the transcoders the
-view was started with (`glassgpt view RUN --transcoders DIR`), from glassgpt.interp.graph.
+view was started with (`glassgpt view RUN --transcoders DIR`: transcoders one a layer, or
+circuit-tracer's directory of a transcoder set or a cross-layer transcoder), from
+glassgpt.interp.graph. A CLT's layers join the Features panel as transcoders of their own layer
+(`layers.as_transcoder`), and a feature's page there lists the layers its decoder writes into.
 
     available   whether the view has transcoders (the panel says how to start it otherwise)
     graph       the prompt's pruned graph as `export.pruned_json` writes it, plus the name each
@@ -24,10 +27,12 @@ from glassgpt.interp.graph import AttributionGraph, load_transcoders
 from glassgpt.interp.graph.build import graph_of
 from glassgpt.interp.graph.export import few_features_line, node_id, pruned_json
 from glassgpt.interp.graph.heads import edge_heads
+from glassgpt.interp.graph.layers import Replacer, as_transcoder
 from glassgpt.interp.graph.prune import prune_graph
-from glassgpt.interp.graph.replacement import Prompt, by_layer, read_prompt
+from glassgpt.interp.graph.replacement import Prompt, Transcoders, by_layer, read_prompt
 from glassgpt.interp.graph.select import DEFAULT_MAX_FEATURE_NODES
-from glassgpt.interp.sae import SAE
+from glassgpt.interp.sae.circuit_tracer import is_circuit_tracer_dir, load_circuit_tracer
+from glassgpt.interp.sae.crosslayer import CrossLayerTranscoder
 from glassgpt.view import requests as req
 from glassgpt.view.features import Dictionaries
 from glassgpt.view.values import View
@@ -57,22 +62,26 @@ class Built:
 
 
 class Graphs:
-    """The view's transcoders, one a layer, and the graphs of its last few prompts. `names`:
-    each transcoder's hook_name_out -> its name among the Features panel's dictionaries."""
+    """The view's transcoders (one a layer, or a cross-layer transcoder) and the graphs of its
+    last few prompts. `names`: each layer's hook_name_out -> its name among the Features
+    panel's dictionaries."""
 
-    def __init__(self, view: View, transcoders: list[SAE], names: dict[str, str]):
+    def __init__(self, view: View, transcoders: Transcoders, names: dict[str, str]):
         self.view, self.transcoders, self.names = view, transcoders, names
+        self.crosslayer = isinstance(transcoders, CrossLayerTranscoder)
+        self.layers: list[Replacer] = [] if not self.crosslayer and not transcoders else [
+            layer for layer in by_layer(view.model, transcoders) if layer is not None]
         self.built: OrderedDict[tuple[int, ...], Built] = OrderedDict()
 
     def available(self) -> dict[str, Any]:
-        return {"available": bool(self.transcoders),
+        return {"available": bool(self.layers), "crosslayer": self.crosslayer,
                 "transcoders": [{"hook": sae.cfg.hook_name_out, "reads": sae.cfg.hook_name,
                                  "name": self.names.get(sae.cfg.hook_name_out),
-                                 "d_sae": sae.cfg.d_sae} for sae in self.transcoders]}
+                                 "d_sae": sae.cfg.d_sae} for sae in self.layers]}
 
     def build(self, prompt: str) -> Built:
         """The prompt's graph, built once while it is among the last KEPT_PROMPTS."""
-        if not self.transcoders:
+        if not self.layers:
             raise InputError(NO_TRANSCODERS)
         encoded = self.view.encode(prompt)
         ids = tuple(encoded.ids)
@@ -129,15 +138,22 @@ def node_index(built: Built, node: str | int) -> int:
 
 
 def load_graphs(view: View, paths: list[str | Path], dicts: Dictionaries) -> Graphs:
-    """The transcoders at `paths` (each a transcoder's directory, or one holding one a layer),
-    each refused in one line unless together they replace the model's MLPs; also added to
-    `dicts`, named as --sae dictionaries are (by folder; a folder of several: folder/layerL),
-    so that a graph's feature opens its page in the Features panel."""
+    """The transcoders at `paths` (each a transcoder's directory, or one holding one a layer;
+    or one circuit-tracer directory: a transcoder set or a CLT), each refused in one line
+    unless together they replace the model's MLPs; also added to `dicts`, named as --sae
+    dictionaries are (by folder; a folder of several: folder/layerL), so that a graph's
+    feature opens its page in the Features panel."""
     if not paths:
         return Graphs(view, [], {})
     device = view.model.lm_head.weight.device
     try:
-        loaded = [(Path(path), load_transcoders([path], device=device)) for path in paths]
+        if len(paths) == 1 and is_circuit_tracer_dir(paths[0]):
+            found = load_circuit_tracer(paths[0], view.model, device=device)
+            if isinstance(found, CrossLayerTranscoder):
+                return clt_graphs(view, Path(paths[0]), found, dicts)
+            loaded = [(Path(paths[0]), found)]
+        else:
+            loaded = [(Path(path), load_transcoders([path], device=device)) for path in paths]
         transcoders = [sae for _, saes in loaded for sae in saes]
         layers = by_layer(view.model, transcoders)  # widths and devices checked there too
     except GlassGPTError as error:
@@ -149,8 +165,23 @@ def load_graphs(view: View, paths: list[str | Path], dicts: Dictionaries) -> Gra
             name = path.name or "transcoder"
             if len(saes) > 1:
                 name = f"{name}/layer{layer_of[id(sae)]}"
-            while name in dicts.saes:
-                name += "'"
-            dicts.saes[name] = sae
-            names[sae.cfg.hook_name_out] = name
+            names[sae.cfg.hook_name_out] = dicts.add(name, sae)
     return Graphs(view, [sae for sae in layers if sae is not None], names)
+
+
+def clt_graphs(view: View, path: Path, clt: CrossLayerTranscoder, dicts: Dictionaries
+               ) -> Graphs:
+    """The Graph panel over a CLT; each of its layers joins the Features panel as folder/layerL
+    (a transcoder of its own layer, its page listing every layer it writes into); a TopK CLT's
+    features have no page."""
+    try:
+        by_layer(view.model, clt)
+    except GlassGPTError as error:
+        raise InputError(f"--transcoders: {error}") from None
+    names: dict[str, str] = {}
+    for layer in range(clt.n_layers):
+        sae = as_transcoder(clt, layer)
+        if sae is not None:
+            name = dicts.add(f"{path.name or 'clt'}/layer{layer}", sae, (clt, layer))
+            names[clt.output_hook_at(layer)] = name
+    return Graphs(view, clt, names)

@@ -11,10 +11,25 @@ adjacency, nodes and logits, prune_graph's masks at 0.8 / 0.98 with the kept edg
 pairs, the node influences) and OUT/reference.json (the scores and settings); and the same of
 `attribute(max_feature_nodes=CAPPED["max_feature_nodes"], ...)` as OUT/capped.safetensors and
 OUT/capped.json (the selected features' indices among the active ones beside them), with
-batches small enough that the greedy ranking is redone several times.
+batches small enough that the greedy ranking is redone several times. And circuit-tracer's graph
+files of the reference graph (`create_graph_files`: the JSON its local server and Neuronpedia
+read) in OUT/graph_files/: reference.json at the default thresholds (it keeps no feature),
+wide.json at node 0.99 / edge 0.995 (42 features), their graph-metadata.json, and
+graph_schema.json, the JSON schema of the file as circuit-tracer's own pydantic model states it
+(frontend/graph_models.Model), that tests/test_graph_files.py holds glassgpt's `--json` to.
+And docs/interpretability.md's circuit-tracer recipe (the python block after
+"<!-- section: into circuit-tracer -->"), run as written in BUILD/recipe/ on the fixture's
+prompt: OUT/lens_recipe.json says what it gave beside the reference graph, and the names and
+shapes of circuit-tracer's replacement model's state. And the same graph over a cross-layer
+transcoder (BUILD/clt_graph/ct_clt, read by circuit-tracer's own loader, the model built by
+ReplacementModel.from_config as the recipe builds it): OUT/clt_graph/clt_reference.* and, with
+CLT_CAPPED, clt_capped.*, that tests/test_graph_clt.py holds glassgpt's CLT graph to.
 """
+import hashlib
 import importlib.util
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -97,6 +112,124 @@ def graph_tensors(graph, prune, scores) -> tuple[dict, dict]:
     return t, scalars
 
 
+# create_graph_files(graph, slug, dir, node_threshold, edge_threshold) of the reference graph
+GRAPH_FILES = {"reference": (0.8, 0.98), "wide": (0.99, 0.995)}
+
+
+def write_graph_files(model, graph, graph_files=GRAPH_FILES, fresh=True) -> None:
+    """circuit-tracer's graph JSON of `graph` ({slug: (node threshold, edge threshold)}), with
+    the fixture's id tokenizer standing in for the Hugging Face one it loads by name (the
+    model has none); `fresh`: a new graph-metadata.json."""
+    import circuit_tracer.utils.create_graph_files  # noqa: F401 (the module, not the function)
+    from circuit_tracer.frontend.graph_models import Model
+
+    module = sys.modules["circuit_tracer.utils.create_graph_files"]
+
+    class ByName:
+        @staticmethod
+        def from_pretrained(name):
+            return model.tokenizer
+
+    module.AutoTokenizer = ByName
+    folder = OUT / "graph_files"
+    folder.mkdir(exist_ok=True)
+    if fresh:
+        (folder / "graph-metadata.json").unlink(missing_ok=True)
+    for slug, (node_threshold, edge_threshold) in graph_files.items():
+        module.create_graph_files(graph, slug, str(folder), node_threshold=node_threshold,
+                                  edge_threshold=edge_threshold)
+    (folder / "graph_schema.json").write_text(json.dumps(Model.model_json_schema(), indent=2)
+                                              + "\n")
+
+
+RECIPE_SECTION = "<!-- section: into circuit-tracer -->"
+RECIPE_PROMPT = 'prompt = "eszycidpyopumzg eszycidpyo"'
+
+
+def recipe_block() -> str:
+    """The first python block after RECIPE_SECTION in docs/interpretability.md."""
+    page = (WORKER.parents[3] / "docs" / "interpretability.md").read_text()
+    after = page[page.index(RECIPE_SECTION):]
+    return re.search(r"```python\n(.*?)```", after, re.S).group(1)
+
+
+def run_docs_recipe(reference) -> None:
+    """The recipe, as written but for its prompt (the fixture's, in its characters), in
+    BUILD/recipe/; what it gave against the reference graph goes to OUT/lens_recipe.json."""
+    code = recipe_block()
+    chars = json.loads((FIX / "recipe/runs/repeats/tokenizer.json").read_text())["chars"]
+    prompt = "".join(chars[i] for i in json.loads((FIX / "prompt.json").read_text())["prompt_ids"])
+    assert RECIPE_PROMPT in code
+    namespace = {"__name__": "__main__"}
+    here = os.getcwd()
+    os.chdir(FIX / "recipe")
+    try:
+        exec(compile(code.replace(RECIPE_PROMPT, f"prompt = {prompt!r}"), "recipe", "exec"),
+             namespace)
+    finally:
+        os.chdir(here)
+    graph, model = namespace["graph"], namespace["model"]
+    state = {name: list(t.shape) for name, t in model.state_dict().items()
+             if not name.startswith("transcoders.")}
+    result = {
+        "recipe_sha256": hashlib.sha256(code.encode()).hexdigest(),
+        "prompt": prompt,
+        "missing_keys": sorted(namespace["missing"]),
+        "unexpected_keys": sorted(namespace["unexpected"]),
+        "same_active_features": bool(torch.equal(graph.active_features,
+                                                 reference.active_features)),
+        "same_logit_tokens": bool(torch.equal(graph.logit_token_ids,
+                                              reference.logit_token_ids)),
+        "adjacency_max_abs_diff": float((graph.adjacency_matrix
+                                         - reference.adjacency_matrix).abs().max()),
+        "replacement_model_state": state,
+    }
+    (OUT / "lens_recipe.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"[recipe] adjacency max |diff| {result['adjacency_max_abs_diff']:.2e}, same "
+          f"features {result['same_active_features']}, missing {len(result['missing_keys'])}")
+
+
+# the CLT's capped graph: a third of its active features, re-ranked after every batch of 2
+CLT_CAPPED = {"max_feature_nodes": 80, "batch_size": 2, "update_interval": 1}
+
+
+def clt_model():
+    """circuit-tracer's replacement model over the fixture's CLT, built as the recipe builds
+    one (from_config, then the export's circuit_tracer.safetensors)."""
+    from circuit_tracer import ReplacementModel
+    from circuit_tracer.transcoder.cross_layer_transcoder import CrossLayerTranscoder
+    from circuit_tracer.utils.caching import load_transcoders_from_cache
+    from transformer_lens import HookedTransformerConfig
+
+    lens = FIX / "recipe" / "repeats-lens"
+    cfg = HookedTransformerConfig.from_dict(json.loads((lens / "config.json").read_text()))
+    clt, _ = load_transcoders_from_cache("ct_clt", cache_dir=FIX / "clt_graph",
+                                         lazy_encoder=False, lazy_decoder=False)
+    assert isinstance(clt, CrossLayerTranscoder), type(clt)
+    model = ReplacementModel.from_config(cfg, clt, backend="transformerlens")
+    first_id = json.loads((FIX / "prompt.json").read_text())["prompt_ids"][0]
+    model.tokenizer = worker.IdTokenizer(cfg.d_vocab, first_id)
+    missing, unexpected = model.load_state_dict(
+        load_file(str(lens / "circuit_tracer.safetensors")), strict=False)
+    assert not unexpected and all(k.startswith("transcoders.") for k in missing), missing
+    return model.eval()
+
+
+def run_clt(prompt) -> None:
+    global OUT
+    model = clt_model()
+    _, acts = model.get_activations(torch.tensor(prompt))
+    print(f"[clt] active features: {int((acts > 0).sum())} of {acts.numel()}")
+    out, OUT = OUT, OUT / "clt_graph"
+    OUT.mkdir(exist_ok=True)
+    try:
+        graph, _ = run_one(model, prompt, "clt_reference")
+        run_one(model, prompt, "clt_capped", **CLT_CAPPED)
+    finally:
+        OUT = out
+    write_graph_files(model, graph, {"clt": (0.8, 0.98)}, fresh=False)
+
+
 def run_one(model, prompt, tag, **kw):
     graph = attribute(torch.tensor(prompt), model, **kw)
     prune = prune_graph(graph, node_threshold=0.8, edge_threshold=0.98)
@@ -139,7 +272,10 @@ def main() -> int:
 
     # 3. the graphs
     g, t = run_one(model, prompt, "reference")
+    write_graph_files(model, g)
+    run_docs_recipe(g)
     run_one(model, prompt, "capped", **CAPPED)
+    run_clt(prompt)
 
     # 4. cross-check: gain/bias-folded encoder reading the MLP's input (post gain) gives the
     #    same graph

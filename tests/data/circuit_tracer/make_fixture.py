@@ -12,6 +12,12 @@ Writes BUILD/ (this folder keeps its run/ and tc/):
   ct_tc_postgain/layer_L.safetensors  the gain/bias-folded variant (W_enc / w,
                        b_enc - (b/w) @ W_enc)
                        for a hook AFTER the gain and bias (a cross-check)
+  recipe/              what docs/interpretability.md's circuit-tracer recipe reads, under its
+                       names: repeats-lens/ (`--to-lens --circuit-tracer`), repeats-ct/
+                       (`glassgpt sae convert tc/`), runs/repeats/tokenizer.json
+  clt_graph/ct_clt/    a random JumpReLU cross-layer transcoder of the model (64 features a
+                       layer, reading ln2.hook_normalized, writing hook_mlp_out at its layer and
+                       every later one) in circuit-tracer's layout (glassgpt's save_clt)
   prompt.json          token ids of the prompt
   glass_acts.safetensors  glassgpt's feature activations (L, T, d_sae), x_hat, mlp_out and logits
 """
@@ -27,6 +33,9 @@ from glassgpt.config import GPTConfig
 from glassgpt.formats.transformer_lens_files import write_lens_checkpoint
 from glassgpt.interp import run_with_cache
 from glassgpt.interp.sae import SAE, SAEConfig
+from glassgpt.interp.sae.circuit_tracer import convert_to_circuit_tracer
+from glassgpt.interp.sae.circuit_tracer_clt import save_clt
+from glassgpt.interp.sae.crosslayer import CrossLayerTranscoder
 from glassgpt.model import GPT
 from glassgpt.rundir.checkpoint import save_model
 from glassgpt.tokenizers.char import CharTokenizer
@@ -109,7 +118,29 @@ def main() -> None:
     print("last-position top probs:", probs.topk(5).values.tolist())
     (OUT / "prompt.json").write_text(json.dumps({"prompt_ids": PROMPT, "seed": SEED,
                                                  "d_sae": D_SAE}) + "\n")
+    write_clt(g)
+    recipe = OUT / "recipe"
+    write_lens_checkpoint(model, recipe / "repeats-lens", circuit_tracer=True)
+    convert_to_circuit_tracer([OUT / "tc"], recipe / "repeats-ct")
+    (recipe / "runs" / "repeats").mkdir(parents=True)
+    shutil.copy(OUT / "run" / "tokenizer.json", recipe / "runs" / "repeats")
     print("wrote", OUT)
+
+
+def write_clt(g: torch.Generator) -> None:
+    """A JumpReLU CLT whose features fire on ~20% of positions (x_hat has unit RMS, so a
+    pre-activation is ~N(b_enc, 1); thresholds near 0.5) and whose decoders write into every
+    later layer about as strongly as into their own."""
+    clt = CrossLayerTranscoder(N_LAYER, N_EMBD, D_SAE, activation="jumprelu")
+    with torch.no_grad():
+        clt.W_enc.copy_(torch.randn(N_LAYER, N_EMBD, D_SAE, generator=g) / N_EMBD ** 0.5)
+        clt.b_enc.copy_(-0.35 + 0.2 * torch.randn(N_LAYER, D_SAE, generator=g))
+        clt.threshold.copy_(0.5 + 0.1 * torch.rand(N_LAYER, D_SAE, generator=g))
+        for layer in range(N_LAYER):
+            clt.W_dec[layer].copy_(torch.randn(D_SAE, N_LAYER - layer, N_EMBD, generator=g)
+                                   * 0.3 / D_SAE ** 0.5)
+        clt.b_dec.copy_(0.05 * torch.randn(N_LAYER, N_EMBD, generator=g))
+    save_clt(clt, OUT / "clt_graph" / "ct_clt", extra={"scan": "glassgpt-fixture/clt"})
 
 
 if __name__ == "__main__":

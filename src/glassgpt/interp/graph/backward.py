@@ -44,8 +44,9 @@ from glassgpt.norms import LayerNorm, ManualLayerNorm, RMSNorm
 NORMS = (LayerNorm, ManualLayerNorm, RMSNorm, nn.Identity)
 PRE_LN = (pre_ln_sublayers, sandwich_sublayers, attention_only_sublayers)
 
-# (layer, position, first column, the written vectors (C, n)): the features of one layer at
-# one position are a run of columns, their activations times decoder rows one matrix.
+# (layer written into, position, first column, the written vectors (C, n)): the features of one
+# layer at one position are a run of columns, their activations times decoder rows one matrix;
+# a CLT's features write into several layers, one entry each, their edges the sum.
 Writes = list[tuple[int, int, int, Tensor]]
 
 
@@ -227,6 +228,6 @@ class WrittenBackward:
         end = g.shape[1]
         for _, position, start, written in self.writes[layer]:
             if position < end:
-                out[:, start:start + written.shape[1]] = g[:, position] @ written  # (B, n)
+                out[:, start:start + written.shape[1]] += g[:, position] @ written  # (B, n)
         at = self.graph.error_index(layer, 0)
         out[:, at:at + end] = torch.einsum("btc,tc->bt", g, self.prompt.errors[layer, :end])

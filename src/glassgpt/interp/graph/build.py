@@ -25,10 +25,12 @@ import torch
 from torch import Tensor, nn
 
 from glassgpt.errors import InputError
+from glassgpt.interp.graph import layers as replacers
 from glassgpt.interp.graph.backward import Writes, WrittenBackward, knows
 from glassgpt.interp.graph.replacement import (
     FrozenRun,
     Prompt,
+    Transcoders,
     feature_inputs,
     frozen_run,
     logit_inputs,
@@ -36,19 +38,20 @@ from glassgpt.interp.graph.replacement import (
 )
 from glassgpt.interp.graph.result import AttributionGraph
 from glassgpt.interp.graph.select import Progress, RowsOf, capped_adjacency
-from glassgpt.interp.sae.model import SAE
 
 
-def attribution_graph(model: nn.Module, transcoders: Sequence[SAE], ids: Tensor | Sequence[int],
+def attribution_graph(model: nn.Module, transcoders: Transcoders, ids: Tensor | Sequence[int],
                       *, max_n_logits: int = 10, desired_logit_prob: float = 0.95,
                       batch_size: int = 64, skip_positions: int = 1,
                       max_feature_nodes: int | None = None, update_interval: int = 4,
                       progress: Progress | None = None) -> AttributionGraph:
     """The attribution graph of the prompt `ids` ((T,) or (1, T) token ids) through `model`
     with each MLP replaced by its transcoder (one a layer, SAELens's format; see
-    glassgpt.interp.graph.replacement). Logit nodes: the most probable next tokens at the last
-    position, fewest whose probabilities reach `desired_logit_prob`, at most `max_n_logits`
-    (circuit-tracer's defaults). `batch_size` targets share one backward pass. The first
+    glassgpt.interp.graph.replacement), or by a cross-layer transcoder (a CrossLayerTranscoder:
+    its layer-l features write into every MLP output from l on; glassgpt.interp.graph.layers).
+    Logit nodes: the most probable next tokens at the last position, fewest whose
+    probabilities reach `desired_logit_prob`, at most `max_n_logits` (circuit-tracer's
+    defaults). `batch_size` targets share one backward pass. The first
     `skip_positions` positions have no feature or error nodes (circuit-tracer skips position
     0, a BOS or attention sink in most models); 0 gives every position its nodes.
     `max_feature_nodes`: at most that many feature nodes, circuit-tracer's greedy choice
@@ -199,17 +202,18 @@ def target_inputs(prompt: Prompt, run: FrozenRun, graph: AttributionGraph, featu
 
 
 def feature_writes(prompt: Prompt, graph: AttributionGraph, features: Tensor) -> Writes:
-    """What each (layer, position)'s active features write, for source_effects: a feature's
-    edge is then one column of g[:, position] @ written."""
+    """What each (layer, position)'s active features write, into each layer's MLP output they
+    reach (their own; a CLT's, every later one too), for source_effects: a feature's edge is
+    then the sum over those layers of a column of g[:, position] @ written."""
     writes: Writes = []
     values = graph.activation_values.to(features.device)
     cells = torch.unique_consecutive(features[:, :2], dim=0, return_counts=True)
     start = 0
     for (layer, position), count in zip(cells[0].tolist(), cells[1].tolist(), strict=True):
         ids = features[start:start + count, 2]
-        sae = prompt.transcoders[layer]
-        written = sae.W_dec[ids] * values[start:start + count, None].to(sae.W_dec.dtype)
-        writes.append((layer, position, start, written.T.to(prompt.errors.dtype)))  # (C, n)
+        for into, written in replacers.feature_writes(prompt.transcoders[layer], layer, ids,
+                                                      values[start:start + count]):
+            writes.append((into, position, start, written.T.to(prompt.errors.dtype)))  # (C, n)
         start += count
     return writes
 
@@ -222,7 +226,7 @@ def source_effects(prompt: Prompt, graph: AttributionGraph, writes: Writes, g_em
     for layer, position, start, written in writes:
         g = g_layers[layer]
         if g is not None:  # None: no target reads past this layer's MLP
-            rows[:, start:start + written.shape[1]] = g[:, position] @ written  # (B, n)
+            rows[:, start:start + written.shape[1]] += g[:, position] @ written  # (B, n)
     for layer in range(prompt.n_layers):
         g = g_layers[layer]
         if g is not None:

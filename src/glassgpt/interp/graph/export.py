@@ -1,5 +1,5 @@
-"""A pruned graph as plain data: the nodes and edges that stayed, for `glassgpt graph --json`
-and the view's Graph panel.
+"""A pruned graph as plain data: the nodes and edges that stayed, for the view's Graph panel
+(`glassgpt graph --json` writes circuit-tracer's schema instead: graph_files.py).
 
     {"tokens": [...], "scores": {"replacement": r, "completeness": c},
      "thresholds": {"node": 0.8, "edge": 0.98}, "n_layers": L,
@@ -72,7 +72,7 @@ def pruned_json(graph: AttributionGraph, pruned: PrunedGraph, thresholds: tuple[
 
 def is_pruned_json(path: str | Path) -> bool:
     """Whether `path` holds what `pruned_json` writes (an object of exactly its keys): what
-    `glassgpt graph --json --force` may replace."""
+    `glassgpt graph --json --force` may replace (an earlier glassgpt wrote this schema)."""
     try:
         data = files.read_json(path, CheckpointError, MAX_JSON_BYTES)
     except CheckpointError:

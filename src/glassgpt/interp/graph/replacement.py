@@ -25,15 +25,22 @@ import torch
 from torch import Tensor, nn
 
 from glassgpt.errors import InputError
-from glassgpt.hooknames import parse_hook_name
 from glassgpt.interp.core.hooked import as_glass, check_run_ids, hook_points, run_with_cache
 from glassgpt.interp.core.hooked import run_with_hooks as hooked_run
-from glassgpt.interp.sae.encoding import pre_acts
+from glassgpt.interp.graph.layers import (
+    READS,
+    Replacer,
+    check_writes_mlp_out,
+    clt_layers,
+    feature_pre_acts,
+    reconstruction,
+)
+from glassgpt.interp.sae.crosslayer import CrossLayerTranscoder
 from glassgpt.interp.sae.model import SAE
 from glassgpt.interp.sae.splice import check_saes
 
-# Where a transcoder of layer L may read: the MLP's input, before or after its norm.
-READS = ("ln2.hook_normalized", "hook_mlp_in", "hook_resid_mid")
+# What replaces the MLPs: transcoders, one a layer, or one cross-layer transcoder.
+Transcoders = Sequence[SAE] | CrossLayerTranscoder
 
 
 def load_transcoders(paths: Iterable[str | Path], device: str | torch.device = "cpu"
@@ -55,28 +62,29 @@ def load_transcoders(paths: Iterable[str | Path], device: str | torch.device = "
     return found
 
 
-def by_layer(model: nn.Module, transcoders: Sequence[SAE]) -> list[SAE | None]:
+def by_layer(model: nn.Module, transcoders: Transcoders) -> list[Replacer | None]:
     """The transcoders in layer order, each refused by name unless it replaces one MLP: it is a
     transcoder, writes blocks.L.hook_mlp_out, reads that block's MLP input, one a layer, every
     MLP has one (an attention-only model needs none), and its widths (d_in, d_out) and device
-    are the model's there (`check_saes`, the check every splice passes)."""
+    are the model's there (`check_saes`, the check every splice passes). A cross-layer
+    transcoder (alone, or the one item of the list) gives its layers (layers.clt_layers)."""
     glass = as_glass(model)
     config = glass.config
     if config.logit_softcap is not None:
         raise InputError(f"an attribution graph is linear up to the logits, and this model caps "
                          f"them (logit_softcap = {config.logit_softcap}): no graph for it")
-    layers: list[SAE | None] = [None] * config.n_layer
+    if not isinstance(transcoders, CrossLayerTranscoder) and len(transcoders) == 1 \
+            and isinstance(transcoders[0], CrossLayerTranscoder):
+        transcoders = transcoders[0]
+    if isinstance(transcoders, CrossLayerTranscoder):
+        return list(clt_layers(glass, transcoders))
+    layers: list[Replacer | None] = [None] * config.n_layer
     for sae in transcoders:
         if not isinstance(sae, SAE) or not sae.cfg.is_transcoder:
             kind = sae.cfg.architecture if isinstance(sae, SAE) else type(sae).__name__
             raise InputError(f"an attribution graph replaces each MLP by a transcoder; got a "
                              f"{kind} dictionary")
-        writes = parse_hook_name(sae.cfg.hook_name_out or "")
-        if writes.layer not in range(config.n_layer) or writes.module or \
-                writes.point != "hook_mlp_out":
-            raise InputError(f"a transcoder of the graph writes blocks.L.hook_mlp_out (L < "
-                             f"{config.n_layer}); this one writes {sae.cfg.hook_name_out}")
-        layer = writes.layer
+        layer = check_writes_mlp_out(sae, config.n_layer)
         if sae.cfg.hook_name not in {f"blocks.{layer}.{point}" for point in READS}:
             raise InputError(f"the transcoder of layer {layer} reads {sae.cfg.hook_name}; it "
                              f"must read that block's MLP input: "
@@ -101,12 +109,13 @@ class Prompt:
 
     ids (1, T); patterns and scales by hook name, (1, ...) as the model computed them;
     embed (T, C) the token embeddings (hook_embed); acts[l] (T, d_sae) layer l's feature
-    activations and errors (L, T, C) mlp_out minus the transcoder's reconstruction, both zero
+    activations and errors (L, T, C) mlp_out minus the transcoders' reconstruction (a CLT's
+    from every layer at or below), both zero
     at the skipped positions, whose MLP outputs are held in fixed (L, T, C) instead (zero
     elsewhere); logits (T, V)."""
 
     model: nn.Module
-    transcoders: list[SAE | None]
+    transcoders: list[Replacer | None]
     ids: Tensor
     patterns: dict[str, Tensor]
     scales: dict[str, Tensor]
@@ -125,7 +134,7 @@ class Prompt:
         return self.ids.shape[1]
 
 
-def read_prompt(model: nn.Module, transcoders: Sequence[SAE], ids: Tensor,
+def read_prompt(model: nn.Module, transcoders: Transcoders, ids: Tensor,
                 skip_positions: int = 1) -> Prompt:
     """ids (1, T) -> the Prompt: one run of the model keeping what the graph freezes; the first
     `skip_positions` positions get no feature or error nodes (their MLP outputs are fixed)."""
@@ -144,9 +153,22 @@ def read_prompt(model: nn.Module, transcoders: Sequence[SAE], ids: Tensor,
                          f"{skip_positions!r:.40}")
     logits, cache = run_with_cache(glass, ids, [*frozen, "hook_embed", *reads, *outs])
     T, C = ids.shape[1], glass.config.n_embd
+    acts, errors, fixed = features_and_errors(
+        layers, cache, skip_positions, logits.new_zeros(len(layers), T, C))
+    return Prompt(glass, layers, ids, {n: cache[n] for n in frozen if "pattern" in n},
+                  {n: cache[n] for n in frozen if "scale" in n},
+                  cache["hook_embed"][0], acts, errors, fixed, logits[0])
+
+
+def features_and_errors(layers: list[Replacer | None], cache: dict[str, Tensor],
+                        skip_positions: int, like: Tensor
+                        ) -> tuple[list[Tensor | None], Tensor, Tensor]:
+    """Each layer's features (T, d), zero at the skipped positions; the errors (L, T, C) in
+    `like`'s dtype and device, each MLP output minus its reconstruction (layers.reconstruction),
+    zero there too; and the MLP outputs held fixed at the skipped positions (L, T, C), zero
+    elsewhere. A layer without a transcoder has none of them."""
     acts: list[Tensor | None] = []
-    errors = torch.zeros(len(layers), T, C, dtype=logits.dtype, device=logits.device)
-    fixed = torch.zeros_like(errors)
+    mlp_out = like.new_zeros(len(layers), *like.shape[1:])  # (L, T, C)
     with torch.no_grad():
         for layer, sae in enumerate(layers):
             if sae is None:
@@ -155,13 +177,12 @@ def read_prompt(model: nn.Module, transcoders: Sequence[SAE], ids: Tensor,
             x = cache[sae.cfg.hook_name][0].to(sae.W_enc.dtype)  # (T, d_in)
             acts.append(sae.encode(x))  # (T, d_sae)
             acts[-1][:skip_positions] = 0
-            mlp_out = cache[sae.cfg.hook_name_out][0]  # (T, C)
-            errors[layer] = mlp_out - sae.decode(acts[-1])
-            fixed[layer, :skip_positions] = errors[layer, :skip_positions]
-            errors[layer, :skip_positions] = 0
-    return Prompt(glass, layers, ids, {n: cache[n] for n in frozen if "pattern" in n},
-                  {n: cache[n] for n in frozen if "scale" in n},
-                  cache["hook_embed"][0], acts, errors, fixed, logits[0])
+            mlp_out[layer] = cache[sae.cfg.hook_name_out][0]
+        errors = mlp_out - reconstruction(layers, acts, mlp_out)
+        fixed = torch.zeros_like(errors)
+        fixed[:, :skip_positions] = errors[:, :skip_positions]
+        errors[:, :skip_positions] = 0
+    return acts, errors, fixed
 
 
 @dataclass
@@ -191,14 +212,11 @@ def frozen_run(prompt: Prompt, batch: int = 1, *, acts: Sequence[Tensor | None] 
     glass = prompt.model
     leaf_embed = embed.expand(batch, -1, -1).clone().requires_grad_(True)  # (B, T, C)
     leaves: list[Tensor | None] = []
+    with torch.no_grad():  # what the features, the errors and the fixed positions write
+        written = reconstruction(prompt.transcoders, acts, errors) + errors + prompt.fixed
     for layer, sae in enumerate(prompt.transcoders):
-        if sae is None:
-            leaves.append(None)
-            continue
-        with torch.no_grad():
-            written = sae.decode(acts[layer]).to(errors.dtype) + errors[layer] \
-                + prompt.fixed[layer]  # (T, C)
-        leaves.append(written.expand(batch, -1, -1).clone().requires_grad_(True))
+        leaves.append(None if sae is None else
+                      written[layer].expand(batch, -1, -1).clone().requires_grad_(True))
     inputs: list[Tensor | None] = [None] * prompt.n_layers
     results: list[Tensor] = []
     hooks = [(name, _constant(value, batch)) for name, value in
@@ -247,7 +265,7 @@ def feature_inputs(prompt: Prompt, run: FrozenRun, layer: int, rows: Tensor, pos
     b_enc[f] (rows, positions, features: (N,) each) -> (N,), from f's column alone."""
     sae = prompt.transcoders[layer]
     x = run.inputs[layer][rows, positions].to(sae.W_enc.dtype)  # (N, d_in)
-    return pre_acts(sae, x, features)
+    return feature_pre_acts(sae, x, features)
 
 
 def logit_inputs(run: FrozenRun, rows: Tensor, tokens: Tensor) -> Tensor:

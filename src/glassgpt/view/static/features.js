@@ -57,6 +57,11 @@ async function openFeature(id, sae = null) {
   const d = answer.density;
   $("feature-density").textContent = d === null ? "density: no text to measure it on"
     : `fires on ${(100 * d.value).toFixed(3)}% of tokens (${d.source})`;
+  // a cross-layer transcoder's feature: the MLP outputs its decoder writes into, and how hard
+  $("feature-writes").hidden = !answer.writes_to;
+  $("feature-writes").textContent = answer.writes_to
+    ? "writes into " + answer.writes_to.map((w) => `MLP ${w.layer} (decoder norm ${w.norm.toFixed(3)})`).join(", ")
+    : "";
   renderContexts(answer);
   renderLogits(answer.logits);
   renderWriters(answer);
