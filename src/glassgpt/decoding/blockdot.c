@@ -34,7 +34,8 @@
 
 #define QK 32
 #define LANES 8
-#define TILE 1 /* weight rows an inner loop: 1 measured fastest (2.6x 4 rows, BENCHMARKS.md) */
+#define TILE 2 /* weight rows a task: Q4_0 multiplies two at once, Q8_0 one at a time (measured
+                  fastest each: Q4_0 1.3x and Q8_0 2.4x four rows at once, BENCHMARKS.md) */
 
 typedef _Float16 half;
 
@@ -98,8 +99,13 @@ static inline __m512i unsigned_pair(int kind, const void *row, int64_t b) {
         const __m512i q = _mm512_loadu_si512((const int8_t *)row + b * QK);
         return _mm512_xor_si512(q, _mm512_set1_epi8((char)0x80)); /* q + 128 */
     }
-    const uint8_t *p = (const uint8_t *)row;
-    return _mm512_inserti64x4(_mm512_castsi256_si512(q4_block(p, b)), q4_block(p, b + 1), 1);
+    /* 32 bytes: block b's 16 then block b + 1's; their low nibbles, then their high ones */
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)((const uint8_t *)row + b * 16));
+    const __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi8(15));
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(15));
+    /* [b low, b+1 low, b high, b+1 high] -> [b low, b high, b+1 low, b+1 high] */
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+    return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
 }
 
 static inline __m256i unsigned_one(int kind, const void *row, int64_t b) {
@@ -154,13 +160,12 @@ static inline __attribute__((always_inline)) void dot_tile_vnni(int kind, const 
     }
 }
 
-/* A whole tile with `kind` and TILE known to the compiler, else the rows one at a time. */
+/* A whole tile of Q4_0 rows, `kind` and TILE known to the compiler; else (Q8_0, a last
+ * row) one row at a time. */
 static void dot_tile_any(int kind, const int8_t *xq, const float *xd, const int32_t *corr,
                          int64_t K, const void *w, const half *wd, int64_t r, int rows,
                          float *y, float *scales) {
-    if (rows == TILE && kind == 8) {
-        dot_tile_vnni(8, xq, xd, corr, K, w, wd, r, TILE, y, scales);
-    } else if (rows == TILE) {
+    if (rows == TILE && kind == 4) {
         dot_tile_vnni(4, xq, xd, corr, K, w, wd, r, TILE, y, scales);
     } else {
         for (int t = 0; t < rows; t++) {

@@ -142,22 +142,24 @@ def block_matmul(kind: str, x: Tensor, q: Tensor, d: Tensor, bias: Tensor | None
     """x (..., K) times the block weight (q, d), plus bias: (..., N) in x's dtype, through the
     kernel on a CPU where it is built, else `reference_matmul` (the same sums)."""
     rows = x.reshape(-1, x.shape[-1]).float().contiguous()  # (M, K)
-    lib = blockdot() if _use_kernel and x.device.type == "cpu" else None
-    if lib is None:
-        y = reference_matmul(kind, rows, q, d, bias)
-    elif torch.compiler.is_compiling():  # an opaque operator inside a compiled step
+    on_cpu = _use_kernel and x.device.type == "cpu"
+    if on_cpu and torch.compiler.is_compiling():  # one opaque operator in the compiled step
         y = torch.ops.glassgpt.block_matmul(kind, rows, q, d, bias)
-    else:  # eagerly, the ctypes call itself: no dispatcher in between (microseconds a product)
-        y = kernel_matmul(lib, kind, rows, q, d, None if bias is None else bias.float())
+    elif on_cpu and blockdot() is not None:  # the ctypes call itself: no dispatcher between
+        y = kernel_matmul(blockdot(), kind, rows, q, d, None if bias is None else bias.float())
+    else:
+        y = reference_matmul(kind, rows, q, d, bias)
     return y.to(x.dtype).view(*x.shape[:-1], d.shape[0])
 
 
 @torch.library.custom_op("glassgpt::block_matmul", mutates_args=())
 def _block_matmul_op(kind: str, x: Tensor, q: Tensor, d: Tensor, bias: Tensor | None
                      ) -> Tensor:
-    """The kernel as a torch operator, so that `--compile` keeps it whole in its graph."""
+    """The kernel as a torch operator, so that `--compile` keeps it whole in its graph (the
+    reference where the kernel is not built)."""
     lib = blockdot()
-    assert lib is not None  # block_matmul calls the operator only where the kernel is built
+    if lib is None:
+        return reference_matmul(kind, x, q, d, bias)
     return kernel_matmul(lib, kind, x, q, d, None if bias is None else bias.float().contiguous())
 
 
