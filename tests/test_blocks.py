@@ -98,7 +98,9 @@ def test_the_kernel_rounds_activations_as_ggml_ties_to_even() -> None:
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
-@pytest.mark.parametrize(("rows", "inp", "out"), [(1, 768, 67), (3, 96, 10), (2, 32, 5)])
+# 513 blocks a row: past the vectorised path's 512, the kernel's portable C loop
+@pytest.mark.parametrize(("rows", "inp", "out"), [(1, 768, 67), (3, 96, 10), (2, 32, 5),
+                                                  (1, 32 * 513, 3)])
 def test_the_kernels_sums_are_the_references_bit_for_bit(kind: str, rows: int, inp: int,
                                                           out: int) -> None:
     lib = kernel()
