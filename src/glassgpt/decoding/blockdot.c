@@ -37,7 +37,20 @@
 #define TILE 2 /* weight rows a task: Q4_0 multiplies two at once, Q8_0 one at a time (measured
                   fastest each: Q4_0 1.3x and Q8_0 2.4x four rows at once, BENCHMARKS.md) */
 
+/* fp16 values: the compiler's _Float16 (gcc 12, clang 15), else F16C's conversions (gcc 11 on
+ * any AVX2 CPU); both round to nearest even, as ggml's GGML_FP32_TO_FP16. */
+#if defined(__FLT16_MAX__)
 typedef _Float16 half;
+#define HALF_TO_FLOAT(h) ((float)(h))
+#define FLOAT_TO_HALF(f) ((half)(f))
+#elif defined(__F16C__)
+#include <immintrin.h>
+typedef uint16_t half;
+#define HALF_TO_FLOAT(h) _cvtsh_ss(h)
+#define FLOAT_TO_HALF(f) _cvtss_sh((f), _MM_FROUND_TO_NEAREST_INT)
+#else
+#error "blockdot.c needs a compiler with _Float16 or a CPU with F16C"
+#endif
 
 int blockdot_has_vnni(void) { return BLOCKDOT_VNNI; }
 
@@ -48,7 +61,7 @@ void blockdot_quantize_q8_0(const float *x, int64_t M, int64_t K, int8_t *q, hal
         const float *v = x + i * QK;
         float amax = 0.0f;
         for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
-        d[i] = (half)(amax / 127.0f);
+        d[i] = FLOAT_TO_HALF(amax / 127.0f);
         const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
         for (int j = 0; j < QK; j++) q[i * QK + j] = (int8_t)nearbyintf(v[j] * id);
     }
@@ -73,7 +86,7 @@ static void dot_rows_plain(int kind, const int8_t *xq, const float *xd, int64_t 
         const void *row = (const char *)w + r * row_bytes;
         float acc[LANES] = {0};
         for (int64_t b = 0; b < nb; b++) {
-            const float scale = (float)wd[r * nb + b] * xd[b];
+            const float scale = HALF_TO_FLOAT(wd[r * nb + b]) * xd[b];
             for (int l = 0; l < LANES; l++) {
                 int32_t s = 0;
                 for (int j = 4 * l; j < 4 * l + 4; j++) s += weight_at(kind, row, b, j) * xq[b * QK + j];
@@ -133,7 +146,7 @@ static inline __attribute__((always_inline)) void dot_tile_vnni(int kind, const 
             const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row_d + b)));
             _mm512_storeu_ps(scales + t * nb + b, _mm512_mul_ps(dw, _mm512_loadu_ps(xd + b)));
         }
-        for (; b < nb; b++) scales[t * nb + b] = (float)row_d[b] * xd[b];
+        for (; b < nb; b++) scales[t * nb + b] = HALF_TO_FLOAT(row_d[b]) * xd[b];
     }
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
@@ -192,7 +205,7 @@ int blockdot_matmul(int kind, const float *x, int64_t M, int64_t K, const void *
     blockdot_quantize_q8_0(x, M, K, xq, xh);
     const int32_t shift = kind == 8 ? 128 : 8; /* the unsigned weights' offset */
     for (int64_t i = 0; i < M * nb; i++) {
-        xd[i] = (float)xh[i];
+        xd[i] = HALF_TO_FLOAT(xh[i]);
         for (int l = 0; l < LANES; l++) {
             const int8_t *v = xq + i * QK + 4 * l;
             corr[i * LANES + l] = -shift * (v[0] + v[1] + v[2] + v[3]);

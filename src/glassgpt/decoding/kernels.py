@@ -7,8 +7,9 @@ and 4-bit with integer dot products": what was measured), so glassgpt carries on
 own. It is compiled here, never downloaded: `cc -O3 -march=native -fopenmp` into the user's
 cache (`kernel_dir`), keyed by the source, the compiler and the CPU's flags, so a second process
 loads it in milliseconds; it shares torch's OpenMP runtime (libgomp.so.1, loaded by torch
-first), so its threads are torch's. Without a compiler, or if the build fails, `blockdot()`
-is None and glassgpt.decoding.blocks computes the same sums with its torch reference (slowly).
+first), so its threads are torch's (a compiler without OpenMP builds it single-threaded).
+Without a compiler, or if the build fails, `blockdot()` is None and glassgpt.decoding.blocks
+computes the same sums with its torch reference (slowly).
 """
 
 from __future__ import annotations
@@ -63,8 +64,12 @@ def _build(compiler: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
-                       check=True, capture_output=True, timeout=300)
+        for flags in (FLAGS, tuple(f for f in FLAGS if f != "-fopenmp")):  # then one thread
+            done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
+                                  capture_output=True, timeout=300)
+            if done.returncode == 0:
+                break
+        done.check_returncode()
         os.replace(built, target)  # atomic: a racing process finds a whole library or none
     return target
 
