@@ -24,10 +24,13 @@ def test_every_decoder_and_precision_is_measured_at_each_thread_count() -> None:
     for preset in ("gpt2", "smollm2-135m"):
         assert {(d, p) for q, d, p in measured if q == preset} == {
             ("glassgpt eager", "fp32"), ("glassgpt eager", "bf16"), ("glassgpt eager", "int8"),
-            (LLAMACPP, "f32"),
-            (LLAMACPP, "f16"), (LLAMACPP, "bf16"), (LLAMACPP, "q8_0")}
-        # The same weights decode to the same greedy tokens (a toy model has no near ties).
+            ("glassgpt eager", "int4"), (LLAMACPP, "f32"),
+            (LLAMACPP, "f16"), (LLAMACPP, "bf16"), (LLAMACPP, "q8_0"), (LLAMACPP, "q4_0")}
+        # The same weights decode to the same greedy tokens (a toy model has no near ties),
+        # and the same Q8_0 and Q4_0 blocks too (the integer sums are llama.cpp's).
         assert report.same_tokens[preset] == (6, 6)
+        assert report.same_blocks[f"{preset} int8/q8_0"] == (6, 6)
+        assert report.same_blocks[f"{preset} int4/q4_0"] == (6, 6)
     for r in report.rows:
         assert 0 < r.slowest <= r.tokens_per_s <= r.fastest
         assert r.prefill_tokens_per_s > 0 and r.bandwidth_fraction > 0

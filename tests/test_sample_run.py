@@ -12,9 +12,9 @@ import torch
 from conftest import tiny_gpt
 from glassgpt.cli import main
 from glassgpt.config import sampling_defaults
+from glassgpt.decoding.blocks import has_blocks
 from glassgpt.decoding.generate import generate
 from glassgpt.decoding.prepare import decoding_model
-from glassgpt.decoding.quantized import is_quantized
 from glassgpt.decoding.session import sample_run
 from glassgpt.errors import ConfigError
 from glassgpt.rundir.checkpoint import Run
@@ -76,7 +76,8 @@ def test_one_function_makes_a_model_ready_in_each_dtype() -> None:
     half = decoding_model(model, "bfloat16")
     assert half.model is not model and half.model.lm_head.weight.dtype == torch.bfloat16
     int8 = decoding_model(model, "int8")
-    assert is_quantized(int8.model) and not int8.compiled  # too small to pay for compiling
+    assert has_blocks(int8.model) and not int8.compiled  # the block kernel: nothing compiled
+    assert has_blocks(decoding_model(model, "int4").model)
     assert decoding_model(model, "int8", compiled=True).compiled
     assert torch.equal(model.lm_head.weight, weight)  # left as it was
     with pytest.raises(ConfigError, match="float16"):

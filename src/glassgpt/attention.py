@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from glassgpt.config import GPTConfig, check_heads_divide_width
 from glassgpt.errors import ConfigError, InputError
 from glassgpt.hooks import add_hook_points, recorded
-from glassgpt.inputs import check_pad_mask, check_stream
+from glassgpt.inputs import check_pad_mask, check_stream, float_dtype
 from glassgpt.norms import RMSNorm
 from glassgpt.rotary import RotaryEmbedding
 
@@ -277,7 +277,7 @@ class MultiHeadSelfAttention(nn.Module):
             with recorded(self.hook_pattern) as seen:
                 y = self.forward(x, pad_mask, start_pos=start_pos, qk_pos=qk_pos)
             return y, seen[0]
-        check_stream(x, self.d_model, self.qkv.weight, "attention")
+        check_stream(x, self.d_model, float_dtype(self.qkv), "attention")
         check_pad_mask(pad_mask, x)
         q, k, v = self.project(x, start_pos, qk_pos)  # (B, H, T, d), 2 x (B, H_kv, T, d)
         window = self.window

@@ -27,7 +27,7 @@ from glassgpt.config import (
 )
 from glassgpt.errors import ConfigError
 from glassgpt.hooks import add_hook_points, recorded
-from glassgpt.inputs import check_stream
+from glassgpt.inputs import check_stream, float_dtype
 from glassgpt.norms import make_norm
 
 __all__ = ["FeedForward", "GeGLUFeedForward", "ReLUSquared", "SwiGLUFeedForward",
@@ -202,7 +202,7 @@ class TransformerBlock(nn.Module):
             with recorded(self.attn.hook_pattern) as seen:
                 z = self.forward(x, pad_mask, start_pos=start_pos, qk_pos=qk_pos)
             return z, seen[0]
-        check_stream(x, self.d_model, self.attn.qkv.weight, "block")
+        check_stream(x, self.d_model, float_dtype(self.attn.qkv), "block")
         return self.sublayers(self, self.hook_resid_pre(x), pad_mask, start_pos, qk_pos)
 
 

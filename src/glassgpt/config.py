@@ -388,7 +388,7 @@ def load_preset(name: str) -> dict[str, Any]:
 TOKENIZER_KINDS = ("char", "bpe")  # glassgpt.tokenizers
 DEFAULT_BPE_VOCAB = 1024
 INSTALL_HINT = "pip install 'glassgpt[hf]'"  # what installs the optional Hugging Face extra
-GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0")  # the matrices' types `convert --to-gguf` writes
+GGUF_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")  # the types `convert --to-gguf` writes
 DEFAULT_BUFFER_BYTES = 64 * 2**20  # glassgpt.data.pipeline: text and token ids in flight
 # glassgpt.bench: the model shapes measured by default, and the decoding workload
 TRAIN_PRESETS = ("cpu-small", "shakespeare-char")

@@ -237,7 +237,7 @@ def check_recipe_bounds(recipe: Any) -> None:
 
 
 ENGINES = ("auto", "eager", "cpu", "cuda-graph")  # decoding engines (glassgpt.decoding)
-DECODE_DTYPES = ("float32", "bfloat16", "int8")  # weights to decode in (decoding.prepare)
+DECODE_DTYPES = ("float32", "bfloat16", "int8", "int4")  # weights to decode in (decoding.prepare)
 # Compiling the CPU step took 31 s cold and ~6 s from torch's cache on a 2-core machine (issue
 # 51, a shared 2-core Zen 4 at load 3: a 24-token `sample --compile` took 39 s for a 0.11M model
 # and 75 s for GPT-2 small cold, 13 and 20 s from the cache); it saves ~0.6 ms of ~2.4 ms per

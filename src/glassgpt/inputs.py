@@ -57,9 +57,19 @@ def check_targets(targets: Tensor, idx: Tensor, vocab_size: int, check_ids: bool
                              f"[0, {vocab_size}) (or -1 to skip a position)")
 
 
-def check_stream(x: object, d_model: int, weight: Tensor, what: str) -> None:
+def float_dtype(layer: torch.nn.Module) -> torch.dtype:
+    """The dtype a layer's input must have: its weight's, or, for a quantized layer keeping no
+    float weight (glassgpt.decoding's int8 and block layers), its `float_dtype`, read without
+    dequantizing the weight (a whole LM head a step, otherwise)."""
+    dtype = getattr(layer, "float_dtype", None)
+    return dtype if dtype is not None else layer.weight.dtype
+
+
+def check_stream(x: object, d_model: int, weight: Tensor | torch.dtype, what: str) -> None:
     """Raise InputError unless x is a float tensor (B, T, C=d_model), B and T at least 1, in
-    the weights' dtype (under autocast any float dtype: autocast chooses each product's)."""
+    the weights' dtype (`weight`: one of them, or its dtype; under autocast any float dtype:
+    autocast chooses each product's)."""
+    wanted = weight if isinstance(weight, torch.dtype) else weight.dtype
     if not isinstance(x, Tensor):
         raise InputError(f"{what} takes a tensor (B, T, C={d_model}), got {type(x).__name__}")
     if x.dim() != 3 or x.shape[-1] != d_model:
@@ -69,9 +79,9 @@ def check_stream(x: object, d_model: int, weight: Tensor, what: str) -> None:
                          f"shape {tuple(x.shape)}")
     if not x.dtype.is_floating_point:
         raise InputError(f"{what} takes floating-point x, got dtype {x.dtype}")
-    if x.dtype != weight.dtype and not autocast_enabled(x.device.type):
-        raise InputError(f"{what}: x is {x.dtype} but its weights are {weight.dtype}; cast one "
-                         f"to the other (e.g. x.to({weight.dtype}))")
+    if x.dtype != wanted and not autocast_enabled(x.device.type):
+        raise InputError(f"{what}: x is {x.dtype} but its weights are {wanted}; cast one "
+                         f"to the other (e.g. x.to({wanted}))")
 
 
 def check_pad_mask(pad_mask: object, x: Tensor) -> None:

@@ -26,7 +26,7 @@ from glassgpt.block import TransformerBlock
 from glassgpt.config import GPTConfig
 from glassgpt.errors import ConfigError, InputError
 from glassgpt.hooks import add_hook_points, name_hook_points, recorded
-from glassgpt.inputs import check_id_tensor, check_targets, check_token_ids
+from glassgpt.inputs import check_id_tensor, check_targets, check_token_ids, float_dtype
 from glassgpt.norms import make_norm
 
 INIT_STD = 0.02
@@ -241,11 +241,11 @@ class GPT(nn.Module):
         n_kv_head key/value heads (grouped heads shrink it by n_head / n_kv_head)."""
         block_size = self.config.block_size
         max_len = block_size if max_len is None else min(max_len, block_size)
-        weight = self.lm_head.weight
+        dtype, device = float_dtype(self.lm_head), next(self.lm_head.parameters()).device
         for block in self.blocks:
             attn = block.attn
             attn.kv_cache = KVCache(batch_size, attn.n_kv_head, max_len, attn.head_dim,
-                                    dtype=weight.dtype, device=weight.device)
+                                    dtype=dtype, device=device)
 
     def remove_kv_cache(self) -> None:
         for block in self.blocks:

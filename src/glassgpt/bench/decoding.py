@@ -92,10 +92,9 @@ def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
     context costs tens of times more, so the uncached group gets its own (smaller) round count.
     `glassgpt` decodes on the device's engine (`glassgpt.decoding`), `glassgpt+compile` on its
     compiled variant, and `glassgpt eager` on the reference engine (the plain model), which
-    shows what the engines add. With `int8`, an int8 copy (`decoding.quantized`) decodes too,
-    through the compiled step where `compiled` (the only path on which int8 is fast on a CPU),
-    else on the device's engine; its bytes per token are its int8 weights, their scales and
-    the float32 rest.
+    shows what the engines add. With `int8`, an int8 copy (Q8_0 blocks, `decoding.blocks`)
+    decodes too, uncompiled, as `sample --dtype int8` decodes it; its bytes per token are its
+    int8 weights, their block scales and the float32 rest.
     """
     model = bench_model(preset, probes.device, dropout=0.0, **overrides).eval()
     check_decode_length(model.config, prompt_len, new_tokens)
@@ -132,7 +131,7 @@ def bench_decoding(preset: str, probes: LimitProbes, against_hf: bool = False,
 def _contenders(model: nn.Module, bf16: bool, compiled: bool, int8: bool
                 ) -> dict[DecodeKey, DecodingModel]:
     """(contender, KV cache, dtype) -> the model it decodes, ready in its dtype; the bf16
-    contenders decode one bf16 copy, int8 through the compiled step where `compiled`."""
+    contenders decode one bf16 copy, int8 as `sample --dtype int8` does (uncompiled)."""
     fp32 = decoding_model(model, compiled=False)
     cached = {(GLASSGPT, True, torch.float32): fp32, (GLASSGPT_EAGER, True, torch.float32): fp32}
     if compiled:
@@ -144,7 +143,7 @@ def _contenders(model: nn.Module, bf16: bool, compiled: bool, int8: bool
             cached[GLASSGPT_COMPILED, True, torch.bfloat16] = dataclasses.replace(half,
                                                                                   compiled=True)
     if int8:
-        quantized = decoding_model(model, "int8", compiled=compiled)
+        quantized = decoding_model(model, "int8")
         cached[GLASSGPT_COMPILED if quantized.compiled else GLASSGPT, True, INT8] = quantized
     return cached
 
@@ -180,7 +179,7 @@ def precision_cost(preset: str, dtype: torch.dtype = torch.bfloat16,
                    prompt_len: int = PROMPT_LEN, new_tokens: int = NEW_TOKENS,
                    device: torch.device | str = "cpu", **overrides: Any) -> PrecisionCost:
     """Teacher-force the fp32 greedy continuation through the fp32 model and a copy in `dtype`
-    (bfloat16: every tensor; int8: `quantize_int8`'s weights, float32 activations) and
+    (bfloat16: every tensor; int8: Q8_0 blocks, activations rounded to Q8_0 too) and
     compare their next-token distributions."""
     if dtype not in (torch.bfloat16, INT8):
         raise ConfigError(f"precision_cost compares bfloat16 or int8 with float32, not {dtype}")

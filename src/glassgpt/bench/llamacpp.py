@@ -1,12 +1,13 @@
 """Decoding on a CPU beside llama.cpp: the same weights, the same threads, one table.
 
 `bench_against_llamacpp(preset)` builds the preset's model with random weights (seeded), writes
-it as GGUF files (glassgpt.formats.gguf: F32, F16, BF16, Q8_0), and times greedy decoding at
-batch 1 of every contender in interleaved rounds, once per thread count:
+it as GGUF files (glassgpt.formats.gguf: F32, F16, BF16, Q8_0, Q4_0), and times greedy decoding
+at batch 1 of every contender in interleaved rounds, once per thread count:
 
 * glassgpt: the CPU engine's eager step and its compiled step (glassgpt.decoding.cpu), in fp32
-  and bf16, and int8 weights with a scale per row (glassgpt.decoding.quantized), each model
-  made ready as `glassgpt sample` makes it (glassgpt.decoding.prepare);
+  and bf16, and int8 and int4 (llama.cpp's Q8_0 and Q4_0 blocks multiplied with integer dot
+  products, glassgpt.decoding.blocks), each model made ready as `glassgpt sample` makes it
+  (glassgpt.decoding.prepare);
 * llama.cpp, through llama-cpp-python (an optional extra that compiles llama.cpp), one context
   per file: each step decodes one token and picks the argmax of its logits, as llama.cpp's
   greedy sampler does, with no Python sampler in between.
@@ -15,7 +16,8 @@ Each row has the median tokens/s over the rounds and its range, the fraction of 
 bandwidth limit (the bytes of weights a step reads over the best read of a large buffer probed
 in the same rounds, with the same threads), and the prefill rate of a 512-token prompt. The
 greedy tokens of glassgpt fp32 and llama.cpp F32 are compared too: the two decoders must agree
-before their speeds mean anything.
+before their speeds mean anything; and glassgpt's int8 and int4 with llama.cpp's Q8_0 and Q4_0
+(the same blocks: equal where the rounding of the rest of the step allows).
 
 Nothing is built here: without llama-cpp-python the bench says how to install it.
 """
@@ -51,7 +53,10 @@ PREFILL_LEN = 512
 LLAMACPP = "llama.cpp"
 GLASSGPT_EAGER, GLASSGPT_COMPILED = "glassgpt eager", "glassgpt compiled"
 # llama.cpp's file types against glassgpt's precisions; bytes per weight element of each.
-ELEMENT_BYTES = {"f32": 4.0, "fp32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}
+ELEMENT_BYTES = {"f32": 4.0, "fp32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32,
+                 "q4_0": 18 / 32}
+# glassgpt's integer precisions beside llama.cpp's file types of the same blocks.
+SAME_BLOCKS = {"int8": "q8_0", "int4": "q4_0"}
 INSTALL = ("llama-cpp-python is not installed: `pip install 'glassgpt[llamacpp]'` compiles "
            "llama.cpp (a few minutes)")
 
@@ -60,7 +65,7 @@ INSTALL = ("llama-cpp-python is not installed: `pip install 'glassgpt[llamacpp]'
 class LlamaCppRow:
     preset: str
     decoder: str  # glassgpt eager, glassgpt compiled, llama.cpp
-    precision: str  # fp32, bf16, int8 (glassgpt); f32, f16, bf16, q8_0 (llama.cpp's files)
+    precision: str  # fp32, bf16, int8, int4 (glassgpt); f32, f16, bf16, q8_0, q4_0 (llama.cpp)
     threads: int
     tokens_per_s: float  # median over the rounds
     slowest: float  # tokens/s of the slowest and fastest rounds
@@ -74,6 +79,8 @@ class LlamaCppReport:
     rows: list[LlamaCppRow]
     read_bandwidth: dict[tuple[str, int], float]  # (preset, threads) -> bytes/s, best read
     same_tokens: dict[str, tuple[int, int]]  # preset -> (leading tokens equal, of how many)
+    # "preset int8/q8_0" (and int4/q4_0) -> (leading tokens equal, of how many)
+    same_blocks: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
 
 def llama_cpp_module() -> Any:
@@ -93,11 +100,11 @@ def bench_against_llamacpp(presets: tuple[str, ...] = PRESETS,
                            progress: Callable[[str], Any] = lambda _: None,
                            **overrides: Any) -> LlamaCppReport:
     """The table of the module docstring. `threads`: the thread counts (default 1 and all of
-    the machine's); `int8`: also glassgpt's int8 weights (glassgpt.decoding.quantized);
+    the machine's); `int8`: also glassgpt's int8 and int4 (glassgpt.decoding.blocks);
     `overrides`: GPTConfig fields changed from the presets' (a smaller model in a test)."""
     llama_cpp = llama_cpp_module()
     threads = threads or tuple(sorted({1, torch.get_num_threads()}))
-    rows, bandwidths, same = [], {}, {}
+    rows, bandwidths, same, same_blocks = [], {}, {}, {}
     before = torch.get_num_threads()
     try:
         for preset in presets:
@@ -112,6 +119,10 @@ def bench_against_llamacpp(presets: tuple[str, ...] = PRESETS,
                 glass = _glassgpt_models(model, int8)
                 same[preset] = _agreement(glass["fp32"], contexts["f32"], prompt_len,
                                           new_tokens)
+                for ours, theirs in SAME_BLOCKS.items():
+                    if ours in glass:
+                        same_blocks[f"{preset} {ours}/{theirs}"] = _agreement(
+                            glass[ours], contexts[theirs], prompt_len, new_tokens)
                 for count in threads:
                     progress(f"{preset}: decoding at {count} thread{'s' * (count > 1)}")
                     found, bandwidth = _measure(preset, glass, contexts, count, rounds,
@@ -123,23 +134,26 @@ def bench_against_llamacpp(presets: tuple[str, ...] = PRESETS,
                     context.close()
     finally:
         torch.set_num_threads(before)
-    return LlamaCppReport(rows, bandwidths, same)
+    return LlamaCppReport(rows, bandwidths, same, same_blocks)
 
 
 def _glassgpt_models(model: GPT, int8: bool) -> dict[str, DecodingModel]:
     """glassgpt's contenders by precision, each ready to decode (uncompiled: `_measure` times
     both steps of each)."""
-    dtypes = {"fp32": "float32", "bf16": "bfloat16", **({"int8": "int8"} if int8 else {})}
+    dtypes = {"fp32": "float32", "bf16": "bfloat16",
+              **({"int8": "int8", "int4": "int4"} if int8 else {})}
     return {name: decoding_model(model, dtype, compiled=False) for name, dtype in dtypes.items()}
 
 
 def _step_bytes(model: GPT, glass: dict[str, DecodingModel]) -> dict[str, float]:
-    """Bytes of weights a decoding step reads, per precision: glassgpt's own (int8 with its
-    per-row scales), and llama.cpp's types by their bytes per weight."""
+    """Bytes of weights a decoding step reads, per precision: glassgpt's own (int8 and int4
+    with their block scales and float32 norms and biases), and llama.cpp's types by their bytes
+    per weight."""
     fp32 = decode_bytes_per_token(model)
     sizes = {name: fp32 * per_weight / 4 for name, per_weight in ELEMENT_BYTES.items()}
-    if "int8" in glass:
-        sizes["int8"] = decode_bytes_per_token(glass["int8"].model)
+    for precision in SAME_BLOCKS:
+        if precision in glass:
+            sizes[precision] = decode_bytes_per_token(glass[precision].model)
     return sizes
 
 
@@ -147,7 +161,9 @@ def _step_bytes(model: GPT, glass: dict[str, DecodingModel]) -> dict[str, float]
 def without_repacking(llama_cpp: Any) -> Iterator[None]:
     """ggml repacks Q8_0 matrices for AMX units where the CPU has them, which faults where the
     kernel grants no AMX state (a sandbox); llama-cpp-python does not pass the switch, so its
-    default is set. The other types are not repacked either way."""
+    default is set. (That switch also turns off the AVX2/AVX-512 repacking of Q4_0 into
+    interleaved rows, llama.cpp's fast Q4_0 path: `_llama_contexts` keeps it off only where
+    the CPU has AMX.)"""
     low = llama_cpp.llama_cpp
     defaults = low.llama_model_default_params
 
@@ -164,16 +180,26 @@ def _llama_contexts(llama_cpp: Any, model: GPT, directory: Path, n_ctx: int) -> 
     from glassgpt.formats.gguf import write_gguf
 
     contexts = {}
-    for dtype in ("f32", "f16", "bf16", "q8_0"):
+    for dtype in ("f32", "f16", "bf16", "q8_0", "q4_0"):
         path = directory / f"model-{dtype}.gguf"
         write_gguf(model, None, path, dtype)
         # F32 weights keep float32 keys and values (type 0); the others llama.cpp's F16 (1).
         kv_type = 0 if dtype == "f32" else 1
-        with without_repacking(llama_cpp):
+        repacking = contextlib.nullcontext() if not has_amx() else without_repacking(llama_cpp)
+        with repacking:
             contexts[dtype] = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=PREFILL_LEN,
                                               n_ubatch=PREFILL_LEN, verbose=False,
                                               type_k=kv_type, type_v=kv_type)
     return contexts
+
+
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles (/proc/cpuinfo's amx_tile), where ggml's repacking
+    faults in a sandbox that grants no AMX state."""
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 
 def llama_greedy(context: Any, prompt: list[int], new_tokens: int) -> list[int]:
@@ -189,13 +215,13 @@ def llama_greedy(context: Any, prompt: list[int], new_tokens: int) -> list[int]:
     return out
 
 
-def _agreement(fp32: DecodingModel, context: Any, prompt_len: int, new_tokens: int
+def _agreement(ready: DecodingModel, context: Any, prompt_len: int, new_tokens: int
                ) -> tuple[int, int]:
-    """How many of glassgpt fp32's greedy tokens llama.cpp F32 gives too, before the first
-    difference (random weights leave near ties that float rounding may break)."""
-    prompt = torch.randint(0, fp32.model.config.vocab_size, (1, prompt_len),
+    """How many of glassgpt's greedy tokens (fp32's, say) llama.cpp (F32's) gives too, before
+    the first difference (random weights leave near ties that float rounding may break)."""
+    prompt = torch.randint(0, ready.model.config.vocab_size, (1, prompt_len),
                            generator=torch.Generator().manual_seed(1))
-    ours = fp32.greedy(prompt, new_tokens)[0, prompt_len:]
+    ours = ready.greedy(prompt, new_tokens)[0, prompt_len:]
     theirs = llama_greedy(context, prompt[0].tolist(), new_tokens)
     equal = next((i for i, (a, b) in enumerate(zip(ours.tolist(), theirs, strict=True))
                   if a != b), new_tokens)

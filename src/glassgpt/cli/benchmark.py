@@ -282,8 +282,9 @@ def _bench_llamacpp(args: argparse.Namespace) -> int:
         report = bench_against_llamacpp(presets, rounds=args.rounds or (2 if args.quick else 3),
                                         new_tokens=tokens, compiled=not args.no_compile,
                                         progress=status.update)
-    agree = "; ".join(f"{p}: glassgpt fp32 and llama.cpp F32 greedy tokens equal for {n} of "
-                      f"{of}" for p, (n, of) in report.same_tokens.items())
+    agree = "; ".join([f"{p}: glassgpt fp32 and llama.cpp F32 greedy tokens equal for {n} of "
+                       f"{of}" for p, (n, of) in report.same_tokens.items()]
+                      + [f"{p}: {n} of {of}" for p, (n, of) in report.same_blocks.items()])
     table = Table(title=f"Decoding beside llama.cpp (batch 1, greedy, {tokens} new tokens, "
                   f"random weights)", caption=f"{machine_info()['cpu']}, {os.cpu_count()} "
                   f"cores; median of rounds (slowest-fastest); bandwidth: of the best read "
@@ -301,7 +302,7 @@ def _bench_llamacpp(args: argparse.Namespace) -> int:
     if args.json is not None:
         write_text_atomic(args.json, json.dumps(
             {"rows": [dataclasses.asdict(r) for r in report.rows],
-             "same_tokens": report.same_tokens,
+             "same_tokens": report.same_tokens, "same_blocks": report.same_blocks,
              "read_bandwidth": {f"{p} {t}": b for (p, t), b in report.read_bandwidth.items()}},
             indent=2) + "\n")
     return 0

@@ -16,8 +16,8 @@ local directory needs nothing more, because glassgpt reads it itself (safetensor
 `--to-lens` writes what TransformerLens's HookedTransformer saved (config.json of its config's
 fields, model.safetensors of its state_dict()'s tensors), ARENA's models (attention-only, no
 norms, shortformer positions) too; it needs no extra (glassgpt.formats.transformer_lens).
-`--to-gguf` writes llama.cpp's file (GPT-2, Llama, Qwen2 and Qwen3; matrices in f32, f16, bf16
-or q8_0) with the run's tokenizer; it needs the optional extra `gguf` (glassgpt.formats.gguf).
+`--to-gguf` writes llama.cpp's file (GPT-2, Llama, Qwen2 and Qwen3; matrices in f32, f16, bf16,
+q8_0 or q4_0) with the run's tokenizer; it needs the optional extra `gguf` (glassgpt.formats.gguf).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "with the run's tokenizer and chat template")
     parser.add_argument("--dtype", choices=GGUF_DTYPES, default=None,
                         help="with --to-gguf, the type of the matrices: f32 (default), f16, "
-                             "bf16 or q8_0 (norms and biases stay f32)")
+                             "bf16, q8_0 or q4_0 (norms and biases stay f32)")
     parser.add_argument("--tokenizer", metavar="FILE", type=nonempty_arg,
                         help="tokenizer file for --from-hf when the model comes without one "
                              "(a tokenizer.json or a glassgpt tokenizer)")

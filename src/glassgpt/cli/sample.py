@@ -59,9 +59,10 @@ def _register_sample(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", choices=DECODE_DTYPES, default="float32",
                    help="weights for decoding: bfloat16 halves the bytes read per token; int8 "
-                   "reads the model in float32, then stores each layer's weight as int8 with a "
-                   "scale per row (a quarter of the bytes; activations stay float32) and, on a "
-                   "CPU, decodes through the compiled step, where int8 is fast (as --compile)")
+                   "and int4 read the model in float32, then store each layer's weight in "
+                   "llama.cpp's Q8_0 or Q4_0 blocks of 32 (8.5 or 4.5 bits a weight) and "
+                   "multiply with integer dot products (the activations rounded to Q8_0 "
+                   "too), uncompiled, through a kernel built for this CPU on first use")
     p.add_argument("--compile", action="store_true",
                    help="compile the decoding step: 40-75 s to compile on 2 shared cores "
                    "(a third of that once torch has cached it), then a faster step for the "

@@ -9,8 +9,10 @@ decoding lives here, one module per device:
     choice.py  which eager CPU engine "auto" takes: the plain model or the threaded one, timed
     quantized.py  a model's int8 weight-only form (`quantize_int8`), which every engine decodes,
                held to the tokens of its dequantized float model; fast through the compiled step
-    prepare.py `decoding_model`: a model ready to decode in float32, bfloat16 or int8, compiled
-               or not (`glassgpt sample` and the decoding benchmarks share it)
+    blocks.py  int8 and int4 as llama.cpp's Q8_0/Q4_0 blocks with integer dot products
+               (`quantize_blocks`), through the C kernel kernels.py builds, or its torch reference
+    prepare.py `decoding_model`: a model ready to decode in float32, bfloat16, int8 or int4,
+               compiled or not (`glassgpt sample` and the decoding benchmarks share it)
     session.py `sample_run`: what `glassgpt sample` does, as one call
 An engine prepares a plain `GPT` without changing its weights' values and gives exactly the
 tokens of `EagerEngine` (tested for each). `glassgpt.decoding.generate` picks one with `engine_for`.

@@ -5,13 +5,14 @@ glassgpt.bench.llamacpp), so that what they time is what the command decodes:
 
     float32   the model as it is
     bfloat16  every tensor in bf16 (a run's weights read straight into it: no float32 copy)
-    int8      every layer's weight int8 with a scale per row (glassgpt.decoding.quantized),
-              quantized from the float32 model, which is then let go
+    int8      every layer's weight in Q8_0 blocks of 32 (glassgpt.decoding.blocks), multiplied
+              with integer dot products, quantized from the float32 model, which is let go
+    int4      the same in Q4_0 blocks (4 bits a weight and an fp16 scale a block)
 
 Compiling is asked for (`compiled=True`), refused (`False`), or left to the one rule there is
-(`None`): int8 on a CPU goes through the compiled step, where its products are fast, for a
-model large enough to win back the compiling (`int8_compiles`); everything else decodes
-uncompiled.
+(`None`, `int8_compiles`): nothing compiles unasked. int8 and int4 are fast uncompiled (their
+products are the block kernel, glassgpt.decoding.kernels), so their first token comes as soon
+as the model is quantized, for a model of any size.
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ from torch import Tensor, nn
 
 from glassgpt.config import GPTConfig
 from glassgpt.config_checks import DECODE_DTYPES, check_choice
+from glassgpt.decoding.blocks import quantize_blocks
 from glassgpt.decoding.generate import generate
-from glassgpt.decoding.quantized import int8_compile_pays, quantize_int8
-from glassgpt.model import parameter_count
 from glassgpt.rundir.checkpoint import Run
 from glassgpt.tokenizers import Tokenizer
 
@@ -35,7 +35,7 @@ __all__ = ["DecodingModel", "decoding_model", "int8_compiles"]
 
 @dataclass(frozen=True)
 class DecodingModel:
-    """A model ready to decode: `model` in `dtype` ("float32", "bfloat16" or "int8") on its
+    """A model ready to decode: `model` in `dtype` ("float32", "bfloat16", "int8", "int4") on its
     device, whether its steps are `compiled`, and a run's tokenizer (None for a model given)."""
 
     model: nn.Module
@@ -64,11 +64,11 @@ def decoding_model(source: nn.Module | Run, dtype: str = "float32", *,
     check_choice("decoding dtype", dtype, DECODE_DTYPES)
     tokenizer = None
     if isinstance(source, Run):
-        # bf16 weights are read as bf16; int8 ones are quantized from the float32 model.
+        # bf16 weights are read as bf16; int8 and int4 ones quantized from the float32 model.
         read_as = torch.bfloat16 if dtype == "bfloat16" else None
         model, tokenizer = source.load_model(device, checkpoint, read_as)
-        if dtype == "int8":
-            model = quantize_int8(model)
+        if dtype in BLOCK_FORMATS:
+            model = quantize_blocks(model, BLOCK_FORMATS[dtype])
     else:
         model = _in_dtype(source, dtype)
     if compiled is None:
@@ -77,21 +77,24 @@ def decoding_model(source: nn.Module | Run, dtype: str = "float32", *,
     return DecodingModel(model, dtype, compiled, tokenizer)
 
 
+# Each integer decoding dtype's block format (llama.cpp's name for it).
+BLOCK_FORMATS = {"int8": "q8_0", "int4": "q4_0"}
+
+
 def _in_dtype(model: nn.Module, dtype: str) -> nn.Module:
-    if dtype == "int8":
-        return quantize_int8(model)
+    if dtype in BLOCK_FORMATS:
+        return quantize_blocks(model, BLOCK_FORMATS[dtype])
     if dtype == "bfloat16":
         return copy.deepcopy(model).to(torch.bfloat16)
     return model
 
 
 def int8_compiles(dtype: str, device: str, steering: bool, config: GPTConfig) -> bool:
-    """Whether a model decoding in `dtype` on `device` compiles its step unasked: int8 on a
-    CPU, where an int8 product is fast only inside the compiled step (uncompiled, each product
-    converts its weights first: 3-4x slower than float32, BENCHMARKS.md), for a model large
-    enough to gain from it (glassgpt.decoding.quantized.int8_compile_pays); not while
-    steering, whose hooks only the eager model calls."""
-    if dtype != "int8" or device != "cpu" or steering:
-        return False
-    return int8_compile_pays(parameter_count(config))
+    """Whether a model decoding in `dtype` on `device` compiles its step unasked: never.
 
+    (It used to for int8 on a CPU from 1M parameters, whose products were fast only inside the
+    compiled step, at 45-100 s of compiling before the first token; int8 and int4 now multiply
+    with the block kernel uncompiled, BENCHMARKS.md "int8 and 4-bit with integer dot
+    products".) The arguments are kept for the callers that state why."""
+    del dtype, device, steering, config
+    return False

@@ -134,6 +134,11 @@ class Int8Linear(nn.Module):
     def weight(self) -> Tensor:
         return dequantize_rows(self.qweight, self.scales)
 
+    @property
+    def float_dtype(self) -> torch.dtype:
+        """The dtype of the activations it takes (glassgpt.inputs.float_dtype)."""
+        return self.scales.dtype
+
     def forward(self, x: Tensor) -> Tensor:
         return int8_linear(x, self.qweight, self.scales, self.bias)
 

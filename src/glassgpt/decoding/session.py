@@ -29,13 +29,12 @@ from torch import nn
 from glassgpt.config import GPTConfig, SamplingConfig, sampling_defaults
 from glassgpt.config_checks import COMPILE_PAYS_OFF_STEPS, INT64_MAX
 from glassgpt.decoding.generate import encode_prompt, stream_text, until_stop
+from glassgpt.decoding.kernels import blockdot
 from glassgpt.decoding.prepare import DecodingModel, decoding_model
-from glassgpt.decoding.quantized import INT8_COMPILE_MIN_PARAMETERS, int8_compile_pays
 from glassgpt.errors import CheckpointError, ConfigError
 from glassgpt.hooks import HookFn
 from glassgpt.machine.devices import bf16_warning, resolve_device
 from glassgpt.machine.threadsetting import AUTO
-from glassgpt.model import parameter_count
 from glassgpt.rundir.checkpoint import Run, open_run
 from glassgpt.tokenizers.chat import chat_messages
 from glassgpt.training import arguments
@@ -46,13 +45,14 @@ DEFAULT_PROMPT = "\n"  # what an empty prompt continues: the start of a line
 SteeringHooks = Callable[[nn.Module], tuple[Sequence[tuple[str, HookFn]], Sequence[str]]]
 OnSample = Callable[[int, Iterator[str]], Any]  # (sample index, its pieces as sampled)
 
-INT8_NOTE = "int8: every layer's weight quantized to int8, a scale per row"
-# Measured on a shared 2-core AMD EPYC (Zen 4, load average 3-4), `time glassgpt sample RUN
-# --dtype int8 --max-new-tokens 24` with a fresh inductor cache: 44-48 s for a 0.11M model and
-# 101-103 s for GPT-2 small (4-6 and 6-7 s in float32), 13-20 and 31-35 s from torch's cache.
-INT8_COMPILING = ("decoding through the compiled step, which compiles first: measured 45 s "
-                  "for a 0.1M model and 100 s for GPT-2 small on 2 shared cores, a third of "
-                  "that once torch has cached it, longer on a busier machine")
+# The start line of `sample --dtype int8/int4`: what was quantized, and how it multiplies.
+BLOCK_NOTES = {
+    "int8": "int8: every layer's weight in Q8_0 blocks of 32 (llama.cpp's format: an fp16 "
+            "scale a block), multiplied with integer dot products",
+    "int4": "int4: every layer's weight in Q4_0 blocks of 32 (llama.cpp's format: 4 bits a "
+            "weight, an fp16 scale a block), multiplied with integer dot products",
+}
+INT8_NOTE = BLOCK_NOTES["int8"]
 
 
 @dataclass
@@ -84,8 +84,8 @@ def sample_run(run: str | Path | Run, prompt: str | None = None, *, chat: str | 
 
     `sampling` (default: `glassgpt sample`'s row of SAMPLING_DEFAULTS) sets the filter, the
     length and the seed: sample i uses seed + i. `stop` ends a sample where that text appears.
-    `dtype` is float32, bfloat16 or int8 (glassgpt.decoding.prepare); `compile` compiles the
-    decoding step (int8 on a CPU compiles unasked where it pays). `steering` gives the hooks to
+    `dtype` is float32, bfloat16, int8 or int4 (glassgpt.decoding.prepare); `compile` compiles
+    the decoding step (nothing compiles unasked). `steering` gives the hooks to
     run at every step once the model is loaded. `on_note(line)` hears each note as it is known;
     `on_sample(i, pieces)` is called for each sample with its text as it is sampled. Raises
     glassgpt.errors exceptions naming arguments as Python does, or as flags with
@@ -167,8 +167,9 @@ def _decoding_notes(decoding: DecodingModel, prompt_len: int, sampling: Sampling
                     num_samples: int, compile_asked: bool, steering: bool) -> list[str]:
     """How the samples decode: int8's line (its own rule), else what --compile costs."""
     on = decoding.device.type
-    if decoding.dtype == "int8":  # compile_note's pay-off is float32's: int8 has its own rule
-        return [int8_line(decoding.compiled, decoding.model.config, on, steering)]
+    if decoding.dtype in BLOCK_NOTES:  # how the integer products run, not compile's pay-off
+        return [int8_line(decoding.compiled, decoding.model.config, on, steering,
+                          decoding.dtype)]
     if compile_asked:
         return [compile_note(prompt_len, decoding.model.config.block_size,
                              sampling.max_new_tokens, num_samples, on_cpu=on == "cpu")]
@@ -214,18 +215,19 @@ def chat_prompt(run: Run, message: str, system: str | None,
 
 # --- what decoding costs, said before it starts ------------------------------------------------
 
-def int8_line(compiled: bool, config: GPTConfig, device: str, steering: bool) -> str:
-    """`sample --dtype int8`'s start line: what was quantized, and how it decodes (a model too
-    small to gain from int8 says why it is not compiled)."""
+def int8_line(compiled: bool, config: GPTConfig, device: str, steering: bool,
+              dtype: str = "int8") -> str:
+    """`sample --dtype int8` (or int4)'s start line: what was quantized, and how its products
+    run: the block kernel uncompiled (first token at once, for a model of any size), the step
+    compiled first where asked, or the torch reference where the kernel is not to be had."""
+    del config, steering  # the rule no longer depends on them (decoding.prepare.int8_compiles)
+    note = BLOCK_NOTES[dtype]
+    if device != "cpu" or blockdot() is None:
+        where = "off a CPU" if device != "cpu" else "without a C compiler"
+        return f"{note}; {where}, in the torch reference (slow: each product written out)"
     if compiled:
-        return f"{INT8_NOTE}; {INT8_COMPILING}"
-    parameters = parameter_count(config)
-    if device != "cpu" or steering or int8_compile_pays(parameters):
-        return INT8_NOTE
-    return (f"{INT8_NOTE}; decoding uncompiled: {parameters / 1e6:.2f}M parameters sit in the "
-            f"CPU's caches, where int8 saves no reading, and compiling the step (45 s and up, "
-            f"measured) does not pay back below {INT8_COMPILE_MIN_PARAMETERS / 1e6:g}M "
-            f"parameters (--compile compiles it anyway)")
+        return f"{note}; the step compiled first (--compile), the kernel inside it"
+    return f"{note}, the block kernel built for this CPU; decoding uncompiled"
 
 
 def compile_note(prompt_len: int, block_size: int, new_tokens: int, samples: int,

@@ -19,10 +19,10 @@ family it is. Four families have one, those llama.cpp computes as glassgpt does:
 Every other switch is refused by name before anything is written (Gemma, GPT-NeoX, post norms,
 windows, soft caps, NoPE layers, a GELU other than GPT-2's, ...).
 
-Types: 2-D weights in `dtype` (f32, f16, bf16 or q8_0); norms, biases, the rotary factors and
-GPT-2's position table stay f32 whatever is asked, as llama.cpp's own converter keeps them. A
-q8_0 matrix whose rows are not a multiple of 32 long is written f16 (the converter's fallback;
-`GGUFExport.notes` says which).
+Types: 2-D weights in `dtype` (f32, f16, bf16, q8_0 or q4_0); norms, biases, the rotary factors
+and GPT-2's position table stay f32 whatever is asked, as llama.cpp's own converter keeps them.
+A q8_0 or q4_0 matrix whose rows are not a multiple of 32 long is written f16 (the converter's
+fallback; `GGUFExport.notes` says which).
 
 The vocabulary (`tokenizer.ggml.*`) is glassgpt.formats.gguf_vocab's: a byte-level BPE tokenizer as
 llama.cpp's "gpt2" vocabulary with the pre-tokenizer name of its split, a character-level one as
@@ -291,7 +291,8 @@ def _typed(gguf: Any, tensors: dict[str, Tensor], dtype: str
     and the position table float32 (llama.cpp reads them so); q8_0 of a row length that is no
     multiple of 32 as f16 (llama.cpp's converter's fallback)."""
     qtypes = gguf.GGMLQuantizationType
-    wanted = {"f32": qtypes.F32, "f16": qtypes.F16, "bf16": qtypes.BF16, "q8_0": qtypes.Q8_0}
+    wanted = {"f32": qtypes.F32, "f16": qtypes.F16, "bf16": qtypes.BF16, "q8_0": qtypes.Q8_0,
+              "q4_0": qtypes.Q4_0}
     written, fallen_back = {}, []
     for name, tensor in tensors.items():
         qtype = wanted[dtype]
@@ -306,15 +307,16 @@ def _typed(gguf: Any, tensors: dict[str, Tensor], dtype: str
             written[name] = (gguf.quants.quantize(data, qtypes.F16), qtypes.F16)
             fallen_back.append(name)
     notes = [] if not fallen_back else [
-        f"{len(fallen_back)} matrices are f16, not q8_0: their rows are not a multiple of 32 "
-        f"long (q8_0's block), e.g. {fallen_back[0]}"]
+        f"{len(fallen_back)} matrices are f16, not {dtype}: their rows are not a multiple of 32 "
+        f"long ({dtype}'s block), e.g. {fallen_back[0]}"]
     return written, notes
 
 
-# The largest magnitude each narrow type holds: f16's largest finite value, bf16's, and q8_0's,
-# whose block scale (the block's largest magnitude / 127) is itself an f16.
+# The largest magnitude each narrow type holds: f16's largest finite value, bf16's, and q8_0's
+# and q4_0's, whose block scale (the block's largest magnitude / 127, or / 8) is itself an f16.
 F16_MAX = 65504.0
-LARGEST = {"F16": F16_MAX, "BF16": float(torch.finfo(torch.bfloat16).max), "Q8_0": F16_MAX * 127}
+LARGEST = {"F16": F16_MAX, "BF16": float(torch.finfo(torch.bfloat16).max), "Q8_0": F16_MAX * 127,
+           "Q4_0": F16_MAX * 8}
 
 
 def check_in_range(name: str, data: np.ndarray, largest: float | None, dtype: str) -> None:
@@ -340,7 +342,8 @@ def _add_settings(writer: Any, gguf: Any, config: GPTConfig, layout: GGUFArchite
     writer.add_name(name)
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_file_type({"f32": file_types.ALL_F32, "f16": file_types.MOSTLY_F16,
-                          "bf16": file_types.MOSTLY_BF16, "q8_0": file_types.MOSTLY_Q8_0}[dtype])
+                          "bf16": file_types.MOSTLY_BF16, "q8_0": file_types.MOSTLY_Q8_0,
+                          "q4_0": file_types.MOSTLY_Q4_0}[dtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_vocab_size(config.vocab_size)
     writer.add_context_length(config.block_size)
