@@ -112,3 +112,16 @@ def test_a_run_without_snapshots_is_one_clear_error(run: Path, tmp_path: Path) -
         run_timeline(bare, SETTINGS)
     with pytest.raises(InputError, match="definition must be one of"):
         run_timeline(run, TimelineSettings(definition="mine"))
+
+
+def test_the_file_holds_json_any_reader_parses_and_windows_are_checked() -> None:
+    from glassgpt.interp.timeline.timeline import check_windows, finite_or_null
+
+    assert finite_or_null({"a": [1.0, float("nan")], "b": (float("inf"), 2)}) == {
+        "a": [1.0, None], "b": [None, 2]}
+    assert check_windows({"val": torch.zeros(3, 9, dtype=torch.long)}, block_size=8) == 8
+    for bad in ({"val": torch.zeros(3, 9)}, {"val": torch.zeros(3, 10, dtype=torch.long)},
+                {"a": torch.zeros(3, 9, dtype=torch.long), "b": torch.zeros(3, 5,
+                                                                         dtype=torch.long)}, {}):
+        with pytest.raises(InputError):
+            check_windows(bad, block_size=8)

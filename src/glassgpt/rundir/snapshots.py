@@ -165,7 +165,8 @@ class SnapshotWriter:
         kept = set(list_snapshots(self.dir.parent))
         self.taken = [entry for entry in index.get("snapshots", [])
                       if isinstance(entry, dict) and entry.get("step") in kept]
-        self.train_seconds_before = float(index.get("train_seconds", 0.0))
+        seconds = index.get("train_seconds", 0.0)
+        self.train_seconds_before = float(seconds) if isinstance(seconds, int | float) else 0.0
         self.started = time.perf_counter()
         self._write_index()
 
@@ -200,5 +201,8 @@ class SnapshotWriter:
                  "save_seconds": save_seconds, "train_seconds": train_seconds,
                  "cost_fraction": save_seconds / train_seconds if train_seconds > 0 else 0.0,
                  "snapshots": taken}
-        self.dir.mkdir(exist_ok=True)
-        files.write_text_atomic(self.dir / SNAPSHOT_INDEX, json.dumps(index, indent=1) + "\n")
+        try:
+            self.dir.mkdir(exist_ok=True)
+            files.write_text_atomic(self.dir / SNAPSHOT_INDEX, json.dumps(index, indent=1) + "\n")
+        except OSError as error:
+            raise CheckpointError(f"cannot write {self.dir / SNAPSHOT_INDEX} ({error})") from None

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,10 +242,11 @@ def check_windows(windows: dict[str, Tensor], block_size: int) -> int:
     """The windows' T, after checking they are (N, T + 1) ids with 2 <= T <= block_size."""
     if not windows:
         raise InputError("data must name at least one split of token windows")
-    shapes = {tuple(w.shape) if isinstance(w, Tensor) else None for w in windows.values()}
+    shapes = {tuple(w.shape) if isinstance(w, Tensor) and not w.is_floating_point()
+              and not w.is_complex() else None for w in windows.values()}
     shape = next(iter(shapes))
     if len(shapes) != 1 or shape is None or len(shape) != 2 or not 3 <= shape[1] <= block_size + 1:
-        raise InputError(f"data windows must be tensors (N, T + 1) alike, 2 <= T <= "
+        raise InputError(f"data windows must be integer tensors (N, T + 1) alike, 2 <= T <= "
                          f"block_size = {block_size}, got shapes {sorted(map(str, shapes))}")
     return shape[1] - 1
 
@@ -273,7 +275,7 @@ def write_timeline(timeline: Timeline, plot: bool = False, directory: Path | Non
     """timeline.json, and with `plot` timeline.png, each written atomically into `directory`
     (default: the run's)."""
     directory = Path(timeline.run_dir) if directory is None else Path(directory)
-    content = timeline.to_json()
+    content = finite_or_null(timeline.to_json())
     path = directory / TIMELINE_FILE
     files.write_text_atomic(path, json.dumps(content, allow_nan=False) + "\n")
     written = [path]
@@ -283,6 +285,18 @@ def write_timeline(timeline: Timeline, plot: bool = False, directory: Path | Non
         written.append(save_figure(timeline_figure(content, title),
                                    directory / TIMELINE_PLOT_FILE))
     return written
+
+
+def finite_or_null(value: Any) -> Any:
+    """`value` with every NaN or infinity (a diverged SGLD chain's) as None, so that the file
+    is JSON any reader parses."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_null(item) for item in value]
+    return value
 
 
 def timeline_of_run(run_dir: str | Path, settings: TimelineSettings | None = None,
