@@ -98,3 +98,16 @@ def test_bad_settings_and_inputs_are_named():
         estimate_llc(fixture_model(), sequences().float(), LLCSettings())
     with pytest.raises(InputError, match="length"):
         estimate_llc(fixture_model(), [sequences()[:, :5], sequences()[:, :6]], LLCSettings())
+
+
+def test_the_settings_make_command_line_flags():
+    """Every field carries its help, so a command takes them with add_dataclass_flags."""
+    import argparse
+
+    from glassgpt.cli.common import add_dataclass_flags, given_flags
+
+    parser = argparse.ArgumentParser()
+    add_dataclass_flags(parser.add_argument_group("llc"), LLCSettings, "llc", {})
+    args = parser.parse_args(["--nbeta", "3", "--num-chains", "2", "--lr", "1e-5"])
+    assert LLCSettings(**given_flags(args, "llc")) == LLCSettings(nbeta=3.0, num_chains=2,
+                                                                  lr=1e-5)

@@ -13,14 +13,16 @@ read back through every snapshot where it still explains at least `bar` of their
 
 from __future__ import annotations
 
-import math
+import copy
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from matplotlib.figure import Figure
 from torch import Tensor
 
+from glassgpt.errors import ConfigError
 from glassgpt.experiments.features import TOY_HOOK, SparseFeatureSource, train_on
 from glassgpt.experiments.results import Check, Table, step_taken
 from glassgpt.figures import LABEL_PT, label_axes, new_figure
@@ -32,6 +34,7 @@ from glassgpt.interp.timeline.features_over_time import (
     known_features_through_dictionary,
     match_latents,
 )
+from glassgpt.model import GPT
 
 
 @dataclass(frozen=True)
@@ -58,10 +61,17 @@ AGREEMENT = 0.9  # the share of (step, feature) readings the dictionary must get
 
 
 def snapshot_steps(steps: int, count: int) -> list[int]:
-    """`count` log-spaced steps in 0 .. steps, 0 and the last included (the first ones dense,
-    so fewer than `count` when small steps round to the same number)."""
-    spaced = (round(math.exp(k * math.log(steps) / (count - 2))) for k in range(count - 1))
-    return sorted({0, steps, *spaced})
+    """`count` distinct steps in 0 .. steps, log-spaced (the first ones dense: 0, 1, 2, ...
+    where the spacing is under one step), 0 and `steps` included."""
+    if not 3 <= count <= steps + 1:
+        raise ConfigError(f"snapshots must be between 3 and the steps + 1 ({steps + 1}), "
+                          f"got {count}")
+    spaced = [0] + [round(steps ** (k / (count - 2))) for k in range(count - 1)]
+    chosen: list[int] = []
+    for i, step in enumerate(spaced):  # nudged apart where two round to the same step
+        low = chosen[-1] + 1 if chosen else 0
+        chosen.append(min(max(step, low), steps - (count - 1 - i)))
+    return chosen
 
 
 def importance(s: TimelineToySettings) -> Tensor:
@@ -180,7 +190,7 @@ def timeline_table(t: dict[str, Any], s: TimelineToySettings) -> Table:
 
 def timeline_figure(t: dict[str, Any]) -> Figure:
     fig = new_figure(13.0, 3.8)
-    truth_ax, read_ax, ev_ax = fig.subplots(1, 3)
+    truth_ax, read_ax, ev_ax = fig.subplots(1, 3, sharex=True)  # one time axis
     steps = [max(step, 1) for step in t["steps"]]  # step 0 drawn at 1 on the log axis
     truth = torch.tensor(t["truth"]["strength"])  # (S, n)
     for i in range(truth.shape[1]):
@@ -202,3 +212,49 @@ def timeline_figure(t: dict[str, Any]) -> Figure:
     label_axes(ev_ax, xlabel="training step", ylabel="explained variance",
                title="the final dictionary on each snapshot")
     return fig
+
+
+# --- a character model: how far back a dictionary trained at the end can read ------------------
+
+def char_readability(s: Any, seed: int, snapshots: int = 12) -> dict[str, Any]:
+    """The character model of `demo features` (CharSettings `s`) trained with `snapshots`
+    log-spaced snapshots, its TopK dictionary trained at the end on `s.hook`, and that
+    dictionary's explained variance on every snapshot's activations (held-out windows): the
+    measurement behind the readable bar on a real model, where no ground truth exists."""
+    from glassgpt.experiments.charlm import (
+        model_config,
+        shakespeare_ids,
+        train_char_lm,
+        validation_windows,
+    )
+    from glassgpt.interp.sae.training.activations import WindowActivations
+    from glassgpt.interp.timeline.features_over_time import activations_through_snapshots
+
+    keep, models = snapshot_steps(s.lm.steps, snapshots), {}
+
+    def keep_snapshot(step: int, model: Any) -> None:
+        if step in keep:
+            models[step] = copy.deepcopy(model).eval()
+
+    config = model_config(s.lm)
+    torch.manual_seed(seed)
+    models[0] = GPT(config).eval()  # what train_char_lm builds from the same seed
+    trained = train_char_lm(config, s.lm, seed, after_step=keep_snapshot)
+    settings = DictionarySettings(hook=s.hook, d_sae=s.d_sae, architecture="topk", k=s.k,
+                                  tokens=s.tokens, batch_tokens=s.batch_tokens,
+                                  context=s.lm.block_size, lr=s.lr, dead_tokens=s.dead_tokens,
+                                  normalize_activations="none", eval_every=0,
+                                  checkpoint_every=0, seed=seed)
+    train_ids, _, _ = shakespeare_ids()
+    source = WindowActivations(trained.model.eval(), s.hook, s.hook,
+                               train_ids.numpy().astype(np.int64), s.lm.block_size,
+                               s.batch_tokens, seed, "cpu")
+    sae = train_on(source, settings, s.lm.n_embd)
+    windows, _ = validation_windows(s.lm.block_size, s.windows)  # (B, T)
+    steps = sorted(models)
+    acts = activations_through_snapshots([models[step] for step in steps], s.hook, windows)
+    reading = dictionary_over_time(sae, steps, acts)
+    return {"steps": steps, "explained_variance": reading.explained_variance,
+            "readable": reading.readable, "val_loss": trained.final_val,
+            "alive": [sum(v > 0 for v in d) if d is not None else None
+                      for d in reading.density]}

@@ -101,6 +101,13 @@ class DictionaryOverTime:
         floor = self.bar * self.explained_variance[-1]
         return [ev >= floor for ev in self.explained_variance]
 
+    def contexts(self, step: int, latent: int, positions: int) -> list[tuple[int, int]] | None:
+        """A latent's top activations at `step` as (window, position), for activations read
+        from windows of `positions` tokens (activations_through_snapshots' order); None where
+        the step is not read."""
+        top = self.top[self.steps.index(step)]
+        return None if top is None else [divmod(i, positions) for i in top[latent]]
+
     def to_json(self) -> dict:
         return {"steps": self.steps, "explained_variance": self.explained_variance,
                 "bar": self.bar, "readable": self.readable, "density": self.density,

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from glassgpt.config import setting
 from glassgpt.errors import ConfigError, InputError
 
 Progress = Callable[[int, int], None]  # (draws done, draws in all)
@@ -52,17 +53,19 @@ class LLCSettings:
     draws, batch size, burn-in, steps between draws, initial-loss batches, seed); lr and nbeta,
     which devinterp requires, default to a small step and to devinterp's `default_nbeta`."""
 
-    lr: float = 1e-4  # epsilon, the step size
-    nbeta: float | None = None  # inverse temperature n * beta; None: m / log m, m the batch size
-    localization: float = 100.0  # gamma, the pull back to the weights estimated at
-    weight_decay: float = 0.0  # lambda, a Gaussian prior centred at zero
-    num_chains: int = 4
-    num_draws: int = 200
-    num_burnin_steps: int = 0
-    num_steps_bw_draws: int = 1
-    num_init_loss_batches: int = 32  # batches the loss at the weights is averaged over
-    batch_size: int = 32
-    seed: int = 100
+    lr: float = setting(1e-4, "SGLD step size epsilon")
+    nbeta: float | None = setting(None, "inverse temperature n*beta (default: m / log m for a "
+                                  "batch of m, devinterp's default_nbeta)")
+    localization: float = setting(100.0, "gamma, the pull back to the weights estimated at")
+    weight_decay: float = setting(0.0, "lambda, a Gaussian prior centred at zero")
+    num_chains: int = setting(4, "SGLD chains, each its own noise")
+    num_draws: int = setting(200, "draws per chain")
+    num_burnin_steps: int = setting(0, "steps before the first draw (still in the llc's mean, "
+                                    "as devinterp 2.0.1)")
+    num_steps_bw_draws: int = setting(1, "SGLD steps from one draw to the next")
+    num_init_loss_batches: int = setting(32, "batches the loss at the weights is averaged over")
+    batch_size: int = setting(32, "sequences per SGLD step")
+    seed: int = setting(100, "seed of the batch order (seed) and of chain c's noise (seed + c)")
 
     def __post_init__(self) -> None:
         for name in ("num_chains", "num_draws", "num_steps_bw_draws", "num_init_loss_batches",
@@ -138,7 +141,8 @@ def estimate_llc(model: nn.Module, batches: Tensor | Sequence[Tensor], settings:
     sequences = token_sequences(batches)
     settings = settings.resolved()
     order = batch_order(len(sequences), settings.batch_size, settings.seed)
-    with torch.random.fork_rng(devices=[]):
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         init_loss = loss_at_weights(model, sequences, order, settings)
         step_losses = [run_chain(model, sequences, order, settings, chain, progress)
                        for chain in range(settings.num_chains)]
