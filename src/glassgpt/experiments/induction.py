@@ -386,7 +386,8 @@ def induction_timeline_figure(numbers: dict[str, Any]) -> Figure:
             label_axes(bottom, xlabel="training step (snapshots, log-spaced)",
                        ylabel="ICL score (nats)", title="in-context learning score")
         for ax in (top, bottom):
-            ax.set_xscale("symlog", linthresh=10)
+            ax.set_xscale("symlog", linthresh=10)  # linear below step 10, logarithmic above
+            ax.set_xlim(0, max(tl["steps"][-1], 1) * 1.1)
     return fig
 
 

@@ -28,7 +28,8 @@ def timeline_figure(timeline: dict[str, Any], title: str = "") -> Figure:
     if with_llc:
         draw_llc(axes[2], timeline)
     for ax in axes:
-        ax.set_xscale("symlog", linthresh=1)
+        ax.set_xscale("symlog", linthresh=1)  # linear below step 1, logarithmic above
+        ax.set_xlim(0, max(timeline["steps"][-1], 1) * 1.1)
         if phase is not None:
             ax.axvline(phase, color="gray", linestyle="--", linewidth=1)
     if title:
