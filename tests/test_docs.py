@@ -274,6 +274,11 @@ def tiny_flags(args: list[str]) -> list[str]:
     task eval takes no batch flags (it reads no data split)."""
     if args[0] == "eval" and "--task" in args:
         return ["--device", "cpu", "--threads", "1"]
+    if args[:2] == ["sae", "train-clt"]:  # a cross-layer transcoder: its own flags
+        return ["--tokens", "256", "--batch-tokens", "64", "--d-transcoder", "32",
+                "--eval-windows", "1"]
+    if args[0] == "sae" and args[1:2] != ["train"]:  # sae convert: no training to shrink
+        return []
     return [*TINY_FLAGS.get(args[0], []), *(["--max-iters", "4"] if "--resume" in args else [])]
 
 

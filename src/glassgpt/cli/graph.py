@@ -28,8 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", type=path_arg, metavar="RUN_DIR")
     p.add_argument("--transcoders", type=path_arg, nargs="+", default=[], metavar="DIR",
                    help="transcoders, one a layer (glassgpt sae train --transcoder): their "
-                        "directories, or one directory holding them (an attention-only model "
-                        "needs none)")
+                        "directories, or one directory holding them, or circuit-tracer's "
+                        "directory (config.yaml beside its layer files) (an attention-only "
+                        "model needs none)")
     p.add_argument("--prompt", required=True, help="the text whose next token is explained")
     p.add_argument("--node-threshold", type=float, default=0.8,
                    help="keep the features that carry this share of the influence")
@@ -196,10 +197,15 @@ def _transcoders(args: argparse.Namespace, model: Any) -> list[Any]:
     from glassgpt.errors import GlassGPTError, InputError
     from glassgpt.interp.graph import load_transcoders
     from glassgpt.interp.graph.replacement import by_layer
+    from glassgpt.interp.sae.circuit_tracer import is_circuit_tracer_dir, load_circuit_tracer
     from glassgpt.interp.sae.provenance import check_trained_on
 
     try:
-        transcoders = load_transcoders(args.transcoders, device=args.device)
+        if len(args.transcoders) == 1 and is_circuit_tracer_dir(args.transcoders[0]):
+            # circuit-tracer's directory: a transcoder set, or a CLT
+            transcoders = load_circuit_tracer(args.transcoders[0], model, device=args.device)
+        else:
+            transcoders = load_transcoders(args.transcoders, device=args.device)
         by_layer(model, transcoders)
         if not args.any_run:
             check_trained_on([(f"the transcoder of {sae.cfg.hook_name_out}", sae)

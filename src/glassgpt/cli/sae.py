@@ -12,6 +12,7 @@ import shlex
 import threading
 from typing import Any
 
+from glassgpt.cli import crosslayer
 from glassgpt.cli.common import (
     DefaultsHelpFormatter,
     add_checkpoint_flag,
@@ -55,7 +56,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     commands = p.add_subparsers(dest="sae_command", metavar="COMMAND")
     _register_train(commands)
     _register_eval(commands)
-    p.set_defaults(handler=lambda args: p.error("give a command: train or eval"))
+    crosslayer.register(commands)
+    _register_convert(commands)
+    p.set_defaults(handler=lambda args: p.error("give a command: train, eval, train-clt or "
+                                                "convert"))
 
 
 def _register_train(commands: argparse._SubParsersAction) -> None:
@@ -97,6 +101,40 @@ def _register_eval(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--any-run", action="store_true", help=ANY_RUN_HELP)
     add_checkpoint_flag(p, "read")
     p.set_defaults(handler=run_sae_eval)
+
+
+def _register_convert(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("convert", formatter_class=DefaultsHelpFormatter,
+                            help="write transcoders in circuit-tracer's files",
+                            description="glassgpt's transcoders (SAELens's format, one a layer, "
+                            "or one directory holding them; or a CLT) written as "
+                            "circuit-tracer 0.5's directory: layer_i.safetensors and "
+                            "config.yaml (a TranscoderSet, which load_transcoder_set and its "
+                            "cache read), or a CLT's W_enc_i/W_dec_i.safetensors.")
+    p.add_argument("sources", type=path_arg, nargs="+", metavar="DIR")
+    p.add_argument("--to", choices=("circuit-tracer",), default="circuit-tracer",
+                   help="the format to write")
+    p.add_argument("--out", type=path_arg, required=True, help="directory to write")
+    p.add_argument("--no-pad", action="store_true", help="refuse layers of different widths "
+                   "(by default a narrower layer is padded with dead latents: circuit-tracer's "
+                   "TranscoderSet holds one width)")
+    p.add_argument("--force", action="store_true", help="replace transcoders written in --out")
+    p.set_defaults(handler=run_sae_convert)
+
+
+def run_sae_convert(args: argparse.Namespace) -> int:
+    from glassgpt.interp.sae.circuit_tracer import convert_to_circuit_tracer
+
+    done = convert_to_circuit_tracer(args.sources, args.out, overwrite=args.force,
+                                     pad=not args.no_pad)
+    what = "cross-layer transcoder" if done.kind == "cross_layer_transcoder" else \
+        "transcoder set"
+    print(f"wrote circuit-tracer's {what} of {done.n_layers} layers, {max(done.widths)} "
+          f"latents each, in {done.path}")
+    for layer in done.padded_layers:
+        print(f"  layer {layer}: padded from {done.widths[layer]} to {max(done.widths)} "
+              f"latents with dead ones (never active)")
+    return 0
 
 
 def run_sae_train(args: argparse.Namespace) -> int:

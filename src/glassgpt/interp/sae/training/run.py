@@ -62,7 +62,7 @@ def train_dictionary(run_or_model: str | Path | ckpt.Run | nn.Module,
     on this run's model (glassgpt.interp.sae.provenance). Returns the trainer's result."""
     out = Path(out)
     check_out(out, force, resume)
-    model, data_dir, metadata = _model_and_data(run_or_model, data, checkpoint, device)
+    model, data_dir, metadata = model_and_data(run_or_model, data, checkpoint, device)
     prepared = PreparedData(data_dir)
     if isinstance(run_or_model, str | Path | ckpt.Run):
         from glassgpt.training.runs import check_same_tokenizer
@@ -89,7 +89,7 @@ def train_dictionary(run_or_model: str | Path | ckpt.Run | nn.Module,
     return trainer.run()
 
 
-def _model_and_data(run_or_model: Any, data: str | Path | None, checkpoint: str,
+def model_and_data(run_or_model: Any, data: str | Path | None, checkpoint: str,
                     device: str | torch.device) -> tuple[nn.Module, Path, dict[str, Any]]:
     if isinstance(run_or_model, nn.Module):
         if data is None:

@@ -88,15 +88,15 @@ class DictionarySettings:
             _positive_int(getattr(self, name), name)
         for name in ("sparsity_warm_up_steps", "lr_warm_up_steps", "eval_every",
                      "checkpoint_every", "seed", "resample_every"):
-            _count(getattr(self, name), name)
+            whole_number(getattr(self, name), name)
         for name in ("l1_coefficient", "l0_coefficient", "aux_loss_coefficient"):
-            _non_negative(getattr(self, name), name)
+            non_negative(getattr(self, name), name)
         for name in ("lr", "decoder_init_norm", "topk_threshold_lr", "jumprelu_bandwidth"):
-            if _non_negative(getattr(self, name), name) == 0:
+            if non_negative(getattr(self, name), name) == 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        _non_negative(self.jumprelu_init_threshold, "jumprelu_init_threshold")
+        non_negative(self.jumprelu_init_threshold, "jumprelu_init_threshold")
         for name in ("adam_beta1", "adam_beta2"):
-            if not 0 <= _non_negative(getattr(self, name), name) < 1:
+            if not 0 <= non_negative(getattr(self, name), name) < 1:
                 raise ConfigError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.tokens < self.batch_tokens:
             raise ConfigError(f"tokens={self.tokens} is less than one batch of "
@@ -106,7 +106,7 @@ class DictionarySettings:
         self._check_transcoder()
         if self.lr_decay_steps is None:
             self.lr_decay_steps = self.steps // 5
-        _count(self.lr_decay_steps, "lr_decay_steps")
+        whole_number(self.lr_decay_steps, "lr_decay_steps")
         if self.lr_warm_up_steps + self.lr_decay_steps > self.steps:
             raise ConfigError(f"lr_warm_up_steps + lr_decay_steps = "
                               f"{self.lr_warm_up_steps + self.lr_decay_steps} is more than "
@@ -119,7 +119,7 @@ class DictionarySettings:
                 raise ConfigError(f"the {self.architecture} architecture needs k (--k)")
             if kind == "count":
                 _positive_int(self.k, "k")
-            elif _non_negative(self.k, "k") == 0:
+            elif non_negative(self.k, "k") == 0:
                 raise ConfigError(f"k must be positive, got {self.k}")
             if self.k > self.d_sae:
                 raise ConfigError(f"k = {self.k} latents of d_sae = {self.d_sae}")
@@ -176,12 +176,12 @@ class DictionarySettings:
 
 
 def _positive_int(value: Any, name: str) -> int:
-    if _count(value, name) == 0:
+    if whole_number(value, name) == 0:
         raise ConfigError(f"{name} must be a positive integer, got {value}")
     return value
 
 
-def _count(value: Any, name: str) -> int:
+def whole_number(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ConfigError(f"{name} must be a whole number >= 0, got {value!r:.40}")
     if value > INT64_MAX:  # a seed or a size past 64 bits fails deep inside torch
@@ -190,7 +190,7 @@ def _count(value: Any, name: str) -> int:
     return int(value)
 
 
-def _non_negative(value: Any, name: str) -> float:
+def non_negative(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) \
             or not math.isfinite(value) or value < 0:
         raise ConfigError(f"{name} must be a finite number >= 0, got {value!r:.40}")

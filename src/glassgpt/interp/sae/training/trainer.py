@@ -110,17 +110,7 @@ class DictionaryTrainer:
     # --- the schedule ------------------------------------------------------------------------
 
     def lr_at(self, step: int) -> float:
-        """SAELens's "constant" schedule: linear warm-up from lr / w, flat, then a linear decay
-        to 0 over the last lr_decay_steps (the factor at the k-th of them is 1 - k / decay)."""
-        s = self.settings
-        factor = 1.0
-        if step < s.lr_warm_up_steps:
-            w = s.lr_warm_up_steps
-            factor = 1 / w + (1 - 1 / w) * (step / (w - 1) if w > 1 else 1.0)
-        decay_start = s.steps - s.lr_decay_steps
-        if s.lr_decay_steps and step >= decay_start:
-            factor = 1 - (step - decay_start) / s.lr_decay_steps
-        return s.lr * factor
+        return scheduled_lr(self.settings, step)
 
     def sparsity_weight(self, step: int) -> float:
         """The weight of the architecture's L1 or L0 loss at `step`, rising from 0 over
@@ -341,6 +331,20 @@ class DictionaryTrainer:
             raise InputError(f"{self.out} was trained on the model of "
                              f"{recorded[TRAINED_ON_RUN]}, not of {current[TRAINED_ON_RUN]}: a "
                              f"resume goes on with the same run's model")
+
+
+def scheduled_lr(s: Any, step: int) -> float:
+    """SAELens's "constant" schedule of settings `s` (lr, steps, lr_warm_up_steps,
+    lr_decay_steps): linear warm-up from lr / w, flat, then a linear decay to 0 over the last
+    lr_decay_steps (the factor at the k-th of them is 1 - k / decay)."""
+    factor = 1.0
+    if step < s.lr_warm_up_steps:
+        w = s.lr_warm_up_steps
+        factor = 1 / w + (1 - 1 / w) * (step / (w - 1) if w > 1 else 1.0)
+    decay_start = s.steps - s.lr_decay_steps
+    if s.lr_decay_steps and step >= decay_start:
+        factor = 1 - (step - decay_start) / s.lr_decay_steps
+    return s.lr * factor
 
 
 @torch.no_grad()
