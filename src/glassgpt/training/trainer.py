@@ -4,7 +4,8 @@ AdamW (glassgpt.training.optim), gradient accumulation, clipping, autocast (bf16
 device has it (glassgpt.machine.devices), optional `torch.compile`, DDP or FSDP
 (glassgpt.training.fsdp) under torchrun, an evaluation at the start and every `eval_interval`
 steps, checkpoints (at each new best, a stop and the end) that resume on exactly the same
-numbers, the best weights kept beside the last, and an optional early stop.
+numbers, the best weights kept beside the last, an optional early stop, and with `snapshots` the
+weights at log-spaced steps (glassgpt.rundir.snapshots).
 
 `Trainer` runs a whole job into a run directory (see glassgpt.rundir.checkpoint) from the pieces
 in glassgpt.training.steps (`train_step`, the piece a benchmark needs, is found here too).
