@@ -83,7 +83,12 @@ def test_demo_all_quick_runs_every_experiment_and_sums_up(tmp_path: Path, capsys
     assert data["experiments"]["induction"]["numbers"]["run"] == str(run)
     assert f"run: {run} (open it with `glassgpt view {run}`" in out
     assert {p.name for p in (tmp_path / run).iterdir()} == {"config.json", "model.safetensors",
-                                                           "tokenizer.json"}
+                                                           "tokenizer.json", "snapshots",
+                                                           "timeline.json"}
+    from glassgpt.experiments.induction import QUICK
+    from glassgpt.rundir.snapshots import list_snapshots, snapshot_steps
+
+    assert list_snapshots(tmp_path / run) == snapshot_steps(QUICK.snapshots, QUICK.steps)
 
 
 def test_demo_all_summary_names_what_was_not_shown(tmp_path: Path, capsys,

@@ -144,7 +144,11 @@ def test_lora_trains_adapters_only(tiny, tmp_path: Path, capsys, base_dtype: str
     pytest.importorskip("glassgpt.formats.peft")
     out = tmp_path / "lora"
     assert main(["finetune", str(tiny["run"]), "--sft", str(tiny["sft"]), "--out", str(out),
-                 "--lora-rank", "4", "--base-dtype", base_dtype, *TUNE]) == 0
+                 "--lora-rank", "4", "--base-dtype", base_dtype, "--snapshots", "3", *TUNE]) == 0
+    # Its snapshots (issue 55) are the tuned model: the last one loads as the run does.
+    snapshot = Run(out).load_model(checkpoint="step:40")[0].state_dict()
+    assert all(torch.equal(t, snapshot[k]) for k, t in
+               Run(out).load_model(checkpoint="last")[0].state_dict().items())
     dtype = getattr(torch, base_dtype)
     # The base is frozen: stored as it was tuned (a bf16 base rounded once, nothing more).
     base = {name: t.to(dtype) for name, t in
