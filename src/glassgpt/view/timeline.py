@@ -127,7 +127,8 @@ def read_timeline(run_dir: Path | None) -> tuple[dict[str, Any] | None, str | No
         data = read_json_object(run_dir / TIMELINE_FILE, InputError, TIMELINE_BYTES)
         return page_timeline(data), None
     except (GlassGPTError, KeyError, TypeError, ValueError, IndexError) as error:
-        return None, f"{TIMELINE_FILE} cannot be read ({' '.join(str(error).split())[:160]}); {make}"
+        why = " ".join(str(error).split())[:160]
+        return None, f"{TIMELINE_FILE} cannot be read ({why}); {make}"
 
 
 def page_timeline(data: dict[str, Any]) -> dict[str, Any]:
