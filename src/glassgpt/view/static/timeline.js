@@ -17,9 +17,11 @@ const timeline = { steps: [], data: null, checkpoint: "best", index: 0, kind: nu
 // weights (the slider's last position).
 function stepAt(index) { return index < timeline.steps.length ? timeline.steps[index] : null; }
 
-// The iteration the run's own weights are from: its best evaluation's, or its last.
+// The iteration the run's own weights are from: its best evaluation's, its last, or the
+// snapshot's the view was started at (`--checkpoint step:N`).
 function ownIteration() {
   const t = state.card.training;
+  if (timeline.checkpoint.startsWith("step:")) return Number(timeline.checkpoint.slice(5));
   return timeline.checkpoint === "best" && t.best_val_iter !== null ? t.best_val_iter
     : t.iterations;
 }
@@ -30,7 +32,10 @@ function stepName(index) {
     return `step ${integer(step)} · snapshot ${index + 1} of ${timeline.steps.length}`;
   }
   const at = ownIteration();
-  return `the run's ${timeline.checkpoint} weights` + (at === null ? "" : ` (iteration ${integer(at)})`);
+  const own = timeline.checkpoint.startsWith("step:")
+    ? `the weights the view started with (--checkpoint ${timeline.checkpoint})`
+    : `the run's ${timeline.checkpoint} weights`;
+  return own + (at === null ? "" : ` (iteration ${integer(at)})`);
 }
 
 async function startTimeline() {
