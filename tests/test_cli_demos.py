@@ -108,6 +108,9 @@ def test_demo_all_summary_names_what_was_not_shown(tmp_path: Path, capsys,
      "params`"),
     (["demo", "shapes", "--d-model", "10", "--n-heads", "4"],
      "d_model=10 is not divisible by n_heads=4"),
+    (["demo", "parity", "--snapshots", "5"],
+     "--snapshots only applies to `glassgpt demo features`, not to `glassgpt demo parity`"),
+    (["demo", "features", "--snapshots", "2"], "--snapshots must be at least 3"),
 ])
 def test_demo_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys, args: list[str],
                                               message: str) -> None:
@@ -115,6 +118,20 @@ def test_demo_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys, args: lis
     assert code == 2
     assert message in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_demo_features_takes_snapshots(tmp_path: Path, capsys,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+
+    def fake_experiment(name: str, out_dir: Path, **options) -> ExperimentResult:
+        seen.update(options)
+        return ExperimentResult(name=name, summary="fake")
+
+    monkeypatch.setattr(demos, "run_experiment", fake_experiment)
+    code, _, _ = glassgpt(capsys, "demo", "features", "--snapshots", "12", "--quick",
+                          "--out", str(tmp_path))
+    assert code == 0 and seen["snapshots"] == 12
 
 
 def test_demo_induction_replaces_no_run_dir_it_did_not_make_before_it_trains(

@@ -37,8 +37,7 @@ from glassgpt.config_checks import (
 from glassgpt.errors import ConfigError, GlassGPTError
 
 PRESETS_PACKAGE = "glassgpt.presets"
-# exact GELU, GPT-2's tanh GELU, ReLU, ReLU squared, the gated SiLU MLP of Llama/Qwen3 and the
-# gated tanh-GELU MLP of Gemma
+# exact GELU, GPT-2's tanh GELU, ReLU, ReLU squared, the gated SiLU (Llama) and tanh-GELU (Gemma)
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "relu2", "swiglu", "geglu")
 GATED_ACTIVATIONS = ("swiglu", "geglu")  # whole MLPs with a gate and an up matrix
 # a learned table, rotary, no positions (NoPE), or a learned table added to the queries' and
@@ -297,6 +296,7 @@ class TrainConfig:
                             "linear to min_lr over the last decay_fraction)")
     decay_fraction: float = setting(0.2, "wsd: the share of the steps after warmup spent "
                                     "decaying")
+    snapshots: int = setting(0, "keep this many weight snapshots at log-spaced steps (0: none)")
 
     def __post_init__(self) -> None:
         check_recipe(self)  # types, ranges, choices and the bounds of work that can finish

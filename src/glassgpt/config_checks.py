@@ -185,6 +185,7 @@ SCHEDULES = ("cosine", "wsd")  # learning-rate decay after warmup (glassgpt.trai
 # Upper bounds of a recipe (TrainConfig): batches per step or evaluation, and lr / weight decay.
 MAX_GRAD_ACCUM = 10_000
 MAX_EVAL_ITERS = 10_000
+MAX_SNAPSHOTS = 10_000  # weight snapshots a run keeps (glassgpt.rundir.snapshots)
 MAX_RATE = 10.0
 
 
@@ -197,7 +198,7 @@ def check_recipe(recipe: Any) -> None:
         if getattr(recipe, name) <= 0:
             raise ConfigError(f"{name} must be positive, got {getattr(recipe, name)}")
     for name in ("warmup_iters", "lr_decay_iters", "weight_decay", "grad_clip", "min_lr",
-                 "early_stop", "seed"):
+                 "early_stop", "seed", "snapshots"):
         if getattr(recipe, name) < 0:
             raise ConfigError(f"{name} must be >= 0, got {getattr(recipe, name)}")
     if not recipe.lr > 0:
@@ -231,6 +232,8 @@ def check_recipe_bounds(recipe: Any) -> None:
         if getattr(recipe, name) > MAX_RATE:
             raise ConfigError(f"{name}={getattr(recipe, name)} is too large (at most "
                               f"{MAX_RATE:g}): such a step only overflows the weights")
+    if recipe.snapshots > MAX_SNAPSHOTS:
+        raise ConfigError(f"snapshots={recipe.snapshots} is too many (at most {MAX_SNAPSHOTS:,})")
     if recipe.optimizer == "muon" and not math.isfinite(recipe.muon_lr / recipe.lr):
         raise ConfigError(f"lr={recipe.lr} is too small beside muon_lr={recipe.muon_lr}: Muon's "
                           f"lr follows the schedule in their ratio, which overflows")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from glassgpt.machine.threadsetting import AUTO, parse_threads
-from glassgpt.storage.layout import CHECKPOINTS
+from glassgpt.storage.layout import checkpoint_step
 
 if TYPE_CHECKING:
     import torch
@@ -227,10 +227,21 @@ def add_threads_flag(parser: argparse.ArgumentParser) -> None:
                         "when set, is kept)")
 
 
+def checkpoint_arg(text: str) -> str:
+    """The `type` of --checkpoint: best, last, or a snapshot's step:N."""
+    try:
+        checkpoint_step(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def add_checkpoint_flag(parser: argparse.ArgumentParser, what: str = "use") -> None:
-    parser.add_argument("--checkpoint", choices=CHECKPOINTS, default="best",
+    parser.add_argument("--checkpoint", type=checkpoint_arg, default="best",
+                        metavar="best|last|step:N",
                         help=f"which weights of the run to {what}: the best evaluation's "
-                        f"(default) or the last checkpoint's")
+                        f"(default), the last checkpoint's, or the snapshot at step N "
+                        f"(`train --snapshots`)")
 
 
 def warn_about_bf16(dtype: str, device: torch.device) -> None:

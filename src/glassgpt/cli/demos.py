@@ -80,6 +80,12 @@ def add_demo_command(subparsers: argparse._SubParsersAction) -> None:
     shapes.add_argument("--seq-len", type=int, metavar="T", help="positions (default 5)")
     shapes.add_argument("--d-model", type=int, metavar="C", help="width (default 16)")
     shapes.add_argument("--n-heads", type=int, metavar="H", help="heads (default 4)")
+    features = demo.add_argument_group("features only")
+    features.add_argument("--snapshots", type=int, metavar="N",
+                          help="also train a toy model of superposition keeping N snapshots "
+                               "at log-spaced steps and draw each feature's strength over "
+                               "time, by its own weights and through a dictionary trained at "
+                               "the end (features_over_time.png)")
     demo.set_defaults(handler=run_demo)
 
 
@@ -120,8 +126,18 @@ def shapes_options(args: argparse.Namespace) -> dict[str, int]:
     return given
 
 
+def features_options(args: argparse.Namespace) -> dict[str, int]:
+    """--snapshots, which only `features` takes."""
+    if args.snapshots is None:
+        return {}
+    if args.name != "features":
+        raise CommandLineError(f"--snapshots only applies to `glassgpt demo features`, not to "
+                               f"`glassgpt demo {args.name}`")
+    return {"snapshots": args.snapshots}
+
+
 def run_demo(args: argparse.Namespace) -> int:
-    options = shapes_options(args)
+    options = shapes_options(args) | features_options(args)
     if not 0 <= args.seed <= INT64_MAX:  # as train's and sample's seeds
         raise CommandLineError(f"--seed must be between 0 and 2**63 - 1, got {args.seed}")
     if args.out.exists() and not args.out.is_dir():

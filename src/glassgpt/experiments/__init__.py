@@ -41,6 +41,7 @@ EXPERIMENTS: dict[str, str] = {
 # Extra keyword arguments an experiment accepts beyond out_dir, seed and quick.
 OPTIONS: dict[str, tuple[str, ...]] = {
     "shapes": ("batch_size", "seq_len", "d_model", "n_heads"),
+    "features": ("snapshots",),
 }
 
 

@@ -21,7 +21,7 @@ Notation: n = true features, d = their width, F = latents, N = activations, K = 
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from glassgpt.data import tinyshakespeare
+from glassgpt.errors import ConfigError
 from glassgpt.experiments.charlm import (
     CharLMSettings,
     model_config,
@@ -288,20 +289,44 @@ def kinds_found(n: dict[str, Any], pure: float) -> dict[str, dict[str, Any]]:
 
 # --- the experiment ----------------------------------------------------------------------------
 
-def run(out_dir: Path, seed: int = 0, quick: bool = False) -> ExperimentResult:
+def run(out_dir: Path, seed: int = 0, quick: bool = False,
+        snapshots: int | None = None) -> ExperimentResult:
+    """`snapshots`: also train a toy model of superposition keeping that many snapshots and
+    read its features over time (experiments/feature_timeline.py)."""
     s = QUICK if quick else FeatureSettings()
+    if snapshots is not None and snapshots < 3:  # before any training
+        raise ConfigError(f"--snapshots must be at least 3 (the first step, the last and one "
+                          f"between), got {snapshots}")
     with single_thread():
         toy = toy_superposition(s.toy, seed)
         text = char_features(s.char, seed)
+        timeline = None if snapshots is None else over_time(snapshots, quick, seed)
     text["kinds"] = kinds_found(text, s.char.pure)
     numbers = {"toy": toy, "char": text}
     pictures = [save_figure(features_figure(numbers, s), out_dir / "features.png")]
-    return ExperimentResult(
+    result = ExperimentResult(
         name="features",
         summary=f"a dictionary on {s.toy.n_features} planted features in {s.toy.width} "
                 f"dimensions, then on a Tiny Shakespeare model's {s.char.hook}; seed {seed}",
         tables=[toy_table(toy, s.toy), char_table(text, s.char)], pictures=pictures,
         numbers=numbers, checks=expected_outcomes(numbers, s))
+    if timeline is not None:
+        from glassgpt.experiments import feature_timeline as ft
+        settings, numbers["timeline"] = timeline
+        result.tables.append(ft.timeline_table(numbers["timeline"], settings))
+        result.pictures.append(save_figure(ft.timeline_figure(numbers["timeline"]),
+                                           out_dir / "features_over_time.png"))
+        result.checks.extend(ft.timeline_checks(numbers["timeline"]))
+    return result
+
+
+def over_time(snapshots: int, quick: bool, seed: int) -> tuple[Any, dict[str, Any]]:
+    """The toy model of superposition trained with `snapshots` snapshots, read over time."""
+    from glassgpt.experiments import feature_timeline as ft  # its own module: features' size
+
+    base = ft.QUICK_TIMELINE if quick else ft.TimelineToySettings()
+    settings = replace(base, snapshots=snapshots)
+    return settings, ft.feature_timeline(settings, seed)
 
 
 def toy_table(toy: dict[str, Any], s: ToySettings) -> Table:

@@ -25,12 +25,13 @@ from safetensors.torch import save as save_safetensors_bytes
 from torch import Tensor, nn
 
 from glassgpt.adapters.lora import apply_run_adapter, bake_lora
-from glassgpt.config import GPTConfig, check_choice
+from glassgpt.config import GPTConfig
 from glassgpt.errors import CheckpointError, ConfigError, TokenizerError
 from glassgpt.machine.devices import resolve_device
 from glassgpt.machine.distributed import unwrap_model
 from glassgpt.model import GPT
 from glassgpt.rundir.directory import RUN_CONFIG_KEYS, RUN_FORMAT, commit_files, committed_paths
+from glassgpt.rundir.snapshots import snapshot_path
 from glassgpt.rundir.trainstate import (
     STATE_KEYS,
     TrainState,
@@ -49,9 +50,11 @@ from glassgpt.storage.layout import (
     METRICS_FILE,
     MODEL_FILE,
     RUN,
+    SNAPSHOT_PREFIX,
     STATE_JSON_FILE,
     STATE_TENSORS_FILE,
     TOKENIZER_FILE,
+    checkpoint_step,
 )
 from glassgpt.storage.tensorfile import SafetensorsFile, check_finite
 from glassgpt.tokenizers import Tokenizer, tokenizer_from_json
@@ -205,10 +208,13 @@ class Run:
             raise CheckpointError(str(error)) from None
 
     def weights_file(self, checkpoint: str = "best") -> tuple[str, Path]:
-        """Which weights `checkpoint` ("best" or "last") names, and where they are: the best
-        ones when the run kept them (a trained run does from its first evaluation on), else the
-        last (a converted run has only those)."""
-        check_choice("checkpoint", checkpoint, CHECKPOINTS)
+        """Which weights `checkpoint` ("best", "last" or a snapshot's "step:N") names, and
+        where they are: the best ones when the run kept them (a trained run does from its first
+        evaluation on), else the last (a converted run has only those); "step:1200" the
+        snapshot kept at step 1200 (glassgpt.rundir.snapshots)."""
+        step = selected_step(checkpoint)
+        if step is not None:
+            return f"{SNAPSHOT_PREFIX}{step}", snapshot_path(self.dir, step)
         if checkpoint == "best" and files.entry_kind(self.paths[BEST_FILE]) != "missing":
             return "best", self.paths[BEST_FILE]
         return "last", self.paths[MODEL_FILE]
@@ -217,6 +223,8 @@ class Run:
         """One line saying which weights `load_model(checkpoint=...)` takes, e.g.
         "the best weights (val loss 1.4642 at iteration 1750)"."""
         used, _ = self.weights_file(checkpoint)
+        if used.startswith(SNAPSHOT_PREFIX):
+            return f"the snapshot at step {used.removeprefix(SNAPSHOT_PREFIX)}"
         state = self._state_summary()
         if used == "best" and state.get("best_iteration") is not None:
             return (f"the best weights (val loss {state['best_val_loss']:.4f} at iteration "
@@ -245,9 +253,9 @@ class Run:
         given, read straight into it: a LoRA fine-tune's base kept in bf16 loads as float32
         too), and its tokenizer. A run holding a LoRA adapter (`adapter_dir`)
         gives its base with the adapter merged in, a plain GPT, unless `adapter` is False
-        (then the base alone)."""
+        (then the base alone; a snapshot's weights are the adapted model's either way)."""
         target = resolve_device(str(device))
-        _, weights = self.weights_file(checkpoint)
+        used, weights = self.weights_file(checkpoint)
         tokenizer = self.tokenizer()
         if tokenizer.vocab_size > self.model_config.vocab_size:
             raise CheckpointError(f"{self.dir}: tokenizer has {tokenizer.vocab_size} tokens, "
@@ -256,7 +264,8 @@ class Run:
         tensors = read_weights(weights, self.model_config, dtype or torch.float32)
         model = model_holding(self.model_config, tensors, weights)
         del tensors  # the model holds them now
-        if adapter and self.adapter_dir() is not None:
+        # A snapshot of a LoRA fine-tune holds its adapters merged in already.
+        if adapter and self.adapter_dir() is not None and used in CHECKPOINTS:
             apply_run_adapter(model, self.dir)
             bake_lora(model)
         return model.to(target).eval(), tokenizer
@@ -295,6 +304,15 @@ class Run:
             return join_train_state(state_json, tensors)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
             raise CheckpointError(f"{json_path}: malformed training state ({error})") from None
+
+
+def selected_step(checkpoint: str) -> int | None:
+    """The snapshot's step `checkpoint` names ("step:1200"), None for "best" and "last";
+    ConfigError naming it for anything else."""
+    try:
+        return checkpoint_step(checkpoint)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def open_run(run: str | Path | Run) -> Run:

@@ -9,6 +9,9 @@ A run directory (`glassgpt train`, `convert`):
     train_state.safetensors   optimizer tensors and RNG states          } only for runs that
     train_state.json          iteration, best val loss, the rest        } can be resumed
     metrics.jsonl, loss.png   what the trainer logged, and its picture
+    snapshots/                weights at log-spaced steps (`train --snapshots N`): step_<8
+                              digits>.safetensors and index.json (glassgpt.rundir.snapshots)
+    timeline.json             what `glassgpt timeline` measured at each snapshot
 
 A prepared data directory (`glassgpt prepare`):
     train.bin, val.bin        token ids (uint16 when the vocabulary fits, else uint32)
@@ -42,10 +45,33 @@ ADAPTER_WEIGHTS_FILE = "adapter.safetensors"
 CHECKPOINT_FILES = (CONFIG_FILE, MODEL_FILE, BEST_FILE, TOKENIZER_FILE, STATE_TENSORS_FILE,
                     STATE_JSON_FILE, CHAT_TEMPLATE_FILE, ADAPTER_CONFIG_FILE,
                     ADAPTER_WEIGHTS_FILE)
-CHECKPOINTS = ("best", "last")  # which weights of a run to load
+CHECKPOINTS = ("best", "last")  # which weights of a run to load, besides a snapshot's "step:N"
+SNAPSHOT_PREFIX = "step:"  # `--checkpoint step:1200`: the snapshot kept at step 1200
+SNAPSHOTS_DIR = "snapshots"
+SNAPSHOT_INDEX = "index.json"
+TIMELINE_FILE = "timeline.json"
 # Files only a run holds: `prepare` never writes beside them (its tokenizer.json would replace
 # the run's, which could then no longer sample, evaluate or resume).
 RUN_MARKERS = (CONFIG_FILE, MODEL_FILE, STATE_JSON_FILE, STATE_TENSORS_FILE, RUN_JOURNAL)
+
+
+
+def snapshot_file(step: int) -> str:
+    """The name of the snapshot at `step` inside SNAPSHOTS_DIR: step_00001200.safetensors."""
+    return f"step_{step:08d}.safetensors"
+
+
+def checkpoint_step(checkpoint: str) -> int | None:
+    """The step a checkpoint selector names ("step:1200" -> 1200), None for "best" and "last";
+    ValueError for anything else (a negative step, "step:x", "first")."""
+    if checkpoint in CHECKPOINTS:
+        return None
+    digits = checkpoint.removeprefix(SNAPSHOT_PREFIX) if isinstance(checkpoint, str) else ""
+    if checkpoint == digits or not digits.isdigit() or not digits.isascii():
+        raise ValueError(f"checkpoint must be 'best', 'last' or 'step:N' (a snapshot's step), "
+                         f"got {checkpoint!r:.80}")
+    return int(digits)
+
 
 # --- a prepared data directory ------------------------------------------------------------------
 TRAIN_FILE = "train.bin"
@@ -84,7 +110,8 @@ class DirKind:
         return (*self.files, self.journal, *self.pending_files)
 
 
-RUN = DirKind("checkpoint", RUN_JOURNAL, (*CHECKPOINT_FILES, METRICS_FILE, PLOT_FILE),
+RUN = DirKind("checkpoint", RUN_JOURNAL, (*CHECKPOINT_FILES, METRICS_FILE, PLOT_FILE,
+                                          TIMELINE_FILE),
               "a checkpoint", "the previous checkpoint", "the next `train --resume`")
 DATA = DirKind("data", DATA_JOURNAL, DATA_FILES, "the prepared data", "the previous data",
                "the next `prepare --force` into it")

@@ -18,7 +18,7 @@ from glassgpt.config import TrainConfig, check_choice
 from glassgpt.errors import ConfigError
 from glassgpt.machine.threadsetting import AUTO, parse_threads
 from glassgpt.rundir.directory import as_flag  # `--max-iters`, `--optimizer muon`
-from glassgpt.storage.layout import CHECKPOINTS
+from glassgpt.storage.layout import checkpoint_step
 
 Spell = Callable[..., str]  # (name, value=None) -> "--name value" or "name=value"
 WORDINGS = ("api", "cli")
@@ -56,9 +56,10 @@ def check_arguments(values: dict[str, Any]) -> None:
                               f"{values[name]!r:.80}")
     if values["preset"] is not None and not isinstance(values["preset"], str):
         raise ConfigError(f"preset must be a preset's name, got {values['preset']!r:.80}")
-    if values["checkpoint"] not in CHECKPOINTS:
-        raise ConfigError(f"checkpoint must be one of {list(CHECKPOINTS)}, got "
-                          f"{values['checkpoint']!r:.80}")
+    try:
+        checkpoint_step(values["checkpoint"])  # "best", "last" or a snapshot's "step:N"
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     check_threads(values["threads"])
     _check_callbacks(values["reporter"], values["stop"], values["on_start"])
     if "vocab_size" in (values["model"] or {}):

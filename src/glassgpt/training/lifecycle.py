@@ -51,7 +51,7 @@ from glassgpt.training.trainer import Trainer, TrainResult
 
 # Settings a resumed run may change: how far to train and how it reports, not the recipe.
 RESUME_MAY_CHANGE = ("max_iters", "eval_interval", "eval_iters", "log_interval", "early_stop",
-                     "device", "compile", "target_loss", "fsdp")
+                     "device", "compile", "target_loss", "fsdp", "snapshots")
 DATA_DECIDES = ("vocab_size",)  # set by the tokenizer of the data, never by a setting
 # Settings of the machine, not the recipe: a fine-tune does not inherit them from its source.
 MACHINE_SETTINGS = ("device", "dtype", "compile", "fsdp")

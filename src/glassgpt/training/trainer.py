@@ -40,6 +40,7 @@ from glassgpt.machine.devices import (
 from glassgpt.machine.memory import check_training_fits_memory
 from glassgpt.model import GPT, count_parameters
 from glassgpt.rundir import checkpoint as ckpt
+from glassgpt.rundir.snapshots import SnapshotWriter
 from glassgpt.rundir.trainstate import TrainState, capture_rng_state, restore_rng_state
 from glassgpt.rundir.weights import load_model_tensors, read_weights
 from glassgpt.storage.layout import MODEL_FILE, STATE_TENSORS_FILE
@@ -171,6 +172,8 @@ class Trainer:
         self.committed = False  # whether `run` has written a checkpoint (then it draws)
         self.tokens_per_step = (cfg.batch_size * self.window * cfg.grad_accum
                                 * self.context.world_size)
+        # Weight snapshots at log-spaced steps (cfg.snapshots; glassgpt.rundir.snapshots).
+        self.snapshots = SnapshotWriter(self.run_dir, cfg.snapshots, cfg.max_iters)
 
     def _sampler(self, split: str, seed: int) -> BatchSampler:
         if self.batches is not None:
@@ -233,6 +236,8 @@ class Trainer:
         if self.context.is_main:
             self._prepare_run_dir()
         self.reporter.start(self.cfg.max_iters, self.state.iteration)
+        if self.context.is_main and self.resumed:
+            self.snapshots.begin_resumed(self.state.iteration)
         try:
             with stop_on_sigint(self.stop) as stop_requested:
                 self.stop_requested = stop_requested
@@ -240,6 +245,8 @@ class Trainer:
                     result = self._train(start, first_iteration)
                 except _EvaluationStoppedError:  # still under the handler: a save stays whole
                     result = self._stopped_during_evaluation(start, first_iteration)
+                if self.context.is_main and self.committed:
+                    self.snapshots.finish()
                 self._draw(result)
                 return result
         finally:
@@ -258,6 +265,9 @@ class Trainer:
             if self.threads is not None:  # at the count the first step takes (one thread until
                 self.threads.before_step()  # timed): all cores on a busy one cost 30 s here
             ends = self._evaluate_and_save(0, start, done=False)  # saved: the run exists now
+            if self.context.is_main:  # a replaced run's snapshots go with it
+                self.snapshots.begin_new_run()
+            self._snapshot(0)
             if ends is not None:  # the target met before any step
                 return self._result(start, first_iteration)
         last_log, logged_at = time.perf_counter(), self.state.iteration
@@ -269,6 +279,9 @@ class Trainer:
             first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss), it + 1, first_bad)
             self.state.iteration = it = it + 1
             done = it == cfg.max_iters
+            if self.snapshots.due(it):
+                self._check_finite(first_bad)  # never a snapshot of NaN weights
+                self._snapshot(it)
             if it % cfg.log_interval == 0 or done:
                 self._check_finite(first_bad)
                 elapsed = time.perf_counter() - last_log
@@ -291,6 +304,15 @@ class Trainer:
         with timed(self.threads):
             return train_step(self.train_model, self.optimizer, self.sampler.next_batch,
                               self.cfg, self.scaler, self.amp_dtype)
+
+    def _snapshot(self, it: int) -> None:
+        """The weights at step `it`, when it is one of the snapshots' steps (under FSDP
+        gathered from every rank's shards; rank 0 writes them)."""
+        if not self.snapshots.due(it):
+            return
+        weights = fsdp.full_weights(self.model) if self.cfg.fsdp else None
+        if self.context.is_main:
+            self.snapshots.save(self.model, it, weights)
 
     def _meets_target(self) -> bool:
         """With `target_loss`, whether the last evaluation's val loss is at or below it (every
