@@ -23,10 +23,10 @@ from glassgpt.model import count_parameters
 from glassgpt.rundir.checkpoint import load_model
 from glassgpt.rundir.snapshots import list_snapshots
 from glassgpt.storage.files import read_json_object
+from glassgpt.storage.layout import SNAPSHOT_PREFIX, TIMELINE_FILE
 from glassgpt.view.inspector import RunView
 from glassgpt.view.traces import TraceCache
 
-TIMELINE_FILE = "timeline.json"
 TIMELINE_BYTES = 64 * 2**20  # a timeline of 64 snapshots of a 0.6B model is under 1 MiB
 SNAPSHOT_WEIGHT_BYTES = 2**30  # the snapshots' models kept at once hold at most this much...
 MOST_SNAPSHOT_VIEWS = 4  # ... and are at most this many (one at least, whatever its size)
@@ -98,9 +98,10 @@ class Snapshots:
 
     def _load(self, step: int) -> RunView:
         assert self.run_dir is not None  # a step was found, so there is a run
-        model, tokenizer = load_model(self.run_dir, self.view.device, checkpoint=f"step:{step}")
+        checkpoint = f"{SNAPSHOT_PREFIX}{step}"
+        model, tokenizer = load_model(self.run_dir, self.view.device, checkpoint=checkpoint)
         view = RunView(model, tokenizer, self.run_dir, name=f"{self.view.name} at step {step}",
-                       threads=self.view.threads, checkpoint=f"step:{step}")
+                       threads=self.view.threads, checkpoint=checkpoint)
         view.traces = TraceCache(SNAPSHOT_TRACE_BYTES)
         return view
 

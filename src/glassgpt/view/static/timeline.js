@@ -88,11 +88,24 @@ async function goToStep(index) {
   state.step = stepAt(index);
   renderTimeline();
   $("step-status").textContent = "loading…";
+  markPanels(state.step);
   await promptChanged();
   if (state.patching && moving === timeline.moving) await runPatching();
   if (moving !== timeline.moving) return;
   $("step-status").textContent = "";
   $("step-bar").dataset.shown = state.step === null ? "run" : String(state.step);
+}
+
+// The title of each panel the slider moves says the step it shows (none: the run's weights).
+const MOVED_PANELS = ["attention", "overview", "head", "mlp", "predictions", "ablation",
+  "patching", "attribution", "sample"];
+
+function markPanels(step) {
+  for (const panel of MOVED_PANELS) {
+    const title = document.querySelector(`#${panel}-section h2`);
+    if (step === null) delete title.dataset.step;
+    else title.dataset.step = `step ${integer(step)}`;
+  }
 }
 
 function renderTimeline() {
