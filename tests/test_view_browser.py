@@ -86,15 +86,20 @@ def run_dir(tmp_path_factory) -> Path:
 
 
 def write_timeline(run: Path) -> None:
-    """A timeline.json over the run's snapshots, so that the Timeline panel draws each head's
-    line (its numbers are made up here: tests/test_view_timeline.py holds the reading)."""
+    """A timeline.json over the run's snapshots as `glassgpt timeline` writes it, so that the
+    Timeline panel draws each head's line (its numbers are made up here:
+    tests/test_view_timeline.py holds the reading)."""
     steps = list_snapshots(run)
-    heads = {"induction": [[[0.2 * i + 0.1 * layer + 0.05 * head for head in range(2)]
-                            for layer in range(2)] for i in range(len(steps))]}
-    (run / "timeline.json").write_text(json.dumps({"snapshots": [
-        {"step": step, "train_loss": 4.0 - 0.1 * i, "val_loss": 4.1 - 0.1 * i,
-         "icl_score": -0.1 * i, "heads": {k: v[i] for k, v in heads.items()}}
-        for i, step in enumerate(steps)]}), encoding="utf-8")
+    records = []
+    for i, step in enumerate(steps):
+        heads = [[0.2 * i + 0.1 * layer + 0.05 * head for head in range(2)] for layer in range(2)]
+        records.append({"step": step, "train_loss": 4.0 - 0.1 * i, "val_loss": 4.1 - 0.1 * i,
+                        "icl_score": -0.1 * i, "scores": {"previous_token": heads,
+                                                          "duplicate_token": heads,
+                                                          "induction": heads}})
+    (run / "timeline.json").write_text(json.dumps({
+        "steps": steps, "snapshots": records,
+        "phase_change": {"step": steps[1], "definition": "made up"}}), encoding="utf-8")
 
 
 @contextmanager
@@ -383,6 +388,7 @@ def test_the_timeline_slider_moves_the_panels_to_a_snapshot_and_back(page, run_d
     expected = torch.stack([scores.previous_token.flatten(), scores.induction.flatten()], 1)
     torch.testing.assert_close(torch.tensor(badges), expected.flatten(), rtol=0, atol=1e-4)
     assert values(page, "#timeline-loss .step-cursor", "dataset.step") == [str(steps[0])]
+    assert values(page, "#timeline-loss .phase-change", "dataset.step") == [str(steps[1])]
     # Each head's line: a click opens that head at the snapshot nearest the click.
     assert len(values(page, "#timeline-heads .head-line", "dataset.head")) == 4
     page.execute_script(CLICK_HEAD_LINE, 0, 1, 1)  # L0H1's line at the second snapshot

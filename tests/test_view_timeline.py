@@ -154,9 +154,16 @@ def test_a_run_without_snapshots_says_how_to_keep_them(tmp_path, view):
 def test_timeline_json_is_read_for_the_page_and_a_broken_one_is_a_note(client, run_dir):
     steps = list_snapshots(run_dir)
     heads = [[[0.1 * (s + l + h) for h in range(2)] for l in range(2)] for s in range(3)]
-    written = {"snapshots": [{"step": step, "train_loss": 4.0 - i, "val_loss": 4.5 - i,
-                              "icl_score": -0.1 * i, "heads": {"induction": heads[i]}}
-                             for i, step in enumerate(steps)]}
+    pushes = [[[-0.5 * (s - l + h) for h in range(2)] for l in range(2)] for s in range(3)]
+    records = [{"step": step, "train_loss": 4.0 - i, "val_loss": 4.5 - i, "icl_score": -0.1 * i,
+                "scores": {"previous_token": heads[i], "duplicate_token": heads[i],
+                           "induction": heads[i]},
+                "attribution": {"heads": pushes[i], "mlps": [0.0, 0.0], "logit": 1.0},
+                **({"llc": {"llc_mean": 2.5, "llc_std": 0.25}} if i == 2 else {})}
+               for i, step in enumerate(steps)]
+    written = {"format": "glassgpt-timeline/1", "steps": steps, "snapshots": records,
+               "phase_change": {"step": steps[1], "definition": "half way"},
+               "icl": {"definition": "loss at token index 8 minus loss at token index 1"}}
     path = run_dir / TIMELINE_FILE
     path.write_text(json.dumps(written), encoding="utf-8")
     try:
@@ -164,7 +171,11 @@ def test_timeline_json_is_read_for_the_page_and_a_broken_one_is_a_note(client, r
         assert answer["timeline_note"] is None
         shown = answer["timeline"]
         assert shown["steps"] == steps and shown["val_loss"] == [4.5, 3.5, 2.5]
-        assert shown["heads"]["induction"] == heads
+        assert shown["heads"] == {"previous_token": heads, "duplicate_token": heads,
+                                  "induction": heads, "attribution": pushes}
+        assert shown["llc"] == [None, None, 2.5] and shown["llc_std"] == [None, None, 0.25]
+        assert shown["phase_change"] == steps[1] and shown["phase_definition"] == "half way"
+        assert shown["icl_definition"].startswith("loss at token index 8")
         path.write_text('{"snapshots": [{"step": "x"}]}', encoding="utf-8")
         answer = client.get("/api/timeline").json()
         assert answer["timeline"] is None

@@ -32,6 +32,8 @@ SNAPSHOT_WEIGHT_BYTES = 2**30  # the snapshots' models kept at once hold at most
 MOST_SNAPSHOT_VIEWS = 4  # ... and are at most this many (one at least, whatever its size)
 SNAPSHOT_TRACE_BYTES = 64 * 2**20  # each kept snapshot's traces (the run's own keep 256 MiB)
 SHOWN_STEPS = 8  # a missing step's error names this many of the run's steps
+# The head scores a timeline holds (glassgpt.interp.timeline writes them under these names).
+SCORE_KINDS = ("previous_token", "duplicate_token", "induction")
 
 
 def kept_views(model_bytes: int) -> int:
@@ -133,15 +135,26 @@ def read_timeline(run_dir: Path | None) -> tuple[dict[str, Any] | None, str | No
 
 
 def page_timeline(data: dict[str, Any]) -> dict[str, Any]:
-    """The timeline's numbers the panel draws: steps, losses and ICL score per snapshot, and
-    each head's scores as [score][snapshot][layer][head]."""
+    """The numbers of `glassgpt timeline`'s file (glassgpt.interp.timeline) the panel draws,
+    a list a quantity, one value a snapshot: the losses, the ICL score and the LLC (None where
+    it was not measured), and `heads`: each head score and the probe's logit attribution by
+    head as [kind][snapshot][layer][head]; with the phase change's step and what the ICL
+    score and the phase change are."""
     points = data["snapshots"]
     steps = [int(p["step"]) for p in points]
     series = {name: [_number(p.get(name)) for p in points]
               for name in ("train_loss", "val_loss", "icl_score")}
-    kinds = sorted({kind for p in points for kind in p.get("heads", {})})
-    heads = {kind: [_matrix(p["heads"][kind]) for p in points] for kind in kinds}
-    return {"steps": steps, **series, "heads": heads}
+    llc = [p.get("llc") or {} for p in points]
+    kinds = [kind for kind in SCORE_KINDS if all(kind in p["scores"] for p in points)]
+    heads = {kind: [_matrix(p["scores"][kind]) for p in points] for kind in kinds}
+    if all("heads" in p.get("attribution", {}) for p in points):
+        heads["attribution"] = [_matrix(p["attribution"]["heads"]) for p in points]
+    phase = data.get("phase_change") or {}
+    return {"steps": steps, **series, "llc": [_number(e.get("llc_mean")) for e in llc],
+            "llc_std": [_number(e.get("llc_std")) for e in llc], "heads": heads,
+            "phase_change": None if phase.get("step") is None else int(phase["step"]),
+            "phase_definition": phase.get("definition"),
+            "icl_definition": (data.get("icl") or {}).get("definition")}
 
 
 def _number(value: Any) -> float | None:

@@ -7,8 +7,9 @@
 
 const TIMELINE_W = 1100; // the charts' drawing width (SVG units; drawn at the panel's width)
 const TIMELINE_PAD = { l: 56, r: 150, t: 12, b: 40 };
-const SCORE_NAMES = { previous_token: "previous-token", duplicate_token: "duplicate-token",
-  induction: "induction" };
+const SCORE_NAMES = { previous_token: "previous-token score", duplicate_token:
+  "duplicate-token score", induction: "induction score",
+  attribution: "push on the probe's answer (logit attribution)" };
 
 const timeline = { steps: [], data: null, checkpoint: "best", index: 0, kind: null, log: true,
   moving: 0 };
@@ -111,6 +112,7 @@ function markPanels(step) {
 function renderTimeline() {
   $("step-label").textContent = stepName(timeline.index);
   renderLossChart();
+  renderLlcChart();
   renderHeadChart();
   renderTimelineReadout();
 }
@@ -203,8 +205,44 @@ function renderLossChart() {
     add("line", { x1: lx, x2: lx + 24, y1: ly, y2: ly, stroke: colour, "stroke-width": 3 });
     add("text", { x: lx + 30, y: ly + 4 }, name);
   });
+  if (D && D.phase_change !== null) phaseChange(add, scale, H, D);
   cursorAndSnapshots(add, scale, H);
   $("timeline-loss").replaceChildren(svg);
+}
+
+// The LLC at each snapshot where timeline.json has it (`glassgpt timeline --llc`), with its
+// spread over the chains.
+function renderLlcChart() {
+  const D = timeline.data;
+  const pts = D ? D.steps.map((s, i) => [s, D.llc[i], D.llc_std[i] || 0])
+    .filter((p) => p[1] !== null) : [];
+  $("timeline-llc-box").hidden = pts.length === 0;
+  if (!pts.length) return;
+  const scale = stepScale();
+  const H = 200;
+  const { svg, add, Y } = chart(H, smallest(pts.map((p) => p[1] - p[2])),
+    largest(pts.map((p) => p[1] + p[2])), "LLC", scale);
+  for (const [x, y, sd] of pts) {
+    add("line", { x1: scale.X(x), x2: scale.X(x), y1: Y(y - sd), y2: Y(y + sd),
+      stroke: "#9467bd", "stroke-width": 1 });
+  }
+  add("polyline", { points: pts.map(([x, y]) => `${scale.X(x)},${Y(y)}`).join(" "),
+    fill: "none", stroke: "#9467bd", "stroke-width": 2, "data-series": "llc" });
+  for (const [x, y] of pts) add("circle", { cx: scale.X(x), cy: Y(y), r: 3, fill: "#9467bd" });
+  if (D.phase_change !== null) phaseChange(add, scale, H, D);
+  cursorAndSnapshots(add, scale, H);
+  $("timeline-llc").replaceChildren(svg);
+}
+
+// Where timeline.json puts the phase change (the best head's induction score half way up).
+function phaseChange(add, scale, height, D) {
+  const x = scale.X(D.phase_change);
+  const mark = add("line", { x1: x, x2: x, y1: TIMELINE_PAD.t, y2: height - TIMELINE_PAD.b,
+    stroke: "#2ca02c", "stroke-width": 1.5, "stroke-dasharray": "5 4", class: "phase-change",
+    "data-step": D.phase_change });
+  mark.append(document.createElementNS(mark.namespaceURI, "title"));
+  mark.firstChild.textContent = `phase change at step ${D.phase_change}: ${D.phase_definition}`;
+  add("text", { x: x + 4, y: TIMELINE_PAD.t + 12, fill: "#2ca02c" }, "phase change");
 }
 
 // Each head's score at every snapshot, a line a head; click a line to open that head in the
@@ -220,7 +258,7 @@ function renderHeadChart() {
   const all = per.flatMap((layers) => layers.flat());
   const H = 260;
   const { svg, add, Y } = chart(H, Math.min(0, smallest(all)), Math.max(1, largest(all)),
-    `${SCORE_NAMES[timeline.kind] || timeline.kind} score`, scale);
+    timeline.kind === "attribution" ? "direct logit attribution" : "score", scale);
   const L = per[0].length, heads = per[0][0].length;
   const labels = []; // each line's name at its last value, moved apart where they would overlap
   for (let layer = 0; layer < L; layer++) {
@@ -271,7 +309,10 @@ function renderTimelineReadout() {
     return;
   }
   const part = (name, value) => value === null ? [] : [`${name} ${value.toFixed(3)}`];
+  const llc = D.llc[i] === null ? []
+    : [`LLC ${D.llc[i].toFixed(2)}` + (D.llc_std[i] === null ? "" : ` ± ${D.llc_std[i].toFixed(2)}`)];
   $("timeline-readout").textContent = [`step ${integer(step)}:`,
     ...part("train loss", D.train_loss[i]), ...part("val loss", D.val_loss[i]),
-    ...part("ICL score", D.icl_score[i])].join(" ");
+    ...part("ICL score", D.icl_score[i]), ...llc].join(" ");
+  $("timeline-readout").title = D.icl_definition ? `ICL score: ${D.icl_definition}` : "";
 }
