@@ -847,7 +847,8 @@ function renderSwitches() {
   const rows = Array.from({ length: L }, (_, layer) => el("tr", {},
     el("th", {}, `layer ${layer}`),
     el("td", {}, switchButton("attention", layer, null, "attention")),
-    el("td", {}, switchButton("mlp", layer, null, "MLP")),
+    el("td", {}, state.card.model.attn_only ? "none" // an attention-only model
+      : switchButton("mlp", layer, null, "MLP")),
     el("td", {}, ...Array.from({ length: H }, (_, head) =>
       switchButton("head", layer, head, `h${head}`)))));
   $("ablation-switches").replaceChildren(el("table", { class: "switch-table" },

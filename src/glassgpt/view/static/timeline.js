@@ -274,17 +274,23 @@ function renderHeadChart() {
       labels.push({ y: Y(per[per.length - 1][layer][head]), colour, text: `L${layer}H${head}` });
     }
   }
-  spreadApart(labels, 13).forEach((label) => add("text", { x: TIMELINE_W - TIMELINE_PAD.r + 8,
-    y: label.y + 4, fill: label.colour, class: "head-label" }, label.text));
+  spreadApart(labels, 13, H - TIMELINE_PAD.b).forEach((label) => add("text", {
+    x: TIMELINE_W - TIMELINE_PAD.r + 8, y: label.y + 4, fill: label.colour, class: "head-label",
+  }, label.text));
   cursorAndSnapshots(add, scale, H);
   $("timeline-heads").replaceChildren(svg);
 }
 
-// `labels` ({y}) in order of y, each at least `gap` below the one before.
-function spreadApart(labels, gap) {
+// `labels` ({y}) in order of y, each at least `gap` below the one before, and none below
+// `bottom` (those pushed past it move back up).
+function spreadApart(labels, gap, bottom) {
   labels.sort((a, b) => a.y - b.y);
   for (let i = 1; i < labels.length; i++) {
     labels[i].y = Math.max(labels[i].y, labels[i - 1].y + gap);
+  }
+  for (let i = labels.length - 1; i >= 0; i--) {
+    const floor = i === labels.length - 1 ? bottom : labels[i + 1].y - gap;
+    labels[i].y = Math.min(labels[i].y, floor);
   }
   return labels;
 }
@@ -311,8 +317,9 @@ function renderTimelineReadout() {
   const part = (name, value) => value === null ? [] : [`${name} ${value.toFixed(3)}`];
   const llc = D.llc[i] === null ? []
     : [`LLC ${D.llc[i].toFixed(2)}` + (D.llc_std[i] === null ? "" : ` ± ${D.llc_std[i].toFixed(2)}`)];
-  $("timeline-readout").textContent = [`step ${integer(step)}:`,
-    ...part("train loss", D.train_loss[i]), ...part("val loss", D.val_loss[i]),
-    ...part("ICL score", D.icl_score[i]), ...llc].join(" ");
+  const parts = [...part("train loss", D.train_loss[i]), ...part("val loss", D.val_loss[i]),
+    ...part("ICL score", D.icl_score[i]), ...llc];
+  $("timeline-readout").textContent = parts.length ? [`step ${integer(step)}:`, ...parts]
+    .join(" ") : "";
   $("timeline-readout").title = D.icl_definition ? `ICL score: ${D.icl_definition}` : "";
 }
