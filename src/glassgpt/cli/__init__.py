@@ -29,13 +29,15 @@ from glassgpt.cli import (
     prepare,
     sae,
     sample,
+    timeline,
     train,
     view,
 )
 from glassgpt.errors import CommandLineError, GlassGPTError
 
 # The modules that each add a group of subcommands, in the order `--help` lists them.
-COMMAND_MODULES = (prepare, train, finetune, sample, demos, benchmark, convert, view, sae, graph)
+COMMAND_MODULES = (prepare, train, finetune, sample, demos, benchmark, convert, view, sae, graph,
+                   timeline)
 BROKEN_PIPE_EXIT_CODE = 141  # 128 + SIGPIPE, what a Unix tool killed by a closed pipe returns
 INTERRUPTED_EXIT_CODE = train.INTERRUPTED_EXIT_CODE  # 128 + SIGINT
 

@@ -11,7 +11,7 @@ A run directory (`glassgpt train`, `convert`):
     metrics.jsonl, loss.png   what the trainer logged, and its picture
     snapshots/                weights at log-spaced steps (`train --snapshots N`): step_<8
                               digits>.safetensors and index.json (glassgpt.rundir.snapshots)
-    timeline.json             what `glassgpt timeline` measured at each snapshot
+    timeline.json, .png       what `glassgpt timeline` measured at each snapshot, drawn
 
 A prepared data directory (`glassgpt prepare`):
     train.bin, val.bin        token ids (uint16 when the vocabulary fits, else uint32)
@@ -50,6 +50,7 @@ SNAPSHOT_PREFIX = "step:"  # `--checkpoint step:1200`: the snapshot kept at step
 SNAPSHOTS_DIR = "snapshots"
 SNAPSHOT_INDEX = "index.json"
 TIMELINE_FILE = "timeline.json"
+TIMELINE_PLOT_FILE = "timeline.png"
 # Files only a run holds: `prepare` never writes beside them (its tokenizer.json would replace
 # the run's, which could then no longer sample, evaluate or resume).
 RUN_MARKERS = (CONFIG_FILE, MODEL_FILE, STATE_JSON_FILE, STATE_TENSORS_FILE, RUN_JOURNAL)
@@ -111,7 +112,7 @@ class DirKind:
 
 
 RUN = DirKind("checkpoint", RUN_JOURNAL, (*CHECKPOINT_FILES, METRICS_FILE, PLOT_FILE,
-                                          TIMELINE_FILE),
+                                          TIMELINE_FILE, TIMELINE_PLOT_FILE),
               "a checkpoint", "the previous checkpoint", "the next `train --resume`")
 DATA = DirKind("data", DATA_JOURNAL, DATA_FILES, "the prepared data", "the previous data",
                "the next `prepare --force` into it")
