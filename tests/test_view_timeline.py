@@ -182,3 +182,24 @@ def test_timeline_json_is_read_for_the_page_and_a_broken_one_is_a_note(client, r
         assert answer["timeline_note"].startswith("timeline.json cannot be read")
     finally:
         path.unlink()
+
+
+def test_the_panel_draws_what_glassgpt_timeline_wrote(client, run_dir):
+    """timeline.json as `glassgpt timeline` writes it (glassgpt.interp.timeline's format):
+    the panel's steps, losses and each head's lines are the file's numbers."""
+    assert main(["timeline", str(run_dir), "--sequences", "4", "--score-batch", "2"]) == 0
+    path = run_dir / TIMELINE_FILE
+    try:
+        written = json.loads(path.read_text(encoding="utf-8"))
+        shown = client.get("/api/timeline").json()["timeline"]
+        records = written["snapshots"]
+        assert shown["steps"] == written["steps"] == list_snapshots(run_dir)
+        for name in ("train_loss", "val_loss", "icl_score"):
+            assert shown[name] == [record[name] for record in records]
+        for kind in ("previous_token", "duplicate_token", "induction"):
+            assert shown["heads"][kind] == [record["scores"][kind] for record in records]
+        assert shown["heads"]["attribution"] == [r["attribution"]["heads"] for r in records]
+        assert shown["phase_change"] == written["phase_change"]["step"]
+        assert shown["icl_definition"] == written["icl"]["definition"]
+    finally:
+        path.unlink()
