@@ -7,6 +7,7 @@
 
 const TIMELINE_W = 1100; // the charts' drawing width (SVG units; drawn at the panel's width)
 const TIMELINE_PAD = { l: 56, r: 150, t: 12, b: 40 };
+const MOST_LABELS = 12; // heads named at the end of their lines
 const SCORE_NAMES = { previous_token: "previous-token score", duplicate_token:
   "duplicate-token score", induction: "induction score",
   attribution: "push on the probe's answer (logit attribution)" };
@@ -274,7 +275,9 @@ function renderHeadChart() {
       labels.push({ y: Y(per[per.length - 1][layer][head]), colour, text: `L${layer}H${head}` });
     }
   }
-  spreadApart(labels, 13, H - TIMELINE_PAD.b).forEach((label) => add("text", {
+  // Past a dozen heads, only the dozen highest at the last snapshot are named (hover any line).
+  const named = labels.sort((a, b) => a.y - b.y).slice(0, MOST_LABELS);
+  spreadApart(named, 13, H - TIMELINE_PAD.b).forEach((label) => add("text", {
     x: TIMELINE_W - TIMELINE_PAD.r + 8, y: label.y + 4, fill: label.colour, class: "head-label",
   }, label.text));
   cursorAndSnapshots(add, scale, H);
