@@ -30,6 +30,7 @@ import linecache
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -184,6 +185,18 @@ def successor_demo_files(where: Path) -> None:
         (where / name).write_text("".join(json.dumps(row) + "\n" for row in rows), "utf-8")
 
 
+def induction_demo_output(where: Path) -> None:
+    """`pictures/induction.json` and `pictures/induction_run/` as `glassgpt demo induction --out
+    pictures --json pictures/induction.json` writes them, at the demo's --quick size (seed 0):
+    the session's quick run, shared with tests/test_induction.py."""
+    from conftest import quick_experiment
+    from glassgpt.cli.demos import write_json
+
+    result = quick_experiment("induction", where / "pictures", seed=0)
+    shutil.copytree(result.numbers["run"], where / "pictures" / "induction_run")
+    write_json(where / "pictures" / "induction.json", {"induction": result}, seed=0, quick=True)
+
+
 # What a page takes as the reader's own (or as made on another page), made before its first
 # block, in this order.
 GIVEN_MAKERS: dict[str, Callable[[Path], None]] = {
@@ -193,13 +206,15 @@ GIVEN_MAKERS: dict[str, Callable[[Path], None]] = {
     "love.safetensors": steering_vector,
     "runs/repeats/ and its transcoders": repeats_run_as_interpretability_makes_it,
     "the successor demo's files": successor_demo_files,
+    "the induction demo's pictures/": induction_demo_output,
 }
 EXTRAS_NEEDED = {"api.md": ["transformers"], "cli.md": ["transformers", "gguf"],
                  "interop.md": ["transformers", "gguf"], "interpretability.md": ["nnsight"]}
 GIVENS = {"api.md": ["my.txt", "my-llama/"], "interop.md": ["my.txt"],
           "cli.md": ["my.txt", "runs/llama/", "love.safetensors",
                      "runs/repeats/ and its transcoders"],
-          "finetune.md": ["the successor demo's files"]}
+          "finetune.md": ["the successor demo's files"],
+          "interpretability.md": ["the induction demo's pictures/"]}
 
 
 def page_blocks(page: Path) -> list[tuple[str, str, str]]:

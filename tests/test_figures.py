@@ -191,6 +191,24 @@ IND_NUMBERS = {"chance_loss": 4.16, "tolerance": 50, **{
     for n_layer, name in induction.LAYERS.items()},
     "shakespeare": {"n_layer": 4, "steps": list(range(250, 2001, 250)),
                     "scores": [[[0.02, 0.3, 0.1, 0.05]] * 4 for _ in range(8)]}}
+SNAP_STEPS = [0, 1, 2, 3, 5, 8, 12, 19, 29, 44, 67, 100, 151, 228, 343, 517, 778, 1000]
+
+
+def ind_timeline(n_layer: int, llc: bool) -> dict:
+    """A timeline summary as `induction.snapshot_timeline` returns it (a phase change at 228
+    for 2 layers, none for 1)."""
+    rises = n_layer == 2
+    return {"steps": SNAP_STEPS, "loss": [4.2 - 1.5 * (rises and s >= 228) for s in SNAP_STEPS],
+            "best_induction": [0.05 + 0.8 * (rises and s >= 228) for s in SNAP_STEPS],
+            "icl_score": [-2.0 * (rises and s >= 228) for s in SNAP_STEPS],
+            "phase_change": 228 if rises else None, "loss_drop": [151, 343] if rises else None,
+            "llc_mean": [10.0 + 20 * (s >= 228) for s in SNAP_STEPS] if llc else [],
+            "llc_std": [1.0] * len(SNAP_STEPS) if llc else []}
+
+
+def ind_timeline_numbers(llc: bool) -> dict:
+    return {name: {"timeline": ind_timeline(n_layer, llc)}
+            for n_layer, name in induction.LAYERS.items()}
 
 WIN_NUMBERS = {"window": 3, "local_reach": 4, "chance": 0.125, "steps": 400,
                "receptive_field": {name: {"gradient": [max(0.0, 1 - d / reach) for d in range(16)]}
@@ -231,7 +249,11 @@ FIGURES: dict[str, dict[str, Callable[[], list[Figure]]]] = {
     "mlps": {"three MLPs": lambda: [mlps.mlps_figure(MLP_NUMBERS)]},
     "kvheads": {"4, 2, 1": lambda: [kvheads.kvheads_figure(KV_NUMBERS)]},
     "qknorm": {"with and without": lambda: [qknorm.qknorm_figure(QK_NUMBERS)]},
-    "induction": {"2 and 1 layers": lambda: [induction.induction_figure(IND_NUMBERS)]},
+    "induction": {"2 and 1 layers": lambda: [induction.induction_figure(IND_NUMBERS)],
+                  "timelines with the LLC": lambda: [induction.induction_timeline_figure(
+                      ind_timeline_numbers(llc=True))],
+                  "timelines without": lambda: [induction.induction_timeline_figure(
+                      ind_timeline_numbers(llc=False))]},
     "windows": {"local and global": lambda: [windows.windows_figure(WIN_NUMBERS)]},
     "features": {"toy and char": lambda: [features.features_figure(FEATURE_NUMBERS,
                                                                    features.QUICK)]},
@@ -297,6 +319,7 @@ def test_every_experiment_and_every_figure_function_is_covered() -> None:
         "glassgpt.experiments.kvheads.kvheads_figure",
         "glassgpt.experiments.qknorm.qknorm_figure",
         "glassgpt.experiments.induction.induction_figure",
+        "glassgpt.experiments.induction.induction_timeline_figure",
         "glassgpt.experiments.windows.windows_figure",
         "glassgpt.experiments.features.features_figure",
         "glassgpt.experiments.attention_maps.page_figure",

@@ -39,8 +39,9 @@ def test_quick_size_shows_the_phase_change_for_every_seed(tmp_path: Path, seed: 
     result = quick_experiment("induction", tmp_path, seed=seed)
     failed = [check.claim for check in result.checks if not check.holds]
     assert not failed, f"seed {seed}: expected outcomes not shown: {failed}"
-    assert len(result.checks) == 4  # three on the repeats, one on layer 0 of Shakespeare
-    assert [p.name for p in result.pictures] == ["induction.png"]
+    # three on the repeats, two through the snapshots, one on layer 0 of Shakespeare
+    assert len(result.checks) == 6
+    assert [p.name for p in result.pictures] == ["induction.png", "induction_timeline.png"]
     assert (tmp_path / "induction.png").read_bytes()[:8] == PNG_MAGIC
     two, one = result.numbers[LAYERS[2]], result.numbers[LAYERS[1]]
     assert two["steps"] == one["steps"] and two["steps"][0] == 0

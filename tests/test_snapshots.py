@@ -115,3 +115,30 @@ def test_a_missing_or_malformed_snapshot_is_one_clear_error(runs: dict[str, Path
 def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].equal(b[k])
                                         for k in a)
+
+
+def test_a_lora_tune_is_snapshotted_with_its_adapters_merged() -> None:
+    """A snapshot is the model at its step: a LoRA tune's base with the adapters merged, as
+    `Run.load_model` merges a tuned run's, under the run's own tensor names."""
+    import copy
+
+    import torch
+
+    from conftest import tiny_gpt
+    from glassgpt.adapters.lora import add_lora, bake_lora
+    from glassgpt.adapters.settings import LoraSettings
+    from glassgpt.rundir.snapshots import snapshot_tensors
+    from glassgpt.rundir.weights import model_tensors
+
+    model = tiny_gpt()
+    add_lora(model, LoraSettings(rank=2, targets=("q", "v", "down")))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_()  # adapters that change something
+    baked = copy.deepcopy(model)
+    bake_lora(baked)
+    snapshot = snapshot_tensors(model)
+    assert _equal(snapshot, model_tensors(baked))
+    assert not snapshot["blocks.0.attn.qkv.weight"].equal(model_tensors(model)[
+        "blocks.0.attn.qkv.weight"])  # the adapters are in it

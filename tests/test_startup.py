@@ -36,7 +36,7 @@ def imported_by(*args: str) -> tuple[list[str], int]:
 @pytest.mark.parametrize("args", [
     ("--help",), ("train", "--help"), ("sample", "--help"), ("prepare", "--help"),
     ("bench", "--help"), ("demo", "--help"), ("convert", "--help"), ("view", "--help"),
-    ("eval", "--help"), ("attention", "--help"),
+    ("eval", "--help"), ("attention", "--help"), ("timeline", "--help"),
 ], ids=" ".join)
 def test_help_imports_no_torch(args):
     heavy, _ = imported_by(*args)

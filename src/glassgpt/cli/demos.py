@@ -41,7 +41,7 @@ from glassgpt.storage.files import (
     write_bytes_atomic,
     write_text_atomic,
 )
-from glassgpt.storage.layout import LOCK_FILE, RUN
+from glassgpt.storage.layout import LOCK_FILE, RUN, SNAPSHOTS_DIR
 from glassgpt.storage.outputs import check_output_file
 
 RULE_WIDTH = 80  # of the line above each experiment, in a file or a pipe
@@ -236,7 +236,8 @@ def check_run_destination(run_dir: Path, force: bool) -> bool:
     if not force:
         raise CommandLineError(f"{run_dir} already exists; pass --force to replace the run "
                                f"there, or give another --out")
-    others = [name for name in present if name not in (*RUN.own_files, LOCK_FILE)]
+    others = [name for name in present if name not in (*RUN.own_files, LOCK_FILE,
+                                                        SNAPSHOTS_DIR)]
     from glassgpt.rundir.directory import is_glassgpt_run
 
     if others or not is_glassgpt_run(run_dir):
@@ -257,7 +258,10 @@ def deliver_run(run: Path, out: Path, force: bool) -> Path:
     replacing = check_run_destination(destination, force)
     with staged_directory(destination, replacing=replacing) as staging:
         for file in run.iterdir():
-            shutil.copyfile(file, staging / file.name)
+            if file.name == SNAPSHOTS_DIR:  # the weights at log-spaced steps, a folder
+                shutil.copytree(file, staging / file.name)
+            else:
+                shutil.copyfile(file, staging / file.name)
     return destination
 
 

@@ -68,6 +68,8 @@ def run_timeline_command(args: argparse.Namespace) -> int:
 def summary_lines(timeline: Any) -> list[str]:
     """One line a snapshot: its losses, ICL score, best induction head (and LLC), then the
     phase change."""
+    from glassgpt.interp.timeline.timeline import PHASE_CHANGE_MIN
+
     lines = []
     for record, best in zip(timeline.records, timeline.best_induction(), strict=True):
         losses = ", ".join(f"{split} loss {record[f'{split}_loss']:.4f}"
@@ -77,6 +79,6 @@ def summary_lines(timeline: Any) -> list[str]:
                      f"{record['icl_score']:+.4f}, best induction score {best:.3f}{llc}")
     phase = timeline.phase_change()
     lines.append(f"phase change (best induction score half way up) at step {phase}"
-                 if phase is not None else "no phase change: the best induction score moved "
-                 "less than 0.1")
+                 if phase is not None else f"no phase change: the best induction score moved "
+                 f"less than {PHASE_CHANGE_MIN}")
     return lines

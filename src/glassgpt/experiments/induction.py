@@ -8,7 +8,10 @@ me" into every position, and an induction head in the next layer matches the cur
 against that, attending to the token after the earlier copy and copying it. The loss on the
 repeated part falls abruptly when the induction heads form (Olsson et al. 2022, "In-context
 learning and induction heads"), the heads' induction scores (glassgpt.interp.methods.scores)
-rise in the same steps, and a 1-layer model, trained alike, shows neither. Then a character model of
+rise in the same steps, and a 1-layer model, trained alike, shows neither. Both keep weight
+snapshots at log-spaced steps as they train (glassgpt.rundir.snapshots), and each is read through
+its snapshots by glassgpt.interp.timeline (the loss, every head's induction score, the ICL score
+and the LLC, on one time axis: induction_timeline.png). Then a character model of
 `cpu-small`'s shape trained on Tiny Shakespeare is scored the same way while it trains (after
 2000 steps none of its heads is an induction head yet: measured, so claimed).
 Notation: B = batch, T = positions, L = layers, H = heads, V = vocabulary.
@@ -17,6 +20,7 @@ Notation: B = batch, T = positions, L = layers, H = heads, V = vocabulary.
 from __future__ import annotations
 
 import math
+import shutil
 import string
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +38,12 @@ from glassgpt.experiments.results import Check, ExperimentResult, Table, step_ta
 from glassgpt.experiments.tasks import single_thread
 from glassgpt.figures import LABEL_PT, label_axes, new_figure, save_figure
 from glassgpt.interp.methods.scores import head_scores
+from glassgpt.interp.timeline.llc import LLCSettings
+from glassgpt.interp.timeline.settings import TimelineSettings
+from glassgpt.interp.timeline.timeline import PHASE_CHANGE_MIN, run_timeline, write_timeline
 from glassgpt.model import GPT, eval_mode
 from glassgpt.rundir.checkpoint import save_model
+from glassgpt.rundir.snapshots import SnapshotWriter
 from glassgpt.storage.commit import staged_directory
 from glassgpt.tokenizers import CharTokenizer
 
@@ -45,6 +53,10 @@ DATA_SEED_OFFSET = 10_000  # training batches come from seed + this, the weights
 SCORE_SEED = 7  # the repeated random tokens the induction scores are read on
 CPU_SMALL = (4, 128, 64)  # the cpu-small preset's layers, width and context
 RUN_NAME = "induction_run"  # the 2-layer model's run directory, under the pictures' folder
+# The LLC at each snapshot: devinterp's estimator (glassgpt.interp.timeline.llc) on the
+# evaluation's sequences, with fewer chains and draws than its defaults (a demo's minute).
+DEMO_LLC = LLCSettings(num_chains=2, num_draws=40, batch_size=16, num_init_loss_batches=4)
+DROP_FROM, DROP_TO = 0.1, 0.9  # the loss drop: from 10% of the way down to 90%
 # The 64 random tokens written as characters, so that `view` and `sample` take typed prompts
 # (any text of these, repeated, shows the induction heads at work; a space is one of them).
 RUN_ALPHABET = string.ascii_lowercase + string.ascii_uppercase + string.digits + " ."
@@ -69,9 +81,13 @@ class InductionSettings:
                                                  batch_size=12, steps=2000, eval_every=250,
                                                  eval_windows=32)
     shakespeare_score_every: int = 250
+    snapshots: int = 24  # weight snapshots at log-spaced steps, read by the timeline
+    llc: bool = True  # estimate the LLC at each snapshot (DEMO_LLC)
 
 
-QUICK = InductionSettings(steps=400, eval_every=20, tolerance=40,
+# The quick size reads no LLC: 16 snapshots of SGLD cost 12 s of CPU a model, more than the
+# rest of the timeline (1 s) and the quick test's budget; the full demo estimates it.
+QUICK = InductionSettings(steps=400, eval_every=20, tolerance=40, snapshots=16, llc=False,
                           shakespeare=CharLMSettings(n_layer=2, n_head=4, n_embd=64,
                                                      block_size=32, steps=100, eval_every=50,
                                                      eval_windows=16),
@@ -129,10 +145,11 @@ def induction_scores(model: GPT, half: int, batch: int) -> Tensor:
     return head_scores(model, half=half, batch=batch, seed=SCORE_SEED).induction
 
 
-def train_repeats(n_layer: int, s: InductionSettings,
-                  seed: int) -> tuple[dict[str, Any], GPT]:
+def train_repeats(n_layer: int, s: InductionSettings, seed: int,
+                  snapshots: SnapshotWriter | None = None) -> tuple[dict[str, Any], GPT]:
     """Train one attention-only model; every `eval_every` steps read its repeated-part loss
-    and each head's induction score. Returns the readings and the trained model."""
+    and each head's induction score, and keep the weights at the `snapshots`' steps. Returns
+    the readings and the trained model."""
     model = model_of(n_layer, s, seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.0)
     data = torch.Generator().manual_seed(seed + DATA_SEED_OFFSET)
@@ -140,6 +157,8 @@ def train_repeats(n_layer: int, s: InductionSettings,
                                             s.vocab_size, torch.Generator().manual_seed(EVAL_SEED))
     steps, losses, scores = [], [], []
     for step in range(s.steps + 1):
+        if snapshots is not None and snapshots.due(step):
+            snapshots.save(model, step)
         if step % s.eval_every == 0 or step == s.steps:
             steps.append(step)
             losses.append(repeated_loss(model, eval_tokens, predictable))
@@ -159,17 +178,58 @@ def train_repeats(n_layer: int, s: InductionSettings,
             "score_rise_step": crossing_step(steps, best)}, model
 
 
-def save_induction_run(model: GPT, run_dir: Path, seed: int) -> Path:
-    """Save `model` as a run directory (new, or an empty directory) that `glassgpt sample`,
-    `view` and `convert --to-hf` open; it appears whole or not at all."""
+def trained_run(n_layer: int, s: InductionSettings, seed: int, run_dir: Path
+                ) -> dict[str, Any]:
+    """Train one model into `run_dir` (new, or an empty directory) as a run that `glassgpt
+    sample`, `view`, `timeline` and `convert --to-hf` open: its snapshots kept as it trains,
+    its final weights, and its timeline read through the snapshots (timeline.json). It appears
+    whole or not at all. Returns the readings, the timeline's summary under "timeline"."""
+    with staged_directory(run_dir) as staging:
+        writer = SnapshotWriter(staging, s.snapshots, s.steps)
+        numbers, model = train_repeats(n_layer, s, seed, writer)
+        writer.finish()
+        save_run(staging, model, seed)
+        numbers["timeline"] = snapshot_timeline(staging, run_dir, s)
+    return numbers
+
+
+def save_run(directory: Path, model: GPT, seed: int) -> None:
+    """`model` as a run in `directory`, its random tokens named by RUN_ALPHABET's characters."""
     tokenizer = CharTokenizer.from_text(RUN_ALPHABET)
     if tokenizer.vocab_size != model.config.vocab_size:
         raise ConfigError(f"the run's {tokenizer.vocab_size} characters cannot name "
                           f"{model.config.vocab_size} random tokens")
-    extra = {"experiment": "induction", "seed": seed}
-    with staged_directory(run_dir) as staging:
-        save_model(staging, model, tokenizer, extra=extra)
-    return run_dir
+    save_model(directory, model, tokenizer, extra={"experiment": "induction", "seed": seed})
+
+
+def snapshot_timeline(staging: Path, run_dir: Path, s: InductionSettings) -> dict[str, Any]:
+    """The run read through its snapshots (glassgpt.interp.timeline) on the evaluation's
+    sequences, its ICL score at the last token (always inside the repeat) minus Olsson's early
+    one; timeline.json written into the run. Returns the curves the picture and the checks
+    read, and the loss drop's steps (DROP_FROM to DROP_TO of the way down)."""
+    tokens, _ = repeat_batch(s.eval_sequences, s.half, s.shortest_repeat, s.vocab_size,
+                             torch.Generator().manual_seed(EVAL_SEED))  # (N, T): T - 1 predicted
+    settings = TimelineSettings(seed=SCORE_SEED, score_batch=s.score_batch, icl_late=1.0,
+                                llc=s.llc, llc_settings=DEMO_LLC)
+    timeline = run_timeline(staging, settings, data={"repeats": tokens})
+    timeline.run_dir = str(run_dir)  # where it will be, once the staging directory is moved
+    write_timeline(timeline, directory=staging)
+    steps, loss = timeline.steps, timeline.series("repeats_loss")
+    llc = timeline.series("llc") if s.llc else []
+    return {"steps": steps, "loss": loss, "icl_score": timeline.series("icl_score"),
+            "best_induction": timeline.best_induction(), "phase_change": timeline.phase_change(),
+            "icl": timeline.icl["definition"], "loss_drop": loss_drop(steps, loss),
+            "llc_mean": [e["llc_mean"] for e in llc], "llc_std": [e["llc_std"] for e in llc]}
+
+
+def loss_drop(steps: list[int], loss: list[float]) -> list[int] | None:
+    """[first step DROP_FROM of the way from the first loss to the lowest, first step
+    DROP_TO of the way]: the steps where the loss drops (None when it fell less than 0.1)."""
+    start, low = loss[0], min(loss)
+    if start - low < 0.1:
+        return None
+    return [next(step for step, value in zip(steps, loss, strict=True)
+                 if start - value >= share * (start - low)) for share in (DROP_FROM, DROP_TO)]
 
 
 def crossing_step(steps: list[int], values: list[float]) -> int | None:
@@ -210,13 +270,18 @@ def run(out_dir: Path, seed: int = 0, quick: bool = False) -> ExperimentResult:
     numbers: dict[str, Any] = {}
     with single_thread():
         for n_layer, name in LAYERS.items():
-            numbers[name], model = train_repeats(n_layer, s, seed)
+            # the control's run is read and dropped: only the 2-layer run is kept
+            run_dir = out_dir / (RUN_NAME if n_layer == 2 else f".{RUN_NAME}_control")
+            numbers[name] = trained_run(n_layer, s, seed, run_dir)
             if n_layer == 2:
-                numbers["run"] = str(save_induction_run(model, out_dir / RUN_NAME, seed))
+                numbers["run"] = str(run_dir)
+            else:
+                shutil.rmtree(run_dir)
         numbers["shakespeare"] = train_shakespeare(s, seed)
     numbers["chance_loss"] = math.log(s.vocab_size)
     numbers["tolerance"] = s.tolerance
-    pictures = [save_figure(induction_figure(numbers), out_dir / "induction.png")]
+    pictures = [save_figure(induction_figure(numbers), out_dir / "induction.png"),
+                save_figure(induction_timeline_figure(numbers), out_dir / "induction_timeline.png")]
     return ExperimentResult(
         name="induction",
         summary=f"attention-only models on repeated random tokens ({s.steps} steps), then a "
@@ -268,7 +333,61 @@ def expected_outcomes(numbers: dict[str, Any]) -> list[Check]:
         Check(f"the loss drops and the induction score rises together (steps {drop} and {rise}, "
               f"within {tolerance})", together),
     ]
-    return checks + shakespeare_outcomes(numbers["shakespeare"])
+    return checks + timeline_outcomes(two["timeline"], one["timeline"]) + \
+        shakespeare_outcomes(numbers["shakespeare"])
+
+
+def timeline_outcomes(two: dict[str, Any], one: dict[str, Any]) -> list[Check]:
+    """Read through the snapshots: the 2-layer model's best induction score is half way up
+    inside the steps where its loss drops; the control's never moves by PHASE_CHANGE_MIN, and
+    stays below the 0.3 the final-weights check holds it to."""
+    drop, phase = two["loss_drop"], two["phase_change"]
+    inside = drop is not None and phase is not None and drop[0] <= phase <= drop[1]
+    rise = max(one["best_induction"]) - one["best_induction"][0]
+    return [
+        Check(f"through the snapshots, the 2-layer model's induction score rises (half way up at "
+              f"step {phase}) within the steps where its loss drops ({drop})", inside),
+        Check(f"the 1-layer control's induction score never rises (by {rise:.2f} at most, < "
+              f"{PHASE_CHANGE_MIN}: no phase change; at most {max(one['best_induction']):.2f} "
+              f"< 0.3)", one["phase_change"] is None and max(one["best_induction"]) < 0.3),
+    ]
+
+
+def induction_timeline_figure(numbers: dict[str, Any]) -> Figure:
+    """Each model read through its snapshots, on one (log-spaced) time axis: the loss and the
+    best head's induction score, the phase change and the loss drop marked; below, the LLC
+    (or, without it, the ICL score). The two models share each row's scale, so the control's
+    small drop (it learns that a token seen before is likelier) reads as small."""
+    fig = new_figure(11.0, 6.4)
+    grid = fig.subplots(2, 2, sharex="col", sharey="row")  # one scale for both models
+    for column, name in enumerate(LAYERS.values()):
+        tl = numbers[name]["timeline"]
+        top, bottom = grid[0][column], grid[1][column]
+        top.plot(tl["steps"], tl["loss"], color="C0", marker="o", markersize=3)
+        label_axes(top, ylabel="loss (nats)", title=f"{name}: loss and induction score")
+        score = top.twinx()
+        score.plot(tl["steps"], tl["best_induction"], color="C1", marker="s", markersize=3)
+        score.set_ylim(0.0, 1.0)
+        score.set_ylabel("best head's induction score", color="C1", fontsize=LABEL_PT)
+        if tl["loss_drop"] is not None:
+            top.axvspan(*tl["loss_drop"], color="C0", alpha=0.12, label="the loss drops")
+        if tl["phase_change"] is not None:
+            top.axvline(tl["phase_change"], color="C1", linestyle="--", linewidth=1,
+                        label=f"phase change (step {tl['phase_change']})")
+        if tl["loss_drop"] is not None or tl["phase_change"] is not None:
+            top.legend(fontsize=LABEL_PT, loc="center left")
+        if tl["llc_mean"]:
+            bottom.errorbar(tl["steps"], tl["llc_mean"], yerr=tl["llc_std"], color="C4",
+                            marker="o", markersize=3, capsize=2)
+            label_axes(bottom, xlabel="training step (snapshots, log-spaced)",
+                       ylabel="LLC estimate", title="local learning coefficient (SGLD)")
+        else:
+            bottom.plot(tl["steps"], tl["icl_score"], color="C3", marker="o", markersize=3)
+            label_axes(bottom, xlabel="training step (snapshots, log-spaced)",
+                       ylabel="ICL score (nats)", title="in-context learning score")
+        for ax in (top, bottom):
+            ax.set_xscale("symlog", linthresh=10)
+    return fig
 
 
 def shakespeare_outcomes(text: dict[str, Any]) -> list[Check]:
