@@ -98,7 +98,7 @@ def write_timeline(run: Path) -> None:
                                                           "duplicate_token": heads,
                                                           "induction": heads}})
     (run / "timeline.json").write_text(json.dumps({
-        "steps": steps, "snapshots": records,
+        "steps": steps, "splits": ["train", "val"], "snapshots": records,
         "phase_change": {"step": steps[1], "definition": "made up"}}), encoding="utf-8")
 
 

@@ -162,6 +162,7 @@ def test_timeline_json_is_read_for_the_page_and_a_broken_one_is_a_note(client, r
                 **({"llc": {"llc_mean": 2.5, "llc_std": 0.25}} if i == 2 else {})}
                for i, step in enumerate(steps)]
     written = {"format": "glassgpt-timeline/1", "steps": steps, "snapshots": records,
+               "splits": ["train", "val"],
                "phase_change": {"step": steps[1], "definition": "half way"},
                "icl": {"definition": "loss at token index 8 minus loss at token index 1"}}
     path = run_dir / TIMELINE_FILE
@@ -170,7 +171,8 @@ def test_timeline_json_is_read_for_the_page_and_a_broken_one_is_a_note(client, r
         answer = client.get("/api/timeline").json()
         assert answer["timeline_note"] is None
         shown = answer["timeline"]
-        assert shown["steps"] == steps and shown["val_loss"] == [4.5, 3.5, 2.5]
+        assert shown["steps"] == steps and shown["losses"] == {"train": [4.0, 3.0, 2.0],
+                                                               "val": [4.5, 3.5, 2.5]}
         assert shown["heads"] == {"previous_token": heads, "duplicate_token": heads,
                                   "induction": heads, "attribution": pushes}
         assert shown["llc"] == [None, None, 2.5] and shown["llc_std"] == [None, None, 0.25]
@@ -194,8 +196,10 @@ def test_the_panel_draws_what_glassgpt_timeline_wrote(client, run_dir):
         shown = client.get("/api/timeline").json()["timeline"]
         records = written["snapshots"]
         assert shown["steps"] == written["steps"] == list_snapshots(run_dir)
-        for name in ("train_loss", "val_loss", "icl_score"):
-            assert shown[name] == [record[name] for record in records]
+        assert list(shown["losses"]) == written["splits"] == ["train", "val"]
+        for split in written["splits"]:
+            assert shown["losses"][split] == [record[f"{split}_loss"] for record in records]
+        assert shown["icl_score"] == [record["icl_score"] for record in records]
         for kind in ("previous_token", "duplicate_token", "induction"):
             assert shown["heads"][kind] == [record["scores"][kind] for record in records]
         assert shown["heads"]["attribution"] == [r["attribution"]["heads"] for r in records]

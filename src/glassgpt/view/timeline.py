@@ -136,21 +136,24 @@ def read_timeline(run_dir: Path | None) -> tuple[dict[str, Any] | None, str | No
 
 def page_timeline(data: dict[str, Any]) -> dict[str, Any]:
     """The numbers of `glassgpt timeline`'s file (glassgpt.interp.timeline) the panel draws,
-    a list a quantity, one value a snapshot: the losses, the ICL score and the LLC (None where
-    it was not measured), and `heads`: each head score and the probe's logit attribution by
-    head as [kind][snapshot][layer][head]; with the phase change's step and what the ICL
-    score and the phase change are."""
+    a list a quantity, one value a snapshot: the loss of each split read (`losses`), the ICL
+    score and the LLC (None where it was not measured), and `heads`: each head score and the
+    probe's logit attribution by head as [kind][snapshot][layer][head]; with the phase
+    change's step and what the ICL score and the phase change are."""
     points = data["snapshots"]
     steps = [int(p["step"]) for p in points]
-    series = {name: [_number(p.get(name)) for p in points]
-              for name in ("train_loss", "val_loss", "icl_score")}
+    # The loss of each split it read ("train", "val"; the induction demo's "repeats").
+    splits = [str(split) for split in data.get("splits", ("train", "val"))]
+    losses = {split: [_number(p.get(f"{split}_loss")) for p in points] for split in splits}
     llc = [p.get("llc") or {} for p in points]
     kinds = [kind for kind in SCORE_KINDS if all(kind in p["scores"] for p in points)]
     heads = {kind: [_matrix(p["scores"][kind]) for p in points] for kind in kinds}
     if all("heads" in p.get("attribution", {}) for p in points):
         heads["attribution"] = [_matrix(p["attribution"]["heads"]) for p in points]
     phase = data.get("phase_change") or {}
-    return {"steps": steps, **series, "llc": [_number(e.get("llc_mean")) for e in llc],
+    return {"steps": steps, "losses": losses,
+            "icl_score": [_number(p.get("icl_score")) for p in points],
+            "llc": [_number(e.get("llc_mean")) for e in llc],
             "llc_std": [_number(e.get("llc_std")) for e in llc], "heads": heads,
             "phase_change": None if phase.get("step") is None else int(phase["step"]),
             "phase_definition": phase.get("definition"),

@@ -8,6 +8,7 @@
 const TIMELINE_W = 1100; // the charts' drawing width (SVG units; drawn at the panel's width)
 const TIMELINE_PAD = { l: 56, r: 150, t: 12, b: 40 };
 const MOST_LABELS = 12; // heads named at the end of their lines
+const SPLIT_COLOURS = ["#1f5fa8", "#d9480f", "#2ca02c", "#9467bd"]; // a split's loss a colour
 const SCORE_NAMES = { previous_token: "previous-token score", duplicate_token:
   "duplicate-token score", induction: "induction score",
   attribution: "push on the probe's answer (logit attribution)" };
@@ -186,11 +187,12 @@ function renderLossChart() {
   const scale = stepScale();
   const batches = state.card.training.train;
   const D = timeline.data;
-  const at = (name) => D ? D.steps.map((s, i) => [s, D[name][i]]).filter((p) => p[1] !== null)
-    : [];
+  const splits = D ? Object.keys(D.losses) : [];
+  const at = (split) => D.steps.map((s, i) => [s, D.losses[split][i]])
+    .filter((p) => p[1] !== null);
   const series = [["train (batch)", "#9dbbe0", batches, false],
-    ["train (snapshot)", "#1f5fa8", at("train_loss"), true],
-    ["val (snapshot)", "#d9480f", at("val_loss"), true]].filter((s) => s[2].length);
+    ...splits.map((split, i) => [`${split} (snapshot)`, SPLIT_COLOURS[i % SPLIT_COLOURS.length],
+      at(split), true])].filter((s) => s[2].length);
   if (!series.length) {
     $("timeline-loss").replaceChildren(el("p", { class: "hint" }, "this run logged no loss"));
     return;
@@ -201,7 +203,9 @@ function renderLossChart() {
   series.forEach(([name, colour, pts, dots], i) => {
     add("polyline", { points: pts.map(([x, y]) => `${scale.X(x)},${Y(y)}`).join(" "),
       fill: "none", stroke: colour, "stroke-width": dots ? 2 : 1.2, "data-series": name });
-    if (dots) for (const [x, y] of pts) add("circle", { cx: scale.X(x), cy: Y(y), r: 3, fill: colour });
+    for (const [x, y] of dots ? pts : []) {
+      add("circle", { cx: scale.X(x), cy: Y(y), r: 3, fill: colour });
+    }
     const ly = 22 + 20 * i, lx = TIMELINE_W - TIMELINE_PAD.r + 16;
     add("line", { x1: lx, x2: lx + 24, y1: ly, y2: ly, stroke: colour, "stroke-width": 3 });
     add("text", { x: lx + 30, y: ly + 4 }, name);
@@ -318,9 +322,10 @@ function renderTimelineReadout() {
     return;
   }
   const part = (name, value) => value === null ? [] : [`${name} ${value.toFixed(3)}`];
-  const llc = D.llc[i] === null ? []
-    : [`LLC ${D.llc[i].toFixed(2)}` + (D.llc_std[i] === null ? "" : ` ± ${D.llc_std[i].toFixed(2)}`)];
-  const parts = [...part("train loss", D.train_loss[i]), ...part("val loss", D.val_loss[i]),
+  const spread = D.llc_std[i] === null ? "" : ` ± ${D.llc_std[i].toFixed(2)}`;
+  const llc = D.llc[i] === null ? [] : [`LLC ${D.llc[i].toFixed(2)}${spread}`];
+  const losses = Object.entries(D.losses).flatMap(([split, v]) => part(`${split} loss`, v[i]));
+  const parts = [...losses,
     ...part("ICL score", D.icl_score[i]), ...llc];
   $("timeline-readout").textContent = parts.length ? [`step ${integer(step)}:`, ...parts]
     .join(" ") : "";
