@@ -6,7 +6,7 @@
 "use strict";
 
 const TIMELINE_W = 1100; // the charts' drawing width (SVG units; drawn at the panel's width)
-const TIMELINE_PAD = { l: 56, r: 150, t: 12, b: 40 };
+const TIMELINE_PAD = { l: 56, r: 180, t: 12, b: 40 };
 const MOST_LABELS = 12; // heads named at the end of their lines
 const SPLIT_COLOURS = ["#1f5fa8", "#d9480f", "#2ca02c", "#9467bd"]; // a split's loss a colour
 const SCORE_NAMES = { previous_token: "previous-token score", duplicate_token:
