@@ -424,7 +424,8 @@ def test_only_the_documented_endpoints_exist_and_none_takes_a_file(client):
     assert paths == {"/", "/api/card", "/api/tokenize", "/api/predictions", "/api/attention",
                      "/api/overview", "/api/attends", "/api/head", "/api/ablate", "/api/sample",
                      "/api/mlp", "/api/patching", "/api/progress", "/api/attribution",
-                     "/api/dictionaries", "/api/features", "/api/feature", "/api/clamp",
+                     "/api/timeline", "/api/dictionaries", "/api/features", "/api/feature",
+                     "/api/clamp",
                      "/api/graph/available", "/api/graph", "/api/graph/edge",
                      "/api/compare/available", "/api/compare/tokens", "/api/compare/changes",
                      "/api/compare/attention", "/static"}

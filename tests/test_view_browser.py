@@ -9,6 +9,7 @@ Chromium is required, not optional: without it the test fails and says how to in
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -36,6 +37,7 @@ from glassgpt.interp.methods.lens import (
 )
 from glassgpt.model import GPT
 from glassgpt.rundir.checkpoint import load_model, save_model
+from glassgpt.rundir.snapshots import list_snapshots
 from glassgpt.tokenizers import CharTokenizer
 from glassgpt.view.server import create_app, load_for_view, make_server, open_socket, url_of
 
@@ -77,8 +79,27 @@ def run_dir(tmp_path_factory) -> Path:
     assert main(["train", "--data", str(root / "data"), "--out", str(root / "run"),
                  "--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16",
                  "--batch-size", "4", "--max-iters", "6", "--eval-interval", "3",
-                 "--eval-iters", "2", "--log-interval", "1", "--device", "cpu"]) == 0
+                 "--eval-iters", "2", "--log-interval", "1", "--snapshots", "3",
+                 "--device", "cpu"]) == 0
+    write_timeline(root / "run")
     return root / "run"
+
+
+def write_timeline(run: Path) -> None:
+    """A timeline.json over the run's snapshots as `glassgpt timeline` writes it, so that the
+    Timeline panel draws each head's line (its numbers are made up here:
+    tests/test_view_timeline.py holds the reading)."""
+    steps = list_snapshots(run)
+    records = []
+    for i, step in enumerate(steps):
+        heads = [[0.2 * i + 0.1 * layer + 0.05 * head for head in range(2)] for layer in range(2)]
+        records.append({"step": step, "train_loss": 4.0 - 0.1 * i, "val_loss": 4.1 - 0.1 * i,
+                        "icl_score": -0.1 * i, "scores": {"previous_token": heads,
+                                                          "duplicate_token": heads,
+                                                          "induction": heads}})
+    (run / "timeline.json").write_text(json.dumps({
+        "steps": steps, "splits": ["train", "val"], "snapshots": records,
+        "phase_change": {"step": steps[1], "definition": "made up"}}), encoding="utf-8")
 
 
 @contextmanager
@@ -273,7 +294,8 @@ def test_the_page_reads_out_the_models_probabilities(page, model_and_tokenizer):
 
 def test_the_page_names_its_panels(page):
     text = page.find_element("tag name", "body").text
-    for name in ("Inside one head", "Ablation", "Every layer and head at once", "Head view"):
+    for name in ("Inside one head", "Ablation", "Every layer and head at once", "Head view",
+                 "Timeline"):
         assert name in text
 
 
@@ -329,6 +351,60 @@ def test_inside_one_head_shows_the_models_numbers(page, model_and_tokenizer):
     assert where[1].startswith("norms.py:")  # ln1's x_hat
     mask = values(page, '#inside [data-step="mask"] td')
     assert mask == ["sees"] * 5 + ["masked"] * (len(PROMPT) - 5)
+
+
+# A click on a head's line in the Timeline, at its point of one snapshot (arguments: layer,
+# head, snapshot): where a user's click on the line lands, in the window's coordinates.
+CLICK_HEAD_LINE = """
+const [layer, head, i] = arguments;
+const line = document.querySelector(
+  `#timeline-heads .head-line[data-layer="${layer}"][data-head="${head}"]`);
+const p = line.points.getItem(i), m = line.getScreenCTM();
+line.dispatchEvent(new MouseEvent("click", { bubbles: true,
+  clientX: m.a * p.x + m.c * p.y + m.e, clientY: m.b * p.x + m.d * p.y + m.f }));
+"""
+
+
+def test_the_timeline_slider_moves_the_panels_to_a_snapshot_and_back(page, run_dir,
+                                                                     model_and_tokenizer):
+    from selenium.webdriver.common.keys import Keys
+
+    from glassgpt.view.causal import scores_of
+    from glassgpt.view.inspector import RunView
+
+    steps = list_snapshots(run_dir)
+    slider, bar = by_id(page, "step-slider"), by_id(page, "step-bar")
+    assert bar.is_displayed() and slider.get_attribute("max") == str(len(steps))
+    slider.send_keys(Keys.HOME)  # the first snapshot: the model as it was initialised
+    wait_for(page, lambda d: bar.get_attribute("data-shown") == str(steps[0]), "the snapshot")
+    assert text_of(page, "step-label").startswith(f"step {steps[0]} · snapshot 1 of 3")
+    model, tokenizer = load_model(run_dir, checkpoint=f"step:{steps[0]}")
+    idx = torch.tensor([tokenizer.encode(PROMPT)])
+    row = [float(v) for v in values(page, '#inside [data-step="weights"] td', "dataset.value")]
+    torch.testing.assert_close(torch.tensor(row), attention_maps(model, idx)[1, 0, 0, 4, :5],
+                               rtol=0, atol=1e-4)
+    scores = scores_of(model, RunView(model, tokenizer, run_dir).validation_ids()).scores
+    badges = [float(v) for v in values(page, "#overview .badge", "dataset.value")]
+    expected = torch.stack([scores.previous_token.flatten(), scores.induction.flatten()], 1)
+    torch.testing.assert_close(torch.tensor(badges), expected.flatten(), rtol=0, atol=1e-4)
+    assert values(page, "#timeline-loss .step-cursor", "dataset.step") == [str(steps[0])]
+    assert values(page, "#timeline-loss .phase-change", "dataset.step") == [str(steps[1])]
+    # Each head's line: a click opens that head at the snapshot nearest the click.
+    assert len(values(page, "#timeline-heads .head-line", "dataset.head")) == 4
+    page.execute_script(CLICK_HEAD_LINE, 0, 1, 1)  # L0H1's line at the second snapshot
+    inside = by_id(page, "inside")
+    wait_for(page, lambda d: (inside.get_attribute("data-layer"),
+                              inside.get_attribute("data-head")) == ("0", "1"), "L0H1 opened")
+    wait_for(page, lambda d: bar.get_attribute("data-shown") == str(steps[1]), "step moved")
+    by_id(page, "step-slider").send_keys(Keys.END)  # the run's own weights again
+    wait_for(page, lambda d: bar.get_attribute("data-shown") == "run", "the run's weights")
+    own, _ = model_and_tokenizer
+    row = [float(v) for v in values(page, '#inside [data-step="weights"] td', "dataset.value")]
+    torch.testing.assert_close(torch.tensor(row), attention_maps(own, idx)[0, 0, 1, 4, :5],
+                               rtol=0, atol=1e-4)
+    page.find_elements("css selector", "#overview canvas.thumb")[2].click()  # L1H0, as before
+    wait_for(page, lambda d: (inside.get_attribute("data-layer"),
+                              inside.get_attribute("data-head")) == ("1", "0"), "L1H0 again")
 
 
 def test_the_scores_toggle_shows_the_maps_before_the_softmax(page):
@@ -584,5 +660,8 @@ def test_a_model_of_real_width_draws_every_panel_without_an_error(browser, wide_
                  "attribution bars")
         assert len(values(browser, "#overview canvas.thumb")) == 16
         assert values(browser, '#inside [data-step="w_o"] .shape') == ["(128, 1024)"]
+        # A run without snapshots: no slider, and the Timeline says how to keep them.
+        assert not by_id(browser, "step-bar").is_displayed()
+        assert "--snapshots N" in text_of(browser, "timeline-none")
         assert len(chips(browser)) == tokens
         assert logged + severe(browser) + values(browser, "#prompt-error:not([hidden])") == []

@@ -360,3 +360,31 @@ def test_attribution_against_a_token_adds_up_to_the_logit_difference_largest_fir
     same = client.post("/api/attribution", json={"prompt": PROMPT, "position": 6, "token": 3,
                                                   "against": 3})
     assert same.status_code == 400 and "both 3" in same.json()["error"]
+
+
+def test_an_attention_only_model_is_seen_through_without_its_missing_mlps():
+    """The induction demo's models are attention-only (`attn_only`: no MLP, no ln2): the card
+    failed (a 500: the page never loaded), and inside one head, the MLP and patching asked for
+    hook points such a block does not have."""
+    view = view_of(attn_only=True, position="rope")
+    with TestClient(create_app(view), base_url="http://127.0.0.1") as client:
+        card = client.get("/api/card").json()
+        parts = card["parameters"]["parts"]
+        assert parts["ffn"] == 0 and "other" not in parts
+        inside = client.post("/api/head", json={"prompt": PROMPT, "layer": 1, "head": 2,
+                                                "position": 6}).json()
+        _, cache = run_with_cache(view.model, ids_of(view, PROMPT))
+        row = next(s for s in inside["steps"] if s["name"] == "weights")
+        close(row["values"], cache["blocks.1.attn.hook_pattern"][0, 2, 6, :7])
+        mlp = client.post("/api/mlp", json={"prompt": PROMPT, "layer": 1, "position": 6}).json()
+        assert mlp["steps"] == [] and "attention-only" in mlp["note"]
+        answer = client.post("/api/patching", json={"clean": PROMPT, "corrupted": CORRUPTED})
+        maps = answer.json()
+        assert "mlp_out" not in maps and maps["passes"] == 2 * 2 * 11 + 2 * 4
+        clean, corrupted = ids_of(view, PROMPT), ids_of(view, CORRUPTED)
+        clean_logits, _ = run_with_cache(view.model, clean, names=[])
+        corrupted_logits, _ = run_with_cache(view.model, corrupted, names=[])
+        metric = patch.normalized_logit_diff(clean_logits, corrupted_logits,
+                                             maps["answer"]["id"], maps["wrong"]["id"])
+        run = (view.model, corrupted, run_with_cache(view.model, clean)[1], metric)
+        close(maps["attn_out"], patch.get_act_patch_attn_out(*run))

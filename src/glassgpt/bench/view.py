@@ -9,7 +9,8 @@ not depend on what the weights learned.
 "cold" is a prompt the server has not seen (the forward pass runs), "warm" one it has (switching
 layer or head on the page). Each prompt is a different window of the text, so every cold
 request really is one. The sample line is the time to the first streamed token and the rate of
-the rest.
+the rest. A RUN_DIR with snapshots (`train --snapshots N`) also times the Timeline's slider:
+the page's requests at a snapshot not loaded yet, then at one kept.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 from glassgpt.config import GPTConfig, sampling_defaults
 from glassgpt.data import tinyshakespeare
 from glassgpt.model import GPT
+from glassgpt.rundir.snapshots import list_snapshots
 from glassgpt.tokenizers import CharTokenizer
 from glassgpt.view.inspector import RunView
 from glassgpt.view.server import create_app, load_for_view, make_server, open_socket, url_of
@@ -144,11 +146,29 @@ def measure(view: RunView, client: Client, prompts: list[str]) -> dict[str, list
     return times
 
 
-def page_update(client: Client, prompt: str, position: int) -> tuple[float, bytes]:
-    """What the page sends when the prompt changes, all at once: the time until the last
-    answer is in."""
-    requests = [(path, {"prompt": prompt, **body, **({"position": position} if at else {})})
-                for path, body, at in PAGE_REQUESTS]
+def measure_steps(view: RunView, client: Client, prompts: list[str]
+                  ) -> dict[str, list[float]]:
+    """The Timeline's slider (a run with snapshots): what the page sends when it is let go at
+    a snapshot not loaded yet (the weights read, the head scores of its badges and one forward
+    pass), then for another prompt at that step (its model kept)."""
+    steps = list_snapshots(view.run_dir) if view.run_dir is not None else []
+    T = len(view.encode(prompts[0]).ids)
+    times: dict[str, list[float]] = {}
+    for step, prompt, other in zip(steps, prompts, prompts[1:], strict=False):
+        times.setdefault("step: page update at a new snapshot", []).append(
+            page_update(client, prompt, T - 1, step)[0])
+        times.setdefault("step: page update, its model kept (cold)", []).append(
+            page_update(client, other, T - 1, step)[0])
+    return times
+
+
+def page_update(client: Client, prompt: str, position: int, step: int | None = None
+                ) -> tuple[float, bytes]:
+    """What the page sends when the prompt changes (or the Timeline's step), all at once: the
+    time until the last answer is in."""
+    at_step = {} if step is None else {"step": step}
+    requests = [(path, {"prompt": prompt, **body, **({"position": position} if at else {}),
+                        **at_step}) for path, body, at in PAGE_REQUESTS]
     started = time.perf_counter()
     with ThreadPoolExecutor(len(requests)) as pool:
         list(pool.map(lambda r: client.post(*r), requests))
@@ -236,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         client = Client(url_of(sock))
         client.post("api/predictions", {"prompt": prompts[0], "k": 5})  # warm-up: not timed
         times = measure(view, client, prompts)
+        times |= measure_steps(view, client, prompts)
         sample = measure_sampling(client, prompts, args.sample_tokens, view.block_size)
     finally:
         server.should_exit = True

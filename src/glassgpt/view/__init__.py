@@ -14,10 +14,12 @@
                   LoRA tune's adapters and the training's settings and loss curve
     values.py     tensors as the page's JSON: rounded numbers, one step with its source line
     pieces.py     a token's text as the page shows it (`<0xE2>` for a byte of a character)
+    timeline.py   the Timeline panel: the view of each snapshot the step slider asks for (the
+                  last few kept loaded), and timeline.json's loss and head scores for the page
     requests.py   the API's request bodies: JSON objects, each field's type checked
     server.py     the Starlette app and the uvicorn server, `load_for_view`
-    static/       the page: index.html, style.css, app.js, causal.js (no build step, nothing
-                  from a CDN)
+    static/       the page: index.html, style.css, app.js and a script a panel (causal.js,
+                  timeline.js, ...): no build step, nothing from a CDN
 
 The numbers are `glassgpt.interp`'s (`lens`: the logit lens, top-k, every layer's attention;
 `heads`: one head step by step), read from the model's hook points, usable without any of this.

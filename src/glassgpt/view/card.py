@@ -42,7 +42,9 @@ def parameter_counts(model: GPT) -> dict[str, int]:
     counts = dict.fromkeys(PARAMETER_PARTS, 0)
     seen: set[int] = set()
 
-    def add(part: str, module: nn.Module) -> None:
+    def add(part: str, module: nn.Module | None) -> None:
+        if module is None:  # a part this model does without (attn_only: no MLP, no ln2)
+            return
         for param in module.parameters():
             if param.requires_grad and id(param) not in seen:
                 seen.add(id(param))
@@ -56,8 +58,7 @@ def parameter_counts(model: GPT) -> dict[str, int]:
         add("attention", block.attn)
         add("ffn", block.ffn)
         for norm in (block.ln1, block.ln2, block.ln1_post, block.ln2_post):
-            if norm is not None:  # the post norms exist with `post_norms` only (Gemma)
-                add("norm", norm)
+            add("norm", norm)  # the post norms exist with `post_norms` only (Gemma)
     add("norm", model.ln_f)
     add("lm_head", model.lm_head)
     left = count_parameters(model) - sum(counts.values())

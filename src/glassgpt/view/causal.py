@@ -108,7 +108,7 @@ def _check_same_length(clean: Prompt, corrupted: Prompt) -> None:
 def _check_work(view: View, tokens: int) -> int:
     """The forward passes patching `tokens` tokens takes; InputError past MAX_PATCH_RUNS."""
     L, H = view.model.config.n_layer, view.model.blocks[0].attn.n_heads
-    runs = 3 * L * tokens + L * H
+    runs = len(_layer_maps(view)) * L * tokens + L * H
     if runs > MAX_PATCH_RUNS:
         raise InputError(f"patching {tokens} tokens through {L} layers takes {runs:,} forward "
                          f"passes; this page runs at most {MAX_PATCH_RUNS:,}: use a shorter "
@@ -170,7 +170,7 @@ def patching(view: View, clean: str, corrupted: str | None = None,
     _check_same_length(clean_p, corrupted_p)
     runs = _check_work(view, len(clean_p.ids))
     L = model.config.n_layer
-    kinds = ("resid_pre", "attn_out", "mlp_out", "z")
+    kinds = (*_layer_maps(view), "z")
     names = [get_act_name(kind, layer) for kind in kinds for layer in range(L)]
     clean_logits, clean_cache = run_with_cache(model, clean_p.idx, names=names)
     corrupted_logits, _ = run_with_cache(model, corrupted_p.idx, names=[])
@@ -178,10 +178,10 @@ def patching(view: View, clean: str, corrupted: str | None = None,
     metric = patch.normalized_logit_diff(clean_logits, corrupted_logits, answer, wrong)
     run = (model, corrupted_p.idx, clean_cache, metric)
     count = {"progress": PassCount(progress, runs)} if progress is not None else {}
-    maps = {"resid_pre": patch.get_act_patch_resid_pre(*run, **count),
-            "attn_out": patch.get_act_patch_attn_out(*run, **count),
-            "mlp_out": patch.get_act_patch_mlp_out(*run, **count),
-            "heads": patch.get_act_patch_attn_head_out_all_pos(*run, **count)}
+    sweeps = {"resid_pre": patch.get_act_patch_resid_pre, "attn_out": patch.get_act_patch_attn_out,
+              "mlp_out": patch.get_act_patch_mlp_out}
+    maps = {kind: sweeps[kind](*run, **count) for kind in _layer_maps(view)}
+    maps["heads"] = patch.get_act_patch_attn_head_out_all_pos(*run, **count)
     tops = [i for logits in (clean_logits, corrupted_logits)
             for i in top_tokens(view, logits[0, -1], CANDIDATES)]
     candidates = list(dict.fromkeys([answer, wrong, *tops]))
@@ -193,6 +193,12 @@ def patching(view: View, clean: str, corrupted: str | None = None,
             "warnings": patching_warnings(view, diffs["clean"], diffs["corrupted"], answer, wrong),
             "candidates": [_token(view, i) for i in candidates],
             **{name: rounded(values) for name, values in maps.items()}}
+
+
+def _layer_maps(view: View) -> tuple[str, ...]:
+    """The layer x position maps patching draws: no MLP output in an attention-only model."""
+    has_mlp = view.model.blocks[0].ffn is not None
+    return ("resid_pre", "attn_out", "mlp_out") if has_mlp else ("resid_pre", "attn_out")
 
 
 def _prompt_answer(view: View, prompt: Prompt) -> dict[str, Any]:
@@ -341,6 +347,9 @@ def mlp(view: View, prompt: str, layer: int, position: int) -> dict[str, Any]:
     checks.index("layer", layer, view.model.config.n_layer)
     encoded = view.encode(prompt)
     checks.index("position", position, len(encoded.ids))
+    if view.model.blocks[layer].ffn is None:
+        return {"layer": layer, "position": position, "hidden": 0, "gated": False, "steps": [],
+                "note": f"layer {layer} has no MLP: the model is attention-only"}
     table = mlp_table(view, layer)
     cache, sources = block_sources(view.model, encoded.idx, layer,
                                    {step: point for step, point, _ in table})

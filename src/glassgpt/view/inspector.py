@@ -96,8 +96,10 @@ class RunView:
     """A trained model seen through: the computations behind every panel of the page."""
 
     def __init__(self, model: GPT, tokenizer: Tokenizer, run_dir: Path | None = None,
-                 name: str | None = None, threads: int | None = None):
+                 name: str | None = None, threads: int | None = None,
+                 checkpoint: str = "best"):
         self.model, self.tokenizer, self.run_dir = model.eval(), tokenizer, run_dir
+        self.checkpoint = checkpoint  # which of the run's weights: "best", "last", "step:N"
         self.name = name or (run_dir.name if run_dir is not None else "model")
         self.device = model.lm_head.weight.device
         self.traces = TraceCache()

@@ -81,6 +81,15 @@ CLAMP = {**SAMPLE, "sae": DICTIONARY, "feature": Field((int,)),
          "max_new_tokens": Field((int,), CLAMP_NEW_TOKENS)}
 
 
+# The Timeline panel's step: the snapshot a request looks at (null: the run's own weights).
+STEP = Field((int,), None, True)
+
+
+def at_step(fields: dict[str, Field]) -> dict[str, Field]:
+    """A request's fields with `step`, for the panels the Timeline's slider moves."""
+    return {**fields, "step": STEP}
+
+
 def one_line(error: BaseException | str) -> str:
     """An error message on one line, whatever the exception put in it."""
     return " ".join(str(error).split()) or type(error).__name__

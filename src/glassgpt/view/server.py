@@ -22,6 +22,10 @@
                            MLP's push on that token's logit (minus against's), adding up to it
     POST /api/sample       {prompt, max_new_tokens, temperature, top_k, top_p, seed}
                            -> server-sent events: token ..., then done (or error)
+    GET  /api/timeline     -> the run's snapshot steps, and RUN/timeline.json's loss and head
+                           scores at each (glassgpt.view.timeline); the requests above from
+                           predictions to sample take `step` (null: the run's own weights) and
+                           answer for the weights of that snapshot
     GET  /api/dictionaries -> the sparse dictionaries the view was started with (--sae)
     POST /api/features     {prompt, sae|null, k}            -> the top features at each position
     POST /api/feature      {sae|null, feature, prompt|null, position|null} -> a feature's top
@@ -83,6 +87,7 @@ from glassgpt.view.features import Dictionaries
 from glassgpt.view.graph import EDGE, GRAPH, Graphs
 from glassgpt.view.inspector import RunView
 from glassgpt.view.progress import Progress
+from glassgpt.view.timeline import Snapshots, timeline_answer
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 # The page may load only what this server serves: no other site, no inline script.
@@ -120,7 +125,7 @@ def load_for_view(run_dir: str | Path, device: str | torch.device = "cpu",
         % model.config.vocab_size  # (1, T)
     with torch.no_grad():
         chosen = settle_threads(threads, on, lambda: model(prompt, last_only=True))
-    return RunView(model, tokenizer, run_dir, threads=chosen)
+    return RunView(model, tokenizer, run_dir, threads=chosen, checkpoint=checkpoint)
 
 
 # --- the app -------------------------------------------------------------------------------
@@ -150,6 +155,7 @@ def create_app(view: RunView, allowed_hosts: tuple[str, ...] = LOOPBACK_NAMES,
         Route("/api/progress", api.progress_answer),
         Route("/api/attribution", api.attribution, methods=["POST"]),
         Route("/api/sample", api.sample, methods=["POST"]),
+        Route("/api/timeline", api.timeline),
         Route("/api/dictionaries", api.dictionaries),
         Route("/api/features", api.top_features, methods=["POST"]),
         Route("/api/feature", api.feature, methods=["POST"]),
@@ -274,6 +280,7 @@ class Api:
                  comparison: Comparison):
         self.view, self.dicts, self.graphs = view, dictionaries, graphs
         self.comparison = comparison
+        self.snapshots = Snapshots(view)  # the Timeline's steps, a model each, a few kept
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glassgpt-model")
         self.page_html = resources.files("glassgpt.view").joinpath("static/index.html") \
             .read_text("utf-8")
@@ -297,37 +304,40 @@ class Api:
         return await self._answer(request, req.TOKENIZE, self.view.tokens)
 
     async def predictions(self, request: Request) -> Response:
-        return await self._answer(request, req.PREDICTIONS, self.view.predictions)
+        return await self._at_step(request, req.PREDICTIONS, RunView.predictions)
 
     async def attention(self, request: Request) -> Response:
-        return await self._answer(request, req.ATTENTION, self.view.attention)
+        return await self._at_step(request, req.ATTENTION, RunView.attention)
 
     async def overview(self, request: Request) -> Response:
-        return await self._answer(request, req.OVERVIEW, self.view.overview)
+        return await self._at_step(request, req.OVERVIEW, RunView.overview)
 
     async def attends(self, request: Request) -> Response:
-        return await self._answer(request, req.ATTENDS, self.view.attends)
+        return await self._at_step(request, req.ATTENDS, RunView.attends)
 
     async def head(self, request: Request) -> Response:
-        return await self._answer(request, req.HEAD, self.view.head)
+        return await self._at_step(request, req.HEAD, RunView.head)
 
     async def ablate(self, request: Request) -> Response:
-        return await self._answer(request, req.ABLATE, self.view.ablate)
+        return await self._at_step(request, req.ABLATE, RunView.ablate)
 
     async def mlp(self, request: Request) -> Response:
-        return await self._answer(request, req.MLP, self.view.mlp)
+        return await self._at_step(request, req.MLP, RunView.mlp)
 
     async def patching(self, request: Request) -> Response:
         report = self.progress.reporter("patching")
-        return await self._answer(request, req.PATCHING,
-                                  lambda **values: self.view.patching(**values, progress=report))
+        return await self._at_step(request, req.PATCHING, lambda view, **values:
+                                   view.patching(**values, progress=report))
 
     async def progress_answer(self, request: Request) -> Response:
         """Off the model thread: it is busy with the request this asks about."""
         return JSONResponse(self.progress.answer(), headers={"Cache-Control": "no-store"})
 
     async def attribution(self, request: Request) -> Response:
-        return await self._answer(request, req.ATTRIBUTION, self.view.attribution)
+        return await self._at_step(request, req.ATTRIBUTION, RunView.attribution)
+
+    async def timeline(self, request: Request) -> Response:
+        return JSONResponse(await self.on_model_thread(timeline_answer, self.snapshots))
 
     async def dictionaries(self, request: Request) -> Response:
         return JSONResponse({"dictionaries": self.dicts.listing()})
@@ -376,12 +386,22 @@ class Api:
         values = await read_fields(request, fields)
         return JSONResponse(await self.on_model_thread(lambda: compute(**values)))
 
+    async def _at_step(self, request: Request, fields: dict[str, req.Field],
+                       compute: Callable[..., dict[str, Any]]) -> Response:
+        """`compute(view, **values)` on the view of the request's `step` (the Timeline's
+        slider; null: the run's own weights), loaded on the model thread when it is not kept."""
+        values = await read_fields(request, req.at_step(fields))
+        step = values.pop("step")
+        return JSONResponse(await self.on_model_thread(
+            lambda: compute(self.snapshots.view_at(step), **values)))
+
     async def sample(self, request: Request) -> Response:
-        values = await read_fields(request, req.SAMPLE)
-        prompt = values.pop("prompt")
+        values = await read_fields(request, req.at_step(req.SAMPLE))
+        prompt, step = values.pop("prompt"), values.pop("step")
         # Settings and prompt are checked here, so a mistake is a 400, not a broken stream.
         sampling = SamplingConfig(**values)
-        pieces = await self.on_model_thread(self.view.sample, prompt, sampling)
+        pieces = await self.on_model_thread(
+            lambda: self.snapshots.view_at(step).sample(prompt, sampling))
         return StreamingResponse(self._events(pieces), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store"})
 

@@ -102,7 +102,8 @@ def step_points(block: nn.Module) -> dict[str, str]:
         "scores": "attn.hook_attn_scores", "mask": "attn.hook_attn_scores",
         "weights": "attn.hook_pattern", "mixed": "attn.hook_z",
         "w_o": "hook_attn_out", "contribution": "hook_attn_out",
-        "residual_after": "hook_resid_mid",
+        # attn_only: no MLP follows, and the stream after attention leaves the block
+        "residual_after": "hook_resid_mid" if block.ffn is not None else "hook_resid_post",
     }
 
 

@@ -33,11 +33,20 @@ const state = {
   attribution: null, // {answer, all}: the Attribution panel's answer, all its rows or the top
   generation: 0, // bumps on every prompt change; answers for older prompts are dropped
   sampler: null, // AbortController of the running sample
+  step: null, // the Timeline's snapshot step the panels show (null: the run's own weights)
 };
+
+// The requests that answer for the Timeline's step (timeline.js): every panel that reads the
+// model, except Features, Graph and Compare, which stay on the run's own weights.
+const AT_STEP = new Set(["predictions", "attention", "overview", "attends", "head", "ablate",
+  "mlp", "patching", "attribution", "sample"]);
 
 // --- helpers ---------------------------------------------------------------------------------
 
 async function api(name, body) {
+  if (body !== undefined && state.step !== null && AT_STEP.has(name)) {
+    body = { ...body, step: state.step };
+  }
   const response = await fetch(`/api/${name}`, {
     method: body === undefined ? "GET" : "POST",
     headers: body === undefined ? {} : { "Content-Type": "application/json" },
@@ -838,7 +847,8 @@ function renderSwitches() {
   const rows = Array.from({ length: L }, (_, layer) => el("tr", {},
     el("th", {}, `layer ${layer}`),
     el("td", {}, switchButton("attention", layer, null, "attention")),
-    el("td", {}, switchButton("mlp", layer, null, "MLP")),
+    el("td", {}, state.card.model.attn_only ? "none" // an attention-only model
+      : switchButton("mlp", layer, null, "MLP")),
     el("td", {}, ...Array.from({ length: H }, (_, head) =>
       switchButton("head", layer, head, `h${head}`)))));
   $("ablation-switches").replaceChildren(el("table", { class: "switch-table" },
@@ -957,6 +967,7 @@ async function sample(event) {
     temperature: numberOrNull("temperature"), top_k: numberOrNull("sample-top-k"),
     top_p: numberOrNull("top-p"), seed: numberOrNull("seed") };
   for (const key of ["max_new_tokens", "temperature"]) if (body[key] === null) delete body[key];
+  if (state.step !== null) body.step = state.step;
   try {
     const response = await fetch("/api/sample", { method: "POST", signal: controller.signal,
       headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
@@ -1222,6 +1233,7 @@ async function start() {
     return;
   }
   await startFeatures();
+  await startTimeline().catch((e) => showError("timeline-error", e.message));
   $("prompt").value = state.card.example_prompt;
   $("patch-clean").value = state.card.example_prompt;
   await promptChanged();

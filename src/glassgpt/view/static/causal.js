@@ -11,8 +11,8 @@ async function loadMlp(generation) {
   const layer = state.inside.layer;
   const answer = await api("mlp", { prompt: $("prompt").value, layer, position });
   if (generation !== state.generation || position !== state.selected) return;
-  $("mlp-query").textContent = `${tokenName(position)} through the MLP of layer ${layer} · ` +
-    `hidden width ${answer.hidden}` +
+  $("mlp-query").textContent = answer.note ||
+    `${tokenName(position)} through the MLP of layer ${layer} · hidden width ${answer.hidden}` +
     (answer.gated ? ` (gated: ${state.card.model.activation === "geglu" ? "GeGLU" : "SwiGLU"})` : "");
   $("mlp").replaceChildren(...answer.steps.map((step) => stepItem(step, position)));
   Object.assign($("mlp").dataset, { layer, position });
@@ -150,7 +150,9 @@ function renderPatching(answer) {
     const other = answer.corrupted.tokens[i];
     return other.id === t.id ? visible(t.text) : `${visible(t.text)}/${visible(other.text)}`;
   });
-  $("patching").replaceChildren(...PATCH_MAPS.map(([name, title, across]) => {
+  // An attention-only model has no MLP output map.
+  const drawn = PATCH_MAPS.filter(([name]) => answer[name] !== undefined);
+  $("patching").replaceChildren(...drawn.map(([name, title, across]) => {
     const values = answer[name];
     const columns = across === "pos" ? tokens : values[0].map((_, h) => `head ${h}`);
     const header = el("tr", {}, el("th", {}, ""), columns.map((c) => el("th", {}, c)));
