@@ -33,6 +33,7 @@ from glassgpt.errors import InputError
 from glassgpt.interp.core.hooked import run_with_cache
 from glassgpt.interp.sae.encoding import pre_acts
 from glassgpt.interp.sae.model import SAE
+from glassgpt.model import eval_mode
 
 REPRESENTED = 0.5  # a feature's strength (its norm of 1 when fully represented) at which it counts
 READABLE = 0.9  # the share of its final explained variance at which the dictionary reads a step
@@ -191,12 +192,8 @@ def activations_through_snapshots(models: Sequence[nn.Module], hook: str,
     activation b * T + t being window b's position t."""
     out = []
     for model in models:
-        was_training = model.training
-        model.eval()
-        try:
+        with eval_mode(model):
             _, cache = run_with_cache(model, windows, [hook])
-        finally:
-            model.train(was_training)
         out.append(cache[hook].flatten(0, 1))  # (B, T, d) -> (B * T, d)
     return out
 

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from glassgpt.config import setting
 from glassgpt.errors import ConfigError, InputError
+from glassgpt.model import eval_mode
 
 Progress = Callable[[int, int], None]  # (draws done, draws in all)
 
@@ -196,17 +197,13 @@ def loss_at_weights(model: nn.Module, sequences: Tensor, order: list[Tensor],
                     settings: LLCSettings) -> float:
     """L(w*): the mean loss over the first num_init_loss_batches batches of the order."""
     device = next(model.parameters()).device
-    was_training = model.training
-    model.train()  # as devinterp; the same as eval without dropout
     torch.manual_seed(settings.seed)
     total = 0.0
-    try:
-        with torch.no_grad():
-            for i in range(settings.num_init_loss_batches):
-                window = sequences[order[i % len(order)]].to(device)
-                total += float(next_token_loss(model, window))
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.no_grad():  # eval_mode gives the model its own mode back after
+        model.train()  # as devinterp; the same as eval without dropout
+        for i in range(settings.num_init_loss_batches):
+            window = sequences[order[i % len(order)]].to(device)
+            total += float(next_token_loss(model, window))
     return total / settings.num_init_loss_batches
 
 
