@@ -18,6 +18,12 @@ RMSNorm), an encoder reading y = x_hat * g + b reads x_hat through
     W_enc' = g[:, None] * W_enc,  b_enc' = b_enc + b @ W_enc      (W_enc (d_model, d_tc))
 the same pre-activations. "mlp.hook_out" is glassgpt's "blocks.L.hook_mlp_out" in a model
 without a post-MLP norm; a model with one (Gemma's) is refused.
+
+circuit-tracer's Gemma transcoders (Gemma Scope's params.npz) read "ln2.hook_normalized" and
+write "hook_mlp_out" of TransformerLens's Gemma 2: the pre-MLP RMSNorm's x_hat, before its gain
+1 + w, and the MLP's output after the post-MLP norm. glassgpt's Gemma block has both points
+under the same names at the same places (the norms' x_hat; hook_mlp_out after ln2_post), so
+they are read as they are. Against a model, a set's width and depth are checked to fit it.
 """
 
 from __future__ import annotations
@@ -70,7 +76,20 @@ def load_circuit_tracer(path: str | Path, model: nn.Module | None = None,
             loaded = onto_model_points(loaded, model)
     if isinstance(loaded, CrossLayerTranscoder):
         return loaded.to(device)
+    if model is not None:
+        check_fits(loaded, model, path)
     return [sae.to(device) for sae in loaded]
+
+
+def check_fits(saes: list[SAE], model: nn.Module, path: str | Path) -> None:
+    """One transcoder a layer of `model` at most, each reading and writing its width."""
+    config = as_glass(model).config
+    if len(saes) > config.n_layer:
+        raise InputError(f"{path} holds transcoders for {len(saes)} layers; the model has "
+                         f"{config.n_layer}")
+    if saes[0].cfg.d_in != config.n_embd:
+        raise InputError(f"{path}'s transcoders read d_model {saes[0].cfg.d_in}; the model's "
+                         f"d_model is {config.n_embd}")
 
 
 def reads_mlp_points(loaded: Loaded) -> bool:

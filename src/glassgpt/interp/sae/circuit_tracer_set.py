@@ -5,9 +5,11 @@ glassgpt's SAELens-format transcoders (`SAE`, architecture "transcoder" or
 
     layer_{i}.safetensors   W_enc (d_tc, d_model), W_dec (d_tc, d_model), b_enc (d_tc,),
                             b_dec (d_model,), and activation_function.threshold (d_tc,) for a
-                            JumpReLU one (circuit-tracer's load_relu_transcoder reads these)
+                            JumpReLU one (circuit-tracer's load_relu_transcoder reads these);
+                            or Gemma Scope's params.npz (glassgpt.interp.sae.circuit_tracer_npz)
     config.yaml             model_kind: transcoder_set, the hooks (and, from a hub config,
-                            `transcoders:` the files in layer order)
+                            `transcoders:` the files in layer order: hub URIs found in the
+                            directory at their path in the repository, see `listed_path`)
 
 SAELens's W_enc is (d_in, d_sae), circuit-tracer's the transpose. Activations: circuit-tracer's
 JumpReLU passes z * [z > theta], glassgpt's ReLU(z) * [z > theta]; they agree for theta >= 0.
@@ -33,6 +35,7 @@ from torch import Tensor
 from glassgpt.errors import CheckpointError
 from glassgpt.hooknames import parse_hook_name
 from glassgpt.interp.sae import circuit_tracer_config as ctc
+from glassgpt.interp.sae.circuit_tracer_npz import read_gemma_scope_npz
 from glassgpt.interp.sae.config import SAEConfig
 from glassgpt.interp.sae.model import SAE
 from glassgpt.storage import files
@@ -40,6 +43,7 @@ from glassgpt.storage.commit import staged_directory
 from glassgpt.storage.tensorfile import SafetensorsFile, check_finite, check_float_dtypes
 
 THRESHOLD = "activation_function.threshold"
+HUB = "hf://"
 PAD_BIAS = -1.0  # a padded latent's pre-activation: below every threshold, below ReLU's 0
 # what cfg.json's metadata of a glassgpt transcoder carries over into config.yaml (provenance)
 KEPT_METADATA = ("model_name", "glassgpt_run", "glassgpt_weights_sha256")
@@ -184,15 +188,32 @@ def layer_paths(directory: Path, config: dict[str, Any]) -> list[Path]:
         return [directory / f"layer_{i}.safetensors" for i in range(n)]
     if not isinstance(listed, list) or not all(isinstance(p, str) for p in listed):
         raise CheckpointError(f"{directory / ctc.CONFIG_FILE}: transcoders must list files")
-    paths = []
-    for entry in listed:
-        local = directory / entry.split("?")[0].rsplit("/", 1)[-1]
-        if not local.is_file():
-            raise CheckpointError(f"{entry} is not in {directory}: download the transcoders "
-                                  f"beside config.yaml (circuit-tracer's "
-                                  f"save_transcoders_to_cache writes such a directory)")
-        paths.append(local)
-    return paths
+    names = [entry.split("?")[0].rsplit("/", 1)[-1] for entry in listed]
+    return [listed_path(directory, entry, names.count(name) == 1)
+            for entry, name in zip(listed, names, strict=True)]
+
+
+def listed_path(directory: Path, entry: str, name_is_unique: bool) -> Path:
+    """One `transcoders:` entry's file inside `directory`: a hub URI "hf://owner/repo/PATH" at
+    PATH or owner/repo/PATH (where `huggingface-cli download [--local-dir]` puts it), a relative
+    path as written, or (the name naming one entry only) by its file name beside config.yaml."""
+    where = entry.split("?")[0]
+    candidates = [where]
+    if where.startswith(HUB):
+        repo_and_path = where[len(HUB):]
+        parts = repo_and_path.split("/", 2)
+        candidates = [parts[2], repo_and_path] if len(parts) == 3 else []
+    if name_is_unique:
+        candidates.append(where.rsplit("/", 1)[-1])
+    inside = directory.resolve()
+    for relative in candidates:
+        local = directory / relative
+        if local.is_file() and local.resolve().is_relative_to(inside):
+            return local
+    raise CheckpointError(f"{entry} is not in {directory}: download the transcoders into it "
+                          f"(a hub file at its path in the repository, e.g. "
+                          f"`huggingface-cli download REPO FILES --local-dir {directory}`; "
+                          f"circuit-tracer's save_transcoders_to_cache writes such a directory)")
 
 
 def read_layer(path: Path, layer: int, input_hook: str, output_hook: str, width: Any,
@@ -228,9 +249,14 @@ def read_ct_tensors(path: Path, dtype: str) -> dict[str, Tensor]:
     """A circuit-tracer layer file's tensors, names and shapes checked before reading."""
     from glassgpt.interp.sae.config import DTYPES
 
+    if path.suffix == ".npz":  # Gemma Scope's, as circuit-tracer's "gemma-scope" loader reads
+        tensors = read_gemma_scope_npz(path, DTYPES[dtype])
+        tensors[THRESHOLD] = tensors.pop("threshold")
+        check_finite(tensors, path, CheckpointError)
+        return tensors
     if path.suffix != ".safetensors":
-        raise CheckpointError(f"{path}: glassgpt reads circuit-tracer's safetensors layer files "
-                              f"(Gemma Scope's .npz: convert them with circuit-tracer first)")
+        raise CheckpointError(f"{path}: glassgpt reads circuit-tracer's .safetensors layer files "
+                              f"and Gemma Scope's params.npz")
     with SafetensorsFile(path, CheckpointError) as file:
         found = {name: info.shape for name, info in file.header.items()}
         needed = {"W_enc", "W_dec", "b_enc", "b_dec"}
