@@ -1,6 +1,6 @@
 """circuit-tracer's Gemma transcoders (`mwhanna/gemma-scope-transcoders`: a config.yaml naming
 Gemma Scope's params.npz on the hub) from a local directory laid out as that repository, once
-downloaded (glassgpt.interp.sae.circuit_tracer_npz): they load onto a Gemma-2-shaped model with
+downloaded (glassgpt.interp.sae.circuit_tracer_npz): they load onto an imported Gemma 2 with
 encode/decode equal to Gemma Scope's formulas and to circuit-tracer 0.5.0's own "gemma-scope"
 loader (1e-6), at the same hook points, and `glassgpt graph` runs on them. The fixture is
 tests/data/circuit_tracer/gemma_scope/ (make_npz.py, then make_ct_fixture.py in circuit-tracer's
@@ -8,6 +8,7 @@ venv); the tests run offline."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 from pathlib import Path
@@ -18,7 +19,6 @@ import torch
 from safetensors.torch import load_file
 
 from glassgpt.cli import main
-from glassgpt.config import GPTConfig
 from glassgpt.errors import CheckpointError, InputError
 from glassgpt.interp.sae.circuit_tracer import load_circuit_tracer
 from glassgpt.model import GPT
@@ -29,23 +29,31 @@ FIXTURE = DATA / "gemma_scope"
 FILES = ["layer_0/width_16k/average_l0_76/params.npz",
          "layer_1/width_16k/average_l0_65/params.npz"]
 TOL = 1e-6
-# Gemma 2's block (formats/gemma.py's switches), shrunk: d_model 16 as the fixture's transcoders
-GEMMA2_LIKE = dict(n_layer=2, n_head=2, n_kv_head=1, head_dim=8, n_embd=16, block_size=16,
-                   vocab_size=64, norm="rmsnorm", norm_eps=1e-6, position="rope",
-                   activation="geglu", pre_ln=True, post_norms=True, norm_offset=True,
-                   embed_scale=True, bias=False, attn_softcap=50.0, logit_softcap=30.0,
-                   query_pre_attn_scalar=8)
 
 
 @pytest.fixture(scope="module")
-def gemma() -> GPT:
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**GEMMA2_LIKE)).eval()
-    with torch.no_grad():  # Gemma's norm weights w (gain 1 + w) away from 0
-        for parameter in model.parameters():
-            if parameter.ndim == 1:
-                parameter.add_(0.3 * torch.randn_like(parameter))
-    return model
+def theirs() -> torch.nn.Module:
+    """transformers' Gemma 2 (circuit-tracer's Gemma2ForCausalLM), shrunk to d_model 16 as the
+    fixture's transcoders, every weight random (norm weights w, gain 1 + w, included)."""
+    transformers = pytest.importorskip("transformers")
+    from test_interop_modern import randomize
+
+    config = transformers.Gemma2Config(
+        vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, query_pre_attn_scalar=8,
+        max_position_embeddings=32, sliding_window=4, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = transformers.Gemma2ForCausalLM(config)
+    randomize(model, seed=54)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def gemma(theirs) -> GPT:
+    """The same model imported into glassgpt."""
+    from glassgpt.formats.interop import from_hf
+
+    return from_hf(theirs).eval()
 
 
 def jumprelu_formulas(npz: Path, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -75,29 +83,41 @@ def test_gemma_scope_npz_loads_as_its_formulas_and_circuit_tracers_loader(gemma)
         assert 0 < int((mine > 0).sum()) < mine.numel()
 
 
-def test_the_hook_points_are_transformer_lenss_gemma_2s(gemma) -> None:
-    """What the transcoders read and write in glassgpt's Gemma block: ln2.hook_normalized is
-    the pre-MLP norm's x_hat (before its gain 1 + w, as TransformerLens's RMSNorm hooks it and
-    circuit-tracer's nnsight mapping reads pre_feedforward_layernorm's _norm), hook_mlp_out
-    the MLP's output after the post-MLP norm (post_feedforward_layernorm's output)."""
+def test_the_hook_points_are_circuit_tracers_in_gemma_2(gemma, theirs) -> None:
+    """Where circuit-tracer reads and writes Gemma 2's transcoders (its TransformerLens names,
+    mapped onto transformers' Gemma2ForCausalLM in circuit_tracer/utils/tl_nnsight_mapping.py):
+    ln2.hook_normalized is pre_feedforward_layernorm's _norm (x / rms, before the gain 1 + w),
+    hook_mlp_out is post_feedforward_layernorm's output. glassgpt's imported model has both
+    under the same names."""
     from glassgpt.interp import run_with_cache
 
-    ids = torch.tensor([[0, 17, 5, 42, 33, 8]])
-    _, cache = run_with_cache(gemma, ids)
-    block = gemma.blocks[1]
-    u = cache["blocks.1.hook_resid_mid"]
-    x_hat = u / torch.sqrt(u.pow(2).mean(-1, keepdim=True) + gemma.config.norm_eps)
-    torch.testing.assert_close(cache["blocks.1.ln2.hook_normalized"], x_hat)
+    ids = torch.tensor([[0, 17, 5, 42, 33, 8, 61]])
+    seen: dict[str, torch.Tensor] = {}
+    handles = []
+    for layer, block in enumerate(theirs.model.layers):
+        norm, eps = block.pre_feedforward_layernorm, theirs.config.rms_norm_eps
+        handles.append(norm.register_forward_hook(
+            lambda m, args, out, layer=layer, eps=eps: seen.update({
+                f"blocks.{layer}.ln2.hook_normalized":
+                    args[0] * torch.rsqrt(args[0].pow(2).mean(-1, keepdim=True) + eps)})))
+        handles.append(block.post_feedforward_layernorm.register_forward_hook(
+            lambda m, args, out, layer=layer: seen.update({f"blocks.{layer}.hook_mlp_out": out})))
     with torch.no_grad():
-        mlp_out = block.ln2_post(block.ffn(x_hat * (1 + block.ln2.weight)))
-    torch.testing.assert_close(cache["blocks.1.hook_mlp_out"], mlp_out)
+        theirs(ids)
+    for handle in handles:
+        handle.remove()
+    _, cache = run_with_cache(gemma, ids)
+    assert len(seen) == 4
+    for name, expected in seen.items():
+        torch.testing.assert_close(cache[name], expected, atol=1e-5, rtol=1e-5)
 
 
 def test_glassgpt_graph_runs_on_gemma_scope_transcoders(gemma, tmp_path: Path, capsys) -> None:
     """The graph of a Gemma block over the transcoders. glassgpt's graph refuses a final logit
     softcap (Gemma 2's 30.0) whatever the transcoders, so this model has none (Gemma 3's
     block has none either); every other Gemma 2 switch is on."""
-    uncapped = GPT(GPTConfig(**{**GEMMA2_LIKE, "logit_softcap": None})).eval()
+    assert gemma.config.logit_softcap == 30.0
+    uncapped = GPT(dataclasses.replace(gemma.config, logit_softcap=None)).eval()
     uncapped.load_state_dict(gemma.state_dict())
     run = tmp_path / "gemma-run"
     save_model(run, uncapped, read_tokenizer(DATA / "run"))
@@ -128,9 +148,11 @@ def copy_of_fixture(tmp_path: Path) -> Path:
 
 
 def test_refused_what_does_not_fit(gemma, tmp_path: Path) -> None:
-    wide = GPT(GPTConfig(**{**GEMMA2_LIKE, "n_embd": 32, "head_dim": 16}))
+    wide = GPT(dataclasses.replace(gemma.config, n_embd=32))
     with pytest.raises(InputError, match="d_model 16"):
         load_circuit_tracer(FIXTURE, wide)
+    with pytest.raises(InputError, match="transcoders for 2 layers; the model has 1"):
+        load_circuit_tracer(FIXTURE, GPT(dataclasses.replace(gemma.config, n_layer=1)))
     out = copy_of_fixture(tmp_path)
     (out / FILES[1]).unlink()
     with pytest.raises(CheckpointError, match="average_l0_65/params.npz is not in"):
