@@ -179,3 +179,12 @@ def test_a_path_outside_the_directory_is_not_read(gemma, tmp_path: Path) -> None
                                                   f"{FILES[0]}", "../params.npz"))
     with pytest.raises(CheckpointError, match=r"\.\./params\.npz is not in"):
         load_circuit_tracer(out, gemma)
+    absolute = str((tmp_path / "params.npz").resolve())
+    (out / "config.yaml").write_text(text.replace(f"hf://google/gemma-scope-2b-pt-transcoders/"
+                                                  f"{FILES[0]}", absolute))
+    with pytest.raises(CheckpointError, match="params.npz is not in"):
+        load_circuit_tracer(out, gemma)
+    (out / "config.yaml").write_text(text)  # a download's links (older hub clients) are read
+    (out / FILES[0]).unlink()
+    (out / FILES[0]).symlink_to(tmp_path / "params.npz")
+    assert len(load_circuit_tracer(out, gemma)) == 2

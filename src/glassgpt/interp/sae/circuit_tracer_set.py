@@ -25,7 +25,7 @@ layer's own width, so that glassgpt reads the padding back off. `pad=False` refu
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -205,10 +205,10 @@ def listed_path(directory: Path, entry: str, name_is_unique: bool) -> Path:
         candidates = [parts[2], repo_and_path] if len(parts) == 3 else []
     if name_is_unique:
         candidates.append(where.rsplit("/", 1)[-1])
-    inside = directory.resolve()
     for relative in candidates:
-        local = directory / relative
-        if local.is_file() and local.resolve().is_relative_to(inside):
+        parts = PurePosixPath(relative).parts
+        local = directory / relative  # never above it (a link inside it, the user's, is read)
+        if parts and parts[0] != "/" and ".." not in parts and local.is_file():
             return local
     raise CheckpointError(f"{entry} is not in {directory}: download the transcoders into it "
                           f"(a hub file at its path in the repository, e.g. "
