@@ -20,11 +20,12 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from glassgpt.storage.files import atomic_path
 
 SOURCE = Path(__file__).with_name("blockdot.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
@@ -62,15 +63,13 @@ def _build(compiler: str) -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
+    with atomic_path(target) as built:  # a racing process finds a whole library or none
         for flags in (FLAGS, tuple(f for f in FLAGS if f != "-fopenmp")):  # then one thread
             done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"],
                                   capture_output=True, timeout=300)
             if done.returncode == 0:
                 break
         done.check_returncode()
-        os.replace(built, target)  # atomic: a racing process finds a whole library or none
     return target
 
 

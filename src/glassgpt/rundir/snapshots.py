@@ -168,7 +168,8 @@ class SnapshotWriter:
         seconds = index.get("train_seconds", 0.0)
         self.train_seconds_before = float(seconds) if isinstance(seconds, int | float) else 0.0
         self.started = time.perf_counter()
-        self._write_index()
+        if self.count or self.taken:  # a run that keeps no snapshots gets no folder for them
+            self._write_index()
 
     def save(self, model: nn.Module, step: int, weights: dict[str, Tensor] | None = None
              ) -> None:
