@@ -20,6 +20,7 @@ from glassgpt.config import GPTConfig
 from glassgpt.decoding import CompiledCPUEngine, engine_for
 from glassgpt.decoding.blocks import quantize_blocks, reference_products
 from glassgpt.decoding.generate import generate
+from glassgpt.decoding.prepare import decoding_model
 from glassgpt.decoding.quantized import (
     INT8_MAX,
     Int8Embedding,
@@ -246,31 +247,20 @@ def test_sample_dtype_int8_decodes_the_runs_q8_0_model(trained_run, capsys):
 def test_int8_never_compiles_unasked():
     """A 0.1M model compiled for minutes to decode 24 tokens, GPT-2 for 100 s: int8 and int4
     now multiply with the block kernel uncompiled, at any size (issue 56)."""
-    from glassgpt.decoding.prepare import int8_compiles
-    from glassgpt.decoding.quantized import INT8_COMPILE_MIN_PARAMETERS, int8_compile_pays
-
-    assert not int8_compile_pays(INT8_COMPILE_MIN_PARAMETERS - 1)
-    assert int8_compile_pays(INT8_COMPILE_MIN_PARAMETERS)
-    tiny = GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=2, n_embd=64)  # 0.11M
-    gpt2 = GPTConfig.from_preset("gpt2")
-    assert not int8_compiles("int8", "cpu", False, tiny)
-    assert not int8_compiles("int8", "cpu", False, gpt2)
-    assert not int8_compiles("int4", "cpu", False, gpt2)
-    assert not int8_compiles("int8", "cpu", True, gpt2)  # steering's hooks need the eager model
-    assert not int8_compiles("int8", "cuda", False, gpt2)
-    assert not int8_compiles("float32", "cpu", False, gpt2)
+    model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=2, n_embd=64))
+    for dtype in ("int8", "int4", "float32"):
+        assert not decoding_model(model, dtype).compiled
+    assert decoding_model(model, "int8", compiled=True).compiled
 
 
 def test_int8s_start_line_says_how_it_decodes():
     from glassgpt.decoding.session import BLOCK_NOTES, INT8_NOTE, int8_line
 
-    tiny = GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=2, n_embd=64)
-    small = int8_line(False, tiny, "cpu", False)
+    small = int8_line(False, "cpu")
     assert small.startswith(INT8_NOTE) and "decoding uncompiled" in small
-    assert "block kernel" in small and small == int8_line(False, GPTConfig.from_preset("gpt2"),
-                                                          "cpu", False)
-    assert int8_line(False, tiny, "cpu", False, "int4").startswith(BLOCK_NOTES["int4"])
-    assert "--compile" in int8_line(True, tiny, "cpu", False)
-    assert "torch reference" in int8_line(False, tiny, "cuda", False)
+    assert "block kernel" in small
+    assert int8_line(False, "cpu", "int4").startswith(BLOCK_NOTES["int4"])
+    assert "--compile" in int8_line(True, "cpu")
+    assert "torch reference" in int8_line(False, "cuda")
     assert "tens of seconds" not in small  # the old promise, which a loaded machine broke
     assert "\n" not in small

@@ -9,10 +9,11 @@ glassgpt.bench.llamacpp), so that what they time is what the command decodes:
               with integer dot products, quantized from the float32 model, which is let go
     int4      the same in Q4_0 blocks (4 bits a weight and an fp16 scale a block)
 
-Compiling is asked for (`compiled=True`), refused (`False`), or left to the one rule there is
-(`None`, `int8_compiles`): nothing compiles unasked. int8 and int4 are fast uncompiled (their
+Nothing compiles unless asked (`compiled=True`). int8 and int4 are fast uncompiled (their
 products are the block kernel, glassgpt.decoding.kernels), so their first token comes as soon
-as the model is quantized, for a model of any size.
+as the model is quantized, for a model of any size. (int8 used to compile unasked from 1M
+parameters, whose per-row products were fast only inside the compiled step, at 45-100 s of
+compiling before the first token: BENCHMARKS.md "int8 and 4-bit with integer dot products".)
 """
 
 from __future__ import annotations
@@ -23,14 +24,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from glassgpt.config import GPTConfig
 from glassgpt.config_checks import DECODE_DTYPES, check_choice
 from glassgpt.decoding.blocks import quantize_blocks
 from glassgpt.decoding.generate import generate
 from glassgpt.rundir.checkpoint import Run
 from glassgpt.tokenizers import Tokenizer
 
-__all__ = ["DecodingModel", "decoding_model", "int8_compiles"]
+__all__ = ["DecodingModel", "decoding_model"]
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,11 @@ class DecodingModel:
 
 def decoding_model(source: nn.Module | Run, dtype: str = "float32", *,
                    device: torch.device | str = "auto", checkpoint: str = "best",
-                   compiled: bool | None = None, hooks: bool = False) -> DecodingModel:
+                   compiled: bool = False) -> DecodingModel:
     """`source` ready to decode in `dtype` (module docstring). A float32 GPT decodes where it
     is (bfloat16 and int8 are copies of it; it is left as it was); a `Run` is loaded on
-    `device` from its `checkpoint` weights. `compiled` None applies `int8_compiles`; `hooks`
-    says that hooks will run at every step (steering), which only the eager model calls."""
+    `device` from its `checkpoint` weights; its steps go through the compiled step where
+    `compiled`."""
     check_choice("decoding dtype", dtype, DECODE_DTYPES)
     tokenizer = None
     if isinstance(source, Run):
@@ -71,9 +71,6 @@ def decoding_model(source: nn.Module | Run, dtype: str = "float32", *,
             model = quantize_blocks(model, BLOCK_FORMATS[dtype])
     else:
         model = _in_dtype(source, dtype)
-    if compiled is None:
-        compiled = int8_compiles(dtype, next(model.parameters()).device.type, hooks,
-                                 model.config)
     return DecodingModel(model, dtype, compiled, tokenizer)
 
 
@@ -87,14 +84,3 @@ def _in_dtype(model: nn.Module, dtype: str) -> nn.Module:
     if dtype == "bfloat16":
         return copy.deepcopy(model).to(torch.bfloat16)
     return model
-
-
-def int8_compiles(dtype: str, device: str, steering: bool, config: GPTConfig) -> bool:
-    """Whether a model decoding in `dtype` on `device` compiles its step unasked: never.
-
-    (It used to for int8 on a CPU from 1M parameters, whose products were fast only inside the
-    compiled step, at 45-100 s of compiling before the first token; int8 and int4 now multiply
-    with the block kernel uncompiled, BENCHMARKS.md "int8 and 4-bit with integer dot
-    products".) The arguments are kept for the callers that state why."""
-    del dtype, device, steering, config
-    return False

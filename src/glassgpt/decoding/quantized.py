@@ -17,14 +17,15 @@ every engine decodes it, and its logits are those of `dequantized(model)`, the f
 weights are q * s, to float rounding (the scale is applied to each sum instead of to every
 weight).
 
-Where an int8 product is fast: inside the compiled CPU step, where a lone row is multiplied as
-a reduction (`Int8ReductionLinear`, as `decoding.cpu.ReductionLinear` does for float weights)
-and each int8 weight is converted inside the loop that streams it: 2.2-2.4x a compiled float32
-step on GPT-2. That is the default path (`sample --dtype int8` compiles it, for a model of a
-million parameters or more: `int8_compile_pays`). Uncompiled, a product is
-`_weight_int8pack_mm` (gpt-fast's CPU kernel; feature-detected) where it is the faster one,
-bf16 activations and a few rows, and otherwise the int8 weight converted for one
-`F.linear(x, q) * s`, slower than float32 (each weight is written out as a float first).
+This per-row form is the library's int8 weight-only model (`quantize_int8`); `sample --dtype
+int8` decodes llama.cpp's Q8_0 blocks with integer products instead (glassgpt.decoding.blocks).
+A per-row product is fast inside the compiled CPU step, where a lone row is multiplied as a
+reduction (`Int8ReductionLinear`, as `decoding.cpu.ReductionLinear` does for float weights) and
+each int8 weight is converted inside the loop that streams it: 2.2-2.4x a compiled float32
+step on GPT-2. Uncompiled, a product is `_weight_int8pack_mm` (gpt-fast's CPU kernel;
+feature-detected) where it is the faster one, bf16 activations and a few rows, and otherwise the
+int8 weight converted for one `F.linear(x, q) * s`, slower than float32 (each weight is written
+out as a float first).
 """
 
 from __future__ import annotations
@@ -46,22 +47,6 @@ INT8_MAX = 127  # symmetric: -127..127, so that -q is always representable (as Q
 INT8_MM_DTYPES = (torch.bfloat16,)
 INT8_MM_DEVICES = ("cpu",)  # where torch ships a kernel for it (not CUDA)
 INT8_MM_MAX_ROWS = 16
-# Below a million parameters (a megabyte of int8 weights, inside a core's caches) uncompiled
-# int8 costs little and compiling cannot pay back in a sample. Measured on a shared 2-core AMD
-# EPYC (Zen 4, load 3-4; issue 51), tokens/s in float32 / int8 uncompiled / int8 compiled:
-# 0.11M parameters 207 / 165 / 604, 0.81M 41 / 21 / 223, 10.8M 13 / 3 / 58, GPT-2 small
-# 25 / 8 / 82; compiling made a 24-token `sample` take 45 s (0.11M) to 100 s (GPT-2) against
-# 4-7 s. Against uncompiled int8 it pays back after ~10,000 tokens at 0.11M and ~1,000 at
-# 0.81M (only the steps inside the context count: cpu-small's is 64), within a 500-token sample
-# from 10M on, where uncompiled int8 runs at a quarter to a third of float32's speed.
-INT8_COMPILE_MIN_PARAMETERS = 1_000_000
-
-
-def int8_compile_pays(parameters: int) -> bool:
-    """Whether an int8 model of `parameters` should decode through the compiled CPU step:
-    from INT8_COMPILE_MIN_PARAMETERS on; a smaller one decodes uncompiled (its steps are
-    milliseconds either way, and compiling costs 45 s and more)."""
-    return parameters >= INT8_COMPILE_MIN_PARAMETERS
 
 
 def quantize_rows(weight: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from glassgpt.config import GPTConfig, SamplingConfig, sampling_defaults
+from glassgpt.config import SamplingConfig, sampling_defaults
 from glassgpt.config_checks import COMPILE_PAYS_OFF_STEPS, INT64_MAX
 from glassgpt.decoding.generate import encode_prompt, stream_text, until_stop
 from glassgpt.decoding.kernels import blockdot
@@ -99,7 +99,7 @@ def sample_run(run: str | Path | Run, prompt: str | None = None, *, chat: str | 
     asked = _Prompt(prompt or DEFAULT_PROMPT) if chat is None else \
         chat_prompt(run, chat, system, spell)
     decoding = decoding_model(run, dtype, device=target, checkpoint=checkpoint,
-                              compiled=True if compile else None, hooks=steering is not None)
+                              compiled=compile)
     stop_token = sampling.stop_token if asked.stop_token is None else asked.stop_token
     sampling = dataclasses.replace(sampling, compiled=decoding.compiled, stop_token=stop_token)
     notes: list[str] = []
@@ -110,8 +110,7 @@ def sample_run(run: str | Path | Run, prompt: str | None = None, *, chat: str | 
             on_note(line)
 
     ids, hooks = _ready(run, decoding, asked, chat is None, steering, checkpoint, note)
-    for line in _decoding_notes(decoding, ids.shape[1], sampling, num_samples, compile,
-                                steering is not None):
+    for line in _decoding_notes(decoding, ids.shape[1], sampling, num_samples, compile):
         note(line)
     texts, used = [], threads
     for i in range(num_samples):
@@ -164,12 +163,11 @@ def _ready(run: Run, decoding: DecodingModel, asked: _Prompt, plain: bool,
 
 
 def _decoding_notes(decoding: DecodingModel, prompt_len: int, sampling: SamplingConfig,
-                    num_samples: int, compile_asked: bool, steering: bool) -> list[str]:
+                    num_samples: int, compile_asked: bool) -> list[str]:
     """How the samples decode: int8's line (its own rule), else what --compile costs."""
     on = decoding.device.type
     if decoding.dtype in BLOCK_NOTES:  # how the integer products run, not compile's pay-off
-        return [int8_line(decoding.compiled, decoding.model.config, on, steering,
-                          decoding.dtype)]
+        return [int8_line(decoding.compiled, on, decoding.dtype)]
     if compile_asked:
         return [compile_note(prompt_len, decoding.model.config.block_size,
                              sampling.max_new_tokens, num_samples, on_cpu=on == "cpu")]
@@ -215,12 +213,10 @@ def chat_prompt(run: Run, message: str, system: str | None,
 
 # --- what decoding costs, said before it starts ------------------------------------------------
 
-def int8_line(compiled: bool, config: GPTConfig, device: str, steering: bool,
-              dtype: str = "int8") -> str:
+def int8_line(compiled: bool, device: str, dtype: str = "int8") -> str:
     """`sample --dtype int8` (or int4)'s start line: what was quantized, and how its products
     run: the block kernel uncompiled (first token at once, for a model of any size), the step
     compiled first where asked, or the torch reference where the kernel is not to be had."""
-    del config, steering  # the rule no longer depends on them (decoding.prepare.int8_compiles)
     note = BLOCK_NOTES[dtype]
     if device != "cpu" or blockdot() is None:
         where = "off a CPU" if device != "cpu" else "without a C compiler"
