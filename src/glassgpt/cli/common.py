@@ -219,6 +219,22 @@ def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def dictionary_reporter(bar: StepBar, metrics_line: Callable[[dict[str, Any]], str]
+                        ) -> Callable[[int, dict[str, Any]], None]:
+    """A dictionary trainer's `report` (an SAE's, a transcoder's, a CLT's): each step on the bar
+    with its batch's MSE, L0 and dead latents, and a line on stderr per metric report, written
+    by `metrics_line` from the record's eval_ values."""
+    def report(step: int, record: dict[str, Any]) -> None:
+        bar.advance(step, f"mse {record['mse_loss']:.4g}  l0 {record['l0']:.1f}  dead "
+                    f"{record['dead']}")
+        if "eval_l0" in record:
+            say(f"step {step}: " + metrics_line(
+                {k.removeprefix("eval_"): v for k, v in record.items()
+                 if k.startswith("eval_")}))
+
+    return report
+
+
 def add_threads_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=parse_threads, default=AUTO,
                         metavar="N|auto",

@@ -15,6 +15,7 @@ from glassgpt.cli.common import (
     DefaultsHelpFormatter,
     add_checkpoint_flag,
     add_settings_flags,
+    dictionary_reporter,
     path_arg,
     say,
 )
@@ -75,7 +76,8 @@ def run_train_clt(args: argparse.Namespace) -> int:
         result = train_crosslayer(args.run_dir, settings, args.out, data=args.data,
                                   checkpoint=args.checkpoint, device=args.device,
                                   resume=args.resume, force=args.force,
-                                  report=reporter(bar), stop=stop, on_start=announce)
+                                  report=dictionary_reporter(bar, metrics_line),
+                                  stop=stop, on_start=announce)
     if result.interrupted:
         say(f"interrupted at step {result.step}; saved in {result.out}; continue with: "
             f"{resume_command(args)}")
@@ -118,17 +120,6 @@ def start_line(start: Any, run_dir: Any) -> str:
             f"{s.output_point}) of {run_dir}: {s.steps:,} steps of {s.batch_tokens:,} "
             f"positions ({s.tokens:,} in all, windows of {start.context} tokens){resumed}, "
             f"{metrics}")
-
-
-def reporter(bar: Any) -> Any:
-    def report(step: int, record: dict[str, Any]) -> None:
-        bar.advance(step, f"mse {record['mse_loss']:.4g}  l0 {record['l0']:.1f}  dead "
-                    f"{record['dead']}")
-        if "eval_l0" in record:
-            say(f"step {step}: " + metrics_line(
-                {k.removeprefix("eval_"): v for k, v in record.items()
-                 if k.startswith("eval_")}))
-    return report
 
 
 def metrics_line(m: dict[str, Any]) -> str:

@@ -17,6 +17,7 @@ from glassgpt.cli.common import (
     DefaultsHelpFormatter,
     add_checkpoint_flag,
     add_settings_flags,
+    dictionary_reporter,
     path_arg,
     say,
 )
@@ -151,7 +152,8 @@ def run_sae_train(args: argparse.Namespace) -> int:
         result = train_dictionary(args.run_dir, settings, args.out, data=args.data,
                                   checkpoint=args.checkpoint, device=args.device,
                                   resume=args.resume, force=args.force,
-                                  report=_reporter(bar), stop=stop, on_start=announce)
+                                  report=dictionary_reporter(bar, _metrics_line),
+                                  stop=stop, on_start=announce)
     if result.interrupted:
         say(f"interrupted at step {result.step}; saved in {result.out}; continue with: "
             f"{resume_command(args)}")
@@ -226,20 +228,6 @@ def _k(k: float | int | None, architecture: str | None) -> float | int | None:
     if k is None or getattr(find(architecture), "k", None) != "count":  # whole latents
         return k
     return int(k) if float(k).is_integer() else k
-
-
-def _reporter(bar: Any) -> Any:
-    """Each step on the bar (on a terminal) with its batch's MSE, L0 and dead latents, and a
-    line on stderr per metric report."""
-    def report(step: int, record: dict[str, Any]) -> None:
-        bar.advance(step, f"mse {record['mse_loss']:.4g}  l0 {record['l0']:.1f}  dead "
-                    f"{record['dead']}")
-        if "eval_l0" in record:
-            say(f"step {step}: " + _metrics_line(
-                {k.removeprefix("eval_"): v for k, v in record.items()
-                 if k.startswith("eval_")}))
-
-    return report
 
 
 def _metrics_line(m: dict[str, Any]) -> str:

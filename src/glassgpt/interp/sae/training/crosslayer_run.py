@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from glassgpt.data import BatchSampler, PreparedData, sequential_batches
-from glassgpt.errors import CheckpointError, InputError
+from glassgpt.errors import InputError
 from glassgpt.interp.core.cache import unknown_name_message
 from glassgpt.interp.core.hooked import as_glass, hook_points, run_with_cache
 from glassgpt.interp.sae.circuit_tracer_clt import clt_files
@@ -26,9 +26,9 @@ from glassgpt.interp.sae.training.crosslayer_settings import CrossLayerSettings
 from glassgpt.interp.sae.training.crosslayer_trainer import CrossLayerResult, CrossLayerTrainer
 from glassgpt.interp.sae.training.run import model_and_data
 from glassgpt.interp.sae.training.state import STATE_JSON, STATE_TENSORS
+from glassgpt.interp.sae.training.trainer import check_out
 from glassgpt.machine.memory import gib, physical_memory
 from glassgpt.rundir import checkpoint as ckpt
-from glassgpt.storage import files
 
 
 @dataclass
@@ -87,7 +87,7 @@ def train_crosslayer(run_or_model: str | Path | ckpt.Run | nn.Module,
     metrics of glassgpt.interp.sae.crosslayer_metrics on its val split. Everything is checked
     before anything is written (as train_dictionary checks it)."""
     out = Path(out)
-    check_clt_out(out, force, resume)
+    check_out(out, force, resume, clt_own_files, "CLT")
     model, data_dir, metadata = model_and_data(run_or_model, data, checkpoint, device)
     prepared = PreparedData(data_dir)
     if isinstance(run_or_model, str | Path | ckpt.Run):
@@ -146,23 +146,7 @@ def check_clt_fits_memory(settings: CrossLayerSettings, n_layers: int, d_model: 
                          f"{gib(available)}")
 
 
-def check_clt_out(out: Path, force: bool, resume: bool) -> None:
-    """A new training goes into a missing or empty directory; an existing one only with
-    `force`, and only when a CLT training glassgpt ran wrote it."""
-    if resume:
-        return
-    if out.is_symlink():
-        raise CheckpointError(f"{out} is a symbolic link; give the directory it points to")
-    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
-        return
-    if not force:
-        raise CheckpointError(f"{out} exists; pass --force to replace the CLT there, or "
-                              f"--resume to continue its training")
+def clt_own_files(out: Path) -> set[str]:
+    """The names a CLT training writes into `out`: its layers' files and the trainer's state."""
     n = len(list(out.glob("W_enc_*.safetensors"))) if out.is_dir() else 0
-    own = clt_files(n) | {STATE_JSON, STATE_TENSORS}
-    foreign = sorted(e.name for e in out.iterdir() if e.name not in own) \
-        if out.is_dir() else [out.name]
-    if foreign or files.entry_kind(out / STATE_JSON) == "missing":
-        raise CheckpointError(f"{out} is not a CLT glassgpt trained "
-                              f"({', '.join(foreign[:3]) or 'no ' + STATE_JSON}); it is not "
-                              f"replaced")
+    return clt_files(n) | {STATE_JSON, STATE_TENSORS}

@@ -387,10 +387,12 @@ def build_sae(settings: DictionarySettings, d_in: int, d_out: int,
     return sae
 
 
-def check_out(out: Path, force: bool, resume: bool) -> None:
+def check_out(out: Path, force: bool, resume: bool, own: Callable[[Path], set[str]] | None = None,
+              what: str = "dictionary") -> None:
     """A new training goes into a missing or empty directory; an existing one only with
-    `force`, and only when glassgpt's dictionary training wrote it (nothing else inside). Never
-    a link: the new directory would replace the user's link, not the directory it names."""
+    `force`, and only when glassgpt's training of a `what` wrote it (nothing else inside than
+    `own(out)`'s names, default OWN_FILES). Never a link: the new directory would replace the
+    user's link, not the directory it names."""
     if resume:
         return
     if out.is_symlink():
@@ -398,11 +400,12 @@ def check_out(out: Path, force: bool, resume: bool) -> None:
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return
     if not force:
-        raise CheckpointError(f"{out} exists; pass --force to replace the dictionary there, "
+        raise CheckpointError(f"{out} exists; pass --force to replace the {what} there, "
                               f"or --resume to continue its training")
-    foreign = sorted(e.name for e in out.iterdir() if e.name not in OWN_FILES) \
+    owned = OWN_FILES if own is None else own(out)
+    foreign = sorted(e.name for e in out.iterdir() if e.name not in owned) \
         if out.is_dir() else [out.name]
     if foreign or files.entry_kind(out / STATE_JSON) == "missing":
-        raise CheckpointError(f"{out} is not a dictionary glassgpt trained "
+        raise CheckpointError(f"{out} is not a {what} glassgpt trained "
                               f"({', '.join(foreign[:3]) or 'no ' + STATE_JSON}); it is not "
                               f"replaced")
