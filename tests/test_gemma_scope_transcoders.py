@@ -113,14 +113,11 @@ def test_the_hook_points_are_circuit_tracers_in_gemma_2(gemma, theirs) -> None:
 
 
 def test_glassgpt_graph_runs_on_gemma_scope_transcoders(gemma, tmp_path: Path, capsys) -> None:
-    """The graph of a Gemma block over the transcoders. glassgpt's graph refuses a final logit
-    softcap (Gemma 2's 30.0) whatever the transcoders, so this model has none (Gemma 3's
-    block has none either); every other Gemma 2 switch is on."""
+    """The graph of the imported Gemma 2 over the transcoders, every switch on, its final logit
+    soft-cap (30.0) too: the graph is circuit-tracer's of a capped model (test_graph_softcap)."""
     assert gemma.config.logit_softcap == 30.0
-    uncapped = GPT(dataclasses.replace(gemma.config, logit_softcap=None)).eval()
-    uncapped.load_state_dict(gemma.state_dict())
     run = tmp_path / "gemma-run"
-    save_model(run, uncapped, read_tokenizer(DATA / "run"))
+    save_model(run, gemma, read_tokenizer(DATA / "run"))
     capsys.readouterr()
     assert main(["graph", str(run), "--transcoders", str(FIXTURE), "--prompt", "0h5Z"]) == 0
     out = capsys.readouterr().out
@@ -128,9 +125,9 @@ def test_glassgpt_graph_runs_on_gemma_scope_transcoders(gemma, tmp_path: Path, c
     # each feature printed is the transcoder's activation on the model's ln2.hook_normalized
     from glassgpt.interp import run_with_cache
 
-    saes = load_circuit_tracer(FIXTURE, uncapped)
+    saes = load_circuit_tracer(FIXTURE, gemma)
     ids = torch.tensor([read_tokenizer(run).encode("0h5Z")])
-    _, cache = run_with_cache(uncapped, ids)
+    _, cache = run_with_cache(gemma, ids)
     found = re.findall(r"layer (\d) feature +(\d+) at .* \(position (\d)\): activation "
                        r"([\d.]+)", out)
     assert len(found) >= 5

@@ -296,8 +296,8 @@ def test_what_is_not_a_replacement_model_is_refused_by_name() -> None:
     with pytest.raises(InputError, match="one prompt"):
         attribution_graph(model, transcoders, torch.tensor([[1, 2], [3, 4]]))
     capped = GPT(GPTConfig(**GPT2_LIKE, logit_softcap=30.0)).eval()
-    with pytest.raises(InputError, match="logit_softcap"):
-        attribution_graph(capped, transcoders, ids)
+    capped.load_state_dict(model.state_dict())  # graphs as circuit-tracer's: test_graph_softcap
+    assert attribution_graph(capped, transcoders, ids).n_logits >= 1
 
 
 def test_a_transcoder_may_read_the_residual_before_the_norm() -> None:

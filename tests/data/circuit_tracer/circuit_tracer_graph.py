@@ -23,7 +23,15 @@ prompt: OUT/lens_recipe.json says what it gave beside the reference graph, and t
 shapes of circuit-tracer's replacement model's state. And the same graph over a cross-layer
 transcoder (BUILD/clt_graph/ct_clt, read by circuit-tracer's own loader, the model built by
 ReplacementModel.from_config as the recipe builds it): OUT/clt_graph/clt_reference.* and, with
-CLT_CAPPED, clt_capped.*, that tests/test_graph_clt.py holds glassgpt's CLT graph to.
+CLT_CAPPED, clt_capped.*, that tests/test_graph_clt.py holds glassgpt's CLT graph to. And the
+graph of the same model with a final logit soft-cap (BUILD/softcap/: output_logits_soft_cap 10
+in its TransformerLens config, the same transcoders): OUT/softcap/reference.* as above, and
+OUT/softcap/removals.json, circuit-tracer's own check of its edges (its test suite's, under its
+`zero_softcap()`): each active feature set to 0 by `feature_intervention` with every layer
+constrained moves each logit node's demeaned logit and each feature's pre-activation by minus
+its edge; the largest miss with the cap lifted, and with it left on (the capped logits are not
+what the rows are of); and the same over the CLT (OUT/softcap/clt_reference.*,
+clt_removals.json); that tests/test_graph_softcap.py holds glassgpt's graphs to.
 """
 import hashlib
 import importlib.util
@@ -193,15 +201,15 @@ def run_docs_recipe(reference) -> None:
 CLT_CAPPED = {"max_feature_nodes": 80, "batch_size": 2, "update_interval": 1}
 
 
-def clt_model():
+def clt_model(lens=None):
     """circuit-tracer's replacement model over the fixture's CLT, built as the recipe builds
-    one (from_config, then the export's circuit_tracer.safetensors)."""
+    one (from_config, then the export's circuit_tracer.safetensors; default the recipe's)."""
     from circuit_tracer import ReplacementModel
     from circuit_tracer.transcoder.cross_layer_transcoder import CrossLayerTranscoder
     from circuit_tracer.utils.caching import load_transcoders_from_cache
     from transformer_lens import HookedTransformerConfig
 
-    lens = FIX / "recipe" / "repeats-lens"
+    lens = FIX / "recipe" / "repeats-lens" if lens is None else lens
     cfg = HookedTransformerConfig.from_dict(json.loads((lens / "config.json").read_text()))
     clt, _ = load_transcoders_from_cache("ct_clt", cache_dir=FIX / "clt_graph",
                                          lazy_encoder=False, lazy_decoder=False)
@@ -228,6 +236,69 @@ def run_clt(prompt) -> None:
     finally:
         OUT = out
     write_graph_files(model, graph, {"clt": (0.8, 0.98)}, fresh=False)
+
+
+def run_softcap(prompt) -> None:
+    """The soft-capped model's graph, and circuit-tracer's own check of its edges."""
+    global OUT
+    model = worker.replacement_model(FIX / "softcap", prompt[0], "ct_tc", "ln2.hook_normalized")
+    assert model.cfg.output_logits_soft_cap == 10.0, model.cfg.output_logits_soft_cap
+    glass = load_file(str(FIX / "softcap" / "glass_logits.safetensors"))["logits"]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt]))[0]
+    print("[softcap] max |logits TL - glass| =", (logits - glass).abs().max().item(),
+          "| max |logit| =", logits.abs().max().item())
+    out, OUT = OUT, OUT / "softcap"
+    OUT.mkdir(exist_ok=True)
+    try:
+        graph, _ = run_one(model, prompt, "reference")
+        with model.zero_softcap():
+            lifted = removal_misses(model, graph, prompt)
+        kept = removal_misses(model, graph, prompt)
+        (OUT / "removals.json").write_text(json.dumps({
+            "logits_max_abs_diff_tl_glass": float((logits - glass).abs().max()),
+            "cap_lifted": lifted, "cap_kept": kept}, indent=2) + "\n")
+        print(f"[softcap] removal misses, cap lifted: {lifted}; cap kept: {kept}")
+        clt = clt_model(FIX / "softcap" / "ct-lens")
+        assert clt.cfg.output_logits_soft_cap == 10.0, clt.cfg.output_logits_soft_cap
+        clt_graph, _ = run_one(clt, prompt, "clt_reference")
+        with clt.zero_softcap():
+            lifted = removal_misses(clt, clt_graph, prompt)
+        (OUT / "clt_removals.json").write_text(json.dumps({"cap_lifted": lifted}, indent=2)
+                                               + "\n")
+        print(f"[softcap] CLT removal misses, cap lifted: {lifted}")
+    finally:
+        OUT = out
+
+
+def removal_misses(model, graph, prompt) -> dict:
+    """circuit-tracer's test-suite check: each active feature set to 0 (pre-activations read,
+    every layer constrained: only its direct effect) changes each logit node's logit minus the
+    mean logit, and each feature's pre-activation, by minus the edge from it."""
+    ids = torch.tensor(prompt)
+    n_layers, n_logits = model.cfg.n_layers, len(graph.logit_targets)
+    tokens = graph.logit_token_ids
+    feats = graph.active_features  # (F, 3): layer, position, feature
+
+    def targets(logits, acts):  # (n_logits + F,): demeaned logits, then pre-activations
+        last = logits[0, -1]
+        return torch.cat([last[tokens] - last.mean(), acts[feats[:, 0], feats[:, 1], feats[:, 2]]])
+
+    before = targets(*model.feature_intervention(
+        ids, [], constrained_layers=range(n_layers), apply_activation_function=False))
+    a = graph.adjacency_matrix
+    rows = torch.cat([torch.arange(a.shape[0] - n_logits, a.shape[0]), torch.arange(len(feats))])
+    logit_miss = feature_miss = 0.0
+    for i, (layer, pos, idx) in enumerate(feats.tolist()):
+        after = targets(*model.feature_intervention(
+            ids, [(layer, pos, idx, 0)], constrained_layers=range(n_layers),
+            apply_activation_function=False))
+        miss = (after - before + a[rows, i]).abs()
+        logit_miss = max(logit_miss, float(miss[:n_logits].max()))
+        feature_miss = max(feature_miss, float(miss[n_logits:].max()))
+    return {"n_features_removed": len(feats), "logit_max_abs_miss": logit_miss,
+            "feature_max_abs_miss": feature_miss,
+            "largest_logit_edge": float(a[-n_logits:].abs().max())}
 
 
 def run_one(model, prompt, tag, **kw):
@@ -276,6 +347,7 @@ def main() -> int:
     run_docs_recipe(g)
     run_one(model, prompt, "capped", **CAPPED)
     run_clt(prompt)
+    run_softcap(prompt)
 
     # 4. cross-check: gain/bias-folded encoder reading the MLP's input (post gain) gives the
     #    same graph

@@ -18,9 +18,16 @@ Writes BUILD/ (this folder keeps its run/ and tc/):
   clt_graph/ct_clt/    a random JumpReLU cross-layer transcoder of the model (64 features a
                        layer, reading ln2.hook_normalized, writing hook_mlp_out at its layer and
                        every later one) in circuit-tracer's layout (glassgpt's save_clt)
+  softcap/             the same model with a final logit soft-cap (logit_softcap = SOFTCAP, as
+                       Gemma 2's final_logit_softcapping): run/, lens/ (whose config carries
+                       it as output_logits_soft_cap), ct-lens/ (`--circuit-tracer`, for
+                       the CLT's graph), ct_tc/ (the same transcoders: the cap
+                       changes nothing before the logits), prompt.json, and glass_logits.
+                       safetensors (its capped logits), for tests/test_graph_softcap.py
   prompt.json          token ids of the prompt
   glass_acts.safetensors  glassgpt's feature activations (L, T, d_sae), x_hat, mlp_out and logits
 """
+import dataclasses
 import json
 import shutil
 import sys
@@ -119,12 +126,36 @@ def main() -> None:
     (OUT / "prompt.json").write_text(json.dumps({"prompt_ids": PROMPT, "seed": SEED,
                                                  "d_sae": D_SAE}) + "\n")
     write_clt(g)
+    write_softcap(model, tok, ids)
     recipe = OUT / "recipe"
     write_lens_checkpoint(model, recipe / "repeats-lens", circuit_tracer=True)
     convert_to_circuit_tracer([OUT / "tc"], recipe / "repeats-ct")
     (recipe / "runs" / "repeats").mkdir(parents=True)
     shutil.copy(OUT / "run" / "tokenizer.json", recipe / "runs" / "repeats")
     print("wrote", OUT)
+
+
+# the soft-cap of the capped copy: at 10 the last position's 9 most probable tokens are needed
+# to reach circuit-tracer's 0.95 (3 without the cap), so the cap changes which logits are nodes
+SOFTCAP = 10.0
+
+
+def write_softcap(model: GPT, tok: CharTokenizer, ids: torch.Tensor) -> None:
+    """The model with a final logit soft-cap, its TransformerLens checkpoint and its logits."""
+    capped = GPT(dataclasses.replace(model.config, logit_softcap=SOFTCAP)).float().eval()
+    capped.load_state_dict(model.state_dict())
+    folder = OUT / "softcap"
+    save_model(folder / "run", capped, tok)
+    write_lens_checkpoint(capped, folder / "lens")
+    write_lens_checkpoint(capped, folder / "ct-lens", circuit_tracer=True)  # for the CLT
+    lens = json.loads((folder / "lens" / "config.json").read_text())
+    assert lens["output_logits_soft_cap"] == SOFTCAP, lens["output_logits_soft_cap"]
+    shutil.copytree(OUT / "ct_tc", folder / "ct_tc")
+    shutil.copy(OUT / "prompt.json", folder / "prompt.json")
+    with torch.no_grad():
+        logits, _ = capped(ids)
+    assert logits.abs().max() < SOFTCAP
+    save_file({"logits": logits[0].contiguous()}, folder / "glass_logits.safetensors")
 
 
 def write_clt(g: torch.Generator) -> None:

@@ -13,11 +13,17 @@ residual connections and by each head's values and output (the V and O paths), p
 So a node's direct effect on a target is exact: the target's input (a feature's pre-activation,
 or a logit minus the mean logit) changes by that much when the node is removed and everything
 else stays frozen, which is what `frozen_run` computes and what the tests check against.
+
+A model with a final `logit_softcap` (Gemma 2's 30) gets circuit-tracer's graph of it: the
+logit nodes are chosen by the probabilities of the capped logits (what the model predicts),
+and a logit node's row is of the logit before the cap, minus the mean such logit (the
+unembedding direction minus its mean), so the graph stays linear; the cap enters nowhere else.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,9 +76,6 @@ def by_layer(model: nn.Module, transcoders: Transcoders) -> list[Replacer | None
     transcoder (alone, or the one item of the list) gives its layers (layers.clt_layers)."""
     glass = as_glass(model)
     config = glass.config
-    if config.logit_softcap is not None:
-        raise InputError(f"an attribution graph is linear up to the logits, and this model caps "
-                         f"them (logit_softcap = {config.logit_softcap}): no graph for it")
     if not isinstance(transcoders, CrossLayerTranscoder) and len(transcoders) == 1 \
             and isinstance(transcoders[0], CrossLayerTranscoder):
         transcoders = transcoders[0]
@@ -112,7 +115,7 @@ class Prompt:
     activations and errors (L, T, C) mlp_out minus the transcoders' reconstruction (a CLT's
     from every layer at or below), both zero
     at the skipped positions, whose MLP outputs are held in fixed (L, T, C) instead (zero
-    elsewhere); logits (T, V)."""
+    elsewhere); logits (T, V), as the model gives them (after a soft-cap)."""
 
     model: nn.Module
     transcoders: list[Replacer | None]
@@ -187,7 +190,8 @@ def features_and_errors(layers: list[Replacer | None], cache: dict[str, Tensor],
 
 @dataclass
 class FrozenRun:
-    """A run of the frozen replacement model on a batch of copies of the prompt. embed (B, T,
+    """A run of the frozen replacement model on a batch of copies of the prompt: logits (B, T,
+    V) before the soft-cap of a model with `logit_softcap` (the LM head's output). embed (B, T,
     C) (the token embeddings) and mlp_out[l] (B, T, C) are the leaves the nodes write into;
     inputs[l] (B, T, d_in) what layer l's transcoder read; results[l] (B, T, H, C) each head's
     output, when kept."""
@@ -233,9 +237,22 @@ def frozen_run(prompt: Prompt, batch: int = 1, *, acts: Sequence[Tensor | None] 
     if heads_frozen:
         hooks += [(f"blocks.{layer}.hook_attn_out", lambda t, name: t.detach())
                   for layer in range(prompt.n_layers)]
-    with torch.enable_grad():
-        logits = hooked_run(glass, prompt.ids.expand(batch, -1), hooks)
-    return FrozenRun(logits, leaf_embed, leaves, inputs, results)
+    with torch.enable_grad(), _head_output(glass) as pre_cap:
+        hooked_run(glass, prompt.ids.expand(batch, -1), hooks)
+    return FrozenRun(pre_cap[0], leaf_embed, leaves, inputs, results)
+
+
+@contextmanager
+def _head_output(glass: nn.Module) -> Iterator[list[Tensor]]:
+    """Keeps what the LM head computes (B, T, V): the logits before any `logit_softcap`, which
+    is what a logit node's row is of (circuit-tracer's demeaned unembedding direction); the
+    cap only weighs the logits, through their probabilities."""
+    kept: list[Tensor] = []
+    handle = glass.lm_head.register_forward_hook(lambda module, args, out: kept.append(out))
+    try:
+        yield kept
+    finally:
+        handle.remove()
 
 
 def _constant(value: Tensor, batch: int | None):
@@ -270,7 +287,7 @@ def feature_inputs(prompt: Prompt, run: FrozenRun, layer: int, rows: Tensor, pos
 
 def logit_inputs(run: FrozenRun, rows: Tensor, tokens: Tensor) -> Tensor:
     """Each target logit at the last position minus the mean logit there (softmax sees only
-    differences): (N,) rows, (N,) tokens -> (N,)."""
+    differences), both before a soft-cap: (N,) rows, (N,) tokens -> (N,)."""
     last = run.logits[rows, -1]  # (N, V)
     return last.gather(1, tokens[:, None])[:, 0] - last.mean(-1)
 
