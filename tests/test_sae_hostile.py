@@ -218,10 +218,10 @@ def test_the_command_printed_after_ctrl_c_continues_the_training(trained_run, tm
                                                                  capsys, monkeypatch) -> None:
     import glassgpt.cli.sae as sae_cli
 
-    def interrupting(bar):
+    def interrupting(bar, metrics_line):
         return lambda step, record: os.kill(os.getpid(), signal.SIGINT) if step == 1 else None
 
-    monkeypatch.setattr(sae_cli, "_reporter", interrupting)
+    monkeypatch.setattr(sae_cli, "dictionary_reporter", interrupting)
     out = tmp_path / "my sae"  # a space: the printed command quotes it
     capsys.readouterr()
     with pytest.raises(KeyboardInterrupt):  # in-process, main raises it again once handled
