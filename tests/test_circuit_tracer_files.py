@@ -217,8 +217,25 @@ def test_sae_convert_command(tmp_path: Path, capsys) -> None:
     code, err = glassgpt("sae", "convert", FIXTURE / "glass_src_padded", "--out", tmp_path / "ct",
                          capsys=capsys)
     assert code != 0 and "not empty" in one_error_line(err)
+    printed(capsys, "sae", "convert", FIXTURE / "glass_src_padded", "--out", tmp_path / "ct",
+            "--force")  # glassgpt's own set: replaced
+    same_files(tmp_path / "ct", FIXTURE / "glass_set_padded")
     printed(capsys, "sae", "convert", FIXTURE / "glass_clt", "--out", tmp_path / "clt")
     same_files(tmp_path / "clt", FIXTURE / "glass_clt")
+
+
+@pytest.mark.parametrize("theirs", ["ct_set", "ct_clt"])
+def test_force_never_replaces_what_circuit_tracer_wrote(theirs: str, tmp_path: Path,
+                                                        capsys) -> None:
+    """A set or CLT downloaded from circuit-tracer's publishers has the same file names as
+    glassgpt's; only glassgpt's config.yaml section tells them apart, and --force reads it."""
+    shutil.copytree(FIXTURE / theirs, tmp_path / "theirs")
+    before = {f.name: f.read_bytes() for f in (tmp_path / "theirs").iterdir()}
+    source = FIXTURE / ("glass_clt" if theirs == "ct_clt" else "glass_src_padded")
+    code, err = glassgpt("sae", "convert", source, "--out", tmp_path / "theirs", "--force",
+                         capsys=capsys)
+    assert code != 0 and "not written by glassgpt" in one_error_line(err)
+    assert {f.name: f.read_bytes() for f in (tmp_path / "theirs").iterdir()} == before
 
 
 def test_lying_files_are_refused(tmp_path: Path) -> None:

@@ -40,13 +40,15 @@ def save_clt(clt: CrossLayerTranscoder, path: str | Path, overwrite: bool = Fals
              extra: dict[str, Any] | None = None) -> Path:
     """Write `clt` to the directory `path` in circuit-tracer's layout (see the module
     docstring), whole or not at all. An existing directory is replaced only with `overwrite`
-    and only when it holds a CLT's files and nothing else. `extra`: more config.yaml keys
+    and only when glassgpt wrote it (a CLT's files and nothing else, its config.yaml with
+    glassgpt's section). `extra`: more config.yaml keys
     (circuit-tracer's `scan`, ...)."""
     out = files.check_can_make_dir(files.check_path_given(path, CheckpointError, "path"),
                                    CheckpointError)
     replacing = out.exists() and any(out.iterdir())
     if replacing:
-        check_replaceable(out, overwrite)
+        n_there = len(list(out.glob("W_enc_*.safetensors")))
+        ctc.check_replaceable(out, overwrite, clt_files(n_there).__contains__, "CLT")
     contents = clt_file_bytes(clt, extra)
     with staged_directory(out, replacing) as staging:
         for name, data in contents.items():
@@ -91,18 +93,6 @@ def layer_tensors(clt: CrossLayerTranscoder):
         decoder = {f"W_dec_{i}": clt.W_dec[i]}  # (d_tc, n_layers - i, d_model)
         yield ({k: v.detach().cpu().contiguous() for k, v in encoder.items()},
                {k: v.detach().cpu().contiguous() for k, v in decoder.items()})
-
-
-def check_replaceable(out: Path, overwrite: bool) -> None:
-    if not overwrite:
-        raise CheckpointError(f"{out} is not empty; write elsewhere, or replace the CLT "
-                              f"saved there (overwrite=True; glassgpt sae convert --force)")
-    n = len(list(out.glob("W_enc_*.safetensors")))
-    foreign = sorted(e.name for e in out.iterdir() if e.name not in clt_files(n))
-    if foreign or not (out / ctc.CONFIG_FILE).is_file():
-        what = ", ".join(foreign[:3]) or "no " + ctc.CONFIG_FILE
-        raise CheckpointError(f"{out} holds more than a CLT's files ({what}); it is not "
-                              f"replaced")
 
 
 def load_clt(path: str | Path, dtype: torch.dtype = torch.float32,
@@ -198,3 +188,4 @@ def read_decoder(directory: Path, i: int, shape: tuple[int, ...], dtype: torch.d
         tensor = file.read(f"W_dec_{i}", dtype)
     check_finite({f"W_dec_{i}": tensor}, path, CheckpointError)
     return tensor
+

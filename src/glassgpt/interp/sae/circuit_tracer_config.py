@@ -22,6 +22,7 @@ into the encoders).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -115,3 +116,27 @@ def indexed_files(directory: Path, stem: str) -> int:
         raise CheckpointError(f"{directory}: the {stem}_i.safetensors files are not numbered "
                               f"0..{n - 1} (found {', '.join(found[:4])}...)")
     return n
+
+
+def check_replaceable(out: Path, overwrite: bool, owned: Callable[[str], bool], what: str
+                      ) -> None:
+    """Raise unless `out` (not empty) may be replaced: only with `overwrite`, and only when
+    glassgpt wrote it, checked by content: nothing in it but config.yaml and the names `owned`
+    accepts, and a config.yaml with glassgpt's own section (a set downloaded from circuit-tracer's
+    publishers has none, and is never replaced)."""
+    if not overwrite:
+        raise CheckpointError(f"{out} is not empty; write elsewhere, or replace the {what} "
+                              f"saved there (overwrite=True; glassgpt sae convert --force)")
+    foreign = sorted(e.name for e in out.iterdir() if e.name != CONFIG_FILE and not owned(e.name))
+    if foreign or not (out / CONFIG_FILE).is_file():
+        listed = ", ".join(foreign[:3]) or "no " + CONFIG_FILE
+        raise CheckpointError(f"{out} holds more than a {what}'s files ({listed}); it is not "
+                              f"replaced")
+    try:
+        written_here = bool(read_config(out)["glassgpt"])
+    except CheckpointError:
+        written_here = False
+    if not written_here:
+        raise CheckpointError(f"{out / CONFIG_FILE} was not written by glassgpt (no glassgpt "
+                              f"section); the {what} there is not replaced")
+

@@ -72,7 +72,7 @@ def save_transcoder_set(saes: Sequence[SAE], path: str | Path, overwrite: bool =
                                    CheckpointError)
     replacing = out.exists() and any(out.iterdir())
     if replacing:
-        check_replaceable(out, overwrite)
+        ctc.check_replaceable(out, overwrite, is_layer_file, "transcoder set")
     with staged_directory(out, replacing) as staging:
         for layer, sae in enumerate(ordered):
             tensors = padded(ct_tensors(sae), width)
@@ -136,18 +136,6 @@ def padded(tensors: dict[str, Tensor], width: int) -> dict[str, Tensor]:
             t = tensors[name]
             out[name] = torch.cat([t, t.new_full((extra, *t.shape[1:]), value)]).contiguous()
     return out
-
-
-def check_replaceable(out: Path, overwrite: bool) -> None:
-    if not overwrite:
-        raise CheckpointError(f"{out} is not empty; write elsewhere, or replace the transcoders "
-                              f"saved there (overwrite=True; glassgpt sae convert --force)")
-    foreign = sorted(e.name for e in out.iterdir() if e.name != ctc.CONFIG_FILE and not
-                     (e.name.startswith("layer_") and e.name.endswith(".safetensors")))
-    if foreign or not (out / ctc.CONFIG_FILE).is_file():
-        what = ", ".join(foreign[:3]) or "no " + ctc.CONFIG_FILE
-        raise CheckpointError(f"{out} holds more than a transcoder set's files ({what}); it is "
-                              f"not replaced")
 
 
 # --- reading ---------------------------------------------------------------------------------
@@ -277,3 +265,8 @@ def read_ct_tensors(path: Path, dtype: str) -> dict[str, Tensor]:
         tensors = {name: file.read(name, DTYPES[dtype]) for name in found}
     check_finite(tensors, path, CheckpointError)
     return tensors
+
+
+def is_layer_file(name: str) -> bool:
+    return name.startswith("layer_") and name.endswith(".safetensors")
+
