@@ -6,6 +6,7 @@ picture."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,12 @@ from glassgpt.interp.methods.attribution import logit_attribution
 from glassgpt.interp.methods.scores import head_scores
 from glassgpt.interp.timeline.llc import LLCSettings
 from glassgpt.interp.timeline.settings import TimelineSettings
-from glassgpt.interp.timeline.timeline import halfway_step, icl_indices, run_timeline
+from glassgpt.interp.timeline.timeline import (
+    check_replaceable,
+    halfway_step,
+    icl_indices,
+    run_timeline,
+)
 from glassgpt.rundir.checkpoint import Run
 from glassgpt.training.lifecycle import train_run
 
@@ -125,3 +131,23 @@ def test_the_file_holds_json_any_reader_parses_and_windows_are_checked() -> None
                                                                          dtype=torch.long)}, {}):
         with pytest.raises(InputError):
             check_windows(bad, block_size=8)
+
+
+def test_a_timeline_glassgpt_did_not_write_is_never_replaced(run: Path, tmp_path: Path,
+                                                             capsys) -> None:
+    """timeline.json and timeline.png are replaced only when glassgpt wrote them, checked by
+    the JSON's format before any snapshot is read."""
+    check_replaceable(tmp_path, plot=True)  # nothing there: fine
+    (tmp_path / "timeline.json").write_text('{"format": "glassgpt-timeline/1"}')
+    (tmp_path / "timeline.png").write_bytes(b"ours")
+    check_replaceable(tmp_path, plot=True)  # glassgpt's: replaced
+    (tmp_path / "timeline.json").unlink()
+    with pytest.raises(InputError, match="timeline.png is there without"):
+        check_replaceable(tmp_path, plot=True)
+    check_replaceable(tmp_path, plot=False)  # the picture is not written: left alone
+    mine = shutil.copytree(run, tmp_path / "mine")
+    (mine / "timeline.json").write_text('{"my": "notes"}')
+    assert main(["timeline", str(mine), "--sequences", "4", "--score-batch", "2"]) != 0
+    assert "is not a timeline glassgpt wrote" in capsys.readouterr().err
+    assert (mine / "timeline.json").read_text() == '{"my": "notes"}'
+

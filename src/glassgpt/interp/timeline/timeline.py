@@ -287,6 +287,26 @@ def write_timeline(timeline: Timeline, plot: bool = False, directory: Path | Non
     return written
 
 
+def check_replaceable(directory: Path, plot: bool) -> None:
+    """Raise unless the timeline's files may be written into `directory`: a timeline.json
+    there is replaced only when it is one glassgpt wrote (its format, read back), and
+    timeline.png only beside such a file (the two are written together)."""
+    path = directory / TIMELINE_FILE
+    ours = False
+    if path.exists():
+        try:
+            ours = files.read_json_object(path, InputError).get("format") == TIMELINE_FORMAT
+        except InputError:
+            ours = False
+        if not ours:
+            raise InputError(f"{path} is not a timeline glassgpt wrote; it is not replaced "
+                             f"(move it away first)")
+    picture = directory / TIMELINE_PLOT_FILE
+    if plot and picture.exists() and not ours:
+        raise InputError(f"{picture} is there without the timeline.json glassgpt writes beside "
+                         f"it; it is not replaced (move it away first)")
+
+
 def finite_or_null(value: Any) -> Any:
     """`value` with every NaN or infinity (a diverged SGLD chain's) as None, so that the file
     is JSON any reader parses."""
@@ -303,5 +323,6 @@ def timeline_of_run(run_dir: str | Path, settings: TimelineSettings | None = Non
                     data: str | Path | None = None, plot: bool = False, device: str = "cpu",
                     progress: Progress | None = None) -> tuple[Timeline, list[Path]]:
     """What `glassgpt timeline RUN` does: `run_timeline`, then `write_timeline`."""
+    check_replaceable(Path(run_dir), plot)  # before the work, not after it
     timeline = run_timeline(run_dir, settings, data, device, progress)
     return timeline, write_timeline(timeline, plot)
