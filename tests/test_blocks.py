@@ -9,7 +9,6 @@ the kernel and through the reference, and stays close to its float model.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -41,12 +40,12 @@ QUANTIZE = {"q8_0": quantize_q8_0, "q4_0": quantize_q4_0}
 
 
 def kernel():
-    """The built kernel: wherever a C compiler is found, it must build and load."""
+    """The built kernel. The tests' install needs a C compiler (llama.cpp is built from source
+    there), so the kernel must build and load: a machine where it does not fails here, never
+    skips (the torch reference's own tests below hold the fallback)."""
     lib = blockdot()
-    if shutil.which("cc") or shutil.which("gcc"):
-        assert lib is not None, "a C compiler is here, but the block kernel did not build"
-    if lib is None:
-        pytest.skip("no C compiler on this machine: the reference path is the product")
+    assert lib is not None, ("the block kernel did not build: no C compiler (cc, gcc or clang, "
+                             "or $CC) here, or it failed; see glassgpt.decoding.kernels")
     return lib
 
 
