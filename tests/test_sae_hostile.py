@@ -216,12 +216,12 @@ def test_steering_along_a_latent_of_another_runs_dictionary_is_refused_unless_to
 
 def test_the_command_printed_after_ctrl_c_continues_the_training(trained_run, tmp_path,
                                                                  capsys, monkeypatch) -> None:
-    import glassgpt.cli.sae as sae_cli
+    import glassgpt.cli.common as cli_common
 
     def interrupting(bar, metrics_line):
         return lambda step, record: os.kill(os.getpid(), signal.SIGINT) if step == 1 else None
 
-    monkeypatch.setattr(sae_cli, "dictionary_reporter", interrupting)
+    monkeypatch.setattr(cli_common, "dictionary_reporter", interrupting)
     out = tmp_path / "my sae"  # a space: the printed command quotes it
     capsys.readouterr()
     with pytest.raises(KeyboardInterrupt):  # in-process, main raises it again once handled

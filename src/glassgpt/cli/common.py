@@ -10,7 +10,9 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import shlex
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -217,6 +219,46 @@ def step_bar(label: str, unit: str = "steps") -> Iterator[StepBar]:
 def say(message: str) -> None:
     """A line for the user that is not the command's output (stderr, so pipes stay clean)."""
     print(message, file=sys.stderr, flush=True)
+
+
+def train_with_bar(args: argparse.Namespace, label: str, train: Callable[..., Any],
+                   settings: Any, start_line: Callable[[Any, Path], str],
+                   metrics_line: Callable[[dict[str, Any]], str],
+                   note: Callable[[Any], str] | None = None) -> Any:
+    """What `sae train` and `sae train-clt` do around their library call `train` (both take
+    the same arguments): the start line, training's bar with its estimate (`note`: what it
+    leaves out), a line per metric report, and on Ctrl-C the command that continues. The
+    result, or None when interrupted (saved, and said)."""
+    stop = threading.Event()
+    with step_bar(label) as bar:
+        def announce(start: Any) -> None:
+            say(start_line(start, args.run_dir))
+            bar.begin(settings.steps, start.step, note(start) if note else "")
+
+        result = train(args.run_dir, settings, args.out, data=args.data,
+                       checkpoint=args.checkpoint, device=args.device, resume=args.resume,
+                       force=args.force, report=dictionary_reporter(bar, metrics_line),
+                       stop=stop, on_start=announce)
+    if not result.interrupted:
+        return result
+    say(f"interrupted at step {result.step}; saved in {result.out}; continue with: "
+        f"{resume_command(args)}")
+    return None
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command line that continues a dictionary's training (`args.command_words`, e.g.
+    "sae train"): the run, --resume, --out, and the flags that are not settings (the resume
+    reads the settings from the saved training)."""
+    words = ["glassgpt", *args.command_words, str(args.run_dir), "--resume", "--out",
+             str(args.out)]
+    if args.data is not None:
+        words += ["--data", str(args.data)]
+    if args.device != "cpu":
+        words += ["--device", args.device]
+    if args.checkpoint != "best":
+        words += ["--checkpoint", args.checkpoint]
+    return shlex.join(words)
 
 
 def dictionary_reporter(bar: StepBar, metrics_line: Callable[[dict[str, Any]], str]

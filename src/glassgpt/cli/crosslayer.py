@@ -7,25 +7,22 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shlex
-import threading
 from typing import Any
 
 from glassgpt.cli.common import (
     DefaultsHelpFormatter,
     add_checkpoint_flag,
     add_settings_flags,
-    dictionary_reporter,
     path_arg,
-    say,
+    train_with_bar,
 )
+from glassgpt.cli.train import INTERRUPTED_EXIT_CODE
 from glassgpt.interp.sae.training.crosslayer_settings import (
     CLT_ARCHITECTURES,
     CrossLayerSettings,
 )
 from glassgpt.interp.sae.training.settings import NORMALIZATIONS
 
-INTERRUPTED_EXIT_CODE = 130
 SETTINGS = {f.name: f.name for f in dataclasses.fields(CrossLayerSettings)}
 
 
@@ -59,28 +56,16 @@ def register(commands: argparse._SubParsersAction) -> None:
                    "--out")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     add_checkpoint_flag(p, "read")
-    p.set_defaults(handler=run_train_clt)
+    p.set_defaults(handler=run_train_clt, command_words=("sae", "train-clt"))
 
 
 def run_train_clt(args: argparse.Namespace) -> int:
-    from glassgpt.cli.common import step_bar
     from glassgpt.interp.sae.training.crosslayer_run import train_crosslayer
 
     settings = settings_of(args)
-    stop = threading.Event()
-    with step_bar("sae train-clt") as bar:
-        def announce(start: Any) -> None:
-            say(start_line(start, args.run_dir))
-            bar.begin(settings.steps, start.step)
-
-        result = train_crosslayer(args.run_dir, settings, args.out, data=args.data,
-                                  checkpoint=args.checkpoint, device=args.device,
-                                  resume=args.resume, force=args.force,
-                                  report=dictionary_reporter(bar, metrics_line),
-                                  stop=stop, on_start=announce)
-    if result.interrupted:
-        say(f"interrupted at step {result.step}; saved in {result.out}; continue with: "
-            f"{resume_command(args)}")
+    result = train_with_bar(args, "sae train-clt", train_crosslayer, settings, start_line,
+                            metrics_line)
+    if result is None:
         return INTERRUPTED_EXIT_CODE
     print(f"trained a {settings.architecture} cross-layer transcoder ({result.clt.n_layers} "
           f"layers, {settings.d_transcoder} features each) for {result.step} steps in "
@@ -130,15 +115,3 @@ def metrics_line(m: dict[str, Any]) -> str:
     return (f"L0 by layer {l0}; explained variance {ev}; CE loss recovered "
             f"{m['ce_loss_recovered']:.3f} (every MLP replaced); {m['dead']} of "
             f"{m['features']:,} features dead ({m['tokens']:,} tokens)")
-
-
-def resume_command(args: argparse.Namespace) -> str:
-    words = ["glassgpt", "sae", "train-clt", str(args.run_dir), "--resume", "--out",
-             str(args.out)]
-    if args.data is not None:
-        words += ["--data", str(args.data)]
-    if args.device != "cpu":
-        words += ["--device", args.device]
-    if args.checkpoint != "best":
-        words += ["--checkpoint", args.checkpoint]
-    return shlex.join(words)

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import threading
 from typing import Any
 
 from glassgpt.cli import crosslayer
@@ -17,10 +15,11 @@ from glassgpt.cli.common import (
     DefaultsHelpFormatter,
     add_checkpoint_flag,
     add_settings_flags,
-    dictionary_reporter,
     path_arg,
     say,
+    train_with_bar,
 )
+from glassgpt.cli.train import INTERRUPTED_EXIT_CODE
 from glassgpt.interp.sae.architectures import find
 from glassgpt.interp.sae.training.settings import (
     ARCHITECTURES,
@@ -28,7 +27,6 @@ from glassgpt.interp.sae.training.settings import (
     DictionarySettings,
 )
 
-INTERRUPTED_EXIT_CODE = 130
 # Each flag of `sae train` that is a setting -> its DictionarySettings field.
 SETTINGS = {"hook": "hook", "d_sae": "d_sae", "architecture": "architecture",
             "transcoder": "transcoder", "hook_out": "hook_out", "k": "k", "l1": "l1_coefficient",
@@ -83,7 +81,7 @@ def _register_train(commands: argparse._SubParsersAction) -> None:
                    "trained in --out")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     add_checkpoint_flag(p, "read")
-    p.set_defaults(handler=run_sae_train)
+    p.set_defaults(handler=run_sae_train, command_words=("sae", "train"))
 
 
 def _register_eval(commands: argparse._SubParsersAction) -> None:
@@ -139,24 +137,12 @@ def run_sae_convert(args: argparse.Namespace) -> int:
 
 
 def run_sae_train(args: argparse.Namespace) -> int:
-    from glassgpt.cli.common import step_bar
     from glassgpt.interp.sae.training import train_dictionary
 
     settings = _settings(args)
-    stop = threading.Event()
-    with step_bar("sae") as bar:
-        def announce(start: Any) -> None:
-            say(start_line(start, args.run_dir))
-            bar.begin(settings.steps, start.step, _reports_note(settings, start.step))
-
-        result = train_dictionary(args.run_dir, settings, args.out, data=args.data,
-                                  checkpoint=args.checkpoint, device=args.device,
-                                  resume=args.resume, force=args.force,
-                                  report=dictionary_reporter(bar, _metrics_line),
-                                  stop=stop, on_start=announce)
-    if result.interrupted:
-        say(f"interrupted at step {result.step}; saved in {result.out}; continue with: "
-            f"{resume_command(args)}")
+    result = train_with_bar(args, "sae", train_dictionary, settings, start_line, _metrics_line,
+                            lambda start: _reports_note(settings, start.step))
+    if result is None:
         return INTERRUPTED_EXIT_CODE
     print(f"trained {settings.architecture} dictionary ({settings.d_sae} latents) at "
           f"{settings.hook} for {result.step} steps in {result.seconds:.1f}s; saved in "
@@ -209,19 +195,6 @@ def _settings(args: argparse.Namespace) -> Any:
         fields = {field: getattr(args, dest) for dest, field in SETTINGS.items()}
     fields["k"] = _k(fields.get("k"), fields.get("architecture"))
     return DictionarySettings(**fields)
-
-
-def resume_command(args: argparse.Namespace) -> str:
-    """The command line that continues this training: the run, --resume, --out, and the flags
-    that are not settings (the resume reads the settings from the saved training)."""
-    words = ["glassgpt", "sae", "train", str(args.run_dir), "--resume", "--out", str(args.out)]
-    if args.data is not None:
-        words += ["--data", str(args.data)]
-    if args.device != "cpu":
-        words += ["--device", args.device]
-    if args.checkpoint != "best":
-        words += ["--checkpoint", args.checkpoint]
-    return shlex.join(words)
 
 
 def _k(k: float | int | None, architecture: str | None) -> float | int | None:
