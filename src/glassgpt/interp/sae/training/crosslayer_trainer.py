@@ -49,10 +49,14 @@ from glassgpt.interp.sae.training.state import (
     read_state,
     read_state_tensors,
 )
-from glassgpt.interp.sae.training.trainer import GRAD_CLIP, NORM_ESTIMATE_BATCHES, scheduled_lr
+from glassgpt.interp.sae.training.trainer import (
+    GRAD_CLIP,
+    NORM_ESTIMATE_BATCHES,
+    run_steps,
+    scheduled_lr,
+)
 from glassgpt.storage import files
 from glassgpt.storage.commit import staged_directory
-from glassgpt.training.steps import stop_on_sigint
 
 Evaluate = Callable[[CrossLayerTranscoder], CrossLayerMetrics | None]
 
@@ -114,25 +118,10 @@ class CrossLayerTrainer:
 
     def run(self) -> CrossLayerResult:
         start, s = time.perf_counter(), self.settings
-        interrupted = False
         if s.normalize_activations != "none" and self.scaling is None:
             self.scaling = estimate_layer_scaling(self.source, NORM_ESTIMATE_BATCHES).to(
                 self.tokens_since_fired.device)
-        with stop_on_sigint(self.stop) as stop_requested:
-            while self.step < s.steps:
-                record = self.train_step()
-                done = self.step == s.steps
-                if (s.eval_every and self.step % s.eval_every == 0) or done:
-                    record |= self.evaluate_now()
-                if self.report is not None:
-                    self.report(self.step, record)
-                stopping = stop_requested.is_set() and not done
-                if done or stopping or (s.checkpoint_every
-                                        and self.step % s.checkpoint_every == 0):
-                    self.save()
-                if stopping:
-                    interrupted = True
-                    break
+        interrupted = run_steps(self)
         return CrossLayerResult(self.inference_clt(), self.out, self.step, interrupted,
                                 self.metrics, time.perf_counter() - start)
 

@@ -130,25 +130,10 @@ class DictionaryTrainer:
 
     def run(self) -> DictionaryResult:
         start, s = time.perf_counter(), self.settings
-        interrupted = False
         if s.normalize_activations != "none" and self.scaling is None:
             self.scaling = estimate_scaling(self.source, NORM_ESTIMATE_BATCHES).to(
                 self.batch_threshold.device)
-        with stop_on_sigint(self.stop) as stop_requested:
-            while self.step < s.steps:
-                record = self.train_step()
-                done = self.step == s.steps
-                if (s.eval_every and self.step % s.eval_every == 0) or done:
-                    record |= self.evaluate_now()
-                if self.report is not None:
-                    self.report(self.step, record)
-                stopping = stop_requested.is_set() and not done
-                if done or stopping or (s.checkpoint_every
-                                        and self.step % s.checkpoint_every == 0):
-                    self.save()
-                if stopping:
-                    interrupted = True
-                    break
+        interrupted = run_steps(self)
         return DictionaryResult(self.sae, self.out, self.step, interrupted, self.metrics,
                                 time.perf_counter() - start)
 
@@ -385,6 +370,29 @@ def build_sae(settings: DictionarySettings, d_in: int, d_out: int,
         if sae.threshold is not None:  # a batch threshold starts at 0
             sae.threshold.fill_(0 if arch.batch_threshold else settings.jumprelu_init_threshold)
     return sae
+
+
+def run_steps(trainer: Any) -> bool:
+    """The loop of a dictionary's trainer (DictionaryTrainer, CrossLayerTrainer): a step at a
+    time to settings.steps, the metrics every eval_every steps and at the end, each step
+    reported, saved every checkpoint_every steps, at the end and when a stop (Ctrl-C, or the
+    trainer's `stop` event) comes. Whether it was stopped before the end."""
+    s = trainer.settings
+    with stop_on_sigint(trainer.stop) as stop_requested:
+        while trainer.step < s.steps:
+            record = trainer.train_step()
+            done = trainer.step == s.steps
+            if (s.eval_every and trainer.step % s.eval_every == 0) or done:
+                record |= trainer.evaluate_now()
+            if trainer.report is not None:
+                trainer.report(trainer.step, record)
+            stopping = stop_requested.is_set() and not done
+            if done or stopping or (s.checkpoint_every
+                                    and trainer.step % s.checkpoint_every == 0):
+                trainer.save()
+            if stopping:
+                return True
+    return False
 
 
 def check_out(out: Path, force: bool, resume: bool, own: Callable[[Path], set[str]] | None = None,
