@@ -174,7 +174,8 @@ class BlockLinear(nn.Module):
     """A Linear layer whose weight is Q8_0 or Q4_0 blocks (`qweight`, `scales` (N, K/32) fp16),
     multiplied with integer dot products (`block_matmul`). The block tensors are parameters
     without gradients, so that a tied head and token table stay one tensor when moved; `weight`
-    is the float weight they stand for, made at each read (the KV cache reads its dtype)."""
+    is the float weight they stand for, made at each read (for a reader that wants the matrix:
+    no step reads it; the stream's checks and the KV cache read `float_dtype`)."""
 
     def __init__(self, kind: str, qweight: Tensor, scales: Tensor, bias: Tensor | None = None):
         super().__init__()
